@@ -1,0 +1,164 @@
+"""The engine interface: what the proxy needs from an inference engine.
+
+The proxy never imports vLLM; it talks to an :class:`Engine`. Implementations:
+
+* :class:`flowlift.local_engine.vllm_engine.VLLMEngine` -- vLLM's ``AsyncLLM`` in process
+  (CPU build here and in CI, CUDA build on GPUs).
+* :class:`flowlift.testing.FakeEngine` -- a deterministic public test double.
+
+Shapes:
+    ``GenerationRequest`` in, an async iterator of ``GenerationChunk`` out. Each chunk
+    carries the *new* text since the previous chunk; the last chunk has ``finish_reason``
+    set and ``usage`` filled (prompt, completion and cached prompt tokens).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One chat message with plain-text content."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """Sampling parameters (OpenAI names and meanings).
+
+    Attributes:
+        max_tokens: upper bound on generated tokens; ``None`` lets the engine choose.
+        temperature: 0.0 means greedy decoding.
+        top_p: nucleus sampling mass in (0, 1].
+        stop: strings that end generation (not included in the output).
+        seed: per-request seed for reproducible sampling.
+    """
+
+    max_tokens: int | None = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    """A structured-output constraint enforced by constrained decoding.
+
+    Exactly one of ``json_schema`` (a JSON Schema document) or ``choices`` (a fixed
+    label set; the output is exactly one of them) is set.
+    """
+
+    json_schema: dict[str, Any] | None = None
+    choices: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation request.
+
+    Attributes:
+        request_id: unique id, used by :meth:`Engine.abort`.
+        model: a name from :attr:`Engine.model_names`.
+        messages: chat messages; the engine applies the model's chat template.
+        sampling: sampling options.
+        constraint: optional structured-output constraint.
+        priority: lower runs earlier (vLLM's ``scheduling_policy="priority"``).
+        session_id: hint that this request continues an earlier one (prefix reuse).
+    """
+
+    request_id: str
+    model: str
+    messages: Sequence[ChatMessage]
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    constraint: OutputConstraint | None = None
+    priority: int = 0
+    session_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request; ``cached_tokens`` are prompt tokens served from the
+    engine's prefix cache."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationChunk:
+    """A piece of a streamed generation: ``text`` is new text since the last chunk.
+
+    ``finish_reason`` (``"stop"`` or ``"length"``) and ``usage`` are set on the last chunk.
+    """
+
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an engine can do natively."""
+
+    structured_outputs: bool = False
+    prefix_caching: bool = False
+    priorities: bool = False
+    abort: bool = True
+
+
+class Engine(abc.ABC):
+    """An inference engine serving one or more models.
+
+    Lifecycle: ``await start()`` inside the running event loop, then
+    ``generate``/``abort``, then ``await close()``.
+
+    Errors: implementations raise :class:`flowlift.errors.EngineError` for failures of
+    the engine itself and :class:`flowlift.errors.RequestError` for requests the engine
+    rejects (e.g. a prompt longer than the model's context).
+    """
+
+    capabilities: Capabilities = Capabilities()
+
+    @property
+    @abc.abstractmethod
+    def model_names(self) -> Sequence[str]:
+        """Names of the models this engine serves (the ``model`` field of requests)."""
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Load models; called once inside the server's event loop."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine's processes and memory."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the generation of ``request``.
+
+        Closing the iterator early (``aclose()``) aborts the request in the engine.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request; unknown ids are ignored."""
+
+    async def healthy(self) -> bool:
+        """True while the engine can take requests."""
+        return True
+
+    def count_tokens(self, model: str, text: str) -> int | None:
+        """Tokens of ``text`` in ``model``'s tokenizer, or ``None`` when unknown."""
+        return None

@@ -1,0 +1,68 @@
+"""Which engine serves which model, with a per-backend concurrency limit.
+
+The limit keeps the engine's batch full without letting requests pile up inside it
+where flowlift can no longer order them; waiting happens in flowlift's queue, where
+it is measured (queue time in the trace).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from flowlift.errors import ModelNotFound
+from flowlift.local_engine.base import Engine
+
+
+@dataclass(slots=True)
+class Backend:
+    name: str
+    engine: Engine
+    slots: asyncio.Semaphore
+    max_concurrency: int
+
+
+class Backends:
+    """Model name -> backend. The first model listed is the default.
+
+    Args:
+        engines: model name -> engine serving it (one engine may serve several names).
+        max_concurrency: requests in flight per engine.
+        aliases: extra names (e.g. ``"default"``) -> served model name.
+    """
+
+    def __init__(self, engines: Mapping[str, Engine], *, max_concurrency: int = 16,
+                 aliases: Mapping[str, str] | None = None) -> None:
+        if not engines:
+            raise ValueError("at least one model must be served")
+        per_engine: dict[int, Backend] = {}
+        self._by_model: dict[str, Backend] = {}
+        for model, engine in engines.items():
+            backend = per_engine.get(id(engine))
+            if backend is None:
+                backend = Backend(f"engine-{len(per_engine)}", engine,
+                                  asyncio.Semaphore(max_concurrency), max_concurrency)
+                per_engine[id(engine)] = backend
+            self._by_model[model] = backend
+        self.default_model = next(iter(engines))
+        self._aliases = {"default": self.default_model, **(aliases or {})}
+        self.engines = [b.engine for b in per_engine.values()]
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._by_model)
+
+    def resolve(self, model: str | None) -> tuple[str, Backend]:
+        """The served model name and its backend.
+
+        Raises:
+            ModelNotFound: for a name that is neither served nor an alias.
+        """
+        name = self._aliases.get(model or "default", model or self.default_model)
+        if name not in self._by_model:
+            raise ModelNotFound(str(model), self.models)
+        return name, self._by_model[name]
+
+    def known(self) -> set[str]:
+        return set(self._by_model) | set(self._aliases)

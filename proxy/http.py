@@ -1,0 +1,93 @@
+"""The HTTP edge: OpenAI-shaped errors, JSON bodies, SSE responses.
+
+Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a status
+the official ``openai`` client maps to its exception classes (400 BadRequestError,
+404 NotFoundError, 413, 422 UnprocessableEntityError, 503 InternalServerError...).
+aiohttp's own HTTP errors (404 route, 405, 413 body too large) are translated here, in
+one place, and so is pydantic's ``ValidationError`` (the ``param`` names the field).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from flowlift.errors import FlowliftError, PayloadTooLarge, RequestError
+from flowlift.tracing import get_logger
+
+log = get_logger("flowlift.proxy")
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_AIOHTTP_TYPES = {404: ("not_found_error", "not_found"),
+                  405: ("invalid_request_error", "method_not_allowed"),
+                  413: ("invalid_request_error", "payload_too_large")}
+
+
+def error_response(exc: FlowliftError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(exc.to_openai(), status=exc.status, headers=headers)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Translate every failure into the OpenAI error shape; never leak a traceback."""
+    try:
+        return await handler(request)
+    except FlowliftError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind, code = _AIOHTTP_TYPES.get(exc.status, ("invalid_request_error", None))
+        body = {"error": {"message": f"{exc.reason}: {request.method} {request.path}"
+                          if exc.status in (404, 405) else exc.text or exc.reason,
+                          "type": kind, "param": None, "code": code}}
+        return web.json_response(body, status=exc.status)
+    except Exception:
+        log.exception("unhandled_error", path=request.path)
+        body = {"error": {"message": "internal error in the flowlift proxy; see its log",
+                          "type": "server_error", "param": None, "code": "internal_error"}}
+        return web.json_response(body, status=500)
+
+
+def _loc(err: Any) -> str:
+    out = ""
+    for part in err["loc"]:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request's JSON body.
+
+    Raises:
+        RequestError: not JSON. PayloadTooLarge: over the configured body limit.
+    """
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLarge(f"request body over the limit of {exc.max_size} bytes; raise "
+                              "it with `flowlift serve --max-body-mb`", param="body") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}", param="body") from None
+
+
+def parse_model(model: type[M], data: Any, what: str) -> M:
+    """Validate ``data`` into ``model``; the error lists every bad field by its path.
+
+    Raises:
+        RequestError: with ``param`` set to the first bad field.
+    """
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        msgs = [f"{_loc(e) or '(body)'}: {e['msg']}" for e in errors[:8]]
+        raise RequestError(f"invalid {what}: " + "; ".join(msgs),
+                           param=_loc(errors[0]) or None) from None

@@ -1,0 +1,237 @@
+"""Running one workflow graph: every node starts as soon as its inputs are known.
+
+Pure dataflow execution over Semantic Variables (Parrot, OSDI'24): the graph's edges
+come from references, so independent nodes run concurrently and a node that reads
+two outputs waits for both (case W1). A failed step fails only the steps downstream
+of it; everything else still runs and every finished output is kept.
+
+Events (``Run.events``) drive the SSE stream of ``POST /v1/workflows``:
+``run.started``, ``step.finished``, ``step.failed``, ``tool.wanted``, ``run.finished``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+from flowlift.dataflow import dependencies
+from flowlift.errors import FlowliftError, RequestError, RunError
+from flowlift.graph import (
+    Graph,
+    InputNode,
+    LLMNode,
+    MessageTemplate,
+    Ref,
+    Template,
+    ToolNode,
+    project,
+    render_value,
+)
+from flowlift.local_engine.base import (
+    ChatMessage,
+    GenerationRequest,
+    OutputConstraint,
+    SamplingOptions,
+)
+from flowlift.proxy.backends import Backends
+from flowlift.proxy.contracts import check_output
+from flowlift.tracing import RunTrace, bind_run, get_logger
+
+log = get_logger("flowlift.runs")
+_CLASS_PRIORITY = {"interactive": 0, "batch": 10}
+
+
+class UpstreamFailed(Exception):
+    """A step's input failed, so the step cannot run."""
+
+
+class Run:
+    """One execution of a validated graph.
+
+    Attributes:
+        run_id: ``wf-`` + random hex (or the graph's own ``id``).
+        events: queue of ``(event_name, data)`` for the client.
+        outputs: step id -> output value, filled as steps finish.
+        failures: step id -> error message.
+        trace: the run's :class:`RunTrace`.
+    """
+
+    def __init__(self, graph: Graph, backends: Backends) -> None:
+        self.graph = graph
+        self.backends = backends
+        self.run_id = graph.id or f"wf-{secrets.token_hex(8)}"
+        self.events: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self.outputs: dict[str, Any] = {}
+        self.failures: dict[str, str] = {}
+        self.trace = RunTrace(self.run_id, graph.name, graph.workflow_class)
+        self._deps = dependencies(graph)
+        self._done = {n.id: asyncio.Event() for n in graph.nodes}
+        self._tool_results: dict[str, asyncio.Future[Any]] = {}
+        self.task: asyncio.Task[None] | None = None
+        for node in graph.nodes:
+            model = node.model if isinstance(node, LLMNode) else None
+            self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
+
+    @property
+    def finished(self) -> bool:
+        return self.trace.status != "running"
+
+    def start(self) -> asyncio.Task[None]:
+        self.task = asyncio.create_task(self._execute(), name=f"run {self.run_id}")
+        return self.task
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    # -- client-run steps ----------------------------------------------------------
+    def deliver_tool_result(self, step_id: str, value: Any = None,
+                            error: str | None = None) -> None:
+        """Hand a ``@tool`` step's result (or error) to the waiting branch.
+
+        Raises:
+            RequestError: the step is unknown or not waiting for a result.
+        """
+        fut = self._tool_results.get(step_id)
+        if fut is None or fut.done():
+            raise RequestError(f"step {step_id!r} of run {self.run_id} is not waiting for a "
+                               "tool result", param="step_id")
+        if error is not None:
+            fut.set_exception(RunError(f"tool {step_id!r} raised: {error}"))
+        else:
+            fut.set_result(value)
+
+    # -- execution -------------------------------------------------------------------
+    async def _execute(self) -> None:
+        self.events.put_nowait(("run.started", {"run_id": self.run_id,
+                                                "steps": [n.id for n in self.graph.nodes]}))
+        with bind_run(workflow_id=self.run_id):
+            tasks = [asyncio.create_task(self._node(n)) for n in self.graph.nodes]
+            try:
+                if self.graph.deadline_s is not None:
+                    async with asyncio.timeout(self.graph.deadline_s):
+                        await asyncio.gather(*tasks)
+                else:
+                    await asyncio.gather(*tasks)
+            except TimeoutError:
+                self._fail_unfinished(tasks, "deadline of "
+                                      f"{self.graph.deadline_s} s exceeded")
+            except asyncio.CancelledError:
+                self._fail_unfinished(tasks, "run cancelled")
+                self._close("cancelled")
+                raise
+        self._close("failed" if self.failures else "succeeded")
+
+    def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str) -> None:
+        for task in tasks:
+            task.cancel()
+        for node in self.graph.nodes:
+            if node.id not in self.outputs and node.id not in self.failures:
+                st = self.trace.step(node.id)
+                spent = (f" (queued {st.started_ms - st.ready_ms:.0f} ms)"
+                         if st.ready_ms is not None and st.started_ms is not None else
+                         " (never left the queue)" if st.ready_ms is not None else "")
+                self._failed(node.id, f"{why}{spent}")
+
+    def _close(self, status: str) -> None:
+        self.trace.finish(status)
+        self.events.put_nowait(("run.finished", {
+            "run_id": self.run_id, "status": status, "failures": self.failures,
+            "trace": self.trace.records()}))
+
+    def _failed(self, step_id: str, error: str) -> None:
+        self.failures[step_id] = error
+        self.trace.mark(step_id, "finished", status="failed", error=error)
+        self.events.put_nowait(("step.failed", {"step_id": step_id, "error": error}))
+        self._done[step_id].set()
+
+    async def _node(self, node: LLMNode | ToolNode | InputNode) -> None:
+        with bind_run(workflow_id=self.run_id, step_id=node.id):
+            try:
+                for dep in self._deps[node.id]:
+                    await self._done[dep].wait()
+                    if dep in self.failures:
+                        raise UpstreamFailed(f"input {dep!r} failed")
+                self.trace.mark(node.id, "ready", status="queued")
+                if isinstance(node, LLMNode):
+                    value = await self._llm(node)
+                elif isinstance(node, ToolNode):
+                    value = await self._tool(node)
+                else:
+                    value = node.value
+            except UpstreamFailed as exc:
+                self._failed(node.id, f"skipped: {exc}")
+                return
+            except FlowliftError as exc:
+                self._failed(node.id, exc.message)
+                return
+            except Exception as exc:  # one broken step must not take the run down
+                log.exception("step_error")
+                self._failed(node.id, f"{type(exc).__name__}: {exc}")
+                return
+            self.outputs[node.id] = value
+            self.trace.mark(node.id, "finished", status="done")
+            self.events.put_nowait(("step.finished", {"step_id": node.id, "value": value}))
+            self._done[node.id].set()
+
+    def _resolve(self, ref: Ref) -> Any:
+        return project(self.outputs[ref.ref], ref.path)
+
+    def _render(self, parts: tuple[Any, ...]) -> str:
+        return "".join(render_value(self._resolve(p)) if isinstance(p, Ref) else p.text
+                       for p in parts)
+
+    def _messages(self, templates: tuple[MessageTemplate, ...]) -> list[ChatMessage]:
+        return [ChatMessage(t.role, self._render(t.content)) for t in templates]
+
+    async def _llm(self, node: LLMNode) -> Any:
+        model, backend = self.backends.resolve(node.model)
+        p = node.params
+        contract = node.contract
+        request = GenerationRequest(
+            request_id=f"{self.run_id}:{node.id}", model=model,
+            messages=self._messages(node.messages),
+            sampling=SamplingOptions(max_tokens=p.max_tokens, temperature=p.temperature,
+                                     top_p=p.top_p, stop=p.stop, seed=p.seed),
+            constraint=(OutputConstraint(json_schema=contract.json_schema,
+                                         choices=contract.choices) if contract else None),
+            priority=_CLASS_PRIORITY[self.graph.workflow_class],
+            session_id=self.run_id)
+        st = self.trace.step(node.id)
+        st.model = model
+        pieces: list[str] = []
+        async with backend.slots:
+            self.trace.mark(node.id, "started", status="running")
+            stream = backend.engine.generate(request)
+            try:
+                async for chunk in stream:
+                    if chunk.text and st.first_token_ms is None:
+                        self.trace.mark(node.id, "first_token")
+                    pieces.append(chunk.text)
+                    if chunk.usage is not None:
+                        st.prompt_tokens = chunk.usage.prompt_tokens
+                        st.completion_tokens = chunk.usage.completion_tokens
+                        st.cached_tokens = chunk.usage.cached_tokens
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+        if st.first_token_ms is None:
+            self.trace.mark(node.id, "first_token")
+        self.trace.mark(node.id, "generated")
+        return check_output(contract, "".join(pieces), step_id=node.id)
+
+    async def _tool(self, node: ToolNode) -> Any:
+        def arg(a: Any) -> Any:
+            if isinstance(a, Ref):
+                return self._resolve(a)
+            if isinstance(a, Template):
+                return self._render(a.template)
+            return a.value
+
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._tool_results[node.id] = fut
+        self.trace.mark(node.id, "ready", status="waiting_tool")
+        self.events.put_nowait(("tool.wanted", {
+            "step_id": node.id, "name": node.name, "args": [arg(a) for a in node.args],
+            "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}))
+        return await fut

@@ -1,0 +1,8 @@
+"""The flowlift SDK: ``@step``, ``@tool`` and ``workflow``."""
+
+from flowlift.sdk.steps import Step, Tool, step, tool
+from flowlift.sdk.variables import SemanticVariable
+from flowlift.sdk.workflow import Workflow, current_workflow, workflow
+
+__all__ = ["SemanticVariable", "Step", "Tool", "Workflow", "current_workflow", "step", "tool",
+           "workflow"]

@@ -1,0 +1,161 @@
+"""``@step`` and ``@tool``: ordinary functions that become graph nodes inside a workflow.
+
+A ``@step`` function returns its prompt: a string, a Semantic Variable, or a list of
+chat messages (``{"role": ..., "content": ...}``). Inside ``with workflow(...)`` the
+call records an ``llm`` node and returns a :class:`SemanticVariable`; outside, it runs
+at once through the proxy and returns the value.
+
+A ``@tool`` function is client-run Python: inside a workflow the proxy pauses that
+branch, the SDK calls the function with the resolved arguments and posts the result.
+Outside a workflow it is a plain call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+from flowlift.errors import UserError
+from flowlift.graph import Arg, Literal_, LLMNode, MessageTemplate, Params, Ref, Template
+from flowlift.sdk.contracts import OutputSpec, output_spec
+from flowlift.sdk.variables import SemanticVariable, split_markers
+from flowlift.sdk.workflow import Workflow, current_workflow
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_ROLES = ("system", "user", "assistant")
+
+
+def _messages(prompt: Any, wf: Workflow, step_name: str) -> tuple[MessageTemplate, ...]:
+    if isinstance(prompt, (str, SemanticVariable)):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, Sequence) or not prompt:
+        raise UserError(f"step {step_name!r} must return its prompt: a string or a "
+                        f"non-empty list of chat messages, not {type(prompt).__name__}",
+                        param="prompt")
+    out = []
+    for i, msg in enumerate(prompt):
+        if not isinstance(msg, Mapping) or msg.get("role") not in _ROLES:
+            raise UserError(f"step {step_name!r}: message {i} needs a role in {_ROLES} "
+                            "and a content string", param=f"messages[{i}]")
+        content = msg.get("content")
+        if not isinstance(content, (str, SemanticVariable)):
+            raise UserError(f"step {step_name!r}: message {i} content must be a string "
+                            f"(got {type(content).__name__})", param=f"messages[{i}].content")
+        out.append(MessageTemplate(role=msg["role"],
+                                   content=tuple(split_markers(str(content), wf.nonce))))
+    return tuple(out)
+
+
+def _arg(value: Any, wf: Workflow, where: str) -> Arg:
+    if isinstance(value, SemanticVariable):
+        return value.ref
+    if isinstance(value, str):
+        parts = split_markers(value, wf.nonce)
+        if any(isinstance(p, Ref) for p in parts):
+            return Template(template=tuple(parts))
+        return Literal_(value=value)
+    try:
+        json.dumps(value)
+    except TypeError:
+        raise UserError(f"{where}: tool arguments must be JSON values or Semantic "
+                        f"Variables, not {type(value).__name__}", param=where) from None
+    return Literal_(value=value)
+
+
+class Step(Generic[P]):
+    """A prompt-returning function that runs on a model. Created by :func:`step`."""
+
+    def __init__(self, fn: Callable[P, Any], *, model: str | None, spec: OutputSpec,
+                 params: Params, name: str | None) -> None:
+        self.fn = fn
+        self.model = model
+        self.spec = spec
+        self.params = params
+        self.name = name or fn.__name__
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        wf = current_workflow()
+        if wf is None:
+            with Workflow(self.name) as eager:
+                var = self(*args, **kwargs)
+            del eager
+            return var.value
+        prompt = self.fn(*args, **kwargs)
+        node = LLMNode(id=wf.new_id(self.name), name=self.name, model=self.model,
+                       messages=_messages(prompt, wf, self.name), params=self.params,
+                       contract=self.spec.contract)
+        return wf.add_node(node, parse=self.spec.parse, fields=self.spec.fields)
+
+
+class Tool(Generic[P, R]):
+    """Client-run Python inside a workflow. Created by :func:`tool`."""
+
+    def __init__(self, fn: Callable[P, R], name: str | None) -> None:
+        self.fn = fn
+        self.name = name or fn.__name__
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        wf = current_workflow()
+        if wf is None:
+            return self.fn(*args, **kwargs)
+        wire_args = tuple(_arg(a, wf, f"{self.name} argument {i}") for i, a in enumerate(args))
+        wire_kwargs = {k: _arg(v, wf, f"{self.name} argument {k!r}") for k, v in kwargs.items()}
+        return wf.add_tool(self, wire_args, wire_kwargs)
+
+
+@overload
+def step(fn: Callable[P, Any], /) -> Step[P]: ...
+@overload
+def step(*, model: str | None = None, output: Any = None, max_tokens: int | None = 256,
+         temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
+         seed: int | None = None, name: str | None = None
+         ) -> Callable[[Callable[P, Any]], Step[P]]: ...
+
+
+def step(fn: Callable[P, Any] | None = None, /, *, model: str | None = None,
+         output: Any = None, max_tokens: int | None = 256, temperature: float = 0.0,
+         top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
+         name: str | None = None) -> Any:
+    """Mark a function that returns a prompt as an LLM step.
+
+    Args:
+        model: served model name; ``None`` uses the proxy's default model.
+        output: the contract: a pydantic model (schema-constrained decoding, parsed into
+            the model), ``Literal[...]``/``Enum`` (one of fixed labels), a JSON Schema
+            dict, or ``None`` for text.
+        max_tokens, temperature, top_p, stop, seed: sampling (OpenAI meanings).
+        name: node name prefix (default: the function's name).
+
+    Raises:
+        UserError: for an unsupported ``output`` or bad sampling values.
+    """
+    spec = output_spec(output)
+    try:
+        params = Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                        stop=tuple(stop), seed=seed)
+    except ValueError as exc:
+        raise UserError(f"bad sampling parameters: {exc}", param="params") from None
+
+    def wrap(f: Callable[P, Any]) -> Step[P]:
+        return Step(f, model=model, spec=spec, params=params, name=name)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def tool(fn: Callable[P, R] | None = None, /, *, name: str | None = None) -> Any:
+    """Mark a function as a client-run step (runs in the app, not on a model)."""
+
+    def wrap(f: Callable[P, R]) -> Tool[P, R]:
+        return Tool(f, name)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+__all__ = ["Step", "Tool", "step", "tool"]

@@ -1,0 +1,172 @@
+"""Semantic Variables: placeholders for step outputs that are not known yet.
+
+Inside a workflow, calling a step returns a :class:`SemanticVariable`. Formatting one
+into a string (f-strings, ``str()``, ``format()``) writes a *marker*; the step's prompt
+is then split at the markers into literal text and references, which become the
+graph's edges (Parrot, Lin et al., OSDI'24). Any other use -- truth tests, ``len()``,
+arithmetic, comparison, iteration -- raises :class:`SemanticVariableError` with the fix.
+
+Markers carry a per-workflow random nonce, so user text can never be mistaken for one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from flowlift.errors import SemanticVariableError
+from flowlift.graph import Part, Ref, Text
+
+if TYPE_CHECKING:
+    from flowlift.sdk.workflow import Workflow
+
+_MARKER = re.compile(r"\{\{flowlift:([0-9a-f]{12}):([^:{}]+):([^{}]*)\}\}")
+
+_HOW = ("A Semantic Variable is a placeholder for the output of step {sid!r}, which is not "
+        "known until the workflow runs. Use it inside an f-string of a later step's prompt, "
+        "pass it to a @step or @tool, or read `.value` after the `with workflow(...)` block. "
+        "To branch on it, move that logic into a @tool step.")
+
+
+def marker(nonce: str, node_id: str, path: tuple[str, ...] = ()) -> str:
+    return "{{flowlift:%s:%s:%s}}" % (nonce, node_id, ".".join(path))
+
+
+def split_markers(text: str, nonce: str) -> list[Part]:
+    """Split a string into literal text and references (markers of this workflow only)."""
+    parts: list[Part] = []
+    pos = 0
+    for m in _MARKER.finditer(text):
+        if m.group(1) != nonce:
+            raise SemanticVariableError(
+                "a Semantic Variable from another workflow was used in this one; "
+                "read its `.value` after its own workflow finished instead")
+        if m.start() > pos:
+            parts.append(Text(text=text[pos:m.start()]))
+        path = tuple(p for p in m.group(3).split(".") if p)
+        parts.append(Ref(ref=m.group(2), path=path))
+        pos = m.end()
+    if pos < len(text) or not parts:
+        parts.append(Text(text=text[pos:]))
+    return parts
+
+
+class SemanticVariable:
+    """The output of a step that has not run yet.
+
+    Attributes:
+        step_id: the graph node that produces it.
+        path: field names when this is a projection of a structured output
+            (``ticket.component``).
+
+    After the workflow finishes, :attr:`value` holds the output (the parsed pydantic
+    model for steps with an ``output=`` model, a label for ``Literal`` outputs, text
+    otherwise).
+    """
+
+    __slots__ = ("_fields", "_workflow", "path", "step_id")
+
+    def __init__(self, workflow: Workflow, step_id: str, path: tuple[str, ...] = (),
+                 fields: frozenset[str] = frozenset()) -> None:
+        object.__setattr__(self, "_workflow", workflow)
+        object.__setattr__(self, "step_id", step_id)
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "_fields", fields)
+
+    # -- the allowed uses -------------------------------------------------------
+    def __format__(self, spec: str) -> str:
+        if spec:
+            raise SemanticVariableError(
+                f"format spec {spec!r} on a Semantic Variable: the value is not known yet. "
+                + _HOW.format(sid=self.step_id))
+        return marker(self._workflow.nonce, self.step_id, self.path)
+
+    def __str__(self) -> str:
+        return self.__format__("")
+
+    def __repr__(self) -> str:
+        dotted = "".join(f".{p}" for p in self.path)
+        state = repr(self.value) if self.ready else "pending"
+        return f"<SemanticVariable {self.step_id}{dotted}: {state}>"
+
+    def __getattr__(self, name: str) -> SemanticVariable:
+        if name.startswith("_") or name not in self._fields:
+            raise AttributeError(
+                f"Semantic Variable of step {self.step_id!r} has no field {name!r}"
+                + (f" (fields: {', '.join(sorted(self._fields))})" if self._fields else
+                   "; only outputs with a pydantic `output=` model have fields"))
+        return SemanticVariable(self._workflow, self.step_id, (*self.path, name))
+
+    @property
+    def ref(self) -> Ref:
+        return Ref(ref=self.step_id, path=self.path)
+
+    @property
+    def ready(self) -> bool:
+        """True once the workflow has produced (or failed) this output."""
+        return self._workflow.has_output(self.step_id)
+
+    @property
+    def value(self) -> Any:
+        """The step's output once the workflow has run.
+
+        Raises:
+            SemanticVariableError: before the workflow ran.
+            StepFailed: when the step (or one it depends on) failed.
+        """
+        if not self._workflow.has_output(self.step_id):
+            raise SemanticVariableError(
+                f"the output of step {self.step_id!r} is not known yet: the workflow has "
+                "not finished. " + _HOW.format(sid=self.step_id))
+        return self._workflow.value_of(self.step_id, self.path)
+
+    # -- everything else is a mistake -----------------------------------------
+    def _misuse(self, what: str) -> NoReturn:
+        raise SemanticVariableError(f"{what} on a Semantic Variable: " +
+                                    _HOW.format(sid=self.step_id))
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        self._misuse(f"setting attribute {name!r}")
+
+    def __bool__(self) -> bool:
+        self._misuse("truth test (`if var:`)")
+
+    def __len__(self) -> int:
+        self._misuse("len()")
+
+    def __iter__(self) -> NoReturn:
+        self._misuse("iteration")
+
+    def __contains__(self, item: object) -> bool:
+        self._misuse("`in` test")
+
+    def __getitem__(self, key: object) -> NoReturn:
+        self._misuse("indexing")
+
+    def __eq__(self, other: object) -> bool:
+        self._misuse("comparison (==)")
+
+    def __ne__(self, other: object) -> bool:
+        self._misuse("comparison (!=)")
+
+    def __lt__(self, other: object) -> bool:
+        self._misuse("comparison (<)")
+
+    __le__ = __gt__ = __ge__ = __lt__
+
+    def __hash__(self) -> int:
+        return hash((id(self._workflow), self.step_id, self.path))
+
+    def __add__(self, other: object) -> NoReturn:
+        self._misuse("`+` (build prompts with an f-string instead)")
+
+    __radd__ = __mul__ = __rmul__ = __sub__ = __truediv__ = __mod__ = __add__
+
+    def __int__(self) -> int:
+        self._misuse("int()")
+
+    def __float__(self) -> float:
+        self._misuse("float()")
+
+    def __await__(self) -> NoReturn:
+        self._misuse("await inside the workflow block")

@@ -1,0 +1,220 @@
+"""``workflow(...)``: record steps into a graph, ship it to the proxy, collect results.
+
+::
+
+    with workflow("docs", workflow_class="batch") as wf:
+        facts = extract(doc)              # SemanticVariable, nothing runs yet
+        label = classify(facts)           # an edge: classify reads extract's output
+    print(label.value)                    # after the block: the real output
+
+On exit the graph goes to the proxy (``POST /v1/workflows``), which runs every node as
+soon as its inputs are known and streams events back; ``@tool`` steps run here, in the
+app, when the proxy asks. ``async with`` works the same inside an event loop.
+
+Errors on exit:
+    GraphError / RequestError: the proxy rejected the graph (nothing ran).
+    ProxyUnavailable: no proxy at ``base_url``.
+    WorkflowFailed: some steps failed; the others' ``.value`` stay readable.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import secrets
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import httpx
+from pydantic import BaseModel
+
+from flowlift.errors import SemanticVariableError, StepFailed, UserError, WorkflowFailed
+from flowlift.graph import Arg, Graph, InputNode, LLMNode, Node, ToolNode, project
+from flowlift.sdk.variables import SemanticVariable
+from flowlift.tracing.summary import format_stage_table, stage_summary
+
+if TYPE_CHECKING:
+    from flowlift.sdk.steps import Tool
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8470"
+_current: contextvars.ContextVar[Workflow | None] = contextvars.ContextVar(
+    "flowlift_workflow", default=None)
+
+
+def current_workflow() -> Workflow | None:
+    """The workflow being recorded in this context, if any."""
+    return _current.get()
+
+
+def default_base_url() -> str:
+    return os.environ.get("FLOWLIFT_BASE_URL", DEFAULT_BASE_URL).rstrip("/")
+
+
+class Workflow:
+    """Records a graph of steps; runs it on the proxy when the block exits.
+
+    Args:
+        name: shown in traces and reports.
+        base_url: the proxy (default ``$FLOWLIFT_BASE_URL`` or ``http://127.0.0.1:8470``).
+        workflow_class: ``"interactive"`` or ``"batch"``.
+        deadline_s: one deadline for the whole run, in seconds.
+        trace_path: where to write the run's trace (JSON lines) when it finishes.
+        metadata: free-form labels carried into the trace.
+        transport: an ``httpx`` transport (tests inject one; default: real sockets).
+        tool_workers: how many ``@tool`` calls may run at once (sync mode threads).
+
+    Attributes (after the run):
+        run_id, status, trace (list of records), failures ({step_id: error}).
+    """
+
+    def __init__(self, name: str = "workflow", *, base_url: str | None = None,
+                 workflow_class: Literal["interactive", "batch"] = "interactive",
+                 deadline_s: float | None = None, trace_path: str | os.PathLike[str] | None = None,
+                 metadata: Mapping[str, Any] | None = None,
+                 transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+                 tool_workers: int = 8) -> None:
+        self.name = name
+        self.base_url = (base_url or default_base_url()).rstrip("/")
+        self.workflow_class = workflow_class
+        self.deadline_s = deadline_s
+        self.trace_path = Path(trace_path) if trace_path else None
+        self.metadata = dict(metadata or {})
+        self.transport = transport
+        self.tool_workers = tool_workers
+        self.nonce = secrets.token_hex(6)
+        self.nodes: list[Node] = []
+        self.tools: dict[str, Tool[Any, Any]] = {}
+        self._parsers: dict[str, Callable[[Any], Any]] = {}
+        self._counts: dict[str, int] = {}
+        self._outputs: dict[str, Any] = {}
+        self.failures: dict[str, str] = {}
+        self.run_id: str | None = None
+        self.status = "recording"
+        self.trace: list[dict[str, Any]] = []
+        self._token: contextvars.Token[Workflow | None] | None = None
+
+    # -- recording ---------------------------------------------------------------
+    def new_id(self, name: str) -> str:
+        n = self._counts.get(name, 0) + 1
+        self._counts[name] = n
+        return f"{name}_{n}"
+
+    def add_node(self, node: Node, *, parse: Callable[[Any], Any] | None = None,
+                 fields: frozenset[str] = frozenset()) -> SemanticVariable:
+        if self.status != "recording":
+            raise UserError(f"workflow {self.name!r} is already {self.status}; record steps "
+                            "inside its `with` block")
+        self.nodes.append(node)
+        if parse is not None:
+            self._parsers[node.id] = parse
+        return SemanticVariable(self, node.id, fields=fields)
+
+    def add_tool(self, tool: Tool[Any, Any], args: tuple[Arg, ...],
+                 kwargs: dict[str, Arg]) -> SemanticVariable:
+        node = ToolNode(id=self.new_id(tool.name), name=tool.name, args=args, kwargs=kwargs)
+        self.tools[node.id] = tool
+        return self.add_node(node)
+
+    def input(self, value: Any, name: str = "input") -> SemanticVariable:
+        """Add a constant as a graph input (shared by every step that reads it)."""
+        return self.add_node(InputNode(id=self.new_id(name), value=value))
+
+    def graph(self) -> Graph:
+        """The recorded graph in wire form."""
+        return Graph(name=self.name, workflow_class=self.workflow_class,
+                     deadline_s=self.deadline_s, metadata=self.metadata, nodes=tuple(self.nodes))
+
+    # -- results -------------------------------------------------------------------
+    def has_output(self, step_id: str) -> bool:
+        return step_id in self._outputs or step_id in self.failures
+
+    def value_of(self, step_id: str, path: tuple[str, ...] = ()) -> Any:
+        if step_id in self.failures:
+            raise StepFailed(step_id, self.failures[step_id])
+        if step_id not in self._outputs:
+            raise SemanticVariableError(f"step {step_id!r} has no output yet")
+        value = self._outputs[step_id]
+        for key in path:
+            value = getattr(value, key) if isinstance(value, BaseModel) else project(value, (key,))
+        return value
+
+    def record_output(self, step_id: str, raw: Any) -> None:
+        parse = self._parsers.get(step_id)
+        try:
+            self._outputs[step_id] = parse(raw) if parse else raw
+        except ValueError as exc:  # pydantic ValidationError is a ValueError
+            self.failures[step_id] = f"output does not parse into the step's output type: {exc}"
+
+    def record_failure(self, step_id: str, error: str) -> None:
+        self.failures[step_id] = error
+
+    def tool_arguments(self, step_id: str, args: list[Any],
+                       kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """Resolved wire arguments -> Python values (whole structured outputs re-parsed)."""
+        node = next(n for n in self.nodes if n.id == step_id)
+        assert isinstance(node, ToolNode)
+
+        def convert(wire: Arg, value: Any) -> Any:
+            ref = getattr(wire, "ref", None)
+            if ref and not wire.path and ref in self._parsers:  # type: ignore[union-attr]
+                return self._parsers[ref](value)
+            return value
+
+        py_args = [convert(w, v) for w, v in zip(node.args, args, strict=True)]
+        py_kwargs = {k: convert(node.kwargs[k], v) for k, v in kwargs.items()}
+        return py_args, py_kwargs
+
+    def finish(self, run_id: str, status: str, trace: list[dict[str, Any]]) -> None:
+        self.run_id, self.status, self.trace = run_id, status, trace
+        if self.trace_path is not None:
+            self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.trace_path.open("w", encoding="utf-8") as f:
+                for rec in trace:
+                    f.write(json.dumps(rec) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        """Per-stage time split of the finished run (see :func:`stage_summary`)."""
+        return stage_summary(self.trace)
+
+    def report(self) -> str:
+        """A printable table of where the time went, per stage."""
+        return format_stage_table(self.summary())
+
+    # -- running -------------------------------------------------------------------
+    def _check_failed(self) -> None:
+        if self.failures:
+            raise WorkflowFailed(self.run_id or "?", self.failures)
+
+    def __enter__(self) -> Workflow:
+        self._token = _current.set(self)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._token is not None
+        _current.reset(self._token)
+        if exc_type is not None:
+            self.status = "abandoned"
+            return
+        from flowlift.sdk.client import run_sync
+
+        run_sync(self)
+        self._check_failed()
+
+    async def __aenter__(self) -> Workflow:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._token is not None
+        _current.reset(self._token)
+        if exc_type is not None:
+            self.status = "abandoned"
+            return
+        from flowlift.sdk.client import run_async
+
+        await run_async(self)
+        self._check_failed()
+
+
+workflow = Workflow

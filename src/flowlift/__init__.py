@@ -1,0 +1,41 @@
+"""flowlift: workflow-aware LLM inference.
+
+Public face::
+
+    from flowlift import step, tool, workflow
+"""
+
+from flowlift.errors import (
+    ContractError,
+    EngineError,
+    FlowliftError,
+    GraphError,
+    ProxyUnavailable,
+    RequestError,
+    SemanticVariableError,
+    StepFailed,
+    UserError,
+    WorkflowFailed,
+)
+from flowlift.sdk import SemanticVariable, Workflow, step, tool, workflow
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ContractError",
+    "EngineError",
+    "FlowliftError",
+    "GraphError",
+    "ProxyUnavailable",
+    "RequestError",
+    "SemanticVariable",
+    "SemanticVariableError",
+    "StepFailed",
+    "UserError",
+    "Workflow",
+    "WorkflowFailed",
+    "__version__",
+    "step",
+    "tool",
+    "workflow",
+]

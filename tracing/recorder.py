@@ -1,0 +1,104 @@
+"""Per-run trace records.
+
+Each step's life is a handful of instants, stored as milliseconds since the run
+started (a monotonic clock, so durations never go negative)::
+
+    ready_ms        all inputs known; the step enters its backend's queue
+    started_ms      dispatched to the engine (queue wait = started - ready)
+    first_token_ms  first generated token (prefill / TTFT = first_token - started)
+    generated_ms    last token (decode = generated - first_token)
+    finished_ms     contract checked, output stored (validate = finished - generated)
+
+Client-run (``@tool``) steps use ``ready_ms`` (wanted) and ``finished_ms`` (result
+arrived); their whole span is tool wait. The JSON-lines form (:meth:`RunTrace.records`)
+is one ``run`` record followed by one ``step`` record per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class StepTrace:
+    step_id: str
+    kind: str
+    name: str = ""
+    model: str | None = None
+    status: str = "pending"  # pending | queued | running | waiting_tool | done | failed
+    ready_ms: float | None = None
+    started_ms: float | None = None
+    first_token_ms: float | None = None
+    generated_ms: float | None = None
+    finished_ms: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    def durations_ms(self) -> dict[str, float]:
+        """Time per stage in ms; stages that did not happen are absent."""
+        out: dict[str, float] = {}
+        if self.kind == "tool":
+            if self.ready_ms is not None and self.finished_ms is not None:
+                out["tool_wait"] = self.finished_ms - self.ready_ms
+            return out
+        pairs = (("queue", self.ready_ms, self.started_ms),
+                 ("prefill", self.started_ms, self.first_token_ms),
+                 ("decode", self.first_token_ms, self.generated_ms),
+                 ("validate", self.generated_ms, self.finished_ms))
+        for stage, start, end in pairs:
+            if start is not None and end is not None:
+                out[stage] = max(0.0, end - start)
+        return out
+
+
+@dataclass(slots=True)
+class RunTrace:
+    """The trace of one workflow run. Times are ms since ``started_at`` (epoch seconds)."""
+
+    run_id: str
+    name: str
+    workflow_class: str = "interactive"
+    started_at: float = field(default_factory=time.time)
+    status: str = "running"
+    finished_ms: float | None = None
+    steps: dict[str, StepTrace] = field(default_factory=dict)
+    _t0: float = field(default_factory=time.monotonic, repr=False)
+
+    def now_ms(self) -> float:
+        return (time.monotonic() - self._t0) * 1000.0
+
+    def step(self, step_id: str) -> StepTrace:
+        return self.steps[step_id]
+
+    def add_step(self, step_id: str, kind: str, name: str = "",
+                 model: str | None = None) -> StepTrace:
+        st = StepTrace(step_id=step_id, kind=kind, name=name, model=model)
+        self.steps[step_id] = st
+        return st
+
+    def mark(self, step_id: str, instant: str, **values: Any) -> None:
+        """Set ``<instant>_ms`` of a step to now, plus any other given fields."""
+        st = self.steps[step_id]
+        setattr(st, f"{instant}_ms", self.now_ms())
+        for key, value in values.items():
+            setattr(st, key, value)
+
+    def finish(self, status: str) -> None:
+        self.status = status
+        self.finished_ms = self.now_ms()
+
+    def records(self) -> list[dict[str, Any]]:
+        """JSON-ready records: one ``run`` record, then one per step."""
+        head = {"type": "run", "run_id": self.run_id, "name": self.name,
+                "class": self.workflow_class, "started_at": self.started_at,
+                "status": self.status, "wall_ms": self.finished_ms}
+        steps = []
+        for st in self.steps.values():
+            rec = {"type": "step", "run_id": self.run_id, **asdict(st)}
+            rec["stages_ms"] = st.durations_ms()
+            steps.append(rec)
+        return [head, *steps]
