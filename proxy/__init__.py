@@ -1,5 +1,6 @@
 """The flowlift proxy: an aiohttp sidecar serving the workflow API and the OpenAI API."""
 
-from flowlift.proxy.app import ProxyConfig, create_app
+from flowlift.proxy.app import create_app
+from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
 
-__all__ = ["ProxyConfig", "create_app"]
+__all__ = ["STATE", "ProxyConfig", "ProxyState", "create_app"]

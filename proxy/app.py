@@ -1,4 +1,4 @@
-"""The proxy application: one aiohttp app, state in ``app["flowlift"]``, no globals.
+"""The proxy application: one aiohttp app, state in ``app[STATE]``, no globals.
 
 The server starts listening at once; the engines load in the background. Until they
 are loaded ``/readyz`` answers 503 and model requests get 503 with ``Retry-After``,
@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from aiohttp import web
 
@@ -23,33 +21,8 @@ from flowlift.local_engine.base import Engine
 from flowlift.proxy import openai_api, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
+from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
 from flowlift.proxy.workflows import RunRegistry
-
-
-@dataclass(frozen=True, slots=True)
-class ProxyConfig:
-    """Settings of one proxy.
-
-    Attributes:
-        max_concurrency: engine requests in flight per backend.
-        max_body_bytes: request bodies above this get HTTP 413.
-        trace_dir: where each finished run's trace is written (JSON lines), or None.
-    """
-
-    max_concurrency: int = 16
-    max_body_bytes: int = 32 * 1024 * 1024
-    trace_dir: Path | None = None
-
-
-@dataclass(slots=True)
-class ProxyState:
-    backends: Backends
-    runs: RunRegistry
-    config: ProxyConfig
-    started_at: float = field(default_factory=time.time)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    load_error: str | None = None
-    load_time_s: float | None = None
 
 
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models"})
@@ -57,7 +30,7 @@ _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models"})
 
 @web.middleware
 async def require_ready(request: web.Request, handler: Handler) -> web.StreamResponse:
-    state: ProxyState = request.app["flowlift"]
+    state: ProxyState = request.app[STATE]
     if state.ready.is_set() or request.path in _OPEN_PATHS:
         return await handler(request)
     why = state.load_error or "the engine is still loading"
@@ -70,14 +43,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    state: ProxyState = request.app["flowlift"]
+    state: ProxyState = request.app[STATE]
     body = {"ready": state.ready.is_set(), "models": state.backends.models,
             "load_time_s": state.load_time_s, "error": state.load_error}
     return web.json_response(body, status=200 if state.ready.is_set() else 503)
 
 
 async def _load_engines(app: web.Application) -> None:
-    state: ProxyState = app["flowlift"]
+    state: ProxyState = app[STATE]
     t0 = time.monotonic()
     try:
         for engine in state.backends.engines:
@@ -95,7 +68,7 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     loader = asyncio.create_task(_load_engines(app))
     yield
     loader.cancel()
-    state: ProxyState = app["flowlift"]
+    state: ProxyState = app[STATE]
     for run in list(state.runs.active.values()):
         run.cancel()
     for engine in state.backends.engines:
@@ -115,7 +88,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None)
     config = config or ProxyConfig()
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[openai_errors, require_ready])
-    app["flowlift"] = ProxyState(
+    app[STATE] = ProxyState(
         backends=Backends(engines, max_concurrency=config.max_concurrency),
         runs=RunRegistry(config.trace_dir), config=config)
     app.router.add_get("/healthz", healthz)

@@ -26,6 +26,7 @@ from flowlift.local_engine.base import (
     SamplingOptions,
     Usage,
 )
+from flowlift.proxy.state import STATE
 from flowlift.proxy.http import parse_model, read_json
 
 routes = web.RouteTableDef()
@@ -115,7 +116,7 @@ def _usage(u: Usage | None) -> dict[str, Any]:
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app["flowlift"]
+    state = request.app[STATE]
     body = parse_model(ChatCompletionRequest, await read_json(request), "chat completion request")
     model, backend = state.backends.resolve(body.model)
     cid = f"chatcmpl-{secrets.token_hex(12)}"
@@ -179,7 +180,7 @@ async def _stream(request: web.Request, stream: Any, base: dict[str, Any],
 
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
-    state = request.app["flowlift"]
+    state = request.app[STATE]
     created = int(state.started_at)
     data = [{"id": m, "object": "model", "created": created, "owned_by": "flowlift"}
             for m in state.backends.models]

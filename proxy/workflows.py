@@ -30,6 +30,7 @@ from flowlift.dataflow import validate
 from flowlift.errors import GraphError, RequestError
 from flowlift.graph import Graph
 from flowlift.proxy.backends import Backends
+from flowlift.proxy.state import STATE
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.runs import Run
 
@@ -91,7 +92,7 @@ def parse_graph(data: Any, backends: Backends) -> Graph:
 
 @routes.post("/v1/workflows")
 async def start_workflow(request: web.Request) -> web.StreamResponse:
-    state = request.app["flowlift"]
+    state = request.app[STATE]
     graph = parse_graph(await read_json(request), state.backends)
     run = Run(graph, state.backends)
     state.runs.add(run)
@@ -117,7 +118,7 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
 
 @routes.post("/v1/workflows/{run_id}/steps/{step_id}/result")
 async def tool_result(request: web.Request) -> web.Response:
-    run = request.app["flowlift"].runs.get(request.match_info["run_id"])
+    run = request.app[STATE].runs.get(request.match_info["run_id"])
     body = parse_model(ToolResult, await read_json(request), "tool result")
     run.deliver_tool_result(request.match_info["step_id"], body.value, body.error)
     return web.json_response({"ok": True})
@@ -125,7 +126,7 @@ async def tool_result(request: web.Request) -> web.Response:
 
 @routes.get("/v1/workflows/{run_id}")
 async def get_run(request: web.Request) -> web.Response:
-    run = request.app["flowlift"].runs.get(request.match_info["run_id"])
+    run = request.app[STATE].runs.get(request.match_info["run_id"])
     return web.json_response({"run_id": run.run_id, "status": run.trace.status,
                               "outputs": run.outputs, "failures": run.failures,
                               "trace": run.trace.records()})
@@ -133,6 +134,6 @@ async def get_run(request: web.Request) -> web.Response:
 
 @routes.delete("/v1/workflows/{run_id}")
 async def cancel_run(request: web.Request) -> web.Response:
-    run = request.app["flowlift"].runs.get(request.match_info["run_id"])
+    run = request.app[STATE].runs.get(request.match_info["run_id"])
     run.cancel()
     return web.json_response({"run_id": run.run_id, "cancelled": not run.finished})

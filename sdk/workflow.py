@@ -64,6 +64,7 @@ class Workflow:
         metadata: free-form labels carried into the trace.
         transport: an ``httpx`` transport (tests inject one; default: real sockets).
         tool_workers: how many ``@tool`` calls may run at once (sync mode threads).
+        submit: ``False`` only records the graph (``wf.graph()``); nothing is shipped.
 
     Attributes (after the run):
         run_id, status, trace (list of records), failures ({step_id: error}).
@@ -74,7 +75,7 @@ class Workflow:
                  deadline_s: float | None = None, trace_path: str | os.PathLike[str] | None = None,
                  metadata: Mapping[str, Any] | None = None,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
-                 tool_workers: int = 8) -> None:
+                 tool_workers: int = 8, submit: bool = True) -> None:
         self.name = name
         self.base_url = (base_url or default_base_url()).rstrip("/")
         self.workflow_class = workflow_class
@@ -83,6 +84,7 @@ class Workflow:
         self.metadata = dict(metadata or {})
         self.transport = transport
         self.tool_workers = tool_workers
+        self.submit = submit
         self.nonce = secrets.token_hex(6)
         self.nodes: list[Node] = []
         self.tools: dict[str, Tool[Any, Any]] = {}
@@ -194,8 +196,8 @@ class Workflow:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         assert self._token is not None
         _current.reset(self._token)
-        if exc_type is not None:
-            self.status = "abandoned"
+        if exc_type is not None or not self.submit:
+            self.status = "abandoned" if exc_type is not None else "recorded"
             return
         from flowlift.sdk.client import run_sync
 
@@ -208,8 +210,8 @@ class Workflow:
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         assert self._token is not None
         _current.reset(self._token)
-        if exc_type is not None:
-            self.status = "abandoned"
+        if exc_type is not None or not self.submit:
+            self.status = "abandoned" if exc_type is not None else "recorded"
             return
         from flowlift.sdk.client import run_async
 

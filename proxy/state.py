@@ -1,0 +1,45 @@
+"""The proxy's settings and shared state (``app[STATE]``; no module globals)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from flowlift.proxy.backends import Backends
+    from flowlift.proxy.workflows import RunRegistry
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Settings of one proxy.
+
+    Attributes:
+        max_concurrency: engine requests in flight per backend.
+        max_body_bytes: request bodies above this get HTTP 413.
+        trace_dir: where each finished run's trace is written (JSON lines), or None.
+    """
+
+    max_concurrency: int = 16
+    max_body_bytes: int = 32 * 1024 * 1024
+    trace_dir: Path | None = None
+
+
+@dataclass(slots=True)
+class ProxyState:
+    backends: Backends
+    runs: RunRegistry
+    config: ProxyConfig
+    started_at: float = field(default_factory=time.time)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    load_error: str | None = None
+    load_time_s: float | None = None
+
+
+
+STATE: web.AppKey[ProxyState] = web.AppKey("flowlift", ProxyState)
