@@ -26,14 +26,14 @@ def _engines(args: argparse.Namespace) -> dict[str, object]:
 
         name = args.model or "fake-model"
         return {name: FakeEngine([name], delay_s=0.01)}
-    from flowlift.local_engine.models import resolve_model
     from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
 
-    print(f"flowlift: preparing model {args.model or 'default'} ...", file=sys.stderr, flush=True)
-    name, path = resolve_model(args.model)
-    engine = VLLMEngine(VLLMConfig(model_path=str(path), served_model_name=name,
-                                   dtype=args.dtype, max_model_len=args.max_model_len,
-                                   max_num_seqs=args.max_concurrency))
+    print(f"flowlift: preparing model {args.model or 'SmolLM2-135M-Instruct (default)'} ...",
+          file=sys.stderr, flush=True)
+    config = VLLMConfig.for_model(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                                  max_num_seqs=args.max_concurrency)
+    name = config.served_model_name
+    engine = VLLMEngine(config)
     return {name: engine}
 
 

