@@ -15,8 +15,6 @@ import time
 from collections.abc import Mapping
 
 from aiohttp import web
-
-from flowlift.errors import EngineError
 from flowlift.local_engine.base import Engine
 from flowlift.proxy import openai_api, workflows
 from flowlift.proxy.backends import Backends
@@ -24,6 +22,7 @@ from flowlift.proxy.http import Handler, error_response, log, openai_errors
 from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
 from flowlift.proxy.workflows import RunRegistry
 
+from flowlift.errors import EngineError
 
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models"})
 

@@ -11,8 +11,9 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from flowlift.errors import ModelNotFound
 from flowlift.local_engine.base import Engine
+
+from flowlift.errors import ModelNotFound
 
 
 @dataclass(slots=True)

@@ -14,10 +14,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
+from flowlift.proxy.state import STATE
+from flowlift.tracing import get_logger
 from pydantic import BaseModel, ValidationError
 
 from flowlift.errors import FlowliftError, PayloadTooLarge, RequestError
-from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.proxy")
 M = TypeVar("M", bound=BaseModel)
@@ -69,9 +70,10 @@ async def read_json(request: web.Request) -> Any:
     """
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise PayloadTooLarge(f"request body over the limit of {exc.max_size} bytes; raise "
-                              "it with `flowlift serve --max-body-mb`", param="body") from None
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[STATE].config.max_body_bytes
+        raise PayloadTooLarge(f"request body over the limit of {limit} bytes; raise it with "
+                              "`flowlift serve --max-body-mb`", param="body") from None
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

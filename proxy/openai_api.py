@@ -16,9 +16,6 @@ from typing import Any, Literal
 
 from aiohttp import web
 from aiohttp_sse import sse_response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from flowlift.errors import FlowliftError, RequestError
 from flowlift.local_engine.base import (
     ChatMessage,
     GenerationRequest,
@@ -26,8 +23,11 @@ from flowlift.local_engine.base import (
     SamplingOptions,
     Usage,
 )
-from flowlift.proxy.state import STATE
 from flowlift.proxy.http import parse_model, read_json
+from flowlift.proxy.state import STATE
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flowlift.errors import FlowliftError, RequestError
 
 routes = web.RouteTableDef()
 

@@ -13,16 +13,16 @@ Outside a workflow it is a plain call.
 from __future__ import annotations
 
 import functools
-
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-from flowlift.errors import UserError
-from flowlift.graph import Arg, Literal_, LLMNode, MessageTemplate, Params, Ref, Template
 from flowlift.sdk.contracts import OutputSpec, output_spec
 from flowlift.sdk.variables import SemanticVariable, split_markers
 from flowlift.sdk.workflow import Workflow, current_workflow
+
+from flowlift.errors import UserError
+from flowlift.graph import Arg, Literal_, LLMNode, MessageTemplate, Params, Ref, Template
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -29,7 +29,7 @@ _HOW = ("A Semantic Variable is a placeholder for the output of step {sid!r}, wh
 
 
 def marker(nonce: str, node_id: str, path: tuple[str, ...] = ()) -> str:
-    return "{{flowlift:%s:%s:%s}}" % (nonce, node_id, ".".join(path))
+    return "{{flowlift:" + f"{nonce}:{node_id}:{'.'.join(path)}" + "}}"
 
 
 def split_markers(text: str, nonce: str) -> list[Part]:

@@ -6,8 +6,8 @@ import asyncio
 import json
 
 from conftest import parse_sse
-
 from flowlift.proxy.state import STATE
+
 from flowlift.testing import FakeEngine
 
 
@@ -72,8 +72,8 @@ async def test_independent_steps_run_concurrently(aiohttp_client, make_app, engi
 
 
 async def test_structured_output_and_field_projection(client):
-    schema = {"type": "object", "properties": {"name": {"type": "string"},
-                                               "tags": {"type": "array", "items": {"type": "string"}}},
+    tags = {"type": "array", "items": {"type": "string"}}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": tags},
               "required": ["name", "tags"]}
     graph = {"nodes": [llm("e", "extract", contract={"json_schema": schema}),
                        llm("c", "classify", contract={"choices": ["p", "q"]}),

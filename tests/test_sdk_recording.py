@@ -101,14 +101,15 @@ def test_tool_arguments_become_refs_templates_and_literals():
 def test_any_other_use_of_a_placeholder_says_what_to_do(misuse):
     with workflow("bad", submit=False):
         v = extract("doc")
-        with pytest.raises(SemanticVariableError, match="@tool step|not known|f-string"):
+        with pytest.raises(SemanticVariableError, match=r"@tool step|not known|f-string"):
             misuse(v)
 
 
 def test_placeholder_from_another_workflow_is_rejected():
     with workflow("one", submit=False):
         v = extract("doc")
-    with workflow("two", submit=False), pytest.raises(SemanticVariableError, match="another workflow"):
+    with workflow("two", submit=False), \
+            pytest.raises(SemanticVariableError, match="another workflow"):
         combine(v, "x")
 
 

@@ -52,7 +52,8 @@ def real_proxy(tmp_path_factory: pytest.TempPathFactory):
             except httpx.HTTPError:
                 pass
             if time.monotonic() - t0 > READY_TIMEOUT_S:
-                pytest.fail(f"engine not ready in {READY_TIMEOUT_S} s: {log_path.read_text()[-4000:]}")
+                pytest.fail(f"engine not ready in {READY_TIMEOUT_S} s: "
+                            f"{log_path.read_text()[-4000:]}")
             time.sleep(0.5)
         yield {"base_url": base, "trace_dir": trace_dir, "log": log_path,
                "model": r.json()["models"][0]}
