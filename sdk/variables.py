@@ -57,7 +57,8 @@ class SemanticVariable:
     Attributes:
         step_id: the graph node that produces it.
         path: field names when this is a projection of a structured output
-            (``ticket.component``).
+            (``ticket.component``). Outputs of ``@tool`` steps are JSON of unknown shape:
+            any attribute projects (``hits.names``), checked when the run reaches it.
 
     After the workflow finishes, :attr:`value` holds the output (the parsed pydantic
     model for steps with an ``output=`` model, a label for ``Literal`` outputs, text
@@ -67,7 +68,7 @@ class SemanticVariable:
     __slots__ = ("_fields", "_workflow", "path", "step_id")
 
     def __init__(self, workflow: Workflow, step_id: str, path: tuple[str, ...] = (),
-                 fields: frozenset[str] = frozenset()) -> None:
+                 fields: frozenset[str] | None = frozenset()) -> None:
         object.__setattr__(self, "_workflow", workflow)
         object.__setattr__(self, "step_id", step_id)
         object.__setattr__(self, "path", path)
@@ -90,12 +91,13 @@ class SemanticVariable:
         return f"<SemanticVariable {self.step_id}{dotted}: {state}>"
 
     def __getattr__(self, name: str) -> SemanticVariable:
-        if name.startswith("_") or name not in self._fields:
+        if name.startswith("_") or (self._fields is not None and name not in self._fields):
             raise AttributeError(
                 f"Semantic Variable of step {self.step_id!r} has no field {name!r}"
                 + (f" (fields: {', '.join(sorted(self._fields))})" if self._fields else
                    "; only outputs with a pydantic `output=` model have fields"))
-        return SemanticVariable(self._workflow, self.step_id, (*self.path, name))
+        return SemanticVariable(self._workflow, self.step_id, (*self.path, name),
+                                fields=None if self._fields is None else frozenset())
 
     @property
     def ref(self) -> Ref:
@@ -161,6 +163,9 @@ class SemanticVariable:
         self._misuse("`+` (build prompts with an f-string instead)")
 
     __radd__ = __mul__ = __rmul__ = __sub__ = __truediv__ = __mod__ = __add__
+
+    def __call__(self, *args: object, **kwargs: object) -> NoReturn:
+        self._misuse("calling it (a method of the value?)")
 
     def __int__(self) -> int:
         self._misuse("int()")

@@ -104,7 +104,7 @@ class Workflow:
         return f"{name}_{n}"
 
     def add_node(self, node: Node, *, parse: Callable[[Any], Any] | None = None,
-                 fields: frozenset[str] = frozenset()) -> SemanticVariable:
+                 fields: frozenset[str] | None = frozenset()) -> SemanticVariable:
         if self.status != "recording":
             raise UserError(f"workflow {self.name!r} is already {self.status}; record steps "
                             "inside its `with` block")
@@ -117,7 +117,7 @@ class Workflow:
                  kwargs: dict[str, Arg]) -> SemanticVariable:
         node = ToolNode(id=self.new_id(tool.name), name=tool.name, args=args, kwargs=kwargs)
         self.tools[node.id] = tool
-        return self.add_node(node)
+        return self.add_node(node, fields=None)
 
     def input(self, value: Any, name: str = "input") -> SemanticVariable:
         """Add a constant as a graph input (shared by every step that reads it)."""

@@ -94,6 +94,18 @@ def test_tool_arguments_become_refs_templates_and_literals():
     assert isinstance(tools[1].args[0], Template)
 
 
+def test_tool_outputs_project_any_field():
+    with workflow("tp", submit=False) as wf:
+        hits = lookup(extract("doc"))
+        out = combine(hits.names, hits.best.score)
+    refs = [p for p in wf.graph().node_map()[out.step_id].messages[0].content
+            if isinstance(p, Ref)]
+    assert refs[0] == Ref(ref=hits.step_id, path=("names",))
+    assert refs[1] == Ref(ref=hits.step_id, path=("best", "score"))
+    with pytest.raises(SemanticVariableError, match="calling it"):
+        hits.upper()
+
+
 @pytest.mark.parametrize("misuse", [
     lambda v: bool(v), lambda v: len(v), lambda v: v + "x", lambda v: "x" + v,
     lambda v: v == "a", lambda v: list(v), lambda v: v["k"], lambda v: f"{v:>10}",

@@ -1,0 +1,1 @@
+"""The stdlib_docs example: documentation triage over the standard library's docstrings."""
