@@ -15,14 +15,14 @@ import time
 from collections.abc import Mapping
 
 from aiohttp import web
+
+from flowlift.errors import EngineError
 from flowlift.local_engine.base import Engine
 from flowlift.proxy import openai_api, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
 from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
 from flowlift.proxy.workflows import RunRegistry
-
-from flowlift.errors import EngineError
 
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models"})
 

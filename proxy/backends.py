@@ -11,9 +11,8 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from flowlift.local_engine.base import Engine
-
 from flowlift.errors import ModelNotFound
+from flowlift.local_engine.base import Engine
 
 
 @dataclass(slots=True)

@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
-from flowlift.proxy.state import STATE
-from flowlift.tracing import get_logger
 from pydantic import BaseModel, ValidationError
 
 from flowlift.errors import FlowliftError, PayloadTooLarge, RequestError
+from flowlift.proxy.state import STATE
+from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.proxy")
 M = TypeVar("M", bound=BaseModel)

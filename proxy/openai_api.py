@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 from aiohttp import web
 from aiohttp_sse import sse_response
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flowlift.errors import FlowliftError, RequestError
 from flowlift.local_engine.base import (
     ChatMessage,
     GenerationRequest,
@@ -25,9 +28,6 @@ from flowlift.local_engine.base import (
 )
 from flowlift.proxy.http import parse_model, read_json
 from flowlift.proxy.state import STATE
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from flowlift.errors import FlowliftError, RequestError
 
 routes = web.RouteTableDef()
 

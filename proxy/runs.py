@@ -15,16 +15,6 @@ import asyncio
 import secrets
 from typing import Any
 
-from flowlift.local_engine.base import (
-    ChatMessage,
-    GenerationRequest,
-    OutputConstraint,
-    SamplingOptions,
-)
-from flowlift.proxy.backends import Backends
-from flowlift.proxy.contracts import check_output
-from flowlift.tracing import RunTrace, bind_run, get_logger
-
 from flowlift.dataflow import dependencies
 from flowlift.errors import FlowliftError, RequestError, RunError
 from flowlift.graph import (
@@ -38,6 +28,15 @@ from flowlift.graph import (
     project,
     render_value,
 )
+from flowlift.local_engine.base import (
+    ChatMessage,
+    GenerationRequest,
+    OutputConstraint,
+    SamplingOptions,
+)
+from flowlift.proxy.backends import Backends
+from flowlift.proxy.contracts import check_output
+from flowlift.tracing import RunTrace, bind_run, get_logger
 
 log = get_logger("flowlift.runs")
 _CLASS_PRIORITY = {"interactive": 0, "batch": 10}

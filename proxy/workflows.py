@@ -24,15 +24,15 @@ from typing import Any
 from aiohttp import web
 from aiohttp_sse import sse_response
 from cachetools import TTLCache
-from flowlift.proxy.backends import Backends
-from flowlift.proxy.http import log, parse_model, read_json
-from flowlift.proxy.runs import Run
-from flowlift.proxy.state import STATE
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flowlift.dataflow import validate
 from flowlift.errors import GraphError, RequestError
 from flowlift.graph import Graph
+from flowlift.proxy.backends import Backends
+from flowlift.proxy.http import log, parse_model, read_json
+from flowlift.proxy.runs import Run
+from flowlift.proxy.state import STATE
 
 routes = web.RouteTableDef()
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from flowlift.sdk.workflow import Workflow
 from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 
 from flowlift.errors import (
@@ -34,6 +33,7 @@ from flowlift.errors import (
     RequestError,
     RunError,
 )
+from flowlift.sdk.workflow import Workflow
 
 _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=60.0)
 

@@ -17,12 +17,11 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
+from flowlift.errors import UserError
+from flowlift.graph import Arg, Literal_, LLMNode, MessageTemplate, Params, Ref, Template
 from flowlift.sdk.contracts import OutputSpec, output_spec
 from flowlift.sdk.variables import SemanticVariable, split_markers
 from flowlift.sdk.workflow import Workflow, current_workflow
-
-from flowlift.errors import UserError
-from flowlift.graph import Arg, Literal_, LLMNode, MessageTemplate, Params, Ref, Template
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
-from flowlift.sdk.variables import SemanticVariable
-from flowlift.tracing.summary import format_stage_table, stage_summary
 from pydantic import BaseModel
 
 from flowlift.errors import SemanticVariableError, StepFailed, UserError, WorkflowFailed
 from flowlift.graph import Arg, Graph, InputNode, Node, ToolNode, project
+from flowlift.sdk.variables import SemanticVariable
+from flowlift.tracing.summary import format_stage_table, stage_summary
 
 if TYPE_CHECKING:
     from flowlift.sdk.steps import Tool

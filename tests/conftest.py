@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.state import STATE
-
 from flowlift.testing import FakeEngine
 
 

@@ -6,8 +6,8 @@ import asyncio
 import json
 
 from conftest import parse_sse
-from flowlift.proxy.state import STATE
 
+from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine
 
 
