@@ -33,10 +33,12 @@ def test_bm25_ranks_and_excludes():
 
 
 def test_related_tool_fills_to_three_other_modules():
-    facts = pipeline.ModuleFacts(purpose="x", key_terms=["x"])
+    facts = pipeline.ModuleFacts(purpose="Provides x.", key_terms=["zzz"])
     rel = pipeline.related_modules(facts, "json")
-    assert len(rel) == 3 and "json" not in rel
-    assert all(isinstance(score, float) for score in rel.values())
+    assert len(rel["modules"]) == 3 and "json" not in rel["modules"]
+    assert all(isinstance(score, float) for score in rel["scores"])
+    facts = pipeline.ModuleFacts(purpose="Provides sockets.", key_terms=["socket server"])
+    assert "socketserver" in pipeline.related_modules(facts, "socket")["modules"]
 
 
 async def test_pipeline_runs_on_the_fake_engine(client, tmp_path, monkeypatch):

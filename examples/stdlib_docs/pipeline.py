@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field, StringConstraints
 if __package__ in (None, ""):  # run as a script: make `examples.stdlib_docs` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.stdlib_docs.corpus import LICENSE, Area, Document, load_documents, truncate
+from examples.stdlib_docs.corpus import AREAS, LICENSE, Area, Document, load_documents
 from examples.stdlib_docs.index import BM25Index
 from flowlift import (
     FlowliftError,
@@ -44,43 +44,38 @@ DEFAULT_TRACE = "runs/stdlib_docs.trace.jsonl"
 # One shared system message opens every LLM prompt, so the engine's prefix cache
 # computes it once and reuses it for all 3 x N model calls.
 PREAMBLE = """\
-You are a documentation triage assistant for a team that maintains an internal \
-guide to the Python standard library. For each module, the team reads the \
-module's own docstring and files a short triage record.
+You write documentation triage records for a team that maintains an internal \
+guide to the Python standard library. Each record describes one module, and you \
+work only from the documentation text you are given.
 
-Conventions of the triage record:
-- Work only from the documentation text you are given. Do not invent functions, \
-classes or behaviour that the text does not mention.
-- The purpose is one plain sentence saying what the module is for, starting with \
-a verb, for example "Reads and writes CSV files."
-- Key terms are at most three short noun phrases a reader would search for, \
-such as a file format, a protocol or a data structure. Prefer names that appear \
-in the text.
+Rules for every record:
+- Never invent functions, classes or behaviour that the text does not mention.
+- The purpose is one plain sentence that starts with a verb such as Provides, \
+Implements, Defines, Supports, Parses or Converts, and says what the module is for.
+- Key terms are at most three short lower-case phrases a reader would search for, \
+taken from the text: a file format, a protocol, a data structure or a main class.
 - The area is exactly one of: data formats, text processing, networking, files \
 and processes, developer tools, math and algorithms. Choose the area of the \
 module's main job, not of its examples.
-- Summaries are one sentence of at most 25 words for a table row, with no \
-markdown, no lists and no line breaks.
-- Be literal and brief; when the text is unclear, say less rather than guess."""
+- A summary is one short sentence for a table row, with no markdown, no lists \
+and no line breaks.
+- Be literal and brief. When the text is unclear, say less rather than guess."""
 
-CLASSIFY_EXCERPT_CHARS = 400
 
-Term = Annotated[str, StringConstraints(min_length=1, max_length=24)]
+# Lower-case words only: keeps a 135M model from filling terms with punctuation.
+Term = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9 ]{1,20}[a-z0-9]$")]
+# Anchoring the first word keeps the model from echoing the prompt back.
+PURPOSE_PATTERN = (r"^(Provides|Implements|Defines|Supports|Creates|Parses|Reads|Converts|"
+                   r"Handles|Computes|Runs) [^\n\]\[{}]*$")
 
 
 class ModuleFacts(BaseModel):
     """What ``extract`` pulls out of one docstring (bounded, so decoding ends early)."""
 
-    purpose: str = Field(min_length=1, max_length=120,
+    purpose: str = Field(max_length=120, pattern=PURPOSE_PATTERN,
                          description="one sentence: what the module is for")
     key_terms: list[Term] = Field(min_length=1, max_length=3,
                                   description="up to three search terms")
-
-
-def _header(doc: Document) -> str:
-    # extract and classify open their user message the same way, so one document's
-    # two prompts share a prefix beyond the preamble.
-    return f"Module: {doc.name}\nDocumentation:\n"
 
 
 @step(output=ModuleFacts, max_tokens=96)
@@ -88,20 +83,20 @@ def extract(doc: Document) -> list[dict[str, Any]]:
     return [
         {"role": "system", "content": PREAMBLE},
         {"role": "user", "content": (
-            f"{_header(doc)}{doc.text}\n\n"
-            "Task: fill in the triage record's purpose and key terms as JSON.")},
+            f"Documentation of the {doc.name} module:\n{doc.text}\n\n"
+            f"What is the {doc.name} module for? Answer in JSON with a one-sentence "
+            "purpose and up to three key terms from the text.")},
     ]
 
 
 @step(output=Area, max_tokens=8)
 def classify(doc: Document, facts: Any) -> list[dict[str, Any]]:
-    excerpt = truncate(doc.text, CLASSIFY_EXCERPT_CHARS)
     return [
         {"role": "system", "content": PREAMBLE},
         {"role": "user", "content": (
-            f"{_header(doc)}{excerpt}\n...\n\n"
-            f"Purpose: {facts.purpose}\n"
-            "Task: name the area of this module.")},
+            f"The {doc.name} module: {facts.purpose}\n"
+            f"Which area is the {doc.name} module in: {', '.join(AREAS[:-1])}, or "
+            f"{AREAS[-1]}?")},
     ]
 
 
@@ -120,7 +115,7 @@ def corpus_index() -> BM25Index:
         return _index
 
 
-def related_modules(facts: ModuleFacts, module: str, k: int = 3) -> dict[str, float]:
+def related_modules(facts: ModuleFacts, module: str, k: int = 3) -> dict[str, list[Any]]:
     """The ``k`` other modules that best match ``facts`` in the corpus index.
 
     The query is the key terms (counted twice) plus the purpose. When the facts match
@@ -133,12 +128,14 @@ def related_modules(facts: ModuleFacts, module: str, k: int = 3) -> dict[str, fl
     if len(hits) < k:
         seen = {module, *(name for name, _ in hits)}
         hits += index.search(_texts.get(module, module), k - len(hits), exclude=seen)
-    return {name: round(score, 2) for name, score in hits}
+    return {"modules": [name for name, _ in hits],
+            "scores": [round(score, 2) for _, score in hits]}
 
 
 @tool
-def related(facts: ModuleFacts, module: str) -> dict[str, float]:
-    """Client-run: top-3 related modules (name -> BM25 score) from the local index."""
+def related(facts: ModuleFacts, module: str) -> dict[str, list[Any]]:
+    """Client-run: the top-3 related modules and their BM25 scores, from the local index
+    (``{"modules": [...], "scores": [...]}``)."""
     return related_modules(facts, module)
 
 
@@ -147,12 +144,9 @@ def summarize(doc: Document, facts: Any, label: Any, rel: Any) -> list[dict[str,
     return [
         {"role": "system", "content": PREAMBLE},
         {"role": "user", "content": (
-            f"Module: {doc.name}\n"
-            f"Area: {label}\n"
-            f"Purpose: {facts.purpose}\n"
-            f"Key terms: {facts.key_terms}\n"
-            f"Related modules (with search scores): {rel}\n"
-            "Task: write the one-sentence summary for the triage table.")},
+            f"The {doc.name} module ({label}): {facts.purpose} "
+            f"Key terms: {facts.key_terms}. Related modules: {rel.modules}.\n"
+            f"Describe the {doc.name} module in one short sentence.")},
     ]
 
 
@@ -184,7 +178,7 @@ def collect(docs: list[Document], outs: list[dict[str, Any]]) -> list[dict[str, 
             "module": doc.name,
             "area": label if label is not None else "FAILED",
             "key terms": ", ".join(facts.key_terms) if facts is not None else "-",
-            "related": ", ".join(rel) if rel else "-",
+            "related": ", ".join(rel["modules"]) if rel else "-",
             "summary": (summary.strip() if summary is not None
                         else f"FAILED ({', '.join(failed)})"),
             "reference": doc.reference_area,

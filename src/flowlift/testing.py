@@ -25,6 +25,50 @@ from flowlift.local_engine.base import (
 Responder = Callable[[GenerationRequest], str]
 
 
+def example_for_pattern(pattern: str) -> str:
+    """A short string matching ``pattern`` (a walk of the regex's parse tree: literals,
+    classes, alternations, repeats at their minimum count)."""
+    import re._constants as c  # type: ignore[import-not-found]
+    import re._parser as p  # type: ignore[import-not-found]
+
+    def category(cat: Any) -> str:
+        return {c.CATEGORY_DIGIT: "0", c.CATEGORY_SPACE: " "}.get(cat, "a")
+
+    def walk(items: Any) -> str:
+        out = []
+        for op, av in items:
+            if op is c.LITERAL:
+                out.append(chr(av))
+            elif op is c.NOT_LITERAL:
+                out.append("a" if chr(av) != "a" else "b")
+            elif op is c.ANY:
+                out.append("a")
+            elif op is c.IN:
+                out.append(in_class(av))
+            elif op is c.BRANCH:
+                out.append(walk(av[1][0]))
+            elif op is c.SUBPATTERN:
+                out.append(walk(av[-1]))
+            elif op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+                out.append(walk(av[2]) * max(av[0], 0))
+            elif op is c.CATEGORY:
+                out.append(category(av))
+        return "".join(out)
+
+    def in_class(av: Any) -> str:
+        if av and av[0][0] is c.NEGATE:
+            banned = {chr(x) for op, x in av[1:] if op is c.LITERAL}
+            return next(ch for ch in "abcxyz0 " if ch not in banned)
+        op, x = av[0]
+        if op is c.LITERAL:
+            return chr(x)
+        if op is c.RANGE:
+            return chr(x[0])
+        return category(x)
+
+    return walk(p.parse(pattern))
+
+
 def example_for_schema(schema: dict[str, Any], root: dict[str, Any] | None = None) -> Any:
     """A small instance that satisfies ``schema`` (objects, arrays, enums, ``$ref``...)."""
     root = root or schema
@@ -47,6 +91,8 @@ def example_for_schema(schema: dict[str, Any], root: dict[str, Any] | None = Non
         item = schema.get("items", {"type": "string"})
         return [example_for_schema(item, root) for _ in range(schema.get("minItems", 1))]
     if kind == "string":
+        if "pattern" in schema:
+            return example_for_pattern(schema["pattern"])
         return "x" * max(1, schema.get("minLength", 1))
     if kind in ("integer", "number"):
         return schema.get("minimum", 1)
