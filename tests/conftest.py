@@ -1,9 +1,6 @@
-"""Shared fixtures: the proxy on a FakeEngine (no model), and an SSE reader for tests."""
+"""Shared fixtures: the proxy on a FakeEngine (no model)."""
 
 from __future__ import annotations
-
-import json
-from typing import Any
 
 import pytest
 from aiohttp import web
@@ -31,22 +28,3 @@ async def client(aiohttp_client, make_app):
     c = await aiohttp_client(app)
     await app[STATE].ready.wait()
     return c
-
-
-def parse_sse(text: str) -> list[tuple[str, Any]]:
-    """``[(event, data)]`` of an SSE body (data JSON-decoded when it is JSON)."""
-    events = []
-    for block in text.replace("\r\n", "\n").split("\n\n"):
-        name, data = "message", []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].removeprefix(" "))
-        if data:
-            raw = "\n".join(data)
-            try:
-                events.append((name, json.loads(raw)))
-            except json.JSONDecodeError:
-                events.append((name, raw))
-    return events

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import parse_sse
 
 from flowlift.errors import EngineError
 from flowlift.proxy import ProxyConfig
 from flowlift.proxy.state import STATE
+from flowlift.testing import parse_sse
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from conftest import parse_sse
-
 from flowlift.proxy.state import STATE
-from flowlift.testing import FakeEngine
+from flowlift.testing import FakeEngine, parse_sse
 
 
 def llm(node_id, *parts, **extra):

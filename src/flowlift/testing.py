@@ -8,6 +8,9 @@ constraints, with a simulated prefix cache so cached-token accounting can be tes
 from __future__ import annotations
 
 import asyncio
+import json
+import re._constants as _rc  # type: ignore[import-not-found]
+import re._parser as _rp  # type: ignore[import-not-found]
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -25,48 +28,40 @@ from flowlift.local_engine.base import (
 Responder = Callable[[GenerationRequest], str]
 
 
+def _category(cat: Any) -> str:
+    return {_rc.CATEGORY_DIGIT: "0", _rc.CATEGORY_SPACE: " "}.get(cat, "a")
+
+
+def _in_class(av: Any) -> str:
+    if av and av[0][0] is _rc.NEGATE:
+        banned = {chr(x) for op, x in av[1:] if op is _rc.LITERAL}
+        return next(ch for ch in "abcxyz0 " if ch not in banned)
+    op, x = av[0]
+    if op is _rc.LITERAL:
+        return chr(x)
+    return chr(x[0]) if op is _rc.RANGE else _category(x)
+
+
+def _walk(items: Any) -> str:
+    rules: dict[Any, Callable[[Any], str]] = {
+        _rc.LITERAL: chr,
+        _rc.NOT_LITERAL: lambda av: "a" if chr(av) != "a" else "b",
+        _rc.ANY: lambda av: "a",
+        _rc.IN: _in_class,
+        _rc.BRANCH: lambda av: _walk(av[1][0]),
+        _rc.SUBPATTERN: lambda av: _walk(av[-1]),
+        _rc.MAX_REPEAT: lambda av: _walk(av[2]) * max(av[0], 0),
+        _rc.MIN_REPEAT: lambda av: _walk(av[2]) * max(av[0], 0),
+        _rc.POSSESSIVE_REPEAT: lambda av: _walk(av[2]) * max(av[0], 0),
+        _rc.CATEGORY: _category,
+    }
+    return "".join(rules[op](av) for op, av in items if op in rules)
+
+
 def example_for_pattern(pattern: str) -> str:
     """A short string matching ``pattern`` (a walk of the regex's parse tree: literals,
-    classes, alternations, repeats at their minimum count)."""
-    import re._constants as c  # type: ignore[import-not-found]
-    import re._parser as p  # type: ignore[import-not-found]
-
-    def category(cat: Any) -> str:
-        return {c.CATEGORY_DIGIT: "0", c.CATEGORY_SPACE: " "}.get(cat, "a")
-
-    def walk(items: Any) -> str:
-        out = []
-        for op, av in items:
-            if op is c.LITERAL:
-                out.append(chr(av))
-            elif op is c.NOT_LITERAL:
-                out.append("a" if chr(av) != "a" else "b")
-            elif op is c.ANY:
-                out.append("a")
-            elif op is c.IN:
-                out.append(in_class(av))
-            elif op is c.BRANCH:
-                out.append(walk(av[1][0]))
-            elif op is c.SUBPATTERN:
-                out.append(walk(av[-1]))
-            elif op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
-                out.append(walk(av[2]) * max(av[0], 0))
-            elif op is c.CATEGORY:
-                out.append(category(av))
-        return "".join(out)
-
-    def in_class(av: Any) -> str:
-        if av and av[0][0] is c.NEGATE:
-            banned = {chr(x) for op, x in av[1:] if op is c.LITERAL}
-            return next(ch for ch in "abcxyz0 " if ch not in banned)
-        op, x = av[0]
-        if op is c.LITERAL:
-            return chr(x)
-        if op is c.RANGE:
-            return chr(x[0])
-        return category(x)
-
-    return walk(p.parse(pattern))
+    classes, alternations, repeats at their minimum count; anchors are skipped)."""
+    return _walk(_rp.parse(pattern))
 
 
 def example_for_schema(schema: dict[str, Any], root: dict[str, Any] | None = None) -> Any:
@@ -198,3 +193,26 @@ class FakeEngine(Engine):
 
     def count_tokens(self, model: str, text: str) -> int | None:
         return len(text.split())
+
+
+def parse_sse(text: str) -> list[tuple[str, Any]]:
+    """``[(event, data)]`` of a whole SSE body; ``data`` is JSON-decoded when it is JSON.
+
+    For assertions on recorded streams in tests; clients should use an SSE library
+    (``httpx-sse``).
+    """
+    events = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        name, data = "message", []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+        if data:
+            raw = "\n".join(data)
+            try:
+                events.append((name, json.loads(raw)))
+            except json.JSONDecodeError:
+                events.append((name, raw))
+    return events
