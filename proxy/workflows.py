@@ -66,7 +66,9 @@ class RunRegistry:
         self.active[run.run_id] = run
 
     def retire(self, run: Run) -> None:
-        self.active.pop(run.run_id, None)
+        """Move a finished run to the finished table and write its trace (once)."""
+        if self.active.pop(run.run_id, None) is None:
+            return
         self.finished[run.run_id] = run
         if self.trace_dir is not None:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +104,9 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
         async with sse_response(request, sep="\n", allow_all_methods=True) as resp:
             while True:
                 event, data = await run.events.get()
+                if event == "run.finished":  # trace on disk before the client hears of it
+                    await asyncio.wait([run.task])  # type: ignore[list-item]
+                    state.runs.retire(run)
                 await resp.send(json.dumps(data), event=event)
                 if event == "run.finished":
                     break
