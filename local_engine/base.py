@@ -160,6 +160,11 @@ class Engine(abc.ABC):
         """True while the engine can take requests."""
         return True
 
+    def tokenize(self, model: str, text: str) -> list[int] | None:
+        """Token ids of ``text`` in ``model``'s tokenizer, or ``None`` when unknown."""
+        return None
+
     def count_tokens(self, model: str, text: str) -> int | None:
         """Tokens of ``text`` in ``model``'s tokenizer, or ``None`` when unknown."""
-        return None
+        ids = self.tokenize(model, text)
+        return None if ids is None else len(ids)

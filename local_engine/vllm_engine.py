@@ -306,9 +306,9 @@ class VLLMEngine(Engine):
             # alive, so its __del__ (a second shutdown) does not fail at exit.
             gc.collect()
 
-    def count_tokens(self, model: str, text: str) -> int | None:
-        """Tokens of ``text`` (no special tokens added), or ``None`` for an unknown model
-        or before :meth:`start`."""
+    def tokenize(self, model: str, text: str) -> list[int] | None:
+        """Token ids of ``text`` (no special tokens added), or ``None`` for an unknown
+        model or before :meth:`start`."""
         if self._tokenizer is None or model not in self.model_names:
             return None
-        return len(self._tokenizer.encode(text, add_special_tokens=False))
+        return list(self._tokenizer.encode(text, add_special_tokens=False))

@@ -24,7 +24,7 @@ from flowlift.proxy.http import Handler, error_response, log, openai_errors
 from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
 from flowlift.proxy.workflows import RunRegistry
 
-_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models"})
+_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models", "/v1/workflows:compile"})
 
 
 @web.middleware

@@ -7,19 +7,19 @@ it is measured (queue time in the trace).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from flowlift.errors import ModelNotFound
 from flowlift.local_engine.base import Engine
+from flowlift.proxy.scheduler import PrioritySlots
 
 
 @dataclass(slots=True)
 class Backend:
     name: str
     engine: Engine
-    slots: asyncio.Semaphore
+    slots: PrioritySlots
     max_concurrency: int
 
 
@@ -42,12 +42,13 @@ class Backends:
             backend = per_engine.get(id(engine))
             if backend is None:
                 backend = Backend(f"engine-{len(per_engine)}", engine,
-                                  asyncio.Semaphore(max_concurrency), max_concurrency)
+                                  PrioritySlots(max_concurrency), max_concurrency)
                 per_engine[id(engine)] = backend
             self._by_model[model] = backend
         self.default_model = next(iter(engines))
         self._aliases = {"default": self.default_model, **(aliases or {})}
-        self.engines = [b.engine for b in per_engine.values()]
+        self.backends = list(per_engine.values())
+        self.engines = [b.engine for b in self.backends]
 
     @property
     def models(self) -> list[str]:
@@ -63,6 +64,11 @@ class Backends:
         if name not in self._by_model:
             raise ModelNotFound(str(model), self.models)
         return name, self._by_model[name]
+
+    def canonical(self, model: str | None) -> str:
+        """The served name behind ``model`` (aliases resolved); unknown names unchanged."""
+        name = self._aliases.get(model or "default", model or self.default_model)
+        return name
 
     def known(self) -> set[str]:
         return set(self._by_model) | set(self._aliases)

@@ -27,6 +27,7 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.proxy.http import parse_model, read_json
+from flowlift.proxy.scheduler import Priority
 from flowlift.proxy.state import STATE
 
 routes = web.RouteTableDef()
@@ -128,7 +129,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         session_id=request.headers.get("x-flowlift-session"))
     created = int(time.time())
     base = {"id": cid, "created": created, "model": model}
-    async with backend.slots:
+    async with backend.slots.slot(Priority.of("interactive")):
         stream = backend.engine.generate(gen)
         try:
             if body.stream:

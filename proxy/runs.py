@@ -12,9 +12,13 @@ Events (``Run.events``) drive the SSE stream of ``POST /v1/workflows``:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
+import time
 from typing import Any
 
+from flowlift.compiler import Plan
+from flowlift.costs import CostTracker
 from flowlift.dataflow import dependencies
 from flowlift.errors import FlowliftError, RequestError, RunError
 from flowlift.graph import (
@@ -36,10 +40,11 @@ from flowlift.local_engine.base import (
 )
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.contracts import check_output
+from flowlift.proxy.scheduler import Priority
 from flowlift.tracing import RunTrace, bind_run, get_logger
 
 log = get_logger("flowlift.runs")
-_CLASS_PRIORITY = {"interactive": 0, "batch": 10}
+WARM_WAIT_S = 30.0  # longest a step waits for its prefix group's first prefill
 
 
 class UpstreamFailed(Exception):
@@ -57,9 +62,16 @@ class Run:
         trace: the run's :class:`RunTrace`.
     """
 
-    def __init__(self, graph: Graph, backends: Backends) -> None:
+    def __init__(self, graph: Graph, backends: Backends, plan: Plan | None = None,
+                 costs: CostTracker | None = None) -> None:
         self.graph = graph
         self.backends = backends
+        self.plan = plan
+        self.costs = costs
+        self._deadline_at = (time.monotonic() + graph.deadline_s
+                             if graph.deadline_s is not None else None)
+        self._warmer: dict[int, str] = {}
+        self._warm: dict[int, asyncio.Event] = {}
         self.run_id = graph.id or f"wf-{secrets.token_hex(8)}"
         self.events: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self.outputs: dict[str, Any] = {}
@@ -154,7 +166,10 @@ class Run:
                     if dep in self.failures:
                         raise UpstreamFailed(f"input {dep!r} failed")
                 self.trace.mark(node.id, "ready", status="queued")
-                if isinstance(node, LLMNode):
+                same_as = self.plan.merged_into.get(node.id) if self.plan else None
+                if same_as is not None:
+                    value = await self._same_as(node.id, same_as)
+                elif isinstance(node, LLMNode):
                     value = await self._llm(node)
                 elif isinstance(node, ToolNode):
                     value = await self._tool(node)
@@ -174,6 +189,40 @@ class Run:
             self.trace.mark(node.id, "finished", status="done")
             self.events.put_nowait(("step.finished", {"step_id": node.id, "value": value}))
             self._done[node.id].set()
+
+    async def _same_as(self, step_id: str, rep: str) -> Any:
+        """An identical call (same model, prompt, params; deterministic): paid once."""
+        await self._done[rep].wait()
+        if rep in self.failures:
+            raise UpstreamFailed(f"identical step {rep!r} failed")
+        self.trace.step(step_id).same_as = rep
+        return self.outputs[rep]
+
+    def _priority(self, step_id: str) -> Priority:
+        remaining = self.plan.tail_ms.get(step_id, 0.0) if self.plan else 0.0
+        slack = None
+        if self._deadline_at is not None:
+            slack = (self._deadline_at - time.monotonic()) * 1000.0 - remaining
+        return Priority.of(self.graph.workflow_class, remaining, slack)
+
+    async def _await_warm(self, step_id: str) -> None:
+        """Siblings sharing a prompt prefix: the first ready one goes; the rest wait until
+        its prefill is done, so they hit the engine's prefix cache (Parrot/SGLang)."""
+        group = self.plan.prefix_group.get(step_id) if self.plan else None
+        if group is None:
+            return
+        if self._warmer.setdefault(group, step_id) == step_id:
+            return
+        event = self._warm.setdefault(group, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout=WARM_WAIT_S)
+        except TimeoutError:
+            log.info("prefix_warm_timeout", group=group)
+
+    def _warmed(self, step_id: str) -> None:
+        group = self.plan.prefix_group.get(step_id) if self.plan else None
+        if group is not None and self._warmer.get(group) == step_id:
+            self._warm.setdefault(group, asyncio.Event()).set()
 
     def _resolve(self, ref: Ref) -> Any:
         return project(self.outputs[ref.ref], ref.path)
@@ -196,29 +245,45 @@ class Run:
                                      top_p=p.top_p, stop=p.stop, seed=p.seed),
             constraint=(OutputConstraint(json_schema=contract.json_schema,
                                          choices=contract.choices) if contract else None),
-            priority=_CLASS_PRIORITY[self.graph.workflow_class],
             session_id=self.run_id)
         st = self.trace.step(node.id)
         st.model = model
         pieces: list[str] = []
-        async with backend.slots:
-            self.trace.mark(node.id, "started", status="running")
-            stream = backend.engine.generate(request)
-            try:
-                async for chunk in stream:
-                    if chunk.text and st.first_token_ms is None:
-                        self.trace.mark(node.id, "first_token")
-                    pieces.append(chunk.text)
-                    if chunk.usage is not None:
-                        st.prompt_tokens = chunk.usage.prompt_tokens
-                        st.completion_tokens = chunk.usage.completion_tokens
-                        st.cached_tokens = chunk.usage.cached_tokens
-            finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+        await self._await_warm(node.id)
+        priority = self._priority(node.id)
+        try:
+            async with backend.slots.slot(priority):
+                self.trace.mark(node.id, "started", status="running")
+                stream = backend.engine.generate(
+                    dataclasses.replace(request, priority=priority.engine_priority()))
+                try:
+                    async for chunk in stream:
+                        if chunk.text and st.first_token_ms is None:
+                            self.trace.mark(node.id, "first_token")
+                            self._warmed(node.id)
+                        pieces.append(chunk.text)
+                        if chunk.usage is not None:
+                            st.prompt_tokens = chunk.usage.prompt_tokens
+                            st.completion_tokens = chunk.usage.completion_tokens
+                            st.cached_tokens = chunk.usage.cached_tokens
+                finally:
+                    await stream.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._warmed(node.id)
         if st.first_token_ms is None:
             self.trace.mark(node.id, "first_token")
         self.trace.mark(node.id, "generated")
+        self._observe(model, st)
         return check_output(contract, "".join(pieces), step_id=node.id)
+
+    def _observe(self, model: str, st: Any) -> None:
+        if self.costs is None or st.started_ms is None:
+            return
+        self.costs.observe(model, prompt_tokens=st.prompt_tokens,
+                           cached_tokens=st.cached_tokens,
+                           completion_tokens=st.completion_tokens,
+                           prefill_ms=st.first_token_ms - st.started_ms,
+                           decode_ms=st.generated_ms - st.first_token_ms)
 
     async def _tool(self, node: ToolNode) -> Any:
         def arg(a: Any) -> Any:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from flowlift.costs import CostTracker
+
 if TYPE_CHECKING:
     from flowlift.proxy.backends import Backends
     from flowlift.proxy.workflows import RunRegistry
@@ -35,6 +37,7 @@ class ProxyState:
     backends: Backends
     runs: RunRegistry
     config: ProxyConfig
+    costs: CostTracker = field(default_factory=CostTracker)
     started_at: float = field(default_factory=time.time)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     load_error: str | None = None

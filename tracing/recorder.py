@@ -37,6 +37,7 @@ class StepTrace:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    same_as: str | None = None  # an identical call whose output this step reused
 
     def durations_ms(self) -> dict[str, float]:
         """Time per stage in ms; stages that did not happen are absent."""

@@ -191,8 +191,8 @@ class FakeEngine(Engine):
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def count_tokens(self, model: str, text: str) -> int | None:
-        return len(text.split())
+    def tokenize(self, model: str, text: str) -> list[int] | None:
+        return [hash(w) & 0xFFFFFFFF for w in text.split()]
 
 
 def parse_sse(text: str) -> list[tuple[str, Any]]:

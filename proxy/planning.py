@@ -1,0 +1,38 @@
+"""Compiling graphs inside the proxy: the compiler fed with this proxy's tokenizers,
+measured cost models and backend capabilities."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flowlift.compiler import CompileOptions, Plan, approximate_tokenize, compile_graph
+from flowlift.costs import CostModel, CostTracker
+from flowlift.graph import Graph
+from flowlift.proxy.backends import Backends
+
+
+def compile_options(backends: Backends, costs: CostTracker) -> CompileOptions:
+    def tokenize(model: str, text: str) -> Sequence[int]:
+        name = backends.canonical(model)
+        if name in backends.models:
+            ids = backends.resolve(name)[1].engine.tokenize(name, text)
+            if ids is not None:
+                return ids
+        return approximate_tokenize(model, text)
+
+    def cost(model: str) -> CostModel:
+        return costs.model(backends.canonical(model))
+
+    def enforces(model: str) -> bool:
+        name = backends.canonical(model)
+        return name not in backends.models or \
+            backends.resolve(name)[1].engine.capabilities.structured_outputs
+
+    return CompileOptions(default_model=backends.default_model, tokenize=tokenize,
+                          costs=cost, enforces=enforces,
+                          max_concurrency=sum(b.max_concurrency for b in backends.backends))
+
+
+def plan(graph: Graph, backends: Backends, costs: CostTracker) -> Plan:
+    """Compile ``graph`` for this proxy (pure; run it off the event loop for big graphs)."""
+    return compile_graph(graph, compile_options(backends, costs))

@@ -1,0 +1,148 @@
+"""Per-backend dispatch: a bounded number of engine slots handed out by priority.
+
+Ready steps wait here, not inside the engine, so flowlift decides the order
+(Autellix, 2025: program-level priority by critical path; SAGA, 2026: the workflow as
+the scheduling unit). The order is:
+
+1. workflow class: ``interactive`` before ``batch``;
+2. remaining critical-path length of the step (longest first);
+3. deadline slack (least first);
+4. arrival.
+
+``reserved_interactive`` slots are never given to batch work, so an interactive
+continuation never waits behind batch work for a free slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+
+CLASS_RANK = {"interactive": 0, "batch": 1}
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class Priority:
+    """Sort key of a waiting step (smaller runs first)."""
+
+    class_rank: int = 0
+    neg_remaining_ms: float = 0.0
+    slack_ms: float = math.inf
+
+    @classmethod
+    def of(cls, workflow_class: str, remaining_ms: float = 0.0,
+           slack_ms: float | None = None) -> Priority:
+        return cls(CLASS_RANK.get(workflow_class, 0), -remaining_ms,
+                   math.inf if slack_ms is None else slack_ms)
+
+    @property
+    def interactive(self) -> bool:
+        return self.class_rank == 0
+
+    def engine_priority(self) -> int:
+        """The same order as one integer for vLLM's ``priority`` (lower runs earlier)."""
+        return self.class_rank * 1_000_000_000 - int(min(-self.neg_remaining_ms, 999_999_999))
+
+
+@dataclass(order=True, slots=True)
+class _Waiter:
+    priority: Priority
+    seq: int
+    future: asyncio.Future[None] = field(compare=False)
+
+
+class PrioritySlots:
+    """``capacity`` engine slots, granted by :class:`Priority`.
+
+    Args:
+        capacity: requests in flight on the backend.
+        reserved_interactive: slots batch work may never take (at most capacity - 1).
+    """
+
+    def __init__(self, capacity: int, reserved_interactive: int = 1) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self.reserved = min(max(reserved_interactive, 0), capacity - 1)
+        self.in_use = 0
+        self.batch_in_use = 0
+        self._heap: list[_Waiter] = []
+        self._seq = itertools.count()
+        self._grant_pending = False
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for w in self._heap if not w.future.done())
+
+    def queued_by_class(self) -> dict[str, int]:
+        out = {"interactive": 0, "batch": 0}
+        for w in self._heap:
+            if not w.future.done():
+                out["interactive" if w.priority.interactive else "batch"] += 1
+        return out
+
+    def _can_take(self, p: Priority) -> bool:
+        if self.in_use >= self.capacity:
+            return False
+        return p.interactive or self.batch_in_use < self.capacity - self.reserved
+
+    def _take(self, p: Priority) -> None:
+        self.in_use += 1
+        if not p.interactive:
+            self.batch_in_use += 1
+
+    async def acquire(self, priority: Priority) -> None:
+        """Wait for a slot. Cancelling the wait gives nothing up and leaks nothing.
+
+        Grants happen in a callback after the current loop iteration, so steps that
+        become ready together are ordered by priority, not by who asked first.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        heapq.heappush(self._heap, _Waiter(priority, next(self._seq), fut))
+        if not self._grant_pending:
+            self._grant_pending = True
+            loop.call_soon(self._grant)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(priority)  # granted just as we were cancelled
+            raise
+
+    def release(self, priority: Priority) -> None:
+        self.in_use -= 1
+        if not priority.interactive:
+            self.batch_in_use -= 1
+        self._grant()
+
+    def _grant(self) -> None:
+        self._grant_pending = False
+        while self._heap:
+            best = self._heap[0]
+            if best.future.done():  # cancelled while waiting
+                heapq.heappop(self._heap)
+                continue
+            if not self._can_take(best.priority):
+                return
+            heapq.heappop(self._heap)
+            self._take(best.priority)
+            best.future.set_result(None)
+
+    def slot(self, priority: Priority) -> _Slot:
+        """``async with slots.slot(priority):`` -- acquire, then release on exit."""
+        return _Slot(self, priority)
+
+
+class _Slot:
+    def __init__(self, slots: PrioritySlots, priority: Priority) -> None:
+        self._slots, self._priority = slots, priority
+
+    async def __aenter__(self) -> None:
+        await self._slots.acquire(self._priority)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._slots.release(self._priority)

@@ -1,0 +1,334 @@
+"""The workflow compiler: a plan and a report from a graph, pure code with no I/O.
+
+What it finds (sources: Parrot, OSDI'24 -- dataflow over Semantic Variables and shared
+prompt prefixes; Halo, 2025 -- a batch of workflows as one consolidated query-plan DAG;
+Autellix, 2025 -- program-level priority by critical path):
+
+* dependencies from dataflow and parallel levels;
+* identical calls (same model, same resolved prompt, same params, deterministic
+  sampling), so each is paid once;
+* shared prompt prefixes across nodes, in tokens of the model's tokenizer;
+* per-node cost under a per-model :class:`~flowlift.costs.CostModel`, the critical
+  path, and each node's remaining critical-path length (the scheduler's priority);
+* model switches and a residency plan (which model must stay loaded until when);
+* deadline feasibility and where the chain is forced to break (client-run steps,
+  contracts a backend cannot enforce natively).
+
+Injection points keep it pure: ``tokenize(model, text) -> token ids``,
+``costs(model) -> CostModel``, ``enforces(model) -> bool``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowlift.costs import UNMEASURED, CostModel
+from flowlift.dataflow import dependencies, levels
+from flowlift.graph import Graph, InputNode, LLMNode, Node, Ref, ToolNode
+from flowlift.report import (
+    BreakReport,
+    CompileReport,
+    MergeReport,
+    NodeReport,
+    PrefixGroupReport,
+    ResidencyReport,
+)
+
+Tokenize = Callable[[str, str], Sequence[int]]
+_WORDS = re.compile(r"\w+|[^\w\s]|\s+")
+MIN_SHARED_PREFIX_TOKENS = 16  # one vLLM KV block
+
+
+def approximate_tokenize(model: str, text: str) -> list[int]:
+    """Words, punctuation and whitespace runs as stable integer ids (no tokenizer at
+    hand). Counts come out near a BPE tokenizer's for English prose."""
+    return [int.from_bytes(hashlib.blake2b(t.encode(), digest_size=6).digest(), "big")
+            for t in _WORDS.findall(text)]
+
+
+@dataclass(frozen=True, slots=True)
+class CompileOptions:
+    """Inputs of a compilation besides the graph.
+
+    Attributes:
+        default_model: the model of nodes that name none.
+        tokenize: ``(model, text) -> token ids``; the default is approximate.
+        costs: ``model -> CostModel`` (measured figures from the proxy).
+        enforces: ``model -> bool``: can its backend constrain decoding natively?
+        max_concurrency: steps the backends run at once (for the capacity bound).
+        tool_ms: expected duration of a client-run step.
+    """
+
+    default_model: str = "default"
+    tokenize: Tokenize = approximate_tokenize
+    costs: Callable[[str], CostModel] = field(default=lambda model: UNMEASURED)
+    enforces: Callable[[str], bool] = field(default=lambda model: True)
+    max_concurrency: int = 16
+    tool_ms: float = 50.0
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the scheduler uses: per-node priorities and groups (ids -> values)."""
+
+    tail_ms: dict[str, float]
+    cost_ms: dict[str, float]
+    merged_into: dict[str, str]
+    prefix_group: dict[str, int]
+    group_leader: dict[int, str]
+    report: CompileReport
+
+
+def _literal_prefix(node: LLMNode) -> str:
+    out = []
+    for msg in node.messages:
+        out.append(f"<|{msg.role}|>")
+        for part in msg.content:
+            if isinstance(part, Ref):
+                return "".join(out)
+            out.append(part.text)
+    return "".join(out)
+
+
+def _deterministic(node: LLMNode) -> bool:
+    return node.params.temperature == 0.0 or node.params.seed is not None
+
+
+def _canonical(node: Node, canon: dict[str, str]) -> str | None:
+    """A key equal for identical calls (refs replaced by their representatives)."""
+    def ref(r: Ref) -> dict[str, Any]:
+        return {"ref": canon.get(r.ref, r.ref), "path": list(r.path)}
+
+    if isinstance(node, InputNode):
+        body: Any = {"input": node.value}
+    elif isinstance(node, LLMNode):
+        if not _deterministic(node):
+            return None
+        body = {"model": node.model, "params": node.params.model_dump(mode="json"),
+                "contract": node.contract.model_dump(mode="json") if node.contract else None,
+                "messages": [[m.role, [ref(p) if isinstance(p, Ref) else p.text
+                                       for p in m.content]] for m in node.messages]}
+    else:
+        return None  # client-run steps may have side effects: never merged
+    return json.dumps(body, sort_keys=True, default=str)
+
+
+def find_identical(graph: Graph, order: Sequence[str]) -> dict[str, str]:
+    """``node id -> representative id`` for every node whose call repeats an earlier one."""
+    nodes = graph.node_map()
+    canon: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    merged: dict[str, str] = {}
+    for nid in order:
+        key = _canonical(nodes[nid], canon)
+        if key is not None and key in seen:
+            canon[nid] = merged[nid] = seen[key]
+        else:
+            canon[nid] = nid
+            if key is not None:
+                seen[key] = nid
+    return merged
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prefix_groups(prefixes: dict[str, tuple[str, Sequence[int]]],
+                  min_tokens: int = MIN_SHARED_PREFIX_TOKENS) -> list[tuple[int, list[str]]]:
+    """Groups of nodes (same model) whose prompts start with the same ``>= min_tokens``
+    tokens: ``[(shared_tokens, [node ids in dispatch order])]``."""
+    ordered = sorted(prefixes.items(), key=lambda kv: (kv[1][0], tuple(kv[1][1])))
+    groups: list[tuple[int, list[str]]] = []
+    run: list[str] = []
+    run_len = 0
+    prev: tuple[str, Sequence[int]] | None = None
+    for nid, (model, toks) in ordered:
+        lcp = _lcp(prev[1], toks) if prev is not None and prev[0] == model else 0
+        if lcp >= min_tokens:
+            run.append(nid)
+            run_len = min(run_len, lcp) if len(run) > 2 else lcp
+        else:
+            if len(run) > 1:
+                groups.append((run_len, run))
+            run, run_len = [nid], 0
+        prev = (model, toks)
+    if len(run) > 1:
+        groups.append((run_len, run))
+    return groups
+
+
+def _output_tokens(node: LLMNode, opts: CompileOptions, model: str) -> float:
+    if node.contract is not None and node.contract.choices is not None:
+        return float(max(len(opts.tokenize(model, c)) for c in node.contract.choices) + 1)
+    return float(node.params.max_tokens or 256)
+
+
+def _prompt_tokens(node: LLMNode, opts: CompileOptions, model: str,
+                   out_tokens: dict[str, float]) -> float:
+    total = 0.0
+    for msg in node.messages:
+        total += 4  # chat-template tokens per message
+        for part in msg.content:
+            total += (out_tokens.get(part.ref, 16.0) if isinstance(part, Ref)
+                      else len(opts.tokenize(model, part.text)))
+    return total
+
+
+def _topological(graph: Graph) -> list[str]:
+    return [nid for level in levels(graph) for nid in level]
+
+
+def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
+    """Compile a validated graph into a :class:`Plan` (with its :class:`CompileReport`).
+
+    Costs are estimates: output length is taken at ``max_tokens`` (the bound; a label's
+    length for choice contracts), a reference adds its producer's output length.
+
+    Raises:
+        GraphError: when the graph has a cycle.
+    """
+    opts = opts or CompileOptions()
+    deps = dependencies(graph)
+    order = _topological(graph)
+    nodes = graph.node_map()
+    merged = find_identical(graph, order)
+    model_of = {nid: (n.model or opts.default_model) for nid, n in nodes.items()
+                if isinstance(n, LLMNode)}
+
+    prefixes = {nid: (model_of[nid], opts.tokenize(model_of[nid], _literal_prefix(n)))
+                for nid, n in nodes.items()
+                if isinstance(n, LLMNode) and nid not in merged}
+    groups = prefix_groups(prefixes)
+    pos = {nid: i for i, nid in enumerate(order)}
+    group_of: dict[str, int] = {}
+    shared_of: dict[str, int] = {}
+    leader: dict[int, str] = {}
+    for gi, (shared, members) in enumerate(groups):
+        # the member that can start first warms the cache for the rest
+        members.sort(key=lambda m: (len(deps[m]), pos[m]))
+        leader[gi] = members[0]
+        for m in members:
+            group_of[m] = gi
+            shared_of[m] = 0 if m == members[0] else shared
+
+    out_tok: dict[str, float] = {}
+    cost: dict[str, float] = {}
+    prompt_tok: dict[str, float] = {}
+    for nid in order:
+        node = nodes[nid]
+        if nid in merged:
+            cost[nid] = 0.0
+            out_tok[nid] = out_tok.get(merged[nid], 16.0)
+        elif isinstance(node, LLMNode):
+            model = model_of[nid]
+            out_tok[nid] = _output_tokens(node, opts, model)
+            prompt_tok[nid] = _prompt_tokens(node, opts, model, out_tok)
+            uncached = max(prompt_tok[nid] - shared_of.get(nid, 0), 0.0)
+            cost[nid] = opts.costs(model).step_ms(uncached, out_tok[nid])
+        elif isinstance(node, ToolNode):
+            cost[nid], out_tok[nid] = opts.tool_ms, 32.0
+        else:
+            cost[nid] = 0.0
+            out_tok[nid] = float(len(opts.tokenize(opts.default_model, str(node.value))))
+
+    start: dict[str, float] = {}
+    for nid in order:
+        start[nid] = max((start[d] + cost[d] for d in deps[nid]), default=0.0)
+    children: dict[str, list[str]] = {nid: [] for nid in order}
+    for nid, ds in deps.items():
+        for d in ds:
+            children[d].append(nid)
+    tail: dict[str, float] = {}
+    for nid in reversed(order):
+        tail[nid] = cost[nid] + max((tail[c] for c in children[nid]), default=0.0)
+
+    path = _critical_path(order, deps, tail, children)
+    report = _report(graph, opts, order, deps, nodes, merged, model_of, groups, leader,
+                     cost, tail, start, prompt_tok, out_tok, path, group_of)
+    return Plan(tail_ms=tail, cost_ms=cost, merged_into=merged, prefix_group=group_of,
+                group_leader=leader, report=report)
+
+
+def _critical_path(order: list[str], deps: dict[str, frozenset[str]],
+                   tail: dict[str, float], children: dict[str, list[str]]) -> list[str]:
+    roots = [n for n in order if not deps[n]]
+    if not roots:
+        return []
+    node = max(roots, key=lambda n: tail[n])
+    path = [node]
+    while children[node]:
+        node = max(children[node], key=lambda c: tail[c])
+        path.append(node)
+    return path
+
+
+def _residency(order: list[str], model_of: dict[str, str], start: dict[str, float],
+               cost: dict[str, float]) -> tuple[list[ResidencyReport], int]:
+    windows: dict[str, list[float]] = {}
+    for nid, model in model_of.items():
+        w = windows.setdefault(model, [start[nid], start[nid] + cost[nid], 0])
+        w[0] = min(w[0], start[nid])
+        w[1] = max(w[1], start[nid] + cost[nid])
+        w[2] += 1
+    dispatch = sorted((n for n in order if n in model_of), key=lambda n: start[n])
+    switches = sum(1 for a, b in itertools.pairwise(dispatch)
+                   if model_of[a] != model_of[b])
+    return [ResidencyReport(model=m, load_by_ms=round(w[0], 1), keep_until_ms=round(w[1], 1),
+                            steps=int(w[2])) for m, w in sorted(windows.items())], switches
+
+
+def _report(graph: Graph, opts: CompileOptions, order: list[str],
+            deps: dict[str, frozenset[str]], nodes: dict[str, Node], merged: dict[str, str],
+            model_of: dict[str, str], groups: list[tuple[int, list[str]]],
+            leader: dict[int, str], cost: dict[str, float], tail: dict[str, float],
+            start: dict[str, float], prompt_tok: dict[str, float], out_tok: dict[str, float],
+            path: list[str], group_of: dict[str, int]) -> CompileReport:
+    depth = {nid: k for k, level in enumerate(levels(graph)) for nid in level}
+    on_path = set(path)
+    breaks = [BreakReport(step_id=nid, reason="client-run @tool step: the chain leaves the "
+                          "server and waits for the app") for nid in order
+              if isinstance(nodes[nid], ToolNode)]
+    for nid in order:
+        node = nodes[nid]
+        if (isinstance(node, LLMNode) and node.contract is not None
+                and not opts.enforces(model_of[nid])):
+            breaks.append(BreakReport(step_id=nid, reason=f"contract not enforceable by "
+                                      f"{model_of[nid]}'s backend: checked after generation"))
+    critical_ms = max(tail.values(), default=0.0)
+    work_ms = sum(cost.values())
+    bound_ms = max(critical_ms, work_ms / max(opts.max_concurrency, 1))
+    residency, switches = _residency(order, model_of, start, cost)
+    deadline_ms = graph.deadline_s * 1000 if graph.deadline_s else None
+    used = {model_of[n] for n in model_of}
+    return CompileReport(
+        name=graph.name, workflow_class=graph.workflow_class, steps=len(order),
+        levels=1 + max(depth.values(), default=-1),
+        critical_path=path, critical_path_ms=round(critical_ms, 1),
+        total_work_ms=round(work_ms, 1), lower_bound_ms=round(bound_ms, 1),
+        deadline_ms=deadline_ms,
+        deadline_feasible=None if deadline_ms is None else bound_ms <= deadline_ms,
+        prefix_groups=[PrefixGroupReport(shared_tokens=s, steps=len(m), leader=leader[i],
+                                         tokens_saved=s * (len(m) - 1), members=m[:20])
+                       for i, (s, m) in enumerate(groups)],
+        merges=[MergeReport(step_id=k, same_as=v) for k, v in merged.items()],
+        model_switches=switches, residency=residency, breaks=breaks,
+        cost_models={m: opts.costs(m) for m in sorted(used)},
+        nodes=[NodeReport(step_id=nid, kind=nodes[nid].kind, model=model_of.get(nid),
+                          level=depth[nid], deps=sorted(deps[nid]),
+                          est_ms=round(cost[nid], 1), start_ms=round(start[nid], 1),
+                          remaining_ms=round(tail[nid], 1), critical=nid in on_path,
+                          prompt_tokens=round(prompt_tok.get(nid, 0)),
+                          output_tokens=round(out_tok.get(nid, 0)),
+                          prefix_group=group_of.get(nid), same_as=merged.get(nid))
+               for nid in order])

@@ -1,0 +1,126 @@
+"""The compiler's report: one data model, three faces (terminal table, JSON, web page).
+
+``flowlift compile GRAPH.json`` prints :func:`format_report` (``--json`` prints the
+model), ``POST /v1/workflows:compile`` answers with the JSON. Times are estimates in
+ms under the listed cost models.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from flowlift.costs import CostModel
+
+
+class _Report(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class NodeReport(_Report):
+    step_id: str
+    kind: str
+    model: str | None
+    level: int
+    deps: list[str]
+    est_ms: float
+    start_ms: float
+    remaining_ms: float
+    critical: bool
+    prompt_tokens: int
+    output_tokens: int
+    prefix_group: int | None
+    same_as: str | None
+
+
+class PrefixGroupReport(_Report):
+    shared_tokens: int
+    steps: int
+    leader: str
+    tokens_saved: int
+    members: list[str]
+
+
+class MergeReport(_Report):
+    step_id: str
+    same_as: str
+
+
+class ResidencyReport(_Report):
+    model: str
+    load_by_ms: float
+    keep_until_ms: float
+    steps: int
+
+
+class BreakReport(_Report):
+    step_id: str
+    reason: str
+
+
+class CompileReport(_Report):
+    """Everything the compiler found about one graph."""
+
+    name: str
+    workflow_class: str
+    steps: int
+    levels: int
+    critical_path: list[str]
+    critical_path_ms: float
+    total_work_ms: float
+    lower_bound_ms: float
+    deadline_ms: float | None
+    deadline_feasible: bool | None
+    prefix_groups: list[PrefixGroupReport]
+    merges: list[MergeReport]
+    model_switches: int
+    residency: list[ResidencyReport]
+    breaks: list[BreakReport]
+    cost_models: dict[str, CostModel]
+    nodes: list[NodeReport]
+
+
+def _s(ms: float) -> str:
+    return f"{ms / 1000:.2f} s"
+
+
+def format_report(r: CompileReport, max_rows: int = 40) -> str:
+    """A readable terminal summary of a compile report."""
+    lines = [f"workflow {r.name!r} ({r.workflow_class}): {r.steps} steps in {r.levels} "
+             "parallel levels",
+             f"critical path: {_s(r.critical_path_ms)} over {len(r.critical_path)} steps "
+             f"({' -> '.join(r.critical_path[:8])}{' ...' if len(r.critical_path) > 8 else ''})",
+             f"total work {_s(r.total_work_ms)}; lower bound with the configured concurrency "
+             f"{_s(r.lower_bound_ms)}"]
+    if r.deadline_ms is not None:
+        verdict = "feasible" if r.deadline_feasible else "NOT feasible"
+        lines.append(f"deadline {_s(r.deadline_ms)}: {verdict}")
+    saved = sum(g.tokens_saved for g in r.prefix_groups)
+    lines.append(f"shared prefixes: {len(r.prefix_groups)} group(s), {saved} prompt tokens "
+                 "served from the prefix cache instead of prefilled")
+    for g in r.prefix_groups[:5]:
+        lines.append(f"  {g.steps} steps share {g.shared_tokens} tokens (warmed by {g.leader})")
+    lines.append(f"identical calls merged: {len(r.merges)}")
+    lines.append(f"model switches: {r.model_switches}; residency: " + ", ".join(
+        f"{x.model} {_s(x.load_by_ms)}-{_s(x.keep_until_ms)} ({x.steps} steps)"
+        for x in r.residency))
+    for name, cm in r.cost_models.items():
+        lines.append(f"cost model {name} ({cm.source}, {cm.samples} samples): prefill "
+                     f"{cm.prefill_tps:.0f} tok/s, {cm.tpot_ms:.1f} ms/token, "
+                     f"overhead {cm.ttft_overhead_ms:.0f} ms")
+    if r.breaks:
+        lines.append(f"chain breaks: {len(r.breaks)}")
+        lines += [f"  {b.step_id}: {b.reason}" for b in r.breaks[:5]]
+    lines.append("")
+    lines.append(f"{'step':<24} {'lvl':>3} {'model':<22} {'est s':>7} {'start s':>8} "
+                 f"{'rest s':>7} {'prompt':>6} {'out':>4}  notes")
+    for n in r.nodes[:max_rows]:
+        notes = " ".join(x for x in ("*critical" if n.critical else "",
+                                     f"prefix#{n.prefix_group}" if n.prefix_group is not None
+                                     else "", f"=={n.same_as}" if n.same_as else "") if x)
+        lines.append(f"{n.step_id[:24]:<24} {n.level:>3} {(n.model or '-')[:22]:<22} "
+                     f"{n.est_ms / 1000:>7.2f} {n.start_ms / 1000:>8.2f} "
+                     f"{n.remaining_ms / 1000:>7.2f} {n.prompt_tokens:>6} {n.output_tokens:>4}"
+                     f"  {notes}")
+    if len(r.nodes) > max_rows:
+        lines.append(f"... {len(r.nodes) - max_rows} more steps (--json for all)")
+    return "\n".join(lines)
