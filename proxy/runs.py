@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
-import time
 from typing import Any
 
 from flowlift.compiler import Plan
@@ -40,6 +39,7 @@ from flowlift.local_engine.base import (
 )
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.contracts import check_output
+from flowlift.proxy.deadline import DeadlineClock
 from flowlift.proxy.scheduler import Priority
 from flowlift.tracing import RunTrace, bind_run, get_logger
 
@@ -68,8 +68,7 @@ class Run:
         self.backends = backends
         self.plan = plan
         self.costs = costs
-        self._deadline_at = (time.monotonic() + graph.deadline_s
-                             if graph.deadline_s is not None else None)
+        self.clock = DeadlineClock(graph.deadline_s) if graph.deadline_s is not None else None
         self._warmer: dict[int, str] = {}
         self._warm: dict[int, asyncio.Event] = {}
         self.run_id = graph.id or f"wf-{secrets.token_hex(8)}"
@@ -120,30 +119,36 @@ class Run:
                                                 "steps": [n.id for n in self.graph.nodes]}))
         with bind_run(workflow_id=self.run_id):
             tasks = [asyncio.create_task(self._node(n)) for n in self.graph.nodes]
+            work = asyncio.gather(*tasks)
+            watch = asyncio.ensure_future(self.clock.expired() if self.clock else work)
             try:
-                if self.graph.deadline_s is not None:
-                    async with asyncio.timeout(self.graph.deadline_s):
-                        await asyncio.gather(*tasks)
-                else:
-                    await asyncio.gather(*tasks)
-            except TimeoutError:
-                self._fail_unfinished(tasks, "deadline of "
-                                      f"{self.graph.deadline_s} s exceeded")
+                await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not work.done():
+                    self._fail_unfinished(tasks, f"deadline of {self.graph.deadline_s} s "
+                                          "exceeded")
             except asyncio.CancelledError:
                 self._fail_unfinished(tasks, "run cancelled")
                 self._close("cancelled")
                 raise
+            finally:
+                watch.cancel()
+                work.cancel()
         self._close("failed" if self.failures else "succeeded")
 
     def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str) -> None:
         for task in tasks:
             task.cancel()
+        now = self.trace.now_ms()
         for node in self.graph.nodes:
             if node.id not in self.outputs and node.id not in self.failures:
                 st = self.trace.step(node.id)
-                spent = (f" (queued {st.started_ms - st.ready_ms:.0f} ms)"
-                         if st.ready_ms is not None and st.started_ms is not None else
-                         " (never left the queue)" if st.ready_ms is not None else "")
+                if st.ready_ms is None:
+                    spent = " before its inputs were ready"
+                elif st.started_ms is None:
+                    spent = f": step {node.id!r} spent {now - st.ready_ms:.0f} ms queued"
+                else:
+                    spent = (f": step {node.id!r} spent {st.started_ms - st.ready_ms:.0f} ms "
+                             f"queued and {now - st.started_ms:.0f} ms running")
                 self._failed(node.id, f"{why}{spent}")
 
     def _close(self, status: str) -> None:
@@ -200,9 +205,7 @@ class Run:
 
     def _priority(self, step_id: str) -> Priority:
         remaining = self.plan.tail_ms.get(step_id, 0.0) if self.plan else 0.0
-        slack = None
-        if self._deadline_at is not None:
-            slack = (self._deadline_at - time.monotonic()) * 1000.0 - remaining
+        slack = None if self.clock is None else self.clock.left_s() * 1000.0 - remaining
         return Priority.of(self.graph.workflow_class, remaining, slack)
 
     async def _await_warm(self, step_id: str) -> None:
@@ -299,4 +302,7 @@ class Run:
         self.events.put_nowait(("tool.wanted", {
             "step_id": node.id, "name": node.name, "args": [arg(a) for a in node.args],
             "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}))
-        return await fut
+        if self.clock is None:
+            return await fut
+        async with self.clock.paused():  # the app has the ball: the deadline clock stops
+            return await fut

@@ -16,6 +16,7 @@ with the failed rows marked); 2 when no proxy could be reached.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import shutil
 import sys
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=None,
                         help="table width in characters (default: the terminal's, "
                              "at least 120)")
+    parser.add_argument("--dump-graph", metavar="PATH", default=None,
+                        help="only record the workflow and write its graph (JSON) here, "
+                             "for `flowlift compile PATH`")
     args = parser.parse_args(argv)
 
     docs = load_documents(args.limit)
@@ -227,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     failed_run: WorkflowFailed | None = None
     try:
         with workflow("stdlib-docs", workflow_class="batch", trace_path=args.trace,
-                      metadata={"example": "stdlib_docs", "documents": len(docs)}) as wf:
+                      metadata={"example": "stdlib_docs", "documents": len(docs)},
+                      submit=args.dump_graph is None) as wf:
             for doc in docs:
                 facts = extract(doc)
                 label = classify(doc, facts)
@@ -241,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    if args.dump_graph is not None:
+        path = Path(args.dump_graph)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(wf.graph().to_wire(), indent=1))
+        print(f"graph of {len(wf.nodes)} steps written to {path}")
+        return 0
     rows = collect(docs, outs)
     width = args.width or max(shutil.get_terminal_size((140, 24)).columns, 120)
     print(table(rows, width))

@@ -4,6 +4,8 @@
   127.0.0.1:8470).
 * ``flowlift run SCRIPT [ARGS...]`` -- run a Python script that uses ``workflow(...)``;
   starts a proxy for it when none answers at ``--base-url`` and stops it afterwards.
+* ``flowlift compile GRAPH.json`` -- the compiler's report (``--json`` for machines);
+  asks the proxy when one answers (measured costs, real tokenizer), else compiles locally.
 """
 
 from __future__ import annotations
@@ -114,6 +116,47 @@ def cmd_run(args: argparse.Namespace) -> int:
                 proc.kill()
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    import json
+
+    from flowlift.compiler import compile_graph
+    from flowlift.dataflow import validate
+    from flowlift.errors import GraphError
+    from flowlift.graph import Graph
+    from flowlift.report import CompileReport, format_report
+
+    try:
+        doc = json.loads(Path(args.graph).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"flowlift compile: cannot read {args.graph}: {exc}", file=sys.stderr)
+        return 2
+    report = None
+    if not args.local:
+        try:
+            r = httpx.post(f"{args.base_url.rstrip('/')}/v1/workflows:compile", json=doc,
+                           timeout=120)
+        except httpx.HTTPError:
+            print(f"flowlift compile: no proxy at {args.base_url}; compiling locally with "
+                  "default cost figures and an approximate tokenizer", file=sys.stderr)
+        else:
+            if r.status_code != 200:
+                err = r.json().get("error", {})
+                for problem in err.get("problems") or [err.get("message", r.text)]:
+                    print(f"flowlift compile: {problem}", file=sys.stderr)
+                return 1
+            report = CompileReport.model_validate(r.json())
+    if report is None:
+        try:
+            graph = Graph.model_validate(doc)
+            validate(graph)
+        except (GraphError, ValueError) as exc:
+            print(f"flowlift compile: {exc}", file=sys.stderr)
+            return 1
+        report = compile_graph(graph).report
+    print(report.model_dump_json(indent=2) if args.json else format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowlift", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,12 +190,25 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-dir", default="runs", help="proxy log and traces (default runs/)")
     run.add_argument("--ready-timeout-s", type=float, default=900.0)
     run.set_defaults(func=cmd_run)
+
+    comp = sub.add_parser("compile", help="the compiler's report for a graph (JSON file)")
+    comp.add_argument("graph", help="a graph document (see `workflow(..., submit=False)`)")
+    comp.add_argument("--json", action="store_true", help="print the report as JSON")
+    comp.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL",
+                                                            DEFAULT_BASE_URL),
+                      help="ask this proxy (its tokenizers and measured cost models)")
+    comp.add_argument("--local", action="store_true", help="do not ask a proxy")
+    comp.set_defaults(func=cmd_compile)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # `flowlift compile ... | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

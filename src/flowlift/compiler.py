@@ -41,13 +41,13 @@ from flowlift.report import (
 )
 
 Tokenize = Callable[[str, str], Sequence[int]]
-_WORDS = re.compile(r"\w+|[^\w\s]|\s+")
+_WORDS = re.compile(r"\w+|[^\w\s]")
 MIN_SHARED_PREFIX_TOKENS = 16  # one vLLM KV block
 
 
 def approximate_tokenize(model: str, text: str) -> list[int]:
-    """Words, punctuation and whitespace runs as stable integer ids (no tokenizer at
-    hand). Counts come out near a BPE tokenizer's for English prose."""
+    """Words and punctuation marks as stable integer ids, for when no tokenizer is at
+    hand. Counts come out near a BPE tokenizer's for English prose."""
     return [int.from_bytes(hashlib.blake2b(t.encode(), digest_size=6).digest(), "big")
             for t in _WORDS.findall(text)]
 
