@@ -21,8 +21,9 @@ from flowlift.local_engine.base import Engine
 from flowlift.proxy import openai_api, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
+from flowlift.proxy.registry import RunRegistry
 from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
-from flowlift.proxy.workflows import RunRegistry
+from flowlift.proxy.store import RunStore
 
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models", "/v1/workflows:compile"})
 
@@ -59,19 +60,29 @@ async def _load_engines(app: web.Application) -> None:
         log.exception("engine_load_failed")
         return
     state.load_time_s = round(time.monotonic() - t0, 2)
+    state.runs.resume_all(state.backends, state.costs)
     state.ready.set()
     log.info("engine_ready", models=state.backends.models, load_time_s=state.load_time_s)
 
 
+async def _sweep(app: web.Application, every_s: float = 5.0) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        app[STATE].runs.sweep()
+
+
 async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     loader = asyncio.create_task(_load_engines(app))
+    sweeper = asyncio.create_task(_sweep(app))
     yield
     loader.cancel()
+    sweeper.cancel()
     state: ProxyState = app[STATE]
     for run in list(state.runs.active.values()):
-        run.cancel()
+        run.suspend()  # persisted runs resume when the proxy starts again
     for engine in state.backends.engines:
         await engine.close()
+    state.runs.store.close()
 
 
 def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None) -> web.Application:
@@ -89,7 +100,9 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None)
                           middlewares=[openai_errors, require_ready])
     app[STATE] = ProxyState(
         backends=Backends(engines, max_concurrency=config.max_concurrency),
-        runs=RunRegistry(config.trace_dir), config=config)
+        runs=RunRegistry(RunStore(config.state_path or ":memory:"), config.trace_dir,
+                         detached_timeout_s=config.detached_timeout_s),
+        config=config)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.add_routes(openai_api.routes)

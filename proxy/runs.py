@@ -5,15 +5,19 @@ come from references, so independent nodes run concurrently and a node that read
 two outputs waits for both (case W1). A failed step fails only the steps downstream
 of it; everything else still runs and every finished output is kept.
 
-Events (``Run.events``) drive the SSE stream of ``POST /v1/workflows``:
-``run.started``, ``step.finished``, ``step.failed``, ``tool.wanted``, ``run.finished``.
+Events (``Run.log``, numbered) drive the SSE stream of ``POST /v1/workflows``:
+``run.started`` (or ``run.resumed``), ``step.finished``, ``step.failed``,
+``tool.wanted``, ``run.finished``. A run restored from the store starts with its
+finished outputs and failures in place and runs only what is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from flowlift.compiler import Plan
@@ -40,7 +44,9 @@ from flowlift.local_engine.base import (
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.contracts import check_output
 from flowlift.proxy.deadline import DeadlineClock
+from flowlift.proxy.events import EventLog
 from flowlift.proxy.scheduler import Priority
+from flowlift.proxy.store import StoredRun
 from flowlift.tracing import RunTrace, bind_run, get_logger
 
 log = get_logger("flowlift.runs")
@@ -56,14 +62,16 @@ class Run:
 
     Attributes:
         run_id: ``wf-`` + random hex (or the graph's own ``id``).
-        events: queue of ``(event_name, data)`` for the client.
+        log: the numbered event log (replayable; persisted through ``sink``).
         outputs: step id -> output value, filled as steps finish.
         failures: step id -> error message.
         trace: the run's :class:`RunTrace`.
     """
 
     def __init__(self, graph: Graph, backends: Backends, plan: Plan | None = None,
-                 costs: CostTracker | None = None) -> None:
+                 costs: CostTracker | None = None, *, run_id: str | None = None,
+                 sink: Callable[[str, int, str, dict[str, Any]], None] | None = None,
+                 restored: StoredRun | None = None) -> None:
         self.graph = graph
         self.backends = backends
         self.plan = plan
@@ -71,10 +79,14 @@ class Run:
         self.clock = DeadlineClock(graph.deadline_s) if graph.deadline_s is not None else None
         self._warmer: dict[int, str] = {}
         self._warm: dict[int, asyncio.Event] = {}
-        self.run_id = graph.id or f"wf-{secrets.token_hex(8)}"
-        self.events: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
-        self.outputs: dict[str, Any] = {}
-        self.failures: dict[str, str] = {}
+        self.run_id = run_id or graph.id or f"wf-{secrets.token_hex(8)}"
+        self.log = EventLog(None if sink is None else functools.partial(sink, self.run_id),
+                            restored.events if restored else ())
+        self.resumed = restored is not None
+        self.outputs: dict[str, Any] = restored.outputs() if restored else {}
+        self.failures: dict[str, str] = restored.failures() if restored else {}
+        self.detached_since: float | None = None
+        self._suspending = False
         self.trace = RunTrace(self.run_id, graph.name, graph.workflow_class)
         self._deps = dependencies(graph)
         self._done = {n.id: asyncio.Event() for n in graph.nodes}
@@ -83,6 +95,9 @@ class Run:
         for node in graph.nodes:
             model = node.model if isinstance(node, LLMNode) else None
             self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
+
+    def _emit(self, event: tuple[str, dict[str, Any]]) -> None:
+        self.log.emit(*event)
 
     @property
     def finished(self) -> bool:
@@ -95,6 +110,11 @@ class Run:
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():
             self.task.cancel()
+
+    def suspend(self) -> None:
+        """Stop without finishing (proxy shutdown): the stored run resumes at next start."""
+        self._suspending = True
+        self.cancel()
 
     # -- client-run steps ----------------------------------------------------------
     def deliver_tool_result(self, step_id: str, value: Any = None,
@@ -115,8 +135,8 @@ class Run:
 
     # -- execution -------------------------------------------------------------------
     async def _execute(self) -> None:
-        self.events.put_nowait(("run.started", {"run_id": self.run_id,
-                                                "steps": [n.id for n in self.graph.nodes]}))
+        self._emit(("run.resumed" if self.resumed else "run.started",
+                    {"run_id": self.run_id, "steps": [n.id for n in self.graph.nodes]}))
         with bind_run(workflow_id=self.run_id):
             tasks = [asyncio.create_task(self._node(n)) for n in self.graph.nodes]
             work = asyncio.gather(*tasks)
@@ -127,8 +147,11 @@ class Run:
                     self._fail_unfinished(tasks, f"deadline of {self.graph.deadline_s} s "
                                           "exceeded")
             except asyncio.CancelledError:
-                self._fail_unfinished(tasks, "run cancelled")
-                self._close("cancelled")
+                for task in tasks:
+                    task.cancel()
+                if not self._suspending:
+                    self._fail_unfinished(tasks, "run cancelled")
+                    self._close("cancelled")
                 raise
             finally:
                 watch.cancel()
@@ -153,18 +176,23 @@ class Run:
 
     def _close(self, status: str) -> None:
         self.trace.finish(status)
-        self.events.put_nowait(("run.finished", {
+        self._emit(("run.finished", {
             "run_id": self.run_id, "status": status, "failures": self.failures,
             "trace": self.trace.records()}))
 
     def _failed(self, step_id: str, error: str) -> None:
         self.failures[step_id] = error
         self.trace.mark(step_id, "finished", status="failed", error=error)
-        self.events.put_nowait(("step.failed", {"step_id": step_id, "error": error}))
+        self._emit(("step.failed", {"step_id": step_id, "error": error}))
         self._done[step_id].set()
 
     async def _node(self, node: LLMNode | ToolNode | InputNode) -> None:
         with bind_run(workflow_id=self.run_id, step_id=node.id):
+            if node.id in self.outputs or node.id in self.failures:  # restored: not re-run
+                self.trace.step(node.id).status = ("failed" if node.id in self.failures
+                                                   else "done")
+                self._done[node.id].set()
+                return
             try:
                 for dep in self._deps[node.id]:
                     await self._done[dep].wait()
@@ -192,7 +220,7 @@ class Run:
                 return
             self.outputs[node.id] = value
             self.trace.mark(node.id, "finished", status="done")
-            self.events.put_nowait(("step.finished", {"step_id": node.id, "value": value}))
+            self._emit(("step.finished", {"step_id": node.id, "value": value}))
             self._done[node.id].set()
 
     async def _same_as(self, step_id: str, rep: str) -> Any:
@@ -299,7 +327,7 @@ class Run:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._tool_results[node.id] = fut
         self.trace.mark(node.id, "ready", status="waiting_tool")
-        self.events.put_nowait(("tool.wanted", {
+        self._emit(("tool.wanted", {
             "step_id": node.id, "name": node.name, "args": [arg(a) for a in node.args],
             "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}))
         if self.clock is None:

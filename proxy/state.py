@@ -14,7 +14,7 @@ from flowlift.costs import CostTracker
 
 if TYPE_CHECKING:
     from flowlift.proxy.backends import Backends
-    from flowlift.proxy.workflows import RunRegistry
+    from flowlift.proxy.registry import RunRegistry
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,11 +25,15 @@ class ProxyConfig:
         max_concurrency: engine requests in flight per backend.
         max_body_bytes: request bodies above this get HTTP 413.
         trace_dir: where each finished run's trace is written (JSON lines), or None.
+        state_path: SQLite file of durable runs; None keeps runs in memory only.
+        detached_timeout_s: a run nobody listens to for this long is cancelled.
     """
 
     max_concurrency: int = 16
     max_body_bytes: int = 32 * 1024 * 1024
     trace_dir: Path | None = None
+    state_path: Path | None = None
+    detached_timeout_s: float = 300.0
 
 
 @dataclass(slots=True)

@@ -1,35 +1,39 @@
 """The workflow API.
 
 * ``POST /v1/workflows`` -- a graph in, an SSE stream of run events out (see
-  :mod:`flowlift.proxy.runs`). An invalid graph is rejected whole before anything runs:
-  HTTP 400, OpenAI error shape, ``error.problems`` lists every problem.
+  :mod:`flowlift.proxy.runs`); each event's SSE ``id`` is its number in the run's log.
+  An invalid graph is rejected whole before anything runs: HTTP 400, OpenAI error
+  shape, ``error.problems`` lists every problem.
+* ``GET /v1/workflows/{run_id}/events`` -- the same stream again, from the event after
+  ``Last-Event-ID`` (header) or ``?after=N``: a client that lost its connection, or a
+  proxy that restarted, loses nothing.
 * ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` -- a ``@tool`` step's result,
   ``{"value": ...}`` or ``{"error": "..."}``.
-* ``GET /v1/workflows/{run_id}`` -- status, outputs, failures and trace of a run that is
-  running or finished recently.
+* ``GET /v1/workflows/{run_id}`` -- status, outputs and failures (and the trace, once
+  finished) of a run.
 * ``DELETE /v1/workflows/{run_id}`` -- cancel a run (queued steps dropped, engine
   requests aborted).
+* ``POST /v1/workflows:compile`` -- the compiler's report.
 
-If the client that started a run goes away, the run is cancelled: nobody could run its
-``@tool`` steps or receive its results.
+A client that goes away does not cancel its run: it may reconnect. Runs nobody listens
+to for a while are cancelled by the registry's sweep.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from aiohttp_sse import sse_response
-from cachetools import TTLCache
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flowlift.dataflow import validate
 from flowlift.errors import GraphError, RequestError
 from flowlift.graph import Graph
 from flowlift.proxy.backends import Backends
+from flowlift.proxy.events import FINAL, Event
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.planning import plan
 from flowlift.proxy.runs import Run
@@ -42,39 +46,6 @@ class ToolResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
     value: Any = None
     error: str | None = None
-
-
-class RunRegistry:
-    """Active runs, plus finished ones for ``ttl_s`` (bounded, so unique ids never grow it)."""
-
-    def __init__(self, trace_dir: Path | None = None, keep: int = 1024,
-                 ttl_s: float = 3600.0) -> None:
-        self.active: dict[str, Run] = {}
-        self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
-        self.trace_dir = trace_dir
-
-    def get(self, run_id: str) -> Run:
-        run = self.active.get(run_id) or self.finished.get(run_id)
-        if run is None:
-            raise RequestError(f"no workflow run {run_id!r} (finished runs are kept for an "
-                               "hour)", param="run_id")
-        return run
-
-    def add(self, run: Run) -> None:
-        if run.run_id in self.active or run.run_id in self.finished:
-            raise RequestError(f"a run with id {run.run_id!r} exists; omit `id` to get a "
-                               "fresh one", param="id")
-        self.active[run.run_id] = run
-
-    def retire(self, run: Run) -> None:
-        """Move a finished run to the finished table and write its trace (once)."""
-        if self.active.pop(run.run_id, None) is None:
-            return
-        self.finished[run.run_id] = run
-        if self.trace_dir is not None:
-            self.trace_dir.mkdir(parents=True, exist_ok=True)
-            path = self.trace_dir / f"{run.run_id}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in run.trace.records()))
 
 
 def parse_graph(data: Any, backends: Backends) -> Graph:
@@ -93,34 +64,44 @@ def parse_graph(data: Any, backends: Backends) -> Graph:
     return graph
 
 
+async def _send(request: web.Request, events: Any, run: Run | None) -> web.StreamResponse:
+    async with sse_response(request, sep="\n", allow_all_methods=True) as resp:
+        async for seq, name, data in events:
+            if name == FINAL and run is not None:  # trace on disk before the client hears
+                await asyncio.wait([run.task])  # type: ignore[list-item]
+                request.app[STATE].runs.retire(run)
+            await resp.send(json.dumps(data), id=str(seq), event=name)
+    return resp
+
+
+async def _replay(events: list[Event], after: int):  # type: ignore[no-untyped-def]
+    for event in events:
+        if event[0] > after:
+            yield event
+
+
 @routes.post("/v1/workflows")
 async def start_workflow(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     graph = parse_graph(await read_json(request), state.backends)
     run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs)
-    run = Run(graph, state.backends, run_plan, state.costs)
-    state.runs.add(run)
-    run.start()
+    run = state.runs.start(graph, state.backends, state.costs, run_plan)
     log.info("run_started", workflow_id=run.run_id, name=graph.name, steps=len(graph.nodes))
-    try:
-        async with sse_response(request, sep="\n", allow_all_methods=True) as resp:
-            while True:
-                event, data = await run.events.get()
-                if event == "run.finished":  # trace on disk before the client hears of it
-                    await asyncio.wait([run.task])  # type: ignore[list-item]
-                    state.runs.retire(run)
-                await resp.send(json.dumps(data), event=event)
-                if event == "run.finished":
-                    break
-    except (ConnectionResetError, asyncio.CancelledError):
-        log.warning("client_gone", workflow_id=run.run_id)
-        run.cancel()
-        raise
-    finally:
-        assert run.task is not None
-        run.task.add_done_callback(lambda _: state.runs.retire(run))
-    log.info("run_finished", workflow_id=run.run_id, status=run.trace.status)
-    return resp
+    return await _send(request, run.log.follow(0), run)
+
+
+@routes.get("/v1/workflows/{run_id}/events")
+async def follow_workflow(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    run_id = request.match_info["run_id"]
+    raw = request.headers.get("Last-Event-ID") or request.query.get("after") or "0"
+    if not raw.isdigit():
+        raise RequestError("Last-Event-ID / after must be an event number", param="after")
+    after = int(raw)
+    run = state.runs.active.get(run_id) or state.runs.finished.get(run_id)
+    if run is not None:
+        return await _send(request, run.log.follow(after), run)
+    return await _send(request, _replay(state.runs.stored(run_id).events, after), None)
 
 
 @routes.post("/v1/workflows:compile")
@@ -142,10 +123,18 @@ async def tool_result(request: web.Request) -> web.Response:
 
 @routes.get("/v1/workflows/{run_id}")
 async def get_run(request: web.Request) -> web.Response:
-    run = request.app[STATE].runs.get(request.match_info["run_id"])
-    return web.json_response({"run_id": run.run_id, "status": run.trace.status,
-                              "outputs": run.outputs, "failures": run.failures,
-                              "trace": run.trace.records()})
+    runs = request.app[STATE].runs
+    run_id = request.match_info["run_id"]
+    run = runs.active.get(run_id) or runs.finished.get(run_id)
+    if run is not None:
+        return web.json_response({"run_id": run.run_id, "status": run.trace.status,
+                                  "outputs": run.outputs, "failures": run.failures,
+                                  "trace": run.trace.records()})
+    stored = runs.stored(run_id)
+    final = next((d for _, n, d in stored.events if n == FINAL), {})
+    return web.json_response({"run_id": run_id, "status": stored.status,
+                              "outputs": stored.outputs(), "failures": stored.failures(),
+                              "trace": final.get("trace", [])})
 
 
 @routes.delete("/v1/workflows/{run_id}")

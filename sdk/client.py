@@ -17,10 +17,12 @@ connection errors are translated here, once, into :mod:`flowlift.errors`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -38,6 +40,9 @@ from flowlift.sdk.workflow import Workflow
 _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=60.0)
 
 
+_FINAL = ("succeeded", "failed", "cancelled")
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     step_id: str
@@ -49,7 +54,7 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
     if sse.event in ("", "message", "ping") or not sse.data:
         return None
     data = json.loads(sse.data)
-    if sse.event == "run.started":
+    if sse.event in ("run.started", "run.resumed"):
         wf.run_id = data["run_id"]
         wf.status = "running"
     elif sse.event == "step.finished":
@@ -78,87 +83,210 @@ def _error_from(response_status: int, body: bytes) -> FlowliftError:
     return RunError(f"proxy error ({response_status}): {err.get('message')}")
 
 
-def _result_body(wf: Workflow, call: ToolCall) -> tuple[str, dict[str, Any]]:
-    tool = wf.tools[call.step_id]
-    url = f"/v1/workflows/{wf.run_id}/steps/{call.step_id}/result"
+@dataclass(slots=True)
+class _Session:
+    """Protocol state shared by the sync and async drivers (no I/O here).
+
+    It knows where to (re)connect: ``POST /v1/workflows`` first, then
+    ``GET /v1/workflows/{id}/events`` with ``Last-Event-ID`` after a lost connection or
+    a proxy restart. Each ``@tool`` step runs once: its result is kept and re-posted if
+    the proxy asks again (a resumed run), never recomputed.
+    """
+
+    wf: Workflow
+    last_id: str | None = None
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    started: set[str] = field(default_factory=set)
+    lost_at: float | None = None
+
+    def request(self) -> tuple[str, str, dict[str, Any]]:
+        if self.wf.run_id is None:
+            return "POST", "/v1/workflows", {"json": self.wf.graph().to_wire()}
+        headers = {"Last-Event-ID": self.last_id} if self.last_id else {}
+        return "GET", f"/v1/workflows/{self.wf.run_id}/events", {"headers": headers}
+
+    def result_url(self, step_id: str) -> str:
+        return f"/v1/workflows/{self.wf.run_id}/steps/{step_id}/result"
+
+    def handle(self, sse: ServerSentEvent) -> ToolCall | str | None:
+        """A new tool call to run, a step id whose kept result to re-post, or None."""
+        if sse.id:
+            self.last_id = sse.id
+        self.lost_at = None
+        call = _handle(self.wf, sse)
+        if call is None:
+            return None
+        if call.step_id in self.results:
+            return call.step_id
+        if call.step_id in self.started:
+            return None
+        self.started.add(call.step_id)
+        return call
+
+    def pending_results(self) -> list[str]:
+        """Kept results of tool steps the run has not finished (re-post after a loss)."""
+        return [s for s in self.results if not self.wf.has_output(s)]
+
+    @property
+    def done(self) -> bool:
+        return self.wf.status in _FINAL
+
+    def lost(self, exc: Exception | None) -> float:
+        """Seconds to wait before reconnecting; raises when giving up."""
+        if self.wf.run_id is None:
+            raise ProxyUnavailable(self.wf.base_url, f"{type(exc).__name__}: {exc}")
+        now = time.monotonic()
+        self.lost_at = self.lost_at or now
+        if now - self.lost_at > self.wf.reconnect_s:
+            raise ProxyUnavailable(self.wf.base_url, f"lost the event stream of run "
+                                   f"{self.wf.run_id} for {self.wf.reconnect_s:.0f} s")
+        return min(0.25 * 2 ** min(int(now - self.lost_at), 4), 2.0)
+
+
+def _tool_result(fn: Any, call: ToolCall) -> dict[str, Any]:
     try:
-        value = tool.fn(*call.args, **call.kwargs)
+        value = fn(*call.args, **call.kwargs)
         if inspect.isawaitable(value):
             value = asyncio.run(_await(value))
         json.dumps(value)
-        return url, {"value": value}
+        return {"value": value}
     except Exception as exc:  # the tool's own failure is the step's failure
-        return url, {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 async def _await(aw: Any) -> Any:
     return await aw
 
 
+def _retryable(status: int) -> bool:
+    return status >= 500 or status == 429
+
+
 def run_sync(wf: Workflow) -> None:
-    """Ship ``wf``'s graph and drive the run to its end (blocking)."""
+    """Ship ``wf``'s graph and drive the run to its end (blocking), reconnecting when
+    the event stream is lost."""
     transport = wf.transport if isinstance(wf.transport, httpx.BaseTransport) else None
-    body = wf.graph().to_wire()
-    try:
-        with httpx.Client(base_url=wf.base_url, transport=transport, timeout=_TIMEOUT) as client, \
-                ThreadPoolExecutor(max_workers=wf.tool_workers) as pool:
+    sess = _Session(wf)
+    with httpx.Client(base_url=wf.base_url, transport=transport, timeout=_TIMEOUT) as client, \
+            ThreadPoolExecutor(max_workers=wf.tool_workers) as pool:
 
-            def run_tool(call: ToolCall) -> None:
-                url, result = _result_body(wf, call)
-                client.post(url, json=result).raise_for_status()
+        def post(step_id: str) -> None:
+            with contextlib.suppress(httpx.TransportError):  # kept; re-posted on reconnect
+                client.post(sess.result_url(step_id), json=sess.results[step_id])
 
-            with connect_sse(client, "POST", "/v1/workflows", json=body) as source:
-                if source.response.status_code != 200:
-                    raise _error_from(source.response.status_code, source.response.read())
-                futures = []
-                for sse in source.iter_sse():
-                    call = _handle(wf, sse)
-                    if call is not None:
-                        futures.append(pool.submit(run_tool, call))
-                for fut in futures:
-                    fut.result()
-    except httpx.TransportError as exc:
-        raise ProxyUnavailable(wf.base_url, f"{type(exc).__name__}: {exc}") from exc
+        def run_tool(call: ToolCall) -> None:
+            sess.results[call.step_id] = _tool_result(wf.tools[call.step_id].fn, call)
+            post(call.step_id)
+
+        def dispatch(action: ToolCall | str | None) -> None:
+            if isinstance(action, ToolCall):
+                pool.submit(run_tool, action)
+            elif action is not None:
+                pool.submit(post, action)
+
+        while not sess.done:
+            method, url, kwargs = sess.request()
+            try:
+                with connect_sse(client, method, url, **kwargs) as source:
+                    if _usable(source.response.status_code, source.response.read):
+                        for step_id in sess.pending_results():
+                            dispatch(step_id)
+                        for sse in source.iter_sse():
+                            dispatch(sess.handle(sse))
+            except httpx.TransportError as exc:
+                time.sleep(sess.lost(exc))
+                continue
+            if not sess.done:
+                time.sleep(sess.lost(None))
     _require_finished(wf)
+
+
+class _AsyncDriver:
+    """The async side of the protocol: one event stream, tool calls as tasks."""
+
+    def __init__(self, wf: Workflow, client: httpx.AsyncClient) -> None:
+        self.sess = _Session(wf)
+        self.client = client
+        self.pending: set[asyncio.Task[None]] = set()
+
+    async def post(self, step_id: str) -> None:
+        with contextlib.suppress(httpx.TransportError):  # kept; re-posted on reconnect
+            await self.client.post(self.sess.result_url(step_id),
+                                   json=self.sess.results[step_id])
+
+    async def run_tool(self, call: ToolCall) -> None:
+        fn = self.sess.wf.tools[call.step_id].fn
+        if inspect.iscoroutinefunction(fn):
+            result = await _atool_result(fn, call)
+        else:
+            result = await asyncio.to_thread(_tool_result, fn, call)
+        self.sess.results[call.step_id] = result
+        await self.post(call.step_id)
+
+    def dispatch(self, action: ToolCall | str | None) -> None:
+        if action is None:
+            return
+        task = asyncio.create_task(self.run_tool(action) if isinstance(action, ToolCall)
+                                   else self.post(action))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def attempt(self) -> None:
+        method, url, kwargs = self.sess.request()
+        async with aconnect_sse(self.client, method, url, **kwargs) as source:
+            status = source.response.status_code
+            if status != 200 and not _retryable(status):
+                raise _error_from(status, await source.response.aread())
+            if status == 200:
+                for step_id in self.sess.pending_results():
+                    self.dispatch(step_id)
+                async for sse in source.aiter_sse():
+                    self.dispatch(self.sess.handle(sse))
+
+    async def run(self) -> None:
+        try:
+            while not self.sess.done:
+                try:
+                    await self.attempt()
+                except httpx.TransportError as exc:
+                    await asyncio.sleep(self.sess.lost(exc))
+                    continue
+                if not self.sess.done:
+                    await asyncio.sleep(self.sess.lost(None))
+        finally:
+            for task in self.pending:
+                task.cancel()
 
 
 async def run_async(wf: Workflow) -> None:
-    """Ship ``wf``'s graph and drive the run to its end (async)."""
+    """Ship ``wf``'s graph and drive the run to its end (async), reconnecting when the
+    event stream is lost."""
     transport = wf.transport if isinstance(wf.transport, httpx.AsyncBaseTransport) else None
-    body = wf.graph().to_wire()
-    try:
-        async with httpx.AsyncClient(base_url=wf.base_url, transport=transport,
-                                     timeout=_TIMEOUT) as client:
-
-            async def run_tool(call: ToolCall) -> None:
-                tool = wf.tools[call.step_id]
-                url = f"/v1/workflows/{wf.run_id}/steps/{call.step_id}/result"
-                try:
-                    if inspect.iscoroutinefunction(tool.fn):
-                        value = await tool.fn(*call.args, **call.kwargs)
-                    else:
-                        value = await asyncio.to_thread(tool.fn, *call.args, **call.kwargs)
-                    json.dumps(value)
-                    result: dict[str, Any] = {"value": value}
-                except Exception as exc:
-                    result = {"error": f"{type(exc).__name__}: {exc}"}
-                (await client.post(url, json=result)).raise_for_status()
-
-            async with aconnect_sse(client, "POST", "/v1/workflows", json=body) as source:
-                if source.response.status_code != 200:
-                    raise _error_from(source.response.status_code,
-                                      await source.response.aread())
-                async with asyncio.TaskGroup() as tasks:
-                    async for sse in source.aiter_sse():
-                        call = _handle(wf, sse)
-                        if call is not None:
-                            tasks.create_task(run_tool(call))
-    except httpx.TransportError as exc:
-        raise ProxyUnavailable(wf.base_url, f"{type(exc).__name__}: {exc}") from exc
+    async with httpx.AsyncClient(base_url=wf.base_url, transport=transport,
+                                 timeout=_TIMEOUT) as client:
+        await _AsyncDriver(wf, client).run()
     _require_finished(wf)
 
 
+def _usable(status: int, read: Any) -> bool:
+    """True for a 200 stream; False for a retryable status; raises for a final error."""
+    if status == 200:
+        return True
+    if _retryable(status):
+        return False
+    raise _error_from(status, read())
+
+
+async def _atool_result(fn: Any, call: ToolCall) -> dict[str, Any]:
+    try:
+        value = await fn(*call.args, **call.kwargs)
+        json.dumps(value)
+        return {"value": value}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def _require_finished(wf: Workflow) -> None:
-    if wf.status not in ("succeeded", "failed"):
+    if wf.status not in _FINAL:
         raise RunError(f"the proxy closed the event stream of run {wf.run_id} before it "
                        "finished; see the proxy's log")

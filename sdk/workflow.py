@@ -65,6 +65,8 @@ class Workflow:
         transport: an ``httpx`` transport (tests inject one; default: real sockets).
         tool_workers: how many ``@tool`` calls may run at once (sync mode threads).
         submit: ``False`` only records the graph (``wf.graph()``); nothing is shipped.
+        reconnect_s: how long to keep reconnecting to a run whose event stream was lost
+            (a restarted proxy resumes the run; ``@tool`` steps are never run twice).
 
     Attributes (after the run):
         run_id, status, trace (list of records), failures ({step_id: error}).
@@ -75,7 +77,8 @@ class Workflow:
                  deadline_s: float | None = None, trace_path: str | os.PathLike[str] | None = None,
                  metadata: Mapping[str, Any] | None = None,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
-                 tool_workers: int = 8, submit: bool = True) -> None:
+                 tool_workers: int = 8, submit: bool = True,
+                 reconnect_s: float = 300.0) -> None:
         self.name = name
         self.base_url = (base_url or default_base_url()).rstrip("/")
         self.workflow_class = workflow_class
@@ -85,6 +88,7 @@ class Workflow:
         self.transport = transport
         self.tool_workers = tool_workers
         self.submit = submit
+        self.reconnect_s = reconnect_s
         self.nonce = secrets.token_hex(6)
         self.nodes: list[Node] = []
         self.tools: dict[str, Tool[Any, Any]] = {}

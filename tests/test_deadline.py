@@ -40,13 +40,10 @@ async def test_deadline_clock_stops_while_a_tool_is_out():
         llm("b", "after", "t")]})
     run = Run(graph, backends)
     task = run.start()
-    while True:
-        event, data = await run.events.get()
+    async for _, event, _ in run.log.follow():
         if event == "tool.wanted":
             await asyncio.sleep(0.6)  # twice the deadline, spent in the app
             run.deliver_tool_result("t", "tool output")
-        if event == "run.finished":
-            break
     await task
     assert run.trace.status == "succeeded", run.failures
     assert run.outputs["b"] == "echo: aftertool output"

@@ -1,0 +1,105 @@
+"""Runs known to this proxy: the active ones, recently finished ones, and the store.
+
+* ``start`` creates a run (persisted before it starts) and starts it.
+* ``resume_all`` restarts every run the store holds as unfinished (after a crash or a
+  restart): finished steps keep their outputs and are not run again.
+* ``sweep`` cancels runs that nobody has listened to for ``detached_timeout_s`` (their
+  client went away and did not come back), so orphans do not wait forever.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from cachetools import TTLCache
+
+from flowlift.compiler import Plan
+from flowlift.costs import CostTracker
+from flowlift.errors import RequestError
+from flowlift.graph import Graph
+from flowlift.proxy.backends import Backends
+from flowlift.proxy.planning import plan
+from flowlift.proxy.runs import Run
+from flowlift.proxy.store import RunStore, StoredRun
+from flowlift.tracing import get_logger
+
+log = get_logger("flowlift.runs")
+
+
+class RunRegistry:
+    """Active runs, plus finished ones for ``ttl_s`` (bounded, so unique ids never grow it)."""
+
+    def __init__(self, store: RunStore | None = None, trace_dir: Path | None = None,
+                 keep: int = 1024, ttl_s: float = 3600.0,
+                 detached_timeout_s: float = 300.0) -> None:
+        self.store = store or RunStore(":memory:")
+        self.active: dict[str, Run] = {}
+        self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
+        self.trace_dir = trace_dir
+        self.detached_timeout_s = detached_timeout_s
+
+    def get(self, run_id: str) -> Run:
+        run = self.active.get(run_id) or self.finished.get(run_id)
+        if run is None:
+            raise RequestError(f"no workflow run {run_id!r} is active or recently finished",
+                               param="run_id")
+        return run
+
+    def stored(self, run_id: str) -> StoredRun:
+        stored = self.store.load(run_id)
+        if stored is None:
+            raise RequestError(f"no workflow run {run_id!r}", param="run_id")
+        return stored
+
+    def start(self, graph: Graph, backends: Backends, costs: CostTracker,
+              run_plan: Plan) -> Run:
+        """Create, persist and start a run of a validated, compiled graph."""
+        if graph.id is not None and (graph.id in self.active or self.store.exists(graph.id)):
+            raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
+                               "fresh one", param="id")
+        run = Run(graph, backends, run_plan, costs, sink=self.store.append)
+        self.store.create(run.run_id, graph.to_wire())
+        self._activate(run)
+        return run
+
+    def resume_all(self, backends: Backends, costs: CostTracker) -> list[Run]:
+        """Restart every unfinished run in the store."""
+        resumed = []
+        for stored in self.store.unfinished():
+            graph = Graph.model_validate(stored.graph)
+            run = Run(graph, backends, plan(graph, backends, costs), costs,
+                      run_id=stored.run_id, sink=self.store.append, restored=stored)
+            self._activate(run)
+            resumed.append(run)
+            log.info("run_resumed", workflow_id=run.run_id, done=len(run.outputs),
+                     steps=len(graph.nodes))
+        return resumed
+
+    def _activate(self, run: Run) -> None:
+        self.active[run.run_id] = run
+        run.detached_since = time.monotonic()
+        run.start().add_done_callback(lambda _: self.retire(run))
+
+    def retire(self, run: Run) -> None:
+        """Move a finished run to the finished table and write its trace (once)."""
+        if self.active.pop(run.run_id, None) is None:
+            return
+        self.finished[run.run_id] = run
+        if self.trace_dir is not None:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            path = self.trace_dir / f"{run.run_id}.jsonl"
+            path.write_text("".join(json.dumps(r) + "\n" for r in run.trace.records()))
+
+    def sweep(self) -> None:
+        """Cancel runs without a listener for longer than ``detached_timeout_s``."""
+        now = time.monotonic()
+        for run in list(self.active.values()):
+            if run.log.listeners:
+                run.detached_since = None
+            elif run.detached_since is None:
+                run.detached_since = now
+            elif now - run.detached_since > self.detached_timeout_s:
+                log.warning("run_orphaned", workflow_id=run.run_id)
+                run.cancel()

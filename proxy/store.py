@@ -1,0 +1,113 @@
+"""Durable runs: every run's graph and event log in SQLite.
+
+The event log is the run's state (event sourcing): finished outputs are its
+``step.finished`` events, failures its ``step.failed`` events. A proxy that restarts
+reads the runs that never finished, rebuilds their state from the log and resumes
+them; nothing that finished is run again.
+
+Tables::
+
+    runs(run_id PRIMARY KEY, graph TEXT, status TEXT, created_at REAL, updated_at REAL)
+    events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
+
+One connection, WAL journal; writes are small and synchronous (an event is on disk
+before any client hears of it).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flowlift.errors import EngineError
+from flowlift.proxy.events import Event
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, graph TEXT NOT NULL,
+    status TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS events (run_id TEXT NOT NULL, seq INTEGER NOT NULL,
+    name TEXT NOT NULL, data TEXT NOT NULL, PRIMARY KEY (run_id, seq));
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRun:
+    run_id: str
+    graph: dict[str, Any]
+    status: str
+    events: list[Event]
+
+    def outputs(self) -> dict[str, Any]:
+        return {d["step_id"]: d["value"] for _, n, d in self.events if n == "step.finished"}
+
+    def failures(self) -> dict[str, str]:
+        return {d["step_id"]: d["error"] for _, n, d in self.events if n == "step.failed"}
+
+
+class RunStore:
+    """SQLite persistence of runs (``path=":memory:"`` for a store that dies with the
+    process).
+
+    Raises:
+        EngineError: when the database cannot be opened (the message names the path).
+    """
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        self.path = str(path)
+        try:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise EngineError(f"cannot open the run store {self.path}: {exc}") from exc
+
+    def create(self, run_id: str, graph: dict[str, Any]) -> None:
+        now = time.time()
+        self._db.execute("INSERT INTO runs VALUES (?, ?, 'running', ?, ?)",
+                         (run_id, json.dumps(graph), now, now))
+
+    def append(self, run_id: str, seq: int, name: str, data: dict[str, Any]) -> None:
+        self._db.execute("INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?)",
+                         (run_id, seq, name, json.dumps(data)))
+        if name == "run.finished":
+            self._db.execute("UPDATE runs SET status = ?, updated_at = ? WHERE run_id = ?",
+                             (data.get("status", "finished"), time.time(), run_id))
+
+    def exists(self, run_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM runs WHERE run_id = ?",
+                                (run_id,)).fetchone() is not None
+
+    def load(self, run_id: str) -> StoredRun | None:
+        row = self._db.execute("SELECT graph, status FROM runs WHERE run_id = ?",
+                               (run_id,)).fetchone()
+        if row is None:
+            return None
+        events = [(seq, name, json.loads(data)) for seq, name, data in self._db.execute(
+            "SELECT seq, name, data FROM events WHERE run_id = ? ORDER BY seq", (run_id,))]
+        return StoredRun(run_id, json.loads(row[0]), row[1], events)
+
+    def unfinished(self) -> list[StoredRun]:
+        ids = [r[0] for r in self._db.execute(
+            "SELECT run_id FROM runs WHERE status = 'running' ORDER BY created_at")]
+        return [run for rid in ids if (run := self.load(rid)) is not None]
+
+    def prune(self, older_than_s: float) -> int:
+        """Forget finished runs last updated more than ``older_than_s`` ago."""
+        cutoff = time.time() - older_than_s
+        ids = [r[0] for r in self._db.execute(
+            "SELECT run_id FROM runs WHERE status != 'running' AND updated_at < ?", (cutoff,))]
+        for rid in ids:
+            self._db.execute("DELETE FROM events WHERE run_id = ?", (rid,))
+            self._db.execute("DELETE FROM runs WHERE run_id = ?", (rid,))
+        return len(ids)
+
+    def close(self) -> None:
+        self._db.close()
