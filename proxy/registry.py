@@ -39,6 +39,7 @@ class RunRegistry:
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
+        self.store.prune(older_than_s=7 * 24 * 3600)
 
     def get(self, run_id: str) -> Run:
         run = self.active.get(run_id) or self.finished.get(run_id)

@@ -27,7 +27,7 @@ def _engines(args: argparse.Namespace) -> dict[str, object]:
         from flowlift.testing import FakeEngine
 
         name = args.model or "fake-model"
-        return {name: FakeEngine([name], delay_s=0.01)}
+        return {name: FakeEngine([name], delay_s=args.fake_delay_s)}
     from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
 
     print(f"flowlift: preparing model {args.model or 'SmolLM2-135M-Instruct (default)'} ...",
@@ -46,9 +46,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from flowlift.tracing import configure_logging
 
     configure_logging(args.log_level)
+    from flowlift.local_engine.models import cache_dir
+
+    state_db = Path(args.state_db) if args.state_db else cache_dir() / "state.sqlite"
     config = ProxyConfig(max_concurrency=args.max_concurrency,
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                         trace_dir=Path(args.trace_dir) if args.trace_dir else None)
+                         trace_dir=Path(args.trace_dir) if args.trace_dir else None,
+                         state_path=None if args.state_db == ":memory:" else state_db)
     app = create_app(_engines(args), config)  # type: ignore[arg-type]
     print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=30)
@@ -95,7 +99,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         log_path = log_dir / "proxy.log"
         cmd = [sys.executable, "-m", "flowlift.cli", "serve", "--host", host,
                "--port", port or "80", "--engine", args.engine, "--trace-dir",
-               str(log_dir / "traces"), "--max-concurrency", str(args.max_concurrency)]
+               str(log_dir / "traces"), "--max-concurrency", str(args.max_concurrency),
+               "--state-db", str(log_dir / "state.sqlite")]
         if args.model:
             cmd += ["--model", args.model]
         print(f"flowlift: starting a proxy at {base} (log: {log_path})", file=sys.stderr,
@@ -180,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-mb", type=float, default=32.0)
     serve.add_argument("--trace-dir", default=None, help="write each run's trace here")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--state-db", default=None,
+                       help="SQLite file of durable runs (default "
+                            "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none)")
+    serve.add_argument("--fake-delay-s", type=float, default=0.01,
+                       help="with --engine fake: seconds per streamed chunk")
     serve.set_defaults(func=cmd_serve)
 
     run = sub.add_parser("run", help="run a workflow script against a (started) proxy")
