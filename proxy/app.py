@@ -99,7 +99,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None)
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[openai_errors, require_ready])
     app[STATE] = ProxyState(
-        backends=Backends(engines, max_concurrency=config.max_concurrency),
+        backends=Backends(engines, max_concurrency=config.max_concurrency,
+                          fcfs=config.scheduling == "fcfs"),
         runs=RunRegistry(RunStore(config.state_path or ":memory:"), config.trace_dir,
                          detached_timeout_s=config.detached_timeout_s),
         config=config)

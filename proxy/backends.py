@@ -29,11 +29,13 @@ class Backends:
     Args:
         engines: model name -> engine serving it (one engine may serve several names).
         max_concurrency: requests in flight per engine.
+        fcfs: first come, first served everywhere (no priorities, no reserved slots, no
+            prefix-grouped dispatch): the baseline of the scheduling benchmarks.
         aliases: extra names (e.g. ``"default"``) -> served model name.
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, max_concurrency: int = 16,
-                 aliases: Mapping[str, str] | None = None) -> None:
+                 aliases: Mapping[str, str] | None = None, fcfs: bool = False) -> None:
         if not engines:
             raise ValueError("at least one model must be served")
         per_engine: dict[int, Backend] = {}
@@ -42,9 +44,10 @@ class Backends:
             backend = per_engine.get(id(engine))
             if backend is None:
                 backend = Backend(f"engine-{len(per_engine)}", engine,
-                                  PrioritySlots(max_concurrency), max_concurrency)
+                                  PrioritySlots(max_concurrency, fcfs=fcfs), max_concurrency)
                 per_engine[id(engine)] = backend
             self._by_model[model] = backend
+        self.fcfs = fcfs
         self.default_model = next(iter(engines))
         self._aliases = {"default": self.default_model, **(aliases or {})}
         self.backends = list(per_engine.values())

@@ -240,7 +240,7 @@ class Run:
         """Siblings sharing a prompt prefix: the first ready one goes; the rest wait until
         its prefill is done, so they hit the engine's prefix cache (Parrot/SGLang)."""
         group = self.plan.prefix_group.get(step_id) if self.plan else None
-        if group is None:
+        if group is None or self.backends.fcfs:
             return
         if self._warmer.setdefault(group, step_id) == step_id:
             return
@@ -285,8 +285,9 @@ class Run:
         try:
             async with backend.slots.slot(priority):
                 self.trace.mark(node.id, "started", status="running")
+                engine_priority = 0 if self.backends.fcfs else priority.engine_priority()
                 stream = backend.engine.generate(
-                    dataclasses.replace(request, priority=priority.engine_priority()))
+                    dataclasses.replace(request, priority=engine_priority))
                 try:
                     async for chunk in stream:
                         if chunk.text and st.first_token_ms is None:

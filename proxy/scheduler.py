@@ -49,9 +49,10 @@ class Priority:
 
 @dataclass(order=True, slots=True)
 class _Waiter:
-    priority: Priority
+    key: Priority
     seq: int
     future: asyncio.Future[None] = field(compare=False)
+    priority: Priority = field(compare=False)
 
 
 class PrioritySlots:
@@ -60,13 +61,16 @@ class PrioritySlots:
     Args:
         capacity: requests in flight on the backend.
         reserved_interactive: slots batch work may never take (at most capacity - 1).
+        fcfs: ignore priorities and reserve nothing: first come, first served (the
+            baseline the benchmarks compare against).
     """
 
-    def __init__(self, capacity: int, reserved_interactive: int = 1) -> None:
+    def __init__(self, capacity: int, reserved_interactive: int = 1, fcfs: bool = False) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
-        self.reserved = min(max(reserved_interactive, 0), capacity - 1)
+        self.fcfs = fcfs
+        self.reserved = 0 if fcfs else min(max(reserved_interactive, 0), capacity - 1)
         self.in_use = 0
         self.batch_in_use = 0
         self._heap: list[_Waiter] = []
@@ -102,7 +106,8 @@ class PrioritySlots:
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        heapq.heappush(self._heap, _Waiter(priority, next(self._seq), fut))
+        key = Priority() if self.fcfs else priority
+        heapq.heappush(self._heap, _Waiter(key, next(self._seq), fut, priority))
         if not self._grant_pending:
             self._grant_pending = True
             loop.call_soon(self._grant)

@@ -27,6 +27,8 @@ class ProxyConfig:
         trace_dir: where each finished run's trace is written (JSON lines), or None.
         state_path: SQLite file of durable runs; None keeps runs in memory only.
         detached_timeout_s: a run nobody listens to for this long is cancelled.
+        scheduling: ``"priority"`` (class, critical path, slack; prefix-grouped
+            dispatch) or ``"fcfs"`` (the baseline).
     """
 
     max_concurrency: int = 16
@@ -34,6 +36,7 @@ class ProxyConfig:
     trace_dir: Path | None = None
     state_path: Path | None = None
     detached_timeout_s: float = 300.0
+    scheduling: str = "priority"
 
 
 @dataclass(slots=True)

@@ -189,6 +189,26 @@ class Workflow:
         return format_stage_table(self.summary())
 
     # -- running -------------------------------------------------------------------
+    def cancel(self) -> bool:
+        """Cancel the running run (from another thread): queued steps are dropped and
+        running engine requests aborted. False when it has not started or has ended."""
+        if self.run_id is None or self.status != "running":
+            return False
+        transport = self.transport if isinstance(self.transport, httpx.BaseTransport) else None
+        with httpx.Client(base_url=self.base_url, transport=transport, timeout=30) as c:
+            return bool(c.delete(f"/v1/workflows/{self.run_id}").json().get("cancelled"))
+
+    async def acancel(self) -> bool:
+        """:meth:`cancel` for async code."""
+        if self.run_id is None or self.status != "running":
+            return False
+        transport = (self.transport if isinstance(self.transport, httpx.AsyncBaseTransport)
+                     else None)
+        async with httpx.AsyncClient(base_url=self.base_url, transport=transport,
+                                     timeout=30) as c:
+            r = await c.delete(f"/v1/workflows/{self.run_id}")
+            return bool(r.json().get("cancelled"))
+
     def _check_failed(self) -> None:
         if self.failures:
             raise WorkflowFailed(self.run_id or "?", self.failures)

@@ -120,3 +120,22 @@ async def test_critical_path_first_under_contention():
     await run.start()
     first = min(run.trace.steps.values(), key=lambda s: s.started_ms)
     assert first.step_id == "c0", "the head of the longest chain goes first"
+
+
+async def test_fcfs_baseline_ignores_priorities():
+    slots = PrioritySlots(capacity=1, fcfs=True)
+    holder = Priority.of("batch")
+    await slots.acquire(holder)
+    order: list[str] = []
+
+    async def wait(name: str, p: Priority) -> None:
+        await slots.acquire(p)
+        order.append(name)
+        slots.release(p)
+
+    tasks = [asyncio.create_task(wait("batch", Priority.of("batch", 1))),
+             asyncio.create_task(wait("interactive", Priority.of("interactive", 9_000)))]
+    await asyncio.sleep(0)
+    slots.release(holder)
+    await asyncio.gather(*tasks)
+    assert order == ["batch", "interactive"]

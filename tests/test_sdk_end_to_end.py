@@ -167,3 +167,31 @@ def test_fake_engine_reports_prefix_cache_hits():
 
     first, second = asyncio.run(go())
     assert first.cached_tokens == 0 and second.cached_tokens == 4
+
+
+async def test_cancel_from_the_sdk(aiohttp_client, make_app, engine):
+    from flowlift.proxy.state import STATE
+
+    engine.delay_s = 0.2
+    app = make_app()
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    base = str(client.make_url("")).rstrip("/")
+
+    @step
+    def slow(x):
+        return f"a long answer please {x} " * 5
+
+    wf = workflow("cancel-me", base_url=base)
+
+    async def run():
+        async with wf:
+            slow(slow("x"))
+
+    task = asyncio.create_task(run())
+    while wf.run_id is None:
+        await asyncio.sleep(0.01)
+    assert await wf.acancel() is True
+    with pytest.raises(WorkflowFailed, match="cancelled"):
+        await task
+    assert wf.status == "cancelled" and engine.aborted

@@ -52,7 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ProxyConfig(max_concurrency=args.max_concurrency,
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                          trace_dir=Path(args.trace_dir) if args.trace_dir else None,
-                         state_path=None if args.state_db == ":memory:" else state_db)
+                         state_path=None if args.state_db == ":memory:" else state_db,
+                         scheduling=args.scheduling)
     app = create_app(_engines(args), config)  # type: ignore[arg-type]
     print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=30)
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--state-db", default=None,
                        help="SQLite file of durable runs (default "
                             "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none)")
+    serve.add_argument("--scheduling", choices=("priority", "fcfs"), default="priority",
+                       help="dispatch order (fcfs: the baseline, for benchmarks)")
     serve.add_argument("--fake-delay-s", type=float, default=0.01,
                        help="with --engine fake: seconds per streamed chunk")
     serve.set_defaults(func=cmd_serve)
