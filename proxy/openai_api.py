@@ -129,7 +129,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         session_id=request.headers.get("x-flowlift-session"))
     created = int(time.time())
     base = {"id": cid, "created": created, "model": model}
+    t_queued = time.monotonic()
     async with backend.slots.slot(Priority.of("interactive")):
+        t_started = time.monotonic()
         stream = backend.engine.generate(gen)
         try:
             if body.stream:
@@ -142,11 +144,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 usage = chunk.usage or usage
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
+    t_done = time.monotonic()
+    timing = (f"queue;dur={(t_started - t_queued) * 1000:.1f}, "
+              f"engine;dur={(t_done - t_started) * 1000:.1f}")
     return web.json_response({
         **base, "object": "chat.completion",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
                      "logprobs": None, "finish_reason": finish or "stop"}],
-        "usage": _usage(usage)})
+        "usage": _usage(usage)}, headers={"Server-Timing": timing})
 
 
 async def _stream(request: web.Request, stream: Any, base: dict[str, Any],

@@ -6,9 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,28 +15,12 @@ import pytest
 
 from flowlift import step, tool, workflow
 from flowlift.proxy.store import RunStore
-from flowlift.testing import parse_sse
+from flowlift.testing import free_port, parse_sse, running_proxy
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(port: int, db: Path, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "flowlift.cli", "serve", "--engine", "fake", "--port",
-           str(port), "--state-db", str(db), "--fake-delay-s", "0.05"]
-    with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    for _ in range(200):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(log.read_text()[-2000:])
+def _serve(port: int, db: Path, log: Path):  # type: ignore[no-untyped-def]
+    return running_proxy("--engine", "fake", "--state-db", str(db), "--fake-delay-s", "0.05",
+                         log_path=log, port=port, ready_timeout_s=60)
 
 
 TOOL_CALLS: list[str] = []
@@ -57,10 +38,8 @@ def lookup(text):
 
 
 def test_kill_9_mid_run_then_restart_resumes(tmp_path):
-    port, db, log = _port(), tmp_path / "state.sqlite", tmp_path / "proxy.log"
-    proc = _serve(port, db, log)
-    base = f"http://127.0.0.1:{port}"
-    wf = workflow("durable", base_url=base, reconnect_s=60)
+    port, db, log = free_port(), tmp_path / "state.sqlite", tmp_path / "proxy.log"
+    wf = workflow("durable", base_url=f"http://127.0.0.1:{port}", reconnect_s=60)
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -74,21 +53,18 @@ def test_kill_9_mid_run_then_restart_resumes(tmp_path):
             errors.append(exc)
 
     thread = threading.Thread(target=run)
-    thread.start()
-    try:
+    with _serve(port, db, log) as (_, proc):
+        thread.start()
         deadline = time.monotonic() + 30
         while len(wf._outputs) < 2 and time.monotonic() < deadline:  # a and the tool done
             time.sleep(0.02)
         assert len(wf._outputs) >= 2, "the run did not get going"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        done_before = set(wf._outputs)
-        proc = _serve(port, db, log)  # same port, same state
+    done_before = set(wf._outputs)
+    with _serve(port, db, log):  # same port, same state
         thread.join(timeout=60)
-        assert not thread.is_alive() and not errors, errors
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    assert not thread.is_alive() and not errors, errors
     assert wf.status == "succeeded"
     assert len(TOOL_CALLS) == 1, "the @tool step ran twice"
     assert len(wf._outputs) == 5 and done_before <= set(wf._outputs)
@@ -101,10 +77,7 @@ def test_kill_9_mid_run_then_restart_resumes(tmp_path):
 
 @pytest.mark.parametrize("after", ["0", "3"])
 def test_events_replay_from_last_event_id(tmp_path, after):
-    port = _port()
-    proc = _serve(port, tmp_path / "s.sqlite", tmp_path / "p.log")
-    try:
-        base = f"http://127.0.0.1:{port}"
+    with _serve(free_port(), tmp_path / "s.sqlite", tmp_path / "p.log") as (base, _):
         graph = {"nodes": [{"kind": "llm", "id": f"n{i}", "messages": [
             {"role": "user", "content": [{"text": f"hi {i}"}]}]} for i in range(3)]}
         first = httpx.post(f"{base}/v1/workflows", json=graph, timeout=30).text
@@ -115,6 +88,3 @@ def test_events_replay_from_last_event_id(tmp_path, after):
         assert ids[0] == int(after) + 1 and ids[-1] == len(parse_sse(first))
         assert json.loads(httpx.get(f"{base}/v1/workflows/{run_id}").text)["status"] == \
             "succeeded"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

@@ -24,6 +24,7 @@ async def test_non_streaming_shape(client):
     assert body["usage"]["total_tokens"] == (body["usage"]["prompt_tokens"]
                                              + body["usage"]["completion_tokens"])
     assert "cached_tokens" in body["usage"]["prompt_tokens_details"]
+    assert "engine;dur=" in resp.headers["Server-Timing"]
 
 
 async def test_streaming_with_usage_chunk(client):

@@ -8,10 +8,17 @@ constraints, with a simulated prefix cache so cached-token accounting can be tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import re._constants as _rc  # type: ignore[import-not-found]
 import re._parser as _rp  # type: ignore[import-not-found]
-from collections.abc import AsyncIterator, Callable, Sequence
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from cachetools import LRUCache
@@ -216,3 +223,58 @@ def parse_sse(text: str) -> list[tuple[str, Any]]:
             except json.JSONDecodeError:
                 events.append((name, raw))
     return events
+
+
+@contextlib.contextmanager
+def running_proxy(*serve_args: str, log_path: str | os.PathLike[str],
+                  ready_timeout_s: float = 900.0,
+                  port: int | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Run ``flowlift serve`` in a subprocess until the block ends.
+
+    Yields ``(base_url, process)`` once ``/readyz`` answers 200.
+
+    Raises:
+        RuntimeError: the proxy exited, its engine failed to load, or it was not ready
+            within ``ready_timeout_s`` (the message ends with its log).
+    """
+    import httpx
+
+    port = port or free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "flowlift.cli", "serve", "--port", str(port), *serve_args]
+    log = Path(log_path)
+    with log.open("ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.monotonic()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"proxy exited ({proc.returncode}): "
+                                   f"{log.read_text(errors='replace')[-3000:]}")
+            try:
+                r = httpx.get(f"{base}/readyz", timeout=2)
+                if r.status_code == 200:
+                    break
+                if r.json().get("error"):
+                    raise RuntimeError(f"engine failed to load: {r.json()['error']}")
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > ready_timeout_s:
+                raise RuntimeError(f"proxy not ready in {ready_timeout_s:.0f} s: "
+                                   f"{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.2)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
