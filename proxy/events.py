@@ -29,6 +29,7 @@ class EventLog:
         self._sink = sink
         self._changed = asyncio.Event()
         self.listeners = 0
+        self.listened = asyncio.Event()  # set once anyone has followed the log
 
     @property
     def last_seq(self) -> int:
@@ -49,6 +50,7 @@ class EventLog:
         """Events with ``seq > after``: the past at once, then new ones as they come;
         ends after the run's final event."""
         self.listeners += 1
+        self.listened.set()
         try:
             index = next((i for i, e in enumerate(self._events) if e[0] > after),
                          len(self._events))

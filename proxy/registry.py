@@ -2,7 +2,8 @@
 
 * ``start`` creates a run (persisted before it starts) and starts it.
 * ``resume_all`` restarts every run the store holds as unfinished (after a crash or a
-  restart): finished steps keep their outputs and are not run again.
+  restart): finished steps keep their outputs and are not run again. A resumed run is
+  parked until its client reconnects, so orphans never take engine capacity.
 * ``sweep`` cancels runs that nobody has listened to for ``detached_timeout_s`` (their
   client went away and did not come back), so orphans do not wait forever.
 """

@@ -135,6 +135,14 @@ class Run:
 
     # -- execution -------------------------------------------------------------------
     async def _execute(self) -> None:
+        if self.resumed:  # parked until its client reconnects (or the sweep cancels it)
+            try:
+                await self.log.listened.wait()
+            except asyncio.CancelledError:
+                if not self._suspending:
+                    self._fail_unfinished([], "run cancelled (its client never came back)")
+                    self._close("cancelled")
+                raise
         self._emit(("run.resumed" if self.resumed else "run.started",
                     {"run_id": self.run_id, "steps": [n.id for n in self.graph.nodes]}))
         with bind_run(workflow_id=self.run_id):

@@ -3,6 +3,7 @@ reconnects, nothing finished is lost or re-run, no @tool step runs twice."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,8 +15,12 @@ import httpx
 import pytest
 
 from flowlift import step, tool, workflow
+from flowlift.costs import CostTracker
+from flowlift.graph import Graph
+from flowlift.proxy.backends import Backends
+from flowlift.proxy.registry import RunRegistry
 from flowlift.proxy.store import RunStore
-from flowlift.testing import free_port, parse_sse, running_proxy
+from flowlift.testing import FakeEngine, free_port, parse_sse, running_proxy
 
 
 def _serve(port: int, db: Path, log: Path):  # type: ignore[no-untyped-def]
@@ -88,3 +93,19 @@ def test_events_replay_from_last_event_id(tmp_path, after):
         assert ids[0] == int(after) + 1 and ids[-1] == len(parse_sse(first))
         assert json.loads(httpx.get(f"{base}/v1/workflows/{run_id}").text)["status"] == \
             "succeeded"
+
+
+async def test_resumed_run_is_parked_until_its_client_returns():
+    store = RunStore(":memory:")
+    graph = Graph.model_validate({"nodes": [{"kind": "llm", "id": "a", "messages": [
+        {"role": "user", "content": [{"text": "hi"}]}]}]})
+    store.create("wf-old", graph.to_wire())
+    engine = FakeEngine(["m"])
+    registry = RunRegistry(store, detached_timeout_s=0.0)
+    (run,) = registry.resume_all(Backends({"m": engine}), CostTracker())
+    await asyncio.sleep(0.05)
+    assert not engine.requests, "an orphaned run took engine capacity"
+    registry.sweep()  # notes it is detached
+    registry.sweep()  # past the (zero) timeout: cancelled
+    await asyncio.wait([run.task])
+    assert store.load("wf-old").status == "cancelled"
