@@ -6,8 +6,8 @@ first-come-first-served (``--scheduling fcfs``) -- on the real engine:
 
 1. interactive alone: short two-step workflows, one after another (unloaded latency);
 2. batch alone: the example's extract -> classify over N documents (makespan);
-3. mixed: the same batch, and an interactive workflow every ``--every-s`` seconds while
-   it runs.
+3. mixed: the same batch, and an interactive workflow arriving every ``--every-s``
+   seconds while it runs (open loop: arrivals do not wait for earlier ones to finish).
 
 Reported: interactive p50/p99 latency loaded vs unloaded, batch throughput (steps/s)
 mixed vs alone, for both schedulers.
@@ -73,15 +73,19 @@ def scenario(scheduling: str, docs: list[Any], n_interactive: int,
         thread = threading.Thread(target=lambda: mixed.update(
             batch(base, docs, f"{scheduling} mixed")))
         thread.start()
-        time.sleep(every_s)
-        loaded = []
+        loaded: list[float] = []
+        arrivals = []
         for i in range(n_interactive):
+            time.sleep(every_s)
             if not thread.is_alive():
                 break
-            t0 = time.monotonic()
-            loaded.append(interactive(base, 100 + i))
-            time.sleep(max(0.0, every_s - (time.monotonic() - t0)))
+            arrival = threading.Thread(target=lambda i=i: loaded.append(
+                interactive(base, 100 + i)))
+            arrival.start()
+            arrivals.append(arrival)
         thread.join()
+        for arrival in arrivals:
+            arrival.join()
     out = {"interactive_alone_s": {"p50": round(pct(alone, 50), 2),
                                    "p99": round(pct(alone, 99), 2), "n": len(alone)},
            "interactive_loaded_s": {"p50": round(pct(loaded, 50), 2),

@@ -10,7 +10,11 @@ the scheduling unit). The order is:
 4. arrival.
 
 ``reserved_interactive`` slots are never given to batch work, so an interactive
-continuation never waits behind batch work for a free slot.
+continuation never waits behind batch work for a free slot. While interactive work is
+running (and for ``linger_s`` after, so a chain's next step finds the room), new batch
+work is admitted only up to ``batch_cap_when_interactive`` slots: on an engine whose
+per-token time grows with the batch (any CPU, a saturated GPU), that is what keeps
+interactive latency near its unloaded value. Running requests are never preempted.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import heapq
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 
 CLASS_RANK = {"interactive": 0, "batch": 1}
@@ -61,16 +66,25 @@ class PrioritySlots:
     Args:
         capacity: requests in flight on the backend.
         reserved_interactive: slots batch work may never take (at most capacity - 1).
+        batch_cap_when_interactive: batch slots while interactive work is active
+            (default: half the capacity).
+        linger_s: how long interactive work counts as active after its last release.
         fcfs: ignore priorities and reserve nothing: first come, first served (the
             baseline the benchmarks compare against).
     """
 
-    def __init__(self, capacity: int, reserved_interactive: int = 1, fcfs: bool = False) -> None:
+    def __init__(self, capacity: int, reserved_interactive: int = 1, fcfs: bool = False,
+                 batch_cap_when_interactive: int | None = None,
+                 linger_s: float = 1.0) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
         self.fcfs = fcfs
         self.reserved = 0 if fcfs else min(max(reserved_interactive, 0), capacity - 1)
+        self.batch_cap = (capacity if fcfs else batch_cap_when_interactive
+                          or max(1, capacity // 2))
+        self.linger_s = linger_s
+        self._interactive_until = 0.0
         self.in_use = 0
         self.batch_in_use = 0
         self._heap: list[_Waiter] = []
@@ -88,10 +102,19 @@ class PrioritySlots:
                 out["interactive" if w.priority.interactive else "batch"] += 1
         return out
 
+    def interactive_active(self) -> bool:
+        return (self.in_use > self.batch_in_use
+                or time.monotonic() < self._interactive_until)
+
     def _can_take(self, p: Priority) -> bool:
         if self.in_use >= self.capacity:
             return False
-        return p.interactive or self.batch_in_use < self.capacity - self.reserved
+        if p.interactive:
+            return True
+        limit = self.capacity - self.reserved
+        if not self.fcfs and self.interactive_active():
+            limit = min(limit, self.batch_cap)
+        return self.batch_in_use < limit
 
     def _take(self, p: Priority) -> None:
         self.in_use += 1
@@ -122,6 +145,9 @@ class PrioritySlots:
         self.in_use -= 1
         if not priority.interactive:
             self.batch_in_use -= 1
+        elif not self.fcfs:
+            self._interactive_until = time.monotonic() + self.linger_s
+            asyncio.get_running_loop().call_later(self.linger_s + 0.01, self._grant)
         self._grant()
 
     def _grant(self) -> None:

@@ -15,7 +15,7 @@ from flowlift.testing import FakeEngine
 
 
 async def test_interactive_never_waits_behind_batch():
-    slots = PrioritySlots(capacity=3, reserved_interactive=1)
+    slots = PrioritySlots(capacity=3, reserved_interactive=1, batch_cap_when_interactive=2)
     batch = Priority.of("batch", remaining_ms=10_000)
     await slots.acquire(batch)
     await slots.acquire(batch)
@@ -139,3 +139,19 @@ async def test_fcfs_baseline_ignores_priorities():
     slots.release(holder)
     await asyncio.gather(*tasks)
     assert order == ["batch", "interactive"]
+
+
+async def test_batch_admissions_are_capped_while_interactive_work_runs():
+    slots = PrioritySlots(capacity=4, reserved_interactive=1, batch_cap_when_interactive=1,
+                          linger_s=0.05)
+    inter, batch = Priority.of("interactive"), Priority.of("batch")
+    await slots.acquire(inter)
+    await slots.acquire(batch)
+    second = asyncio.create_task(slots.acquire(batch))
+    await asyncio.sleep(0.01)
+    assert not second.done(), "batch may hold only 1 slot while interactive work runs"
+    slots.release(inter)
+    await asyncio.sleep(0.01)
+    assert not second.done(), "the cap lingers briefly for the chain's next step"
+    await asyncio.wait_for(second, timeout=1)
+    assert slots.batch_in_use == 2
