@@ -291,7 +291,8 @@ class Run:
         await self._await_warm(node.id)
         priority = self._priority(node.id)
         try:
-            async with backend.slots.slot(priority):
+            tokens = int(self.plan.uncached_tokens.get(node.id, 0)) if self.plan else 0
+            async with backend.slots.slot(priority, tokens) as slot:
                 self.trace.mark(node.id, "started", status="running")
                 engine_priority = 0 if self.backends.fcfs else priority.engine_priority()
                 stream = backend.engine.generate(
@@ -300,6 +301,7 @@ class Run:
                     async for chunk in stream:
                         if chunk.text and st.first_token_ms is None:
                             self.trace.mark(node.id, "first_token")
+                            slot.prefilled()
                             self._warmed(node.id)
                         pieces.append(chunk.text)
                         if chunk.usage is not None:

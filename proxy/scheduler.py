@@ -14,7 +14,10 @@ continuation never waits behind batch work for a free slot. While interactive wo
 running (and for ``linger_s`` after, so a chain's next step finds the room), new batch
 work is admitted only up to ``batch_cap_when_interactive`` slots: on an engine whose
 per-token time grows with the batch (any CPU, a saturated GPU), that is what keeps
-interactive latency near its unloaded value. Running requests are never preempted.
+interactive latency near its unloaded value. Batch work is also admitted within a
+budget of prompt tokens still being prefilled (``batch_prefill_budget``): a burst of
+long batch prompts otherwise fills every engine step with prefill for seconds, and an
+interactive step's first token waits behind it. Running requests are never preempted.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class _Waiter:
     seq: int
     future: asyncio.Future[None] = field(compare=False)
     priority: Priority = field(compare=False)
+    prefill_tokens: int = field(default=0, compare=False)
 
 
 class PrioritySlots:
@@ -69,13 +73,15 @@ class PrioritySlots:
         batch_cap_when_interactive: batch slots while interactive work is active
             (default: half the capacity).
         linger_s: how long interactive work counts as active after its last release.
+        batch_prefill_budget: prompt tokens of batch work that may be in prefill at once
+            (a single larger prompt still goes alone).
         fcfs: ignore priorities and reserve nothing: first come, first served (the
             baseline the benchmarks compare against).
     """
 
     def __init__(self, capacity: int, reserved_interactive: int = 1, fcfs: bool = False,
                  batch_cap_when_interactive: int | None = None,
-                 linger_s: float = 1.0) -> None:
+                 linger_s: float = 1.0, batch_prefill_budget: int = 1024) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
@@ -85,6 +91,8 @@ class PrioritySlots:
                           or max(1, capacity // 2))
         self.linger_s = linger_s
         self._interactive_until = 0.0
+        self.prefill_budget = batch_prefill_budget
+        self.batch_prefill = 0
         self.in_use = 0
         self.batch_in_use = 0
         self._heap: list[_Waiter] = []
@@ -106,22 +114,26 @@ class PrioritySlots:
         return (self.in_use > self.batch_in_use
                 or time.monotonic() < self._interactive_until)
 
-    def _can_take(self, p: Priority) -> bool:
+    def _can_take(self, p: Priority, tokens: int = 0) -> bool:
         if self.in_use >= self.capacity:
             return False
         if p.interactive:
             return True
+        if (not self.fcfs and self.batch_prefill
+                and self.batch_prefill + tokens > self.prefill_budget):
+            return False
         limit = self.capacity - self.reserved
         if not self.fcfs and self.interactive_active():
             limit = min(limit, self.batch_cap)
         return self.batch_in_use < limit
 
-    def _take(self, p: Priority) -> None:
+    def _take(self, p: Priority, tokens: int = 0) -> None:
         self.in_use += 1
         if not p.interactive:
             self.batch_in_use += 1
+            self.batch_prefill += tokens
 
-    async def acquire(self, priority: Priority) -> None:
+    async def acquire(self, priority: Priority, prefill_tokens: int = 0) -> None:
         """Wait for a slot. Cancelling the wait gives nothing up and leaks nothing.
 
         Grants happen in a callback after the current loop iteration, so steps that
@@ -130,7 +142,8 @@ class PrioritySlots:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         key = Priority() if self.fcfs else priority
-        heapq.heappush(self._heap, _Waiter(key, next(self._seq), fut, priority))
+        heapq.heappush(self._heap, _Waiter(key, next(self._seq), fut, priority,
+                                           prefill_tokens))
         if not self._grant_pending:
             self._grant_pending = True
             loop.call_soon(self._grant)
@@ -138,11 +151,20 @@ class PrioritySlots:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                self.release(priority)  # granted just as we were cancelled
+                self.release(priority, prefill_tokens)  # granted just as we were cancelled
             raise
 
-    def release(self, priority: Priority) -> None:
+    def prefilled(self, priority: Priority, prefill_tokens: int) -> None:
+        """A granted request produced its first token: its prompt left the budget."""
+        if not priority.interactive:
+            self.batch_prefill -= prefill_tokens
+            self._grant()
+
+    def release(self, priority: Priority, prefill_tokens: int = 0) -> None:
+        """Give the slot back (``prefill_tokens``: still counted, if never prefilled)."""
         self.in_use -= 1
+        if not priority.interactive:
+            self.batch_prefill -= prefill_tokens
         if not priority.interactive:
             self.batch_in_use -= 1
         elif not self.fcfs:
@@ -157,23 +179,34 @@ class PrioritySlots:
             if best.future.done():  # cancelled while waiting
                 heapq.heappop(self._heap)
                 continue
-            if not self._can_take(best.priority):
+            if not self._can_take(best.priority, best.prefill_tokens):
                 return
             heapq.heappop(self._heap)
-            self._take(best.priority)
+            self._take(best.priority, best.prefill_tokens)
             best.future.set_result(None)
 
-    def slot(self, priority: Priority) -> _Slot:
-        """``async with slots.slot(priority):`` -- acquire, then release on exit."""
-        return _Slot(self, priority)
+    def slot(self, priority: Priority, prefill_tokens: int = 0) -> Slot:
+        """``async with slots.slot(priority, tokens) as slot:`` -- acquire, then release
+        on exit; call ``slot.prefilled()`` at the first token."""
+        return Slot(self, priority, prefill_tokens)
 
 
-class _Slot:
-    def __init__(self, slots: PrioritySlots, priority: Priority) -> None:
+class Slot:
+    """One granted engine slot (an async context manager)."""
+
+    def __init__(self, slots: PrioritySlots, priority: Priority, prefill_tokens: int) -> None:
         self._slots, self._priority = slots, priority
+        self._tokens = max(int(prefill_tokens), 0)
 
-    async def __aenter__(self) -> None:
-        await self._slots.acquire(self._priority)
+    def prefilled(self) -> None:
+        if self._tokens:
+            self._slots.prefilled(self._priority, self._tokens)
+            self._tokens = 0
+
+    async def __aenter__(self) -> Slot:
+        await self._slots.acquire(self._priority, self._tokens)
+        return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self._slots.release(self._priority)
+        self._slots.release(self._priority, self._tokens)
+        self._tokens = 0

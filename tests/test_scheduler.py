@@ -155,3 +155,21 @@ async def test_batch_admissions_are_capped_while_interactive_work_runs():
     assert not second.done(), "the cap lingers briefly for the chain's next step"
     await asyncio.wait_for(second, timeout=1)
     assert slots.batch_in_use == 2
+
+
+async def test_batch_prefill_budget_spreads_long_prompts():
+    slots = PrioritySlots(capacity=8, batch_prefill_budget=1000)
+    batch = Priority.of("batch")
+    first = slots.slot(batch, 800)
+    await first.__aenter__()
+    waiting = asyncio.create_task(slots.acquire(batch, 800))
+    await asyncio.sleep(0.01)
+    assert not waiting.done(), "two long prompts would exceed the prefill budget"
+    await asyncio.wait_for(slots.acquire(Priority.of("interactive"), 5000), timeout=1)
+    first.prefilled()  # its first token: the prompt left the budget
+    await asyncio.wait_for(waiting, timeout=1)
+    huge = asyncio.create_task(slots.acquire(batch, 5000))
+    await asyncio.sleep(0.01)
+    assert not huge.done()
+    slots.prefilled(batch, 800)
+    await asyncio.wait_for(huge, timeout=1)  # alone, a prompt over the budget still goes

@@ -79,6 +79,7 @@ class Plan:
 
     tail_ms: dict[str, float]
     cost_ms: dict[str, float]
+    uncached_tokens: dict[str, float]
     merged_into: dict[str, str]
     prefix_group: dict[str, int]
     group_leader: dict[int, str]
@@ -225,6 +226,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     out_tok: dict[str, float] = {}
     cost: dict[str, float] = {}
     prompt_tok: dict[str, float] = {}
+    uncached_tok: dict[str, float] = {}
     for nid in order:
         node = nodes[nid]
         if nid in merged:
@@ -234,7 +236,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
             model = model_of[nid]
             out_tok[nid] = _output_tokens(node, opts, model)
             prompt_tok[nid] = _prompt_tokens(node, opts, model, out_tok)
-            uncached = max(prompt_tok[nid] - shared_of.get(nid, 0), 0.0)
+            uncached = uncached_tok[nid] = max(prompt_tok[nid] - shared_of.get(nid, 0), 0.0)
             cost[nid] = opts.costs(model).step_ms(uncached, out_tok[nid])
         elif isinstance(node, ToolNode):
             cost[nid], out_tok[nid] = opts.tool_ms, 32.0
@@ -256,8 +258,8 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     path = _critical_path(order, deps, tail, children)
     report = _report(graph, opts, order, deps, nodes, merged, model_of, groups, leader,
                      cost, tail, start, prompt_tok, out_tok, path, group_of)
-    return Plan(tail_ms=tail, cost_ms=cost, merged_into=merged, prefix_group=group_of,
-                group_leader=leader, report=report)
+    return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
+                prefix_group=group_of, group_leader=leader, report=report)
 
 
 def _critical_path(order: list[str], deps: dict[str, frozenset[str]],
