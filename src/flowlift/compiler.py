@@ -20,7 +20,7 @@ Injection points keep it pure: ``tokenize(model, text) -> token ids``,
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import itertools
 import json
 import re
@@ -46,10 +46,23 @@ MIN_SHARED_PREFIX_TOKENS = 16  # one vLLM KV block
 
 
 def approximate_tokenize(model: str, text: str) -> list[int]:
-    """Words and punctuation marks as stable integer ids, for when no tokenizer is at
-    hand. Counts come out near a BPE tokenizer's for English prose."""
-    return [int.from_bytes(hashlib.blake2b(t.encode(), digest_size=6).digest(), "big")
-            for t in _WORDS.findall(text)]
+    """Words and punctuation marks as integer ids (equal within one process), for when
+    no tokenizer is at hand. Counts come out near a BPE tokenizer's for English prose."""
+    return [hash(t) for t in _WORDS.findall(text)]
+
+
+def _memoized(tokenize: Tokenize) -> Tokenize:
+    """One tokenization per distinct (model, text) within a compilation: a shared
+    preamble is tokenized once, not once per step."""
+    memo: dict[tuple[str, str], Sequence[int]] = {}
+
+    def cached(model: str, text: str) -> Sequence[int]:
+        key = (model, text)
+        if key not in memo:
+            memo[key] = tokenize(model, text)
+        return memo[key]
+
+    return cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,10 +199,6 @@ def _prompt_tokens(node: LLMNode, opts: CompileOptions, model: str,
     return total
 
 
-def _topological(graph: Graph) -> list[str]:
-    return [nid for level in levels(graph) for nid in level]
-
-
 def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     """Compile a validated graph into a :class:`Plan` (with its :class:`CompileReport`).
 
@@ -200,8 +209,10 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
         GraphError: when the graph has a cycle.
     """
     opts = opts or CompileOptions()
+    opts = dataclasses.replace(opts, tokenize=_memoized(opts.tokenize))
     deps = dependencies(graph)
-    order = _topological(graph)
+    level_list = levels(graph, deps)
+    order = [nid for level in level_list for nid in level]
     nodes = graph.node_map()
     merged = find_identical(graph, order)
     model_of = {nid: (n.model or opts.default_model) for nid, n in nodes.items()
@@ -257,7 +268,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
 
     path = _critical_path(order, deps, tail, children)
     report = _report(graph, opts, order, deps, nodes, merged, model_of, groups, leader,
-                     cost, tail, start, prompt_tok, out_tok, path, group_of)
+                     cost, tail, start, prompt_tok, out_tok, path, group_of, level_list)
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
                 prefix_group=group_of, group_leader=leader, report=report)
 
@@ -295,8 +306,9 @@ def _report(graph: Graph, opts: CompileOptions, order: list[str],
             model_of: dict[str, str], groups: list[tuple[int, list[str]]],
             leader: dict[int, str], cost: dict[str, float], tail: dict[str, float],
             start: dict[str, float], prompt_tok: dict[str, float], out_tok: dict[str, float],
-            path: list[str], group_of: dict[str, int]) -> CompileReport:
-    depth = {nid: k for k, level in enumerate(levels(graph)) for nid in level}
+            path: list[str], group_of: dict[str, int],
+            level_list: list[list[str]]) -> CompileReport:
+    depth = {nid: k for k, level in enumerate(level_list) for nid in level}
     on_path = set(path)
     breaks = [BreakReport(step_id=nid, reason="client-run @tool step: the chain leaves the "
                           "server and waits for the app") for nid in order

@@ -6,6 +6,8 @@ cycles, unknown models, unusable contracts) so an invalid graph is rejected whol
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Collection, Mapping
 
 import jsonschema
@@ -49,13 +51,13 @@ def find_cycle(deps: Mapping[str, Collection[str]]) -> list[str] | None:
     return None
 
 
-def levels(graph: Graph) -> list[list[str]]:
+def levels(graph: Graph, deps: Mapping[str, Collection[str]] | None = None) -> list[list[str]]:
     """Parallel levels: level k holds nodes whose longest dependency chain has k edges.
 
     Raises:
         GraphError: when the graph has a cycle.
     """
-    deps = dependencies(graph)
+    deps = deps if deps is not None else dependencies(graph)
     depth: dict[str, int] = {}
     remaining = dict(deps)
     while remaining:
@@ -93,12 +95,21 @@ def _node_problems(node: Node, ids: Collection[str], nodes: Mapping[str, Node],
                             f"(served: {', '.join(sorted(models)) or 'none'})")
         schema = node.contract.json_schema if node.contract else None
         if schema is not None:
-            try:
-                jsonschema.Draft202012Validator.check_schema(schema)
-            except SchemaError as exc:
+            error = _schema_error(json.dumps(schema, sort_keys=True))
+            if error is not None:
                 problems.append(f"node {node.id!r} has an invalid JSON Schema contract: "
-                                f"{exc.message}")
+                                f"{error}")
     return problems
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_error(schema_json: str) -> str | None:
+    """Why a JSON Schema is invalid, or None (cached: batches repeat one schema)."""
+    try:
+        jsonschema.Draft202012Validator.check_schema(json.loads(schema_json))
+    except SchemaError as exc:
+        return exc.message
+    return None
 
 
 def validate(graph: Graph, models: Collection[str] | None = None) -> None:
