@@ -100,7 +100,9 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None)
                           middlewares=[openai_errors, require_ready])
     app[STATE] = ProxyState(
         backends=Backends(engines, max_concurrency=config.max_concurrency,
-                          fcfs=config.scheduling == "fcfs"),
+                          fcfs=config.scheduling == "fcfs",
+                          batch_prefill_budget=config.batch_prefill_budget,
+                          batch_cap_when_interactive=config.batch_cap_when_interactive),
         runs=RunRegistry(RunStore(config.state_path or ":memory:"), config.trace_dir,
                          detached_timeout_s=config.detached_timeout_s),
         config=config)

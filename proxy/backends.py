@@ -31,11 +31,15 @@ class Backends:
         max_concurrency: requests in flight per engine.
         fcfs: first come, first served everywhere (no priorities, no reserved slots, no
             prefix-grouped dispatch): the baseline of the scheduling benchmarks.
+        batch_prefill_budget, batch_cap_when_interactive: see
+            :class:`~flowlift.proxy.scheduler.PrioritySlots`.
         aliases: extra names (e.g. ``"default"``) -> served model name.
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, max_concurrency: int = 16,
-                 aliases: Mapping[str, str] | None = None, fcfs: bool = False) -> None:
+                 aliases: Mapping[str, str] | None = None, fcfs: bool = False,
+                 batch_prefill_budget: int = 1024,
+                 batch_cap_when_interactive: int | None = None) -> None:
         if not engines:
             raise ValueError("at least one model must be served")
         per_engine: dict[int, Backend] = {}
@@ -44,7 +48,11 @@ class Backends:
             backend = per_engine.get(id(engine))
             if backend is None:
                 backend = Backend(f"engine-{len(per_engine)}", engine,
-                                  PrioritySlots(max_concurrency, fcfs=fcfs), max_concurrency)
+                                  PrioritySlots(max_concurrency, fcfs=fcfs,
+                                                batch_prefill_budget=batch_prefill_budget,
+                                                batch_cap_when_interactive=(
+                                                    batch_cap_when_interactive)),
+                                  max_concurrency)
                 per_engine[id(engine)] = backend
             self._by_model[model] = backend
         self.fcfs = fcfs

@@ -29,6 +29,8 @@ class ProxyConfig:
         detached_timeout_s: a run nobody listens to for this long is cancelled.
         scheduling: ``"priority"`` (class, critical path, slack; prefix-grouped
             dispatch) or ``"fcfs"`` (the baseline).
+        batch_prefill_budget: prompt tokens of batch work in prefill at once.
+        batch_cap_when_interactive: batch slots while interactive work runs (None: half).
     """
 
     max_concurrency: int = 16
@@ -37,6 +39,8 @@ class ProxyConfig:
     state_path: Path | None = None
     detached_timeout_s: float = 300.0
     scheduling: str = "priority"
+    batch_prefill_budget: int = 1024
+    batch_cap_when_interactive: int | None = None
 
 
 @dataclass(slots=True)

@@ -53,7 +53,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                          trace_dir=Path(args.trace_dir) if args.trace_dir else None,
                          state_path=None if args.state_db == ":memory:" else state_db,
-                         scheduling=args.scheduling)
+                         scheduling=args.scheduling,
+                         batch_prefill_budget=args.batch_prefill_budget,
+                         batch_cap_when_interactive=args.batch_cap_when_interactive)
     app = create_app(_engines(args), config)  # type: ignore[arg-type]
     print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=30)
@@ -191,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none)")
     serve.add_argument("--scheduling", choices=("priority", "fcfs"), default="priority",
                        help="dispatch order (fcfs: the baseline, for benchmarks)")
+    serve.add_argument("--batch-prefill-budget", type=int, default=1024,
+                       help="prompt tokens of batch work in prefill at once (default 1024; "
+                            "raise it on a GPU)")
+    serve.add_argument("--batch-cap-when-interactive", type=int, default=None,
+                       help="engine slots batch work may hold while interactive work runs "
+                            "(default: half of --max-concurrency)")
     serve.add_argument("--fake-delay-s", type=float, default=0.01,
                        help="with --engine fake: seconds per streamed chunk")
     serve.set_defaults(func=cmd_serve)
