@@ -71,15 +71,14 @@ class Backends:
         Raises:
             ModelNotFound: for a name that is neither served nor an alias.
         """
-        name = self._aliases.get(model or "default", model or self.default_model)
+        name = self.canonical(model)
         if name not in self._by_model:
             raise ModelNotFound(str(model), self.models)
         return name, self._by_model[name]
 
     def canonical(self, model: str | None) -> str:
         """The served name behind ``model`` (aliases resolved); unknown names unchanged."""
-        name = self._aliases.get(model or "default", model or self.default_model)
-        return name
+        return self._aliases.get(model or "default", model or self.default_model)
 
     def known(self) -> set[str]:
         return set(self._by_model) | set(self._aliases)

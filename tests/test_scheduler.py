@@ -28,8 +28,8 @@ async def test_interactive_never_waits_behind_batch():
     await asyncio.wait_for(third, timeout=1)
 
 
-async def test_waiters_are_served_by_class_then_remaining_critical_path():
-    slots = PrioritySlots(capacity=1, reserved_interactive=0)
+async def _grant_order(slots: PrioritySlots, waiters: list[tuple[str, Priority]]) -> list[str]:
+    """Hold the only slot, queue ``waiters``, release: the order they were served in."""
     holder = Priority.of("batch")
     await slots.acquire(holder)
     order: list[str] = []
@@ -39,14 +39,19 @@ async def test_waiters_are_served_by_class_then_remaining_critical_path():
         order.append(name)
         slots.release(p)
 
-    tasks = [asyncio.create_task(wait(n, p)) for n, p in [
-        ("batch-short", Priority.of("batch", 100)),
-        ("batch-long", Priority.of("batch", 9_000)),
-        ("interactive-short", Priority.of("interactive", 5)),
-        ("batch-long-tight", Priority.of("batch", 9_000, slack_ms=10))]]
+    tasks = [asyncio.create_task(wait(n, p)) for n, p in waiters]
     await asyncio.sleep(0)
     slots.release(holder)
     await asyncio.gather(*tasks)
+    return order
+
+
+async def test_waiters_are_served_by_class_then_remaining_critical_path():
+    order = await _grant_order(PrioritySlots(capacity=1, reserved_interactive=0), [
+        ("batch-short", Priority.of("batch", 100)),
+        ("batch-long", Priority.of("batch", 9_000)),
+        ("interactive-short", Priority.of("interactive", 5)),
+        ("batch-long-tight", Priority.of("batch", 9_000, slack_ms=10))])
     assert order == ["interactive-short", "batch-long-tight", "batch-long", "batch-short"]
 
 
@@ -123,21 +128,9 @@ async def test_critical_path_first_under_contention():
 
 
 async def test_fcfs_baseline_ignores_priorities():
-    slots = PrioritySlots(capacity=1, fcfs=True)
-    holder = Priority.of("batch")
-    await slots.acquire(holder)
-    order: list[str] = []
-
-    async def wait(name: str, p: Priority) -> None:
-        await slots.acquire(p)
-        order.append(name)
-        slots.release(p)
-
-    tasks = [asyncio.create_task(wait("batch", Priority.of("batch", 1))),
-             asyncio.create_task(wait("interactive", Priority.of("interactive", 9_000)))]
-    await asyncio.sleep(0)
-    slots.release(holder)
-    await asyncio.gather(*tasks)
+    order = await _grant_order(PrioritySlots(capacity=1, fcfs=True), [
+        ("batch", Priority.of("batch", 1)),
+        ("interactive", Priority.of("interactive", 9_000))])
     assert order == ["batch", "interactive"]
 
 
