@@ -11,21 +11,40 @@ Routes: ``/healthz``, ``/readyz``, the OpenAI-compatible API
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections.abc import Mapping
 
+import httpx
 from aiohttp import web
 
-from flowlift.errors import EngineError
+from flowlift.errors import AuthenticationError, EngineError
 from flowlift.local_engine.base import Engine
 from flowlift.proxy import openai_api, workflows
 from flowlift.proxy.backends import Backends
+from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
+from flowlift.proxy.providers import Providers
 from flowlift.proxy.registry import RunRegistry
 from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
 from flowlift.proxy.store import RunStore
 
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models", "/v1/workflows:compile"})
+_UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
+
+
+@web.middleware
+async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Optional proxy API keys: ``Authorization: Bearer <key>`` on every API path."""
+    keys = request.app[STATE].config.api_keys
+    if keys and request.path not in _UNAUTHENTICATED:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not any(
+                hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+            raise AuthenticationError("missing or invalid API key: send the proxy's key as "
+                                      "`Authorization: Bearer <key>`", param="Authorization")
+    return await handler(request)
 
 
 @web.middleware
@@ -82,27 +101,34 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         run.suspend()  # persisted runs resume when the proxy starts again
     for engine in state.backends.engines:
         await engine.close()
+    await state.providers.aclose()
     state.runs.store.close()
 
 
-def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None) -> web.Application:
+def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None, *,
+               file_config: FileConfig | None = None,
+               transport: httpx.AsyncBaseTransport | None = None) -> web.Application:
     """Build the proxy.
 
     Args:
         engines: served model name -> engine (the first is the default model).
         config: proxy settings.
+        file_config: upstream providers and model routes (:mod:`flowlift.proxy.config`).
+        transport: httpx transport for every upstream (tests); None: the network.
 
     Returns:
         An ``aiohttp.web.Application``; engines start when the app starts.
     """
     config = config or ProxyConfig()
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[openai_errors, require_ready])
+                          middlewares=[openai_errors, require_key, require_ready])
+    backends = Backends(engines, max_concurrency=config.max_concurrency,
+                        fcfs=config.scheduling == "fcfs",
+                        batch_prefill_budget=config.batch_prefill_budget,
+                        batch_cap_when_interactive=config.batch_cap_when_interactive)
     app[STATE] = ProxyState(
-        backends=Backends(engines, max_concurrency=config.max_concurrency,
-                          fcfs=config.scheduling == "fcfs",
-                          batch_prefill_budget=config.batch_prefill_budget,
-                          batch_cap_when_interactive=config.batch_cap_when_interactive),
+        backends=backends,
+        providers=Providers(backends, file_config, transport=transport),
         runs=RunRegistry(RunStore(config.state_path or ":memory:"), config.trace_dir,
                          detached_timeout_s=config.detached_timeout_s),
         config=config)

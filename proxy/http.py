@@ -10,9 +10,11 @@ one place, and so is pydantic's ``ValidationError`` (the ``param`` names the fie
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
@@ -30,6 +32,10 @@ _AIOHTTP_TYPES = {404: ("not_found_error", "not_found"),
 
 
 def error_response(exc: FlowliftError, headers: dict[str, str] | None = None) -> web.Response:
+    """The OpenAI-shaped answer for ``exc`` (``Retry-After`` when it names a wait)."""
+    headers = dict(headers or {})
+    if exc.retry_after_s is not None:
+        headers.setdefault("Retry-After", str(max(1, math.ceil(exc.retry_after_s))))
     return web.json_response(exc.to_openai(), status=exc.status, headers=headers)
 
 
@@ -62,22 +68,59 @@ def _loc(err: Any) -> str:
     return out
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The request's raw body.
+
+    Raises:
+        PayloadTooLarge: over the configured body limit (case B4: HTTP 413).
+    """
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[STATE].config.max_body_bytes
+        raise PayloadTooLarge(f"request body over the limit of {limit} bytes; raise it with "
+                              "`flowlift serve --max-body-mb`", param="body") from None
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` as JSON (orjson).
+
+    Raises:
+        RequestError: not UTF-8 JSON.
+    """
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    try:  # what orjson refuses but JSON allows: integers past 64 bits
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}", param="body") from None
+
+
 async def read_json(request: web.Request) -> Any:
     """The request's JSON body.
 
     Raises:
         RequestError: not JSON. PayloadTooLarge: over the configured body limit.
     """
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[STATE].config.max_body_bytes
-        raise PayloadTooLarge(f"request body over the limit of {limit} bytes; raise it with "
-                              "`flowlift serve --max-body-mb`", param="body") from None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}", param="body") from None
+    return parse_json(await read_body(request))
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object with a non-empty string ``model``.
+
+    Raises:
+        RequestError: not a JSON object, or ``model`` missing or not a string.
+    """
+    data = parse_json(raw)
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object", param="body")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("`model` is required: the name of a served model (see "
+                           "GET /v1/models)", param="model")
+    return data
 
 
 def parse_model(model: type[M], data: Any, what: str) -> M:

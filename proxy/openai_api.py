@@ -1,26 +1,67 @@
-"""The OpenAI-compatible API: ``POST /v1/chat/completions`` and ``GET /v1/models``.
+"""The OpenAI-compatible API: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``, ``/v1/responses`` and ``GET /v1/models``.
 
-A request for a model served in process goes to :mod:`flowlift.proxy.embedded`.
-Shapes follow OpenAI's published API description (``shared/specs/openai-openapi.yaml``).
+Each request goes to its model's :class:`~flowlift.proxy.routing.Route`: the embedded
+engine (:mod:`flowlift.proxy.embedded`) or upstream providers
+(:mod:`flowlift.proxy.forward`). Shapes follow OpenAI's published API description
+(``shared/specs/openai-openapi.yaml``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 from aiohttp import web
 
 from flowlift.proxy import embedded
-from flowlift.proxy.http import read_json
+from flowlift.proxy.backends import Backend
+from flowlift.proxy.forward import OnOutput, forward
+from flowlift.proxy.http import json_object, read_body
 from flowlift.proxy.state import STATE
 
 routes = web.RouteTableDef()
+EmbeddedHandler = Callable[..., Awaitable[web.StreamResponse]]
+
+
+async def _dispatch(request: web.Request, path: str,
+                    handler: EmbeddedHandler | None) -> web.StreamResponse:
+    state = request.app[STATE]
+    raw = await read_body(request)
+    data = json_object(raw)
+    route = state.providers.route(data["model"])
+    affinity = request.headers.get("x-flowlift-session")
+    on_output: OnOutput | None = None
+
+    async def local(model: str, backend: Backend) -> web.StreamResponse:
+        assert handler is not None
+        kwargs: dict[str, Any] = {} if on_output is None else {"on_output": on_output}
+        return await handler(request, data, model, backend, **kwargs)
+
+    return await forward(request, providers=state.providers, route=route, path=path,
+                         raw=raw, data=data, affinity=affinity,
+                         embedded=local if handler is not None else None,
+                         on_output=on_output)
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    data = await read_json(request)
-    model, backend = state.backends.resolve(data.get("model") if isinstance(data, dict) else None)
-    return await embedded.chat_completions(request, data, model, backend)
+    return await _dispatch(request, "/chat/completions", embedded.chat_completions)
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _dispatch(request, "/completions", getattr(embedded, "completions", None))
+
+
+@routes.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _dispatch(request, "/embeddings", getattr(embedded, "embeddings", None))
+
+
+@routes.post("/v1/responses")
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _dispatch(request, "/responses", None)
 
 
 @routes.get("/v1/models")
@@ -28,5 +69,5 @@ async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     created = int(state.started_at)
     data = [{"id": m, "object": "model", "created": created, "owned_by": "flowlift"}
-            for m in state.backends.models]
+            for m in state.providers.models]
     return web.json_response({"object": "list", "data": data})

@@ -14,6 +14,7 @@ from flowlift.costs import CostTracker
 
 if TYPE_CHECKING:
     from flowlift.proxy.backends import Backends
+    from flowlift.proxy.providers import Providers
     from flowlift.proxy.registry import RunRegistry
 
 
@@ -31,6 +32,7 @@ class ProxyConfig:
             dispatch) or ``"fcfs"`` (the baseline).
         batch_prefill_budget: prompt tokens of batch work in prefill at once.
         batch_cap_when_interactive: batch slots while interactive work runs (None: half).
+        api_keys: keys clients must send as ``Authorization: Bearer``; empty: no auth.
     """
 
     max_concurrency: int = 16
@@ -41,11 +43,13 @@ class ProxyConfig:
     scheduling: str = "priority"
     batch_prefill_budget: int = 1024
     batch_cap_when_interactive: int | None = None
+    api_keys: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
 class ProxyState:
     backends: Backends
+    providers: Providers
     runs: RunRegistry
     config: ProxyConfig
     costs: CostTracker = field(default_factory=CostTracker)
@@ -53,7 +57,6 @@ class ProxyState:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     load_error: str | None = None
     load_time_s: float | None = None
-
 
 
 STATE: web.AppKey[ProxyState] = web.AppKey("flowlift", ProxyState)

@@ -8,13 +8,18 @@
     │   ├── SemanticVariableError     a placeholder used as if it held a value
     │   ├── RequestError              malformed request (``param`` names the field)
     │   │   └── PayloadTooLarge       body over the configured limit (HTTP 413)
-    │   └── ModelNotFound             model name not served (HTTP 404)
+    │   ├── ModelNotFound             model name not served (HTTP 404)
+    │   ├── AuthenticationError       missing or wrong proxy API key (HTTP 401)
+    │   └── ConfigError               the proxy's config file or flags are wrong
     └── RunError                      something failed while running
         ├── EngineError               the inference engine failed or is not loaded
         ├── ContractError             output does not satisfy the step's contract
         ├── StepFailed                a workflow step failed (``step_id``, ``cause``)
         ├── WorkflowFailed            a run ended with failed steps (``failures``)
-        └── ProxyUnavailable          the SDK cannot reach the flowlift proxy
+        ├── ProxyUnavailable          the SDK cannot reach the flowlift proxy
+        ├── Overloaded                the proxy sheds load or every backend cools down
+        │                             (HTTP 429/503 with ``Retry-After``)
+        └── UpstreamError             an upstream provider failed (status, body, retry_after_s)
 
 Every error knows its HTTP face (:meth:`FlowliftError.to_openai`): the OpenAI error
 shape ``{"error": {"message", "type", "param", "code"}}`` with a status code the
@@ -33,6 +38,8 @@ class FlowliftError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str | None = None
+    retry_after_s: float | None = None
+    """When set, the HTTP answer carries ``Retry-After`` (whole seconds, rounded up)."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -102,6 +109,17 @@ class ModelNotFound(UserError):
                          param="model")
 
 
+class AuthenticationError(UserError):
+    status = 401
+    code = "invalid_api_key"
+
+
+class ConfigError(UserError):
+    """A wrong proxy config file, environment variable or flag; ``param`` names it."""
+
+    code = "invalid_config"
+
+
 class RunError(FlowliftError):
     """Something failed while running."""
 
@@ -151,3 +169,44 @@ class ProxyUnavailable(RunError):
             f"cannot reach the flowlift proxy at {base_url} ({cause}); start it with "
             "`flowlift serve`, or run your script with `flowlift run SCRIPT`, or set "
             "FLOWLIFT_BASE_URL")
+
+
+class Overloaded(RunError):
+    """The proxy's own load shedding (429) or no backend available right now (503).
+
+    Always carries ``retry_after_s`` so clients back off instead of hammering.
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = max(retry_after_s, 0.0)
+        self.type = "rate_limit_error" if status == 429 else "server_error"
+        self.code = "rate_limit_exceeded" if status == 429 else "backends_unavailable"
+
+
+class UpstreamError(RunError):
+    """An upstream provider's failure, after retries and fallbacks.
+
+    Attributes:
+        status: the HTTP status the client gets (the upstream's own for its 4xx/5xx
+            answers, 502 for a broken connection or stream, 504 for a timeout).
+        body: the upstream's error body when it sent one (passed to the client as is).
+        retryable: whether another attempt (or another backend) may succeed.
+        retry_after_s: the upstream's ``Retry-After``, when it sent one.
+        backend: the name of the backend that failed.
+    """
+
+    code = "upstream_error"
+
+    def __init__(self, message: str, *, status: int = 502, body: bytes | None = None,
+                 retryable: bool = True, retry_after_s: float | None = None,
+                 backend: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+        self.retryable = retryable
+        self.retry_after_s = retry_after_s
+        self.backend = backend
+        if status == 504:
+            self.code = "upstream_timeout"

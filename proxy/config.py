@@ -1,0 +1,160 @@
+"""The proxy's config file: which backends exist and which models they serve.
+
+A TOML file (``flowlift serve --config flowlift.toml``)::
+
+    [server]
+    api_keys_env = "FLOWLIFT_API_KEYS"   # comma-separated proxy keys; unset: no auth
+    max_queue = 256                      # waiting requests per backend before 429
+
+    [backends.local]
+    kind = "embedded"                    # the in-process engine (--engine / --model)
+
+    [backends.vllm-a]
+    kind = "openai"                      # any OpenAI-compatible upstream
+    base_url = "http://10.0.0.5:8000/v1"
+    api_key_env = "VLLM_API_KEY"         # secrets only from the environment
+    connect_timeout_s = 5
+    first_token_timeout_s = 60           # headers + first stream event
+    idle_timeout_s = 60                  # between stream events
+    max_connections = 64                 # pooled connections (and requests in flight)
+    failures_to_cool = 3                 # consecutive failures before a cool-down
+    cooldown_s = 30
+    rename = { "llama-3-8b" = "meta-llama/Meta-Llama-3-8B-Instruct" }
+
+    [models."llama-3-8b"]
+    backends = ["vllm-a", "vllm-b"]      # replicas: session affinity, else least loaded
+    fallbacks = ["openai"]               # in order, when no replica can answer
+    total_timeout_s = 600                # the request's whole budget, retries included
+    max_attempts = 4
+
+Every problem is reported at once, naming its field (``ConfigError``); upstream keys are
+read from the environment when the file is loaded, so a missing secret fails at start.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flowlift.errors import ConfigError
+
+EMBEDDED = "embedded"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSpec(_Strict):
+    api_keys_env: str | None = None
+    max_queue: int = Field(default=256, ge=1)
+
+
+class EmbeddedSpec(_Strict):
+    kind: Literal["embedded"]
+
+
+class UpstreamSpec(_Strict):
+    """An OpenAI-compatible upstream (OpenAI, a vLLM or SGLang fleet, llama.cpp server)."""
+
+    kind: Literal["openai"]
+    base_url: str = Field(pattern=r"^https?://")
+    api_key_env: str | None = None
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    first_token_timeout_s: float = Field(default=60.0, gt=0)
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+    max_connections: int = Field(default=64, ge=1)
+    failures_to_cool: int = Field(default=3, ge=1)
+    cooldown_s: float = Field(default=30.0, ge=0)
+    rename: dict[str, str] = Field(default_factory=dict)
+
+
+BackendSpec = Annotated[EmbeddedSpec | UpstreamSpec, Field(discriminator="kind")]
+
+
+class ModelSpec(_Strict):
+    backends: list[str] = Field(min_length=1)
+    fallbacks: list[str] = Field(default_factory=list)
+    total_timeout_s: float = Field(default=600.0, gt=0)
+    max_attempts: int = Field(default=4, ge=1, le=20)
+
+
+class FileConfig(_Strict):
+    """The parsed config file. ``keys`` holds upstream keys read from the environment."""
+
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    backends: dict[str, BackendSpec] = Field(default_factory=dict)
+    models: dict[str, ModelSpec] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _references(self) -> FileConfig:
+        problems = []
+        for name, spec in self.models.items():
+            for field in ("backends", "fallbacks"):
+                for ref in getattr(spec, field):
+                    if ref not in self.backends:
+                        problems.append(f"models.{name}.{field}: no backend named {ref!r} "
+                                        f"(defined: {', '.join(self.backends) or 'none'})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def proxy_keys(self) -> frozenset[str]:
+        """The proxy API keys clients must present (empty: no auth)."""
+        if not self.server.api_keys_env:
+            return frozenset()
+        raw = os.environ.get(self.server.api_keys_env, "")
+        return frozenset(k.strip() for k in raw.split(",") if k.strip())
+
+    def upstream_key(self, backend: str) -> str | None:
+        spec = self.backends[backend]
+        if isinstance(spec, EmbeddedSpec) or not spec.api_key_env:
+            return None
+        return os.environ[spec.api_key_env]
+
+
+def load_config(path: str | Path) -> FileConfig:
+    """Read and check a config file.
+
+    Raises:
+        ConfigError: unreadable file, TOML syntax, unknown or bad fields (all listed),
+            references to undefined backends, or an ``*_env`` variable that is not set.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}",
+                          param="--config") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}",
+                          param="--config") from None
+    return parse_config(data, source=str(path))
+
+
+def parse_config(data: dict, *, source: str = "config") -> FileConfig:
+    """:func:`load_config` for an already-parsed mapping."""
+    try:
+        config = FileConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors(include_url=False):
+            loc = ".".join(str(p) for p in err["loc"] if p not in ("embedded", "openai"))
+            lines.append(f"{loc or '(file)'}: {err['msg']}")
+        raise ConfigError(f"{source}: " + "; ".join(lines),
+                          param=lines[0].split(":")[0]) from None
+    missing = [f"backends.{name}.api_key_env: environment variable {spec.api_key_env} "
+               "is not set" for name, spec in config.backends.items()
+               if isinstance(spec, UpstreamSpec) and spec.api_key_env
+               and spec.api_key_env not in os.environ]
+    if config.server.api_keys_env and not config.proxy_keys():
+        missing.append(f"server.api_keys_env: environment variable "
+                       f"{config.server.api_keys_env} is not set or holds no key")
+    if missing:
+        raise ConfigError(f"{source}: " + "; ".join(missing),
+                          param=missing[0].split(":")[0])
+    return config

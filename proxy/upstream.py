@@ -1,0 +1,168 @@
+"""Upstream OpenAI-compatible providers: pooled httpx clients, health and cool-down,
+``Retry-After`` parsing, and which client headers may travel upstream.
+
+httpx is the only place upstream errors come from; :func:`translate` turns them into
+:class:`~flowlift.errors.UpstreamError` in this one place.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+
+import httpx
+
+from flowlift.errors import RequestError, UpstreamError
+from flowlift.proxy.config import UpstreamSpec
+
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529})
+"""Upstream answers another attempt may fix (OpenAI's client retries the same set)."""
+
+PASSED_HEADERS = ("traceparent", "tracestate", "baggage", "x-request-id", "openai-beta",
+                  "idempotency-key", "accept-language")
+"""The only client headers forwarded upstream: W3C trace context and request metadata.
+Everything else -- the client's ``Authorization`` (the proxy's own key), cookies and
+any ``x-*`` header that may hold a secret -- stays in the proxy (case B2)."""
+
+
+def forwarded_headers(client: Mapping[str, str]) -> dict[str, str]:
+    """The client headers to send upstream (see :data:`PASSED_HEADERS`).
+
+    Raises:
+        RequestError: a passed header holds non-ASCII or control characters (case B3:
+            a 400 naming the header, never a 500).
+    """
+    out = {}
+    for name in PASSED_HEADERS:
+        value = client.get(name)
+        if value is None:
+            continue
+        if not value.isascii() or not value.isprintable():
+            raise RequestError(f"header {name!r} holds non-ASCII or control characters; "
+                               "send printable ASCII (percent-encode other text)",
+                               param=f"header:{name}")
+        out[name] = value
+    return out
+
+
+def retry_after_s(headers: Mapping[str, str], *, now: float | None = None) -> float | None:
+    """Seconds to wait from ``Retry-After`` (delta-seconds or an HTTP-date, RFC 9110
+    §10.2.3) or OpenAI's ``retry-after-ms``; None when absent or unreadable."""
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            value = float(ms) / 1000
+            if math.isfinite(value):
+                return max(value, 0.0)
+        except ValueError:
+            pass
+    raw = headers.get("retry-after")
+    if raw is None:
+        return None
+    raw = raw.strip()
+    try:
+        value = float(raw)
+        return max(value, 0.0) if math.isfinite(value) else None
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    now_dt = datetime.fromtimestamp(time.time() if now is None else now, tz=UTC)
+    return max((when - now_dt).total_seconds(), 0.0)
+
+
+@dataclass(slots=True)
+class Health:
+    """Circuit state of one backend: consecutive failures, cool-down, requests in flight.
+
+    ``failures_to_cool`` consecutive failures cool the backend for ``cooldown_s`` (or
+    the upstream's ``Retry-After`` when longer); a 429 with ``Retry-After`` cools it at
+    once for that long. One success closes the circuit again.
+    """
+
+    failures_to_cool: int = 3
+    cooldown_s: float = 30.0
+    consecutive_failures: int = 0
+    cooled_until: float = 0.0
+    in_flight: int = 0
+    max_in_flight: int = 64
+
+    def available(self, now: float) -> bool:
+        return now >= self.cooled_until and self.in_flight < self.max_in_flight
+
+    def cooling(self, now: float) -> bool:
+        return now < self.cooled_until
+
+    def success(self) -> None:
+        self.consecutive_failures = 0
+        self.cooled_until = 0.0
+
+    def failure(self, now: float, *, status: int | None = None,
+                retry_after: float | None = None) -> None:
+        self.consecutive_failures += 1
+        until = 0.0
+        if status == 429 and retry_after is not None:
+            until = now + retry_after
+        if self.consecutive_failures >= self.failures_to_cool:
+            until = max(until, now + max(self.cooldown_s, retry_after or 0.0))
+        self.cooled_until = max(self.cooled_until, until)
+
+
+class Upstream:
+    """One OpenAI-compatible upstream with its connection pool.
+
+    Args:
+        name: the backend's name in the config.
+        spec: its settings.
+        api_key: sent as ``Authorization: Bearer``; the client's key never is.
+        transport: an httpx transport (tests use ``httpx.MockTransport``); None: network.
+    """
+
+    def __init__(self, name: str, spec: UpstreamSpec, api_key: str | None = None, *,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.name = name
+        self.spec = spec
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=spec.max_connections,
+                              max_keepalive_connections=spec.max_connections)
+        timeout = httpx.Timeout(connect=spec.connect_timeout_s, read=None, write=60.0,
+                                pool=spec.connect_timeout_s)
+        self.client = httpx.AsyncClient(base_url=spec.base_url.rstrip("/"), headers=headers,
+                                        limits=limits, timeout=timeout, transport=transport)
+        self.health = Health(spec.failures_to_cool, spec.cooldown_s,
+                             max_in_flight=spec.max_connections)
+
+    def upstream_model(self, model: str) -> str:
+        return self.spec.rename.get(model, model)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def translate(exc: Exception, backend: str, *, stage: str) -> UpstreamError:
+    """An httpx or timeout failure as a retryable :class:`UpstreamError`."""
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+        return UpstreamError(f"backend {backend!r} timed out {stage}", status=504,
+                             backend=backend)
+    return UpstreamError(f"backend {backend!r} failed {stage}: {type(exc).__name__}: {exc}",
+                         status=502, backend=backend)
+
+
+async def error_from(resp: httpx.Response, backend: str) -> UpstreamError:
+    """The error for an upstream's 4xx/5xx answer (its body is kept for the client)."""
+    try:
+        body = await resp.aread()
+    finally:
+        await resp.aclose()
+    return UpstreamError(f"backend {backend!r} answered HTTP {resp.status_code}",
+                         status=resp.status_code, body=body,
+                         retryable=resp.status_code in RETRYABLE_STATUS,
+                         retry_after_s=retry_after_s(resp.headers), backend=backend)
