@@ -6,13 +6,9 @@ unchanged too: a plain answer as the upstream's bytes, a stream event by event a
 arrives (case S5), re-framed but byte-identical in its data, multibyte characters
 whole however the TCP writes split them (case S4).
 
-Per attempt: connect timeout, a first-token timeout (headers and the first stream
-event) and an idle timeout between events (case R3); per request: a total budget.
-Failures before anything reached the client are retried: at once on another backend
-when one is untried, else after the upstream's ``Retry-After`` (case R1) or jittered
-exponential backoff ("full jitter", Brooker 2015) -- tenacity does the waiting and the
-stop rules. Once bytes are out, a failure ends the stream with an in-band error event,
-never with a clean-looking finish of a truncated answer (case S6).
+Attempts, retries and fallbacks are :mod:`flowlift.proxy.attempts`'. Here: the idle
+timeout between stream events, and once bytes are out, a failure ends the stream with
+an in-band error event, never with a clean-looking finish of a truncated answer (S6).
 """
 
 from __future__ import annotations
@@ -21,27 +17,19 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import orjson
 from aiohttp import web
-from httpx_sse import EventSource, ServerSentEvent
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_before_delay,
-    wait_random_exponential,
-)
+from httpx_sse import ServerSentEvent
 
-from flowlift.errors import UpstreamError
+from flowlift.errors import RequestError, UpstreamError
+from flowlift.proxy.attempts import Opened, open_answer
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.routing import Route
-from flowlift.proxy.upstream import Upstream, error_from, forwarded_headers, translate
+from flowlift.proxy.upstream import Upstream, forwarded_headers, translate
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.proxy.forward")
@@ -50,37 +38,6 @@ EmbeddedCall = Callable[[str, Any], Awaitable[web.StreamResponse]]
 _FINISHED = re.compile(r'"finish_reason"\s*:\s*"')
 _TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed",
                               "error"})
-_BACKOFF = wait_random_exponential(multiplier=0.25, max=8.0)
-
-
-@dataclass(slots=True)
-class _Opened:
-    """A successful attempt, not yet delivered to the client."""
-
-    upstream: Upstream
-    response: httpx.Response
-    body: bytes | None = None  # plain answers
-    events: AsyncIterator[ServerSentEvent] | None = None  # streams
-    first: ServerSentEvent | None = None
-
-
-def _retryable(exc: BaseException) -> bool:
-    return isinstance(exc, UpstreamError) and exc.retryable
-
-
-class _Wait:
-    """Fail over at once while an untried backend is available; else honour the
-    upstream's ``Retry-After``; else jittered exponential backoff."""
-
-    def __init__(self, providers: Providers, route: Route, tried: set[str]) -> None:
-        self.providers, self.route, self.tried = providers, route, tried
-
-    def __call__(self, state: RetryCallState) -> float:
-        if self.providers.untried(self.route, self.tried):
-            return 0.0
-        exc = state.outcome.exception() if state.outcome else None
-        after = getattr(exc, "retry_after_s", None)
-        return float(after) if after is not None else _BACKOFF(state)
 
 
 def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str) -> bytes:
@@ -90,43 +47,12 @@ def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str) 
     return orjson.dumps({**data, "model": target})
 
 
-async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str, str], *,
-                   stream: bool, budget_s: float) -> _Opened:
-    spec = upstream.spec
-    request = upstream.client.build_request("POST", path, content=body, headers=headers)
-    response: httpx.Response | None = None
-    stage = "before answering"
-    try:
-        async with asyncio.timeout(min(spec.first_token_timeout_s, budget_s) if stream
-                                   else budget_s):
-            response = await upstream.client.send(request, stream=True)
-            if response.status_code >= 400:
-                raise await error_from(response, upstream.name)
-            if not stream:
-                stage = "while sending its answer"
-                return _Opened(upstream, response, body=await response.aread())
-            stage = "before its first stream event"
-            events = EventSource(response).aiter_sse()
-            first = await anext(events, None)
-            if first is None:
-                raise UpstreamError(f"backend {upstream.name!r} ended the stream before any "
-                                    "event", status=502, backend=upstream.name)
-            return _Opened(upstream, response, events=events, first=first)
-    except UpstreamError:
-        if response is not None:
-            await response.aclose()
-        raise
-    except (TimeoutError, httpx.HTTPError) as exc:
-        if response is not None:
-            await response.aclose()
-        raise translate(exc, upstream.name, stage=stage) from None
-
 
 async def forward(request: web.Request, *, providers: Providers, route: Route, path: str,
                   raw: bytes, data: dict[str, Any], affinity: str | None = None,
                   embedded: EmbeddedCall | None = None,
                   on_output: OnOutput | None = None) -> web.StreamResponse:
-    """Answer ``request`` from the route's backends.
+    """Answer ``request`` from the route's backends (see :func:`open_answer`).
 
     Args:
         path: the upstream path (``/chat/completions``, ``/completions``, ``/embeddings``,
@@ -140,52 +66,26 @@ async def forward(request: web.Request, *, providers: Providers, route: Route, p
 
     Raises:
         Overloaded: no backend can take the request now (429/503 with ``Retry-After``).
-        UpstreamError: every attempt failed; the last upstream's error is passed on.
+        RequestError: the route chose the embedded engine for an endpoint it lacks.
     """
-    stream = data.get("stream") is True
-    headers = forwarded_headers(request.headers)
-    tried: set[str] = set()
-    t0 = time.monotonic()
-    retrying = AsyncRetrying(
-        stop=stop_after_attempt(route.max_attempts) | stop_before_delay(route.total_timeout_s),
-        wait=_Wait(providers, route, tried), retry=retry_if_exception(_retryable),
-        reraise=True)
-    opened: _Opened | None = None
     try:
-        async for attempt in retrying:
-            with attempt:
-                name = providers.choose(route, affinity, tried)
-                tried.add(name)
-                local = providers.embedded_backend(name)
-                if local is not None:
-                    if embedded is None:
-                        raise UpstreamError(f"{path} is not served by the embedded engine; "
-                                            "configure an upstream backend for model "
-                                            f"{route.model!r}", status=400, retryable=False)
-                    return await embedded(*local)
-                upstream = providers.upstreams[name]
-                upstream.health.in_flight += 1
-                try:
-                    opened = await _attempt(
-                        upstream, path, _body_for(upstream, raw, data, route.model), headers,
-                        stream=stream, budget_s=route.total_timeout_s - (time.monotonic() - t0))
-                except UpstreamError as exc:
-                    upstream.health.in_flight -= 1
-                    if exc.retryable:
-                        upstream.health.failure(time.monotonic(), status=exc.status,
-                                                retry_after=exc.retry_after_s)
-                    log.info("upstream_attempt_failed", backend=name, status=exc.status,
-                             retryable=exc.retryable, attempt=attempt.retry_state.attempt_number)
-                    raise
+        opened = await open_answer(
+            providers, route, path=path, headers=forwarded_headers(request.headers),
+            body_for=lambda up: _body_for(up, raw, data, route.model),
+            stream=data.get("stream") is True, affinity=affinity)
     except UpstreamError as exc:
         return upstream_error_response(exc)
-    assert opened is not None
+    if isinstance(opened, tuple):
+        if embedded is None:
+            raise RequestError(f"{path} is not served by the embedded engine; configure an "
+                               f"upstream backend for model {route.model!r}", param="model")
+        return await embedded(*opened)
     try:
         if opened.body is not None:
             return _plain(opened, on_output)
         return await _stream(request, opened, on_output)
     finally:
-        opened.upstream.health.in_flight -= 1
+        await opened.release()
 
 
 def upstream_error_response(exc: UpstreamError) -> web.Response:
@@ -206,7 +106,7 @@ def upstream_error_response(exc: UpstreamError) -> web.Response:
     return web.json_response(exc.to_openai(), status=exc.status, headers=headers)
 
 
-def _plain(opened: _Opened, on_output: OnOutput | None) -> web.Response:
+def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
     opened.upstream.health.success()
     body = opened.body or b""
     if on_output is not None:
@@ -262,7 +162,7 @@ class _Collect:
                 self.parts.append(delta.get("content") or choice.get("text") or "")
 
 
-async def _stream(request: web.Request, opened: _Opened,
+async def _stream(request: web.Request, opened: Opened,
                   on_output: OnOutput | None) -> web.StreamResponse:
     upstream, first = opened.upstream, opened.first
     assert first is not None and opened.events is not None
@@ -304,7 +204,4 @@ async def _stream(request: web.Request, opened: _Opened,
         await resp.write_eof()
     except ConnectionResetError:
         log.info("client_went_away", backend=upstream.name)
-    finally:
-        await opened.events.aclose()  # type: ignore[attr-defined]
-        await opened.response.aclose()
     return resp

@@ -1,0 +1,160 @@
+"""Attempts of one request across a route's backends, until one answers.
+
+Per attempt: connect timeout, a first-token timeout (headers and the first stream
+event) and, for plain answers, the request's remaining budget (case R3). Failures
+before anything reached the client are retried: at once on another backend when one is
+untried, else after the upstream's ``Retry-After`` (case R1) or jittered exponential
+backoff ("full jitter", Brooker 2015) -- tenacity does the waiting and the stop rules
+(attempts, and no wait that would end past the request's total budget).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+from httpx_sse import EventSource, ServerSentEvent
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_before_delay,
+    wait_random_exponential,
+)
+
+from flowlift.errors import UpstreamError
+from flowlift.proxy.backends import Backend
+from flowlift.proxy.providers import Providers
+from flowlift.proxy.routing import Route
+from flowlift.proxy.upstream import Upstream, error_from, translate
+from flowlift.tracing import get_logger
+
+log = get_logger("flowlift.proxy.attempts")
+_BACKOFF = wait_random_exponential(multiplier=0.25, max=8.0)
+BodyFor = Callable[[Upstream], bytes]
+
+
+@dataclass(slots=True)
+class Opened:
+    """A successful attempt, not yet delivered. The caller must :meth:`release` it."""
+
+    upstream: Upstream
+    response: httpx.Response
+    body: bytes | None = None  # plain answers
+    events: AsyncIterator[ServerSentEvent] | None = None  # streams
+    first: ServerSentEvent | None = None
+
+    async def release(self) -> None:
+        """Close the upstream response and count the request out of the backend."""
+        try:
+            if self.events is not None:
+                await self.events.aclose()  # type: ignore[attr-defined]
+            await self.response.aclose()
+        finally:
+            self.upstream.health.in_flight -= 1
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, UpstreamError) and exc.retryable
+
+
+class _Wait:
+    """Fail over at once while an untried backend is available; else honour the
+    upstream's ``Retry-After``; else jittered exponential backoff."""
+
+    def __init__(self, providers: Providers, route: Route, tried: set[str]) -> None:
+        self.providers, self.route, self.tried = providers, route, tried
+
+    def __call__(self, state: RetryCallState) -> float:
+        if self.providers.untried(self.route, self.tried):
+            return 0.0
+        exc = state.outcome.exception() if state.outcome else None
+        after = getattr(exc, "retry_after_s", None)
+        return float(after) if after is not None else _BACKOFF(state)
+
+
+async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str, str], *,
+                   stream: bool, budget_s: float) -> Opened:
+    spec = upstream.spec
+    request = upstream.client.build_request("POST", path, content=body, headers=headers)
+    response: httpx.Response | None = None
+    stage = "before answering"
+    try:
+        async with asyncio.timeout(min(spec.first_token_timeout_s, budget_s) if stream
+                                   else budget_s):
+            response = await upstream.client.send(request, stream=True)
+            if response.status_code >= 400:
+                raise await error_from(response, upstream.name)
+            if not stream:
+                stage = "while sending its answer"
+                return Opened(upstream, response, body=await response.aread())
+            stage = "before its first stream event"
+            events = EventSource(response).aiter_sse()
+            first = await anext(events, None)
+            if first is None:
+                raise UpstreamError(f"backend {upstream.name!r} ended the stream before any "
+                                    "event", status=502, backend=upstream.name)
+            return Opened(upstream, response, events=events, first=first)
+    except UpstreamError:
+        if response is not None:
+            await response.aclose()
+        raise
+    except (TimeoutError, httpx.HTTPError) as exc:
+        if response is not None:
+            await response.aclose()
+        raise translate(exc, upstream.name, stage=stage) from None
+
+
+async def open_answer(providers: Providers, route: Route, *, path: str, body_for: BodyFor,
+                      headers: dict[str, str], stream: bool,
+                      affinity: str | None = None) -> Opened | tuple[str, Backend]:
+    """Try the route's backends until one answers.
+
+    Args:
+        path: appended to each upstream's ``base_url`` (``/chat/completions``...).
+        body_for: the request body for an upstream (model renamed when it must be).
+        headers: client headers allowed upstream.
+        stream: a streamed answer (the first event must arrive within the first-token
+            timeout); else the whole body within the request's budget.
+        affinity: workflow or session id for replica affinity.
+
+    Returns:
+        The opened answer, or ``(served_model, backend)`` when the route picked an
+        embedded backend (the caller runs it there).
+
+    Raises:
+        Overloaded: nothing can take the request now (429/503 with ``Retry-After``).
+        UpstreamError: every attempt failed (the last one's error).
+    """
+    tried: set[str] = set()
+    t0 = time.monotonic()
+    retrying = AsyncRetrying(
+        stop=stop_after_attempt(route.max_attempts) | stop_before_delay(route.total_timeout_s),
+        wait=_Wait(providers, route, tried), retry=retry_if_exception(_retryable),
+        reraise=True)
+    async for attempt in retrying:
+        with attempt:
+            name = providers.choose(route, affinity, tried)
+            tried.add(name)
+            local = providers.embedded_backend(name)
+            if local is not None:
+                return local
+            upstream = providers.upstreams[name]
+            upstream.health.in_flight += 1
+            try:
+                return await _attempt(upstream, path, body_for(upstream), headers,
+                                      stream=stream,
+                                      budget_s=route.total_timeout_s - (time.monotonic() - t0))
+            except UpstreamError as exc:
+                upstream.health.in_flight -= 1
+                if exc.retryable:
+                    upstream.health.failure(time.monotonic(), status=exc.status,
+                                            retry_after=exc.retry_after_s)
+                log.info("upstream_attempt_failed", backend=name, status=exc.status,
+                         retryable=exc.retryable, attempt=attempt.retry_state.attempt_number)
+                raise
+    raise AssertionError("unreachable: tenacity re-raises the last failure")
