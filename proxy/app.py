@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import httpx
 from aiohttp import web
 
-from flowlift.errors import AuthenticationError, EngineError
+from flowlift.errors import AuthenticationError, ConfigError, EngineError
 from flowlift.local_engine.base import Engine
 from flowlift.proxy import openai_api, workflows
 from flowlift.proxy.backends import Backends
@@ -28,6 +28,7 @@ from flowlift.proxy.providers import Providers
 from flowlift.proxy.registry import RunRegistry
 from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
 from flowlift.proxy.store import RunStore
+from flowlift.proxy.upstream_engine import UpstreamEngine
 
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models", "/v1/workflows:compile"})
 _UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
@@ -126,9 +127,23 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                         fcfs=config.scheduling == "fcfs",
                         batch_prefill_budget=config.batch_prefill_budget,
                         batch_cap_when_interactive=config.batch_cap_when_interactive)
+    providers = Providers(backends, file_config, transport=transport)
+    for model, route in providers.routes.items():
+        if model in backends.models:
+            continue
+        local = [providers.embedded_backend(n) for n in route.backends]
+        if all(local):
+            backends.alias(model, local[0][0])  # type: ignore[index]
+        else:
+            backends.add(model, UpstreamEngine(providers, route),
+                         max_concurrency=sum(providers.upstreams[n].spec.max_connections
+                                             for n in route.backends if n in providers.upstreams))
+    if not backends.models:
+        raise ConfigError("nothing to serve: no embedded engine and no model in the config "
+                          "file", param="--config")
     app[STATE] = ProxyState(
         backends=backends,
-        providers=Providers(backends, file_config, transport=transport),
+        providers=providers,
         runs=RunRegistry(RunStore(config.state_path or ":memory:"), config.trace_dir,
                          detached_timeout_s=config.detached_timeout_s),
         config=config)

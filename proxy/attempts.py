@@ -26,7 +26,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from flowlift.errors import UpstreamError
+from flowlift.errors import Overloaded, UpstreamError
 from flowlift.proxy.backends import Backend
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.routing import Route
@@ -136,9 +136,16 @@ async def open_answer(providers: Providers, route: Route, *, path: str, body_for
         stop=stop_after_attempt(route.max_attempts) | stop_before_delay(route.total_timeout_s),
         wait=_Wait(providers, route, tried), retry=retry_if_exception(_retryable),
         reraise=True)
+    last: UpstreamError | None = None
     async for attempt in retrying:
         with attempt:
-            name = providers.choose(route, affinity, tried)
+            try:
+                name = providers.choose(route, affinity, tried)
+            except Overloaded:
+                if last is None:
+                    raise
+                last.retryable = False  # this request's own failure says more than "cooling"
+                raise last from None
             tried.add(name)
             local = providers.embedded_backend(name)
             if local is not None:
@@ -150,6 +157,7 @@ async def open_answer(providers: Providers, route: Route, *, path: str, body_for
                                       stream=stream,
                                       budget_s=route.total_timeout_s - (time.monotonic() - t0))
             except UpstreamError as exc:
+                last = exc
                 upstream.health.in_flight -= 1
                 if exc.retryable:
                     upstream.health.failure(time.monotonic(), status=exc.status,

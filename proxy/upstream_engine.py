@@ -1,0 +1,156 @@
+"""An :class:`~flowlift.local_engine.base.Engine` over a route of upstream providers, so
+workflow steps on upstream models run through the same scheduler, deadline and trace
+as steps on the embedded engine.
+
+Each generation is one streamed ``/chat/completions`` request with the same retries,
+fallbacks and replica affinity as drop-in traffic; the workflow's run id is the affinity
+key, so every step of one run lands on one replica while it is healthy (its prefix
+cache stays warm there), and all of them share the upstream's pooled connections.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import orjson
+
+from flowlift.errors import EngineError, RequestError, UpstreamError
+from flowlift.local_engine.base import (
+    Capabilities,
+    Engine,
+    GenerationChunk,
+    GenerationRequest,
+    Usage,
+)
+from flowlift.proxy.attempts import open_answer
+from flowlift.proxy.providers import Providers
+from flowlift.proxy.routing import Route
+from flowlift.proxy.upstream import translate
+
+
+def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
+    """The OpenAI chat request for ``request`` (streamed, with usage)."""
+    s = request.sampling
+    body: dict[str, Any] = {
+        "model": model, "stream": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+        "temperature": s.temperature, "top_p": s.top_p}
+    if s.max_tokens is not None:
+        body["max_tokens"] = s.max_tokens
+    for key, value in (("stop", list(s.stop)), ("seed", s.seed),
+                       ("presence_penalty", s.presence_penalty),
+                       ("frequency_penalty", s.frequency_penalty)):
+        if value:
+            body[key] = value
+    constraint = request.constraint
+    if constraint is not None and constraint.json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": constraint.json_schema, "strict": False}}
+    elif constraint is not None and constraint.choices:
+        labels = ", ".join(constraint.choices)
+        body["messages"] = [{"role": "system", "content": "Answer with exactly one of: "
+                             f"{labels}. Nothing else."}, *body["messages"]]
+    if request.prompt is not None:
+        raise RequestError("raw prompts go to /v1/completions; upstream workflow steps use "
+                           "chat messages", param="prompt")
+    return body
+
+
+def _usage(doc: dict[str, Any]) -> Usage:
+    details = doc.get("prompt_tokens_details") or {}
+    return Usage(prompt_tokens=doc.get("prompt_tokens") or 0,
+                 completion_tokens=doc.get("completion_tokens") or 0,
+                 cached_tokens=details.get("cached_tokens") or 0)
+
+
+def _read_event(data: str, backend: str) -> tuple[str, str | None, Usage | None]:
+    """(text of choice 0, finish_reason, usage) of one chat.completion.chunk.
+
+    Raises:
+        EngineError: an in-band error event, or an event that is not JSON.
+    """
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise EngineError(f"backend {backend!r} sent a stream event that is not JSON") \
+            from None
+    if "error" in doc:
+        raise EngineError(f"backend {backend!r}: {(doc['error'] or {}).get('message')}")
+    text, finish = "", None
+    for choice in doc.get("choices") or ():
+        if choice.get("index", 0) == 0:
+            text = (choice.get("delta") or {}).get("content") or ""
+            finish = choice.get("finish_reason")
+    return text, finish, _usage(doc["usage"]) if doc.get("usage") else None
+
+
+class UpstreamEngine(Engine):
+    """Serves ``route.model`` from the route's upstream backends.
+
+    Constrained outputs are asked for with ``response_format: json_schema``; a label set
+    becomes an instruction (upstreams have no portable choice constraint), so the
+    proxy's contract check is what enforces it (case W3).
+    """
+
+    capabilities = Capabilities(structured_outputs=True, abort=True)
+
+    def __init__(self, providers: Providers, route: Route) -> None:
+        self.providers = providers
+        self.route = route
+
+    @property
+    def model_names(self) -> Sequence[str]:
+        return (self.route.model,)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        body = chat_body(request, self.route.model)
+        try:
+            opened = await open_answer(
+                self.providers, self.route, path="/chat/completions",
+                body_for=lambda up: orjson.dumps({**body,
+                                                  "model": up.upstream_model(self.route.model)}),
+                headers={}, stream=True, affinity=request.session_id)
+        except UpstreamError as exc:
+            raise EngineError(f"model {self.route.model!r}: {exc.message}") from None
+        if isinstance(opened, tuple):
+            _, backend = opened
+            async for chunk in backend.engine.generate(request):
+                yield chunk
+            return
+        finish: str | None = None
+        usage = Usage()
+        try:
+            events = [opened.first] if opened.first else []
+            async for event in _chain(events, opened.events):
+                if event.data == "[DONE]":
+                    break
+                text, finish_now, usage_now = _read_event(event.data, opened.upstream.name)
+                finish, usage = finish_now or finish, usage_now or usage
+                if text:
+                    yield GenerationChunk(text)
+        except (TimeoutError, httpx.HTTPError) as exc:
+            opened.upstream.health.failure(time.monotonic())
+            raise EngineError(str(translate(exc, opened.upstream.name, stage="mid-stream"))) \
+                from None
+        finally:
+            await opened.release()
+        if finish is None:
+            opened.upstream.health.failure(time.monotonic())
+            raise EngineError(f"backend {opened.upstream.name!r} ended the stream before it "
+                              "finished")
+        opened.upstream.health.success()
+        yield GenerationChunk("", finish_reason=finish, usage=usage)
+
+    async def abort(self, request_id: str) -> None:
+        """Closing the generation's iterator closes its upstream stream; nothing else."""
+
+
+async def _chain(first: list[Any], rest: AsyncIterator[Any] | None) -> AsyncIterator[Any]:
+    for item in first:
+        yield item
+    if rest is not None:
+        async for item in rest:
+            yield item

@@ -1,0 +1,166 @@
+"""Routing (affinity, least-loaded, fallbacks), Retry-After parsing, cool-down, the
+config file, and workflow steps on upstream models."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from email.utils import formatdate
+
+import pytest
+
+from flowlift.errors import ConfigError, RequestError
+from flowlift.proxy import create_app
+from flowlift.proxy.config import load_config, parse_config
+from flowlift.proxy.routing import Route, pick
+from flowlift.proxy.state import STATE
+from flowlift.proxy.upstream import Health, forwarded_headers, retry_after_s
+from flowlift.testing import FakeEngine, parse_sse
+from tests.upstream_fake import FakeUpstream, chunk, sse_bytes
+
+ROUTE = Route("m", ("r1", "r2", "r3"), ("fb1", "fb2"))
+
+
+def route_pick(available=lambda n: True, load=lambda n: 0, **kw):
+    return pick(ROUTE, available=available, load=load, **kw)
+
+
+def test_affinity_is_stable_and_spreads_keys():
+    chosen = {f"wf-{i}": route_pick(affinity=f"wf-{i}") for i in range(300)}
+    assert chosen == {k: route_pick(affinity=k) for k in chosen}  # same key, same replica
+    spread = Counter(chosen.values())
+    assert set(spread) == {"r1", "r2", "r3"} and min(spread.values()) > 60
+
+
+def test_affinity_moves_only_the_keys_of_a_replica_that_goes_away():
+    before = {f"wf-{i}": route_pick(affinity=f"wf-{i}") for i in range(300)}
+    after = {k: route_pick(affinity=k, available=lambda n: n != "r2") for k in before}
+    for key, replica in before.items():
+        if replica != "r2":
+            assert after[key] == replica
+        else:
+            assert after[key] in ("r1", "r3")
+
+
+def test_least_loaded_without_affinity():
+    loads = {"r1": 5, "r2": 1, "r3": 3}
+    assert route_pick(load=loads.__getitem__) == "r2"
+
+
+def test_fallbacks_in_order_then_none():
+    assert route_pick(available=lambda n: n.startswith("fb")) == "fb1"
+    assert route_pick(available=lambda n: n == "fb2") == "fb2"
+    assert route_pick(available=lambda n: False) is None
+
+
+def test_tried_backends_are_avoided_while_others_are_available():
+    assert route_pick(tried={"r1", "r2", "r3"}) == "fb1"
+    only = Route("m", ("a",))
+    assert pick(only, available=lambda n: True, load=lambda n: 0, tried={"a"}) == "a"
+
+
+@pytest.mark.parametrize("headers,expected", [
+    ({"retry-after": "2"}, 2.0), ({"retry-after": "0.5"}, 0.5),
+    ({"retry-after-ms": "1500"}, 1.5), ({"retry-after": "soon"}, None), ({}, None),
+    ({"retry-after": "-3"}, 0.0), ({"retry-after": "nan"}, None)])
+def test_retry_after_values(headers, expected):
+    assert retry_after_s(headers) == expected
+
+
+def test_retry_after_http_date():
+    now = time.time()
+    assert 9 <= retry_after_s({"retry-after": formatdate(now + 10, usegmt=True)}, now=now) <= 10
+    assert retry_after_s({"retry-after": formatdate(now - 10, usegmt=True)}, now=now) == 0.0
+
+
+def test_health_cools_after_consecutive_failures_and_a_success_resets():
+    h = Health(failures_to_cool=2, cooldown_s=10)
+    h.failure(100.0)
+    assert h.available(100.0)
+    h.success()
+    h.failure(101.0)
+    assert h.available(101.0)
+    h.failure(102.0)
+    assert not h.available(105.0) and h.available(112.0)
+
+
+def test_a_429_with_retry_after_cools_at_once_for_that_long():
+    h = Health(failures_to_cool=5, cooldown_s=30)
+    h.failure(0.0, status=429, retry_after=4)
+    assert not h.available(3.9) and h.available(4.0)
+
+
+def test_forwarded_headers_keep_trace_context_only():
+    out = forwarded_headers({"traceparent": "00-abc-def-01", "authorization": "Bearer x",
+                             "x-api-key": "k", "tracestate": "a=b", "cookie": "c"})
+    assert out == {"traceparent": "00-abc-def-01", "tracestate": "a=b"}
+    with pytest.raises(RequestError) as err:
+        forwarded_headers({"traceparent": "caf\u00e9"})
+    assert err.value.param == "header:traceparent"
+
+
+def test_config_errors_name_every_field(tmp_path, monkeypatch):
+    monkeypatch.delenv("MISSING_KEY", raising=False)
+    with pytest.raises(ConfigError) as err:
+        parse_config({"backends": {"a": {"kind": "openai", "base_url": "ftp://x",
+                                         "first_token_timeout_s": -1}},
+                      "models": {"m": {"backends": ["nope"]}}})
+    msg = str(err.value)
+    assert "backends.a.base_url" in msg and "first_token_timeout_s" in msg
+    with pytest.raises(ConfigError, match=r"models\.m\.backends: no backend named 'nope'"):
+        parse_config({"backends": {}, "models": {"m": {"backends": ["nope"]}}})
+    with pytest.raises(ConfigError, match="MISSING_KEY is not set"):
+        parse_config({"backends": {"a": {"kind": "openai", "base_url": "http://x",
+                                         "api_key_env": "MISSING_KEY"}}})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[backends\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_config_file_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("K", "secret")
+    path = tmp_path / "flowlift.toml"
+    path.write_text('[server]\napi_keys_env = "K"\n[backends.local]\nkind = "embedded"\n'
+                    '[backends.up]\nkind = "openai"\nbase_url = "http://127.0.0.1:9/v1"\n'
+                    'api_key_env = "K"\nrename = { small = "gpt-4o-mini" }\n'
+                    '[models.small]\nbackends = ["local"]\nfallbacks = ["up"]\n')
+    config = load_config(path)
+    assert config.proxy_keys() == {"secret"} and config.upstream_key("up") == "secret"
+    app = create_app({"fake-model": FakeEngine(["fake-model"])}, file_config=config)
+    route = app[STATE].providers.route("small")
+    assert route.replicas == ("embedded:fake-model",) and route.fallbacks == ("up",)
+
+
+async def test_workflow_steps_run_on_an_upstream_model_with_affinity(aiohttp_client,
+                                                                     aiohttp_server):
+    fakes = [FakeUpstream([FakeUpstream.stream(sse_bytes(
+        chunk({"content": f"from replica {i}"}), chunk({}, "stop"),
+        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}))])
+        for i in range(2)]
+    urls = [str((await aiohttp_server(f.app())).make_url("/v1")) for f in fakes]
+    config = parse_config({"backends": {f"r{i}": {"kind": "openai", "base_url": u}
+                                        for i, u in enumerate(urls)},
+                           "models": {"up": {"backends": ["r0", "r1"]}}})
+    app = create_app({}, file_config=config)
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    graph = {"nodes": [{"kind": "llm", "id": f"s{i}", "model": "up", "messages": [
+        {"role": "user", "content": [{"text": f"step {i}"}]}]} for i in range(4)]}
+    resp = await client.post("/v1/workflows", json=graph)
+    events = parse_sse(await resp.text())
+    values = {d["step_id"]: d["value"] for e, d in events if e == "step.finished"}
+    assert len(values) == 4 and len(set(values.values())) == 1  # one replica for the run
+    served = [f for f in fakes if f.received]
+    assert len(served) == 1
+    sent = json.loads(served[0].received[0].body)
+    assert sent["model"] == "up" and sent["stream"] is True
+    assert sent["messages"][-1]["content"] in {f"step {i}" for i in range(4)}
+
+
+async def test_serving_nothing_is_a_config_error():
+    with pytest.raises(ConfigError, match="nothing to serve"):
+        create_app({})
