@@ -5,33 +5,59 @@ Each request goes to its model's :class:`~flowlift.proxy.routing.Route`: the emb
 engine (:mod:`flowlift.proxy.embedded`) or upstream providers
 (:mod:`flowlift.proxy.forward`). Shapes follow OpenAI's published API description
 (``shared/specs/openai-openapi.yaml``).
+
+A request that names a workflow (``X-Flowlift-Workflow`` / ``X-Flowlift-Step`` headers
+or ``metadata.flowlift_workflow``) joins it: it sticks to one replica by the workflow
+id, its log lines carry the id, and its prompt and answer feed the workflow's inferred
+graph (:mod:`flowlift.proxy.inferred`, shown by ``GET /v1/workflows/{id}``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from flowlift.proxy import embedded
 from flowlift.proxy.backends import Backend
 from flowlift.proxy.forward import OnOutput, forward
 from flowlift.proxy.http import json_object, read_body
-from flowlift.proxy.state import STATE
+from flowlift.proxy.inferred import workflow_from
+from flowlift.proxy.state import STATE, ProxyState
 
 routes = web.RouteTableDef()
 EmbeddedHandler = Callable[..., Awaitable[web.StreamResponse]]
 
 
-async def _dispatch(request: web.Request, path: str,
-                    handler: EmbeddedHandler | None) -> web.StreamResponse:
+def _recorder(state: ProxyState, joined: tuple[str, str | None], model: str,
+              data: dict[str, Any]) -> OnOutput:
+    """Records a finished answer into its inferred workflow."""
+    started = time.time()
+    messages, prompt = data.get("messages"), data.get("prompt")
+
+    def record(output: str, usage: dict[str, Any] | None) -> None:
+        state.inferred.record(
+            joined[0], step=joined[1], model=model,
+            messages=messages if isinstance(messages, list) else None,
+            prompt=prompt if isinstance(prompt, str) else None, output=output, usage=usage,
+            started_at=started, finished_at=time.time(), backend=None, sampling=data)
+    return record
+
+
+async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | None, *,
+                    observe: bool = True) -> web.StreamResponse:
     state = request.app[STATE]
     raw = await read_body(request)
     data = json_object(raw)
     route = state.providers.route(data["model"])
-    affinity = request.headers.get("x-flowlift-session")
-    on_output: OnOutput | None = None
+    joined = workflow_from(request.headers, data) if observe else None
+    affinity = joined[0] if joined else request.headers.get("x-flowlift-session")
+    on_output = _recorder(state, joined, route.model, data) if joined else None
+    if joined:
+        structlog.contextvars.bind_contextvars(workflow_id=joined[0], step_id=joined[1])
 
     async def local(model: str, backend: Backend) -> web.StreamResponse:
         assert handler is not None
@@ -56,12 +82,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 @routes.post("/v1/embeddings")
 async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await _dispatch(request, "/embeddings", getattr(embedded, "embeddings", None))
+    return await _dispatch(request, "/embeddings", getattr(embedded, "embeddings", None),
+                           observe=False)
 
 
 @routes.post("/v1/responses")
 async def responses(request: web.Request) -> web.StreamResponse:
-    return await _dispatch(request, "/responses", None)
+    return await _dispatch(request, "/responses", None, observe=False)
 
 
 @routes.get("/v1/models")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from flowlift.costs import CostTracker
+from flowlift.proxy.inferred import InferredWorkflows
 
 if TYPE_CHECKING:
     from flowlift.proxy.backends import Backends
@@ -53,6 +54,7 @@ class ProxyState:
     runs: RunRegistry
     config: ProxyConfig
     costs: CostTracker = field(default_factory=CostTracker)
+    inferred: InferredWorkflows = field(default_factory=InferredWorkflows)
     started_at: float = field(default_factory=time.time)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     load_error: str | None = None

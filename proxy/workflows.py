@@ -123,9 +123,18 @@ async def tool_result(request: web.Request) -> web.Response:
 
 @routes.get("/v1/workflows/{run_id}")
 async def get_run(request: web.Request) -> web.Response:
-    runs = request.app[STATE].runs
+    """A submitted run (status, outputs, trace), or a workflow inferred from OpenAI
+    traffic (its graph and the compiler's report, as for a submitted graph)."""
+    state = request.app[STATE]
+    runs = state.runs
     run_id = request.match_info["run_id"]
     run = runs.active.get(run_id) or runs.finished.get(run_id)
+    if run is None and run_id in state.inferred:
+        def report(graph: Graph) -> dict[str, Any]:
+            return plan(graph, state.backends, state.costs).report.model_dump(mode="json")
+        described = await asyncio.to_thread(state.inferred.describe, run_id, report)
+        if described is not None:
+            return web.json_response(described)
     if run is not None:
         return web.json_response({"run_id": run.run_id, "status": run.trace.status,
                                   "outputs": run.outputs, "failures": run.failures,
