@@ -379,3 +379,33 @@ async def test_R3_first_token_timeout_abandons_the_attempt_and_fails_over(proxy)
     assert events[0]["choices"][0]["delta"]["content"] == "fallback"
     assert 1.9 <= elapsed < 4
     assert resp.headers["X-Flowlift-Backend"] == "b1"
+
+
+# -- other endpoints pass through -------------------------------------------------------
+async def test_responses_api_stream_passes_through_with_named_events(proxy):
+    events = [b'event: response.created\ndata: {"type":"response.created","response":{"id":"r1"}}'
+              b'\n\n',
+              b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+              b'"delta":"Hi \xc3\xa9"}\n\n',
+              b'event: response.completed\ndata: {"type":"response.completed",'
+              b'"response":{"id":"r1","status":"completed"}}\n\n']
+    fake = FakeUpstream([FakeUpstream.stream(events)])
+    client = await proxy(fake)
+    resp = await client.post("/v1/responses", json={"model": "up", "input": "hi",
+                                                    "stream": True})
+    assert await resp.read() == b"".join(events)
+    assert fake.received[0].path == "/v1/responses"
+
+
+async def test_embeddings_pass_through_and_the_embedded_engine_says_it_cannot(proxy):
+    vectors = {"object": "list", "model": "up-embed", "usage": {"prompt_tokens": 2,
+                                                                "total_tokens": 2},
+               "data": [{"object": "embedding", "index": 0, "embedding": [0.1, -0.2]}]}
+    fake = FakeUpstream([FakeUpstream.json(vectors)])
+    client = await proxy(fake)
+    resp = await client.post("/v1/embeddings", json={"model": "up", "input": "hello"})
+    assert await resp.json() == vectors and fake.received[0].path == "/v1/embeddings"
+    local = await client.post("/v1/embeddings", json={"model": "fake-model", "input": "hi"})
+    assert local.status == 400 and (await local.json())["error"]["param"] == "model"
+    responses = await client.post("/v1/responses", json={"model": "fake-model", "input": "hi"})
+    assert responses.status == 400 and (await responses.json())["error"]["param"] == "model"
