@@ -80,7 +80,7 @@ class _Wait:
 async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str, str], *,
                    stream: bool, budget_s: float) -> Opened:
     spec = upstream.spec
-    request = upstream.client.build_request("POST", path, content=body, headers=headers)
+    request = upstream.request(path, body, headers)
     response: httpx.Response | None = None
     stage = "before answering"
     try:
@@ -130,39 +130,63 @@ async def open_answer(providers: Providers, route: Route, *, path: str, body_for
         Overloaded: nothing can take the request now (429/503 with ``Retry-After``).
         UpstreamError: every attempt failed (the last one's error).
     """
-    tried: set[str] = set()
-    t0 = time.monotonic()
+    attempts = _Attempts(providers, route, path, body_for, headers, stream, affinity)
+    try:  # the common case, without the retry machinery's overhead
+        return await attempts.once(1)
+    except UpstreamError as exc:
+        if not exc.retryable or route.max_attempts == 1:
+            raise
+        pending: UpstreamError | None = exc
     retrying = AsyncRetrying(
-        stop=stop_after_attempt(route.max_attempts) | stop_before_delay(route.total_timeout_s),
-        wait=_Wait(providers, route, tried), retry=retry_if_exception(_retryable),
+        stop=stop_after_attempt(route.max_attempts)
+        | stop_before_delay(route.total_timeout_s - (time.monotonic() - attempts.t0)),
+        wait=_Wait(providers, route, attempts.tried), retry=retry_if_exception(_retryable),
         reraise=True)
-    last: UpstreamError | None = None
     async for attempt in retrying:
         with attempt:
-            try:
-                name = providers.choose(route, affinity, tried)
-            except Overloaded:
-                if last is None:
-                    raise
-                last.retryable = False  # this request's own failure says more than "cooling"
-                raise last from None
-            tried.add(name)
-            local = providers.embedded_backend(name)
-            if local is not None:
-                return local
-            upstream = providers.upstreams[name]
-            upstream.health.in_flight += 1
-            try:
-                return await _attempt(upstream, path, body_for(upstream), headers,
-                                      stream=stream,
-                                      budget_s=route.total_timeout_s - (time.monotonic() - t0))
-            except UpstreamError as exc:
-                last = exc
-                upstream.health.in_flight -= 1
-                if exc.retryable:
-                    upstream.health.failure(time.monotonic(), status=exc.status,
-                                            retry_after=exc.retry_after_s)
-                log.info("upstream_attempt_failed", backend=name, status=exc.status,
-                         retryable=exc.retryable, attempt=attempt.retry_state.attempt_number)
-                raise
+            if pending is not None:  # attempt 1 already failed: tenacity waits after it
+                failed, pending = pending, None
+                raise failed
+            return await attempts.once(attempt.retry_state.attempt_number)
     raise AssertionError("unreachable: tenacity re-raises the last failure")
+
+
+class _Attempts:
+    """The state of one request's attempts: backends tried, the last failure, the clock."""
+
+    def __init__(self, providers: Providers, route: Route, path: str, body_for: BodyFor,
+                 headers: dict[str, str], stream: bool, affinity: str | None) -> None:
+        self.providers, self.route, self.path = providers, route, path
+        self.body_for, self.headers, self.stream = body_for, headers, stream
+        self.affinity = affinity
+        self.tried: set[str] = set()
+        self.last: UpstreamError | None = None
+        self.t0 = time.monotonic()
+
+    async def once(self, number: int) -> Opened | tuple[str, Backend]:
+        try:
+            name = self.providers.choose(self.route, self.affinity, self.tried)
+        except Overloaded:
+            if self.last is None:
+                raise
+            self.last.retryable = False  # this request's own failure says more than "cooling"
+            raise self.last from None
+        self.tried.add(name)
+        local = self.providers.embedded_backend(name)
+        if local is not None:
+            return local
+        upstream = self.providers.upstreams[name]
+        upstream.health.in_flight += 1
+        try:
+            return await _attempt(upstream, self.path, self.body_for(upstream), self.headers,
+                                  stream=self.stream, budget_s=self.route.total_timeout_s
+                                  - (time.monotonic() - self.t0))
+        except UpstreamError as exc:
+            self.last = exc
+            upstream.health.in_flight -= 1
+            if exc.retryable:
+                upstream.health.failure(time.monotonic(), status=exc.status,
+                                        retry_after=exc.retry_after_s)
+            log.info("upstream_attempt_failed", backend=name, status=exc.status,
+                     retryable=exc.retryable, attempt=number)
+            raise
