@@ -27,6 +27,7 @@ from httpx_sse import ServerSentEvent
 
 from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.attempts import Opened, open_answer
+from flowlift.proxy.inferred import render_message
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.routing import Route
 from flowlift.proxy.upstream import Upstream, forwarded_headers, translate
@@ -120,7 +121,9 @@ def _observe_plain(body: bytes, on_output: OnOutput) -> None:
     try:
         doc = orjson.loads(body)
         choice = (doc.get("choices") or [{}])[0]
-        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
+        message = choice.get("message")
+        text = (render_message(message)[1] if isinstance(message, dict)
+                else choice.get("text") or "")
         on_output(text, doc.get("usage"))
     except (orjson.JSONDecodeError, AttributeError, IndexError, TypeError):
         log.info("unreadable_upstream_answer", size=len(body))

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 import structlog
 from aiohttp import web
 
@@ -54,6 +55,12 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
     data = json_object(raw)
     route = state.providers.route(data["model"])
     joined = workflow_from(request.headers, data) if observe else None
+    if joined and isinstance(data.get("metadata"), dict) and any(
+            k.startswith("flowlift_") for k in data["metadata"]):
+        meta = {k: v for k, v in data["metadata"].items() if not k.startswith("flowlift_")}
+        data = {k: v for k, v in data.items() if k != "metadata"} | (
+            {"metadata": meta} if meta else {})
+        raw = orjson.dumps(data)  # flowlift's own fields stay in the proxy
     affinity = joined[0] if joined else request.headers.get("x-flowlift-session")
     on_output = _recorder(state, joined, route.model, data) if joined else None
     if joined:

@@ -98,3 +98,26 @@ async def test_upstream_traffic_joins_too_and_sticks_to_one_replica(aiohttp_clie
                for f in fakes for r in f.received)
     doc = await (await client.get("/v1/workflows/wf-up")).json()
     assert {s["id"]: s["depends_on"] for s in doc["steps"]} == {"s0": [], "s1": ["s0"]}
+
+
+async def test_flowlift_metadata_stays_in_the_proxy(aiohttp_client, aiohttp_server):
+    from flowlift.proxy import create_app
+    from flowlift.proxy.config import parse_config
+    from flowlift.proxy.state import STATE
+    from tests.upstream_fake import FakeUpstream, chat_json
+
+    fake = FakeUpstream([FakeUpstream.json(chat_json("ok"))])
+    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
+    app = create_app({}, file_config=parse_config({
+        "backends": {"u": {"kind": "openai", "base_url": url}},
+        "models": {"up": {"backends": ["u"]}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    for meta, expected in (({"flowlift_workflow": "w1", "team": "a"}, {"team": "a"}),
+                           ({"flowlift_workflow": "w1", "flowlift_step": "s"}, None)):
+        resp = await client.post("/v1/chat/completions", json={
+            "model": "up", "messages": [{"role": "user", "content": "hi"}], "metadata": meta})
+        assert resp.status == 200
+        assert fake.received[-1].json().get("metadata") == expected
+    doc = await (await client.get("/v1/workflows/w1")).json()
+    assert [s["id"] for s in doc["steps"]] == ["call-1", "s"]
