@@ -127,7 +127,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                         fcfs=config.scheduling == "fcfs",
                         batch_prefill_budget=config.batch_prefill_budget,
                         batch_cap_when_interactive=config.batch_cap_when_interactive)
-    providers = Providers(backends, file_config, transport=transport)
+    providers = Providers(backends, file_config, transport=transport,
+                          max_queue=config.max_queue)
     for model, route in providers.routes.items():
         if model in backends.models:
             continue

@@ -4,7 +4,7 @@ A TOML file (``flowlift serve --config flowlift.toml``)::
 
     [server]
     api_keys_env = "FLOWLIFT_API_KEYS"   # comma-separated proxy keys; unset: no auth
-    max_queue = 256                      # waiting requests per backend before 429
+    max_queue = 256                      # waiting requests per engine before 429 (--max-queue)
 
     [backends.local]
     kind = "embedded"                    # the in-process engine (--engine / --model)
@@ -51,7 +51,7 @@ class _Strict(BaseModel):
 
 class ServerSpec(_Strict):
     api_keys_env: str | None = None
-    max_queue: int = Field(default=256, ge=1)
+    max_queue: int | None = Field(default=None, ge=1)
 
 
 class EmbeddedSpec(_Strict):

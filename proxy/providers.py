@@ -33,7 +33,7 @@ class Providers:
                  max_queue: int | None = None) -> None:
         self.embedded = embedded
         self.config = config
-        self.max_queue = max_queue or (config.server.max_queue if config else 256)
+        self.max_queue = (config.server.max_queue if config else None) or max_queue or 256
         self.upstreams: dict[str, Upstream] = {}
         self._embedded_names: dict[str, Backend] = {}
         self.routes: dict[str, Route] = {}

@@ -34,6 +34,7 @@ class ProxyConfig:
         batch_prefill_budget: prompt tokens of batch work in prefill at once.
         batch_cap_when_interactive: batch slots while interactive work runs (None: half).
         api_keys: keys clients must send as ``Authorization: Bearer``; empty: no auth.
+        max_queue: OpenAI requests waiting per engine before the proxy answers 429.
     """
 
     max_concurrency: int = 16
@@ -45,6 +46,7 @@ class ProxyConfig:
     batch_prefill_budget: int = 1024
     batch_cap_when_interactive: int | None = None
     api_keys: frozenset[str] = frozenset()
+    max_queue: int = 256
 
 
 @dataclass(slots=True)

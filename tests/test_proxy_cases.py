@@ -409,3 +409,19 @@ async def test_embeddings_pass_through_and_the_embedded_engine_says_it_cannot(pr
     assert local.status == 400 and (await local.json())["error"]["param"] == "model"
     responses = await client.post("/v1/responses", json={"model": "fake-model", "input": "hi"})
     assert responses.status == 400 and (await responses.json())["error"]["param"] == "model"
+
+
+async def test_R2_embedded_queue_full_is_429_with_retry_after(aiohttp_client):
+    engine = FakeEngine(["fake-model"], delay_s=0.1)
+    app = create_app({"fake-model": engine}, ProxyConfig(max_concurrency=1, max_queue=1))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "a b c d"}]}
+    running = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    await asyncio.sleep(0.05)
+    queued = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    await asyncio.sleep(0.05)
+    shed = await client.post("/v1/chat/completions", json=body)
+    assert shed.status == 429 and shed.headers["Retry-After"] == "1"
+    assert (await shed.json())["error"]["code"] == "rate_limit_exceeded"
+    assert (await running).status == 200 and (await queued).status == 200

@@ -70,7 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          scheduling=args.scheduling,
                          batch_prefill_budget=args.batch_prefill_budget,
                          batch_cap_when_interactive=args.batch_cap_when_interactive,
-                         api_keys=file_config.proxy_keys() if file_config else frozenset())
+                         api_keys=file_config.proxy_keys() if file_config else frozenset(),
+                         max_queue=args.max_queue)
     try:
         app = create_app(_engines(args), config, file_config=file_config)  # type: ignore[arg-type]
     except ConfigError as exc:
@@ -207,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
     serve.add_argument("--max-model-len", type=int, default=4096)
     serve.add_argument("--max-body-mb", type=float, default=32.0)
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="OpenAI requests waiting per engine before answering 429 "
+                            "with Retry-After (default 256)")
     serve.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
                        help="TOML file of upstream providers and model routes "
                             "(see flowlift.proxy.config; env FLOWLIFT_CONFIG)")
