@@ -10,6 +10,7 @@ cache stays warm there), and all of them share the upstream's pooled connections
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -123,14 +124,15 @@ class UpstreamEngine(Engine):
         finish: str | None = None
         usage = Usage()
         try:
-            events = [opened.first] if opened.first else []
-            async for event in _chain(events, opened.events):
-                if event.data == "[DONE]":
-                    break
+            idle_s = opened.upstream.spec.idle_timeout_s
+            event = opened.first
+            while event is not None and event.data != "[DONE]":
                 text, finish_now, usage_now = _read_event(event.data, opened.upstream.name)
                 finish, usage = finish_now or finish, usage_now or usage
                 if text:
                     yield GenerationChunk(text)
+                async with asyncio.timeout(idle_s):  # not around the yield: the consumer's
+                    event = await anext(opened.events, None)  # type: ignore[arg-type]
         except (TimeoutError, httpx.HTTPError) as exc:
             opened.upstream.health.failure(time.monotonic())
             raise EngineError(str(translate(exc, opened.upstream.name, stage="mid-stream"))) \
@@ -147,10 +149,3 @@ class UpstreamEngine(Engine):
     async def abort(self, request_id: str) -> None:
         """Closing the generation's iterator closes its upstream stream; nothing else."""
 
-
-async def _chain(first: list[Any], rest: AsyncIterator[Any] | None) -> AsyncIterator[Any]:
-    for item in first:
-        yield item
-    if rest is not None:
-        async for item in rest:
-            yield item

@@ -164,3 +164,22 @@ async def test_workflow_steps_run_on_an_upstream_model_with_affinity(aiohttp_cli
 async def test_serving_nothing_is_a_config_error():
     with pytest.raises(ConfigError, match="nothing to serve"):
         create_app({})
+
+
+async def test_a_truncated_upstream_stream_fails_the_workflow_step(aiohttp_client,
+                                                                   aiohttp_server):
+    fake = FakeUpstream([FakeUpstream.stream(sse_bytes(chunk({"content": "half"}),
+                                                       done=False))])
+    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
+    app = create_app({}, file_config=parse_config({
+        "backends": {"u": {"kind": "openai", "base_url": url}},
+        "models": {"up": {"backends": ["u"]}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    resp = await client.post("/v1/workflows", json={"nodes": [{
+        "kind": "llm", "id": "s", "model": "up",
+        "messages": [{"role": "user", "content": [{"text": "go"}]}]}]})
+    events = parse_sse(await resp.text())
+    failed = [d for e, d in events if e == "step.failed"]
+    assert failed and "ended the stream before it finished" in json.dumps(failed[0])
+    assert not [d for e, d in events if e == "step.finished"]
