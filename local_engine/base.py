@@ -8,8 +8,11 @@ The proxy never imports vLLM; it talks to an :class:`Engine`. Implementations:
 
 Shapes:
     ``GenerationRequest`` in, an async iterator of ``GenerationChunk`` out. Each chunk
-    carries the *new* text since the previous chunk; the last chunk has ``finish_reason``
-    set and ``usage`` filled (prompt, completion and cached prompt tokens).
+    carries the *new* text since the previous chunk (and, when
+    ``SamplingOptions.logprobs`` is set, a :class:`TokenLogprob` per new token); the
+    last chunk has ``finish_reason`` set and ``usage`` filled (prompt, completion and
+    cached prompt tokens). A request is either chat ``messages`` (the engine applies the
+    model's chat template) or a raw ``prompt`` (sent as it is, for legacy completions).
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ class SamplingOptions:
         top_p: nucleus sampling mass in (0, 1].
         stop: strings that end generation (not included in the output).
         seed: per-request seed for reproducible sampling.
+        presence_penalty, frequency_penalty: in [-2, 2]; 0.0 is off.
+        logprobs: report the log probability of each generated token and of this many
+            most likely alternatives at its position (0 to 20); ``None``: no logprobs.
+        logit_bias: ``(token id, bias)`` pairs added to the logits before sampling
+            (-100 bans a token, 100 forces it).
     """
 
     max_tokens: int | None = 256
@@ -47,6 +55,10 @@ class SamplingOptions:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,19 +81,23 @@ class GenerationRequest:
         request_id: unique id, used by :meth:`Engine.abort`.
         model: a name from :attr:`Engine.model_names`.
         messages: chat messages; the engine applies the model's chat template.
+            Ignored when ``prompt`` is set.
         sampling: sampling options.
         constraint: optional structured-output constraint.
         priority: lower runs earlier (vLLM's ``scheduling_policy="priority"``).
         session_id: hint that this request continues an earlier one (prefix reuse).
+        prompt: raw prompt text used instead of ``messages``, with no chat template
+            (the tokenizer's usual special tokens, e.g. a BOS, are still added).
     """
 
     request_id: str
     model: str
-    messages: Sequence[ChatMessage]
+    messages: Sequence[ChatMessage] = ()
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     constraint: OutputConstraint | None = None
     priority: int = 0
     session_id: str | None = None
+    prompt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,16 +115,35 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token and its log probability (natural log, <= 0).
+
+    Attributes:
+        token: the token's text (a piece of a multi-byte character may read as U+FFFD).
+        logprob: log probability of the token at its position.
+        top: the most likely tokens at this position, most likely first, as
+            ``(token, logprob)`` pairs; as many as ``SamplingOptions.logprobs`` asked
+            for (the sampled token is among them only when it ranks that high).
+    """
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationChunk:
     """A piece of a streamed generation: ``text`` is new text since the last chunk.
 
     ``finish_reason`` (``"stop"``, ``"length"``, or ``"abort"`` after :meth:`Engine.abort`)
-    and ``usage`` are set on the last chunk.
+    and ``usage`` are set on the last chunk. ``logprobs`` (only when the request asked
+    for them) has one entry per token generated since the last chunk.
     """
 
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +154,8 @@ class Capabilities:
     prefix_caching: bool = False
     priorities: bool = False
     abort: bool = True
+    logprobs: bool = False
+    raw_prompt: bool = False
 
 
 class Engine(abc.ABC):

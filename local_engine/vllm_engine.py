@@ -33,6 +33,7 @@ from flowlift.local_engine.base import (
     Engine,
     GenerationChunk,
     GenerationRequest,
+    TokenLogprob,
     Usage,
 )
 from flowlift.local_engine.models import cache_dir, resolve_model
@@ -99,14 +100,15 @@ def set_env_defaults(config: VLLMConfig) -> None:
         os.environ.setdefault(key, value)
 
 
-def translate_error(exc: BaseException) -> FlowliftError:
+def translate_error(exc: BaseException, prompt_param: str = "messages") -> FlowliftError:
     """Map an exception from vLLM to flowlift's errors (the one place that does).
 
     * flowlift errors pass through;
     * ``EngineDeadError`` (the engine core process died) -> :class:`EngineError`;
     * request validation errors (``VLLMClientError``, ``ValueError``, ``TypeError``) ->
-      :class:`RequestError`, with ``param="messages"`` for a prompt longer than the
-      context and ``param="response_format"`` for a rejected structured-output schema;
+      :class:`RequestError`, with ``param=prompt_param`` (``"messages"``, or ``"prompt"``
+      for a raw prompt) for a prompt longer than the context and
+      ``param="response_format"`` for a rejected structured-output schema;
     * anything else (``EngineGenerateError``, ...) -> :class:`EngineError`.
     """
     if isinstance(exc, FlowliftError):
@@ -122,7 +124,7 @@ def translate_error(exc: BaseException) -> FlowliftError:
         low = text.lower()
         if "maximum model length" in low or "max_model_len" in low:
             return RequestError(f"the prompt is too long for the model: {text}",
-                                param="messages")
+                                param=prompt_param)
         if any(k in low for k in ("structured", "schema", "grammar", "choice", "json")):
             return RequestError(f"the output constraint was rejected: {text}",
                                 param="response_format")
@@ -139,7 +141,8 @@ class VLLMEngine(Engine):
     ``await close()``.
     """
 
-    capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True)
+    capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True,
+                                logprobs=True, raw_prompt=True)
 
     def __init__(self, config: VLLMConfig) -> None:
         self.config = config
@@ -201,24 +204,36 @@ class VLLMEngine(Engine):
         return self._engine
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        """Token ids of the chat-templated prompt (generation prompt appended)."""
-        if not request.messages:
-            raise RequestError("messages must not be empty", param="messages")
-        msgs = [{"role": m.role, "content": m.content} for m in request.messages]
-        try:
-            text = self._tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:
-            raise RequestError(f"the chat template rejected the messages: {exc}",
-                               param="messages") from exc
-        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        """Token ids of the prompt: a raw ``prompt`` tokenized as it is (with the
+        tokenizer's special tokens, as vLLM's own completions endpoint does), else the
+        chat-templated ``messages`` with the generation prompt appended."""
+        param = "messages"
+        if request.prompt is not None:
+            param = "prompt"
+            ids = list(self._tokenizer.encode(request.prompt))
+        else:
+            ids = self._tokenizer.encode(self._chat_text(request), add_special_tokens=False)
+        if not ids:
+            raise RequestError("the prompt is empty (no tokens); send some text", param=param)
         if len(ids) >= self.config.max_model_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; {request.model} takes at most "
                 f"{self.config.max_model_len - 1} (its context is "
                 f"{self.config.max_model_len} tokens, prompt plus completion)",
-                param="messages")
+                param=param)
         return ids
+
+    def _chat_text(self, request: GenerationRequest) -> str:
+        if not request.messages:
+            raise RequestError("messages must not be empty", param="messages")
+        msgs = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            text: str = self._tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:
+            raise RequestError(f"the chat template rejected the messages: {exc}",
+                               param="messages") from exc
+        return text
 
     def _sampling_params(self, request: GenerationRequest) -> Any:
         from vllm import SamplingParams
@@ -235,19 +250,24 @@ class VLLMEngine(Engine):
         return SamplingParams(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
             stop=list(s.stop) or None, seed=s.seed, structured_outputs=structured,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            logprobs=s.logprobs, logit_bias=dict(s.logit_bias) or None,
             output_kind=RequestOutputKind.DELTA)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream ``request``: one chunk of new text per engine step, then a last chunk
         with ``finish_reason`` (``"stop"``, ``"length"``, or ``"abort"`` after
         :meth:`abort`) and ``usage`` (token counts; ``cached_tokens`` = prompt tokens
-        served from the prefix cache, ``RequestOutput.num_cached_tokens``).
+        served from the prefix cache, ``RequestOutput.num_cached_tokens``). With
+        ``sampling.logprobs`` set, each chunk carries the logprobs of its new tokens
+        (vLLM's ``SamplingParams(logprobs=k)``; the engine allows ``k`` up to 20).
 
         Closing the iterator early (``aclose()``, cancellation) aborts the request.
 
         Raises:
             ModelNotFound: ``request.model`` is not served here.
-            RequestError: invalid messages, prompt too long, constraint rejected.
+            RequestError: invalid messages or prompt, prompt too long, constraint
+                rejected.
             EngineError: the engine is not started or failed.
         """
         engine = self._require_engine()
@@ -255,6 +275,7 @@ class VLLMEngine(Engine):
             raise ModelNotFound(request.model, self.model_names)
         prompt_ids = self._prompt_ids(request)
         params = self._sampling_params(request)
+        k = request.sampling.logprobs
         stream = engine.generate({"prompt_token_ids": prompt_ids}, params,
                                  request.request_id, priority=request.priority)
         completion = cached = 0
@@ -264,14 +285,17 @@ class VLLMEngine(Engine):
                 piece = out.outputs[0]
                 completion += len(piece.token_ids)
                 cached = out.num_cached_tokens or cached
+                logprobs = None if k is None else token_logprobs(piece, k)
                 if out.finished:
                     finished = True
                     usage = Usage(len(prompt_ids), completion, cached)
-                    yield GenerationChunk(piece.text, piece.finish_reason or "stop", usage)
-                elif piece.text:
-                    yield GenerationChunk(piece.text)
+                    yield GenerationChunk(piece.text, piece.finish_reason or "stop", usage,
+                                          logprobs)
+                elif piece.text or logprobs:
+                    yield GenerationChunk(piece.text, logprobs=logprobs)
         except Exception as exc:  # not GeneratorExit / CancelledError: those pass
-            raise translate_error(exc) from exc
+            prompt_param = "messages" if request.prompt is None else "prompt"
+            raise translate_error(exc, prompt_param) from exc
         finally:
             await stream.aclose()  # vLLM aborts a request whose stream is closed early
             if not finished:
@@ -312,3 +336,18 @@ class VLLMEngine(Engine):
         if self._tokenizer is None or model not in self.model_names:
             return None
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def token_logprobs(piece: Any, k: int) -> tuple[TokenLogprob, ...]:
+    """flowlift's logprobs of one vLLM ``CompletionOutput`` delta: ``piece.logprobs``
+    holds, per new token, ``{token_id: Logprob(logprob, rank, decoded_token)}`` with the
+    sampled token first, then the top ``k`` by rank."""
+    out = []
+    for token_id, position in zip(piece.token_ids, piece.logprobs or (), strict=False):
+        sampled = position[token_id]
+        ranked = sorted((lp for lp in position.values()
+                         if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
+        out.append(TokenLogprob(sampled.decoded_token or "", float(sampled.logprob),
+                                tuple((lp.decoded_token or "", float(lp.logprob))
+                                      for lp in ranked)))
+    return tuple(out)

@@ -1,186 +1,289 @@
-"""OpenAI-compatible requests served by the embedded engine (``POST /v1/chat/completions``,
-plain and ``stream: true`` SSE). :mod:`flowlift.proxy.openai_api` routes a request here
-when its model is served in process, and to :mod:`flowlift.proxy.forward` otherwise.
+"""OpenAI-compatible requests served by the embedded engine: ``POST /v1/chat/completions``
+(here), ``POST /v1/completions`` (:mod:`flowlift.proxy.embedded_completions`, re-exported
+as :func:`completions`) and ``POST /v1/embeddings`` (:func:`embeddings`: refused, the
+embedded engine is generative). :mod:`flowlift.proxy.openai_api` routes a request here
+when its model is served in process.
 
 Shapes follow OpenAI's published API description (``shared/specs/openai-openapi.yaml``):
 ``chat.completion`` / ``chat.completion.chunk`` objects, ``data: [DONE]`` at the end of
 a stream, ``stream_options.include_usage`` adds a final chunk with ``choices: []``.
 Cached prompt tokens are reported in ``usage.prompt_tokens_details.cached_tokens``.
+
+Supported beyond plain chat: ``n`` (concurrent generations, seeds ``seed + i``; streamed
+chunks of the choices interleave, each with its ``index``), ``logprobs`` /
+``top_logprobs`` (0-20, ``choices[].logprobs.content[]``), tools
+(:mod:`flowlift.proxy.embedded_tools`), ``presence_penalty`` / ``frequency_penalty``.
+Unknown fields are accepted and ignored; an OpenAI field the engine cannot honour
+(``audio``, ``prediction``, ``reasoning_effort``, the deprecated ``functions``...) is a
+400 naming the field and the fix. Errors before the first generated token (a prompt
+too long, a schema the engine rejects) are HTTP errors even for ``stream: true``; later
+ones are reported in the stream as an ``{"error": ...}`` event, without ``[DONE]``.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
-from aiohttp_sse import sse_response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
-from flowlift.errors import FlowliftError, RequestError
+from flowlift.errors import RequestError
 from flowlift.local_engine.base import (
-    ChatMessage,
+    GenerationChunk,
     GenerationRequest,
     OutputConstraint,
-    SamplingOptions,
+    TokenLogprob,
     Usage,
 )
 from flowlift.proxy.backends import Backend
+from flowlift.proxy.embedded_completions import completions
+from flowlift.proxy.embedded_generation import (
+    OnOutput,
+    SamplingFields,
+    Timing,
+    Unsupported,
+    fan_out,
+    notify,
+    reject_unsupported,
+    started,
+    stream_choices,
+    total_usage,
+    usage_json,
+)
+from flowlift.proxy.embedded_tools import (
+    Message,
+    Tool,
+    ToolChoice,
+    ToolOutputDecoder,
+    ToolPlan,
+    engine_messages,
+    plan_tools,
+    tool_calls_text,
+)
 from flowlift.proxy.http import parse_model
-from flowlift.proxy.scheduler import Priority
+
+__all__ = ["ChatCompletionRequest", "chat_completions", "completions", "embeddings"]
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+def _always(_: Any) -> bool:
+    return True
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+_UNSUPPORTED: Unsupported = {
+    "functions": (bool, "send them as `tools` (each {\"type\": \"function\", ...})"),
+    "function_call": (_always, "use `tool_choice`"),
+    "audio": (_always, "the embedded model outputs text only; remove `audio`"),
+    "modalities": (lambda v: v != ["text"], 'the embedded model outputs text only; send '
+                   '["text"] or leave `modalities` out'),
+    "prediction": (_always, "predicted outputs are not supported; remove `prediction`"),
+    "web_search_options": (_always, "the embedded model cannot search the web; remove it"),
+    "reasoning_effort": (_always, "the embedded model is not a reasoning model; remove it"),
+}
 
 
-class ChatCompletionRequest(BaseModel):
-    """The fields flowlift acts on; unknown fields are accepted (and ignored by the
-    embedded engine)."""
+class ChatCompletionRequest(SamplingFields):
+    """The fields flowlift acts on; unknown fields are accepted and ignored."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = Field(default=None, ge=1)
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    @model_validator(mode="after")
-    def _supported(self) -> ChatCompletionRequest:
-        if (self.n or 1) > 1:
-            raise ValueError("n > 1 is not supported by the embedded engine yet; send n "
-                             "separate requests")
-        if self.tools:
-            raise ValueError("tool calling is not supported by the embedded engine yet")
-        return self
+    def response_schema(self) -> dict[str, Any] | None:
+        """The JSON Schema of ``response_format`` (``None`` for plain text).
 
-    def constraint(self) -> OutputConstraint | None:
+        Raises:
+            RequestError: an unknown ``type`` or a ``json_schema`` without a schema.
+        """
         fmt = self.response_format or {}
         kind = fmt.get("type", "text")
         if kind == "text":
             return None
         if kind == "json_object":
-            return OutputConstraint(json_schema={"type": "object"})
+            return {"type": "object"}
         if kind == "json_schema":
             schema = (fmt.get("json_schema") or {}).get("schema")
             if not isinstance(schema, dict):
                 raise RequestError("response_format.json_schema.schema must be a JSON "
                                    "Schema object", param="response_format.json_schema.schema")
-            return OutputConstraint(json_schema=schema)
+            return schema
         raise RequestError(f"response_format.type {kind!r} is not one of text, json_object, "
                            "json_schema", param="response_format.type")
 
-    def sampling(self) -> SamplingOptions:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingOptions(max_tokens=self.max_completion_tokens or self.max_tokens,
-                               temperature=1.0 if self.temperature is None else self.temperature,
-                               top_p=1.0 if self.top_p is None else self.top_p,
-                               stop=stop, seed=self.seed)
+    def tool_plan(self) -> ToolPlan | None:
+        """How the request uses its tools (``None``: it does not).
+
+        Raises:
+            RequestError: ``tool_choice`` inconsistent with ``tools``; ``logprobs``
+                together with tool calling.
+        """
+        try:
+            plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls,
+                              self.response_schema())
+        except ValueError as exc:
+            raise RequestError(str(exc), param="tool_choice") from None
+        if plan is not None and self.logprobs:
+            raise RequestError("logprobs are not reported for answers that may call tools "
+                               "on the embedded engine; leave `logprobs` out, or send "
+                               'tool_choice: "none"', param="logprobs")
+        return plan
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token for the engine (``None``: no logprobs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def _usage(u: Usage | None) -> dict[str, Any]:
-    u = u or Usage()
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+def chat_logprobs(items: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI ``ChatCompletionTokenLogprob`` objects (``bytes``: the token's UTF-8)."""
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return [{**one(t.token, t.logprob), "top_logprobs": [one(tok, lp) for tok, lp in t.top]}
+            for t in items]
 
 
-async def chat_completions(request: web.Request, data: Any, model: str,
-                           backend: Backend) -> web.StreamResponse:
+class _ChatChoice:
+    """One choice of a chat answer: turns engine chunks into stream deltas
+    (:meth:`step`) and, at the end, into the ``choices[]`` entry (:meth:`final`)."""
+
+    def __init__(self, index: int, plan: ToolPlan | None, logprobs: bool) -> None:
+        self.index = index
+        self.decoder = ToolOutputDecoder(plan) if plan is not None else None
+        self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
+        self.content: str | None = ""
+        self.tool_calls: list[dict[str, Any]] | None = None
+        self.finish: str | None = None
+        self.usage: Usage | None = None
+        self.calls_only = plan is not None and plan.mode == "required"
+
+    def _delta(self, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None = None,
+               finish: str | None = None) -> dict[str, Any]:
+        lp = None if logprobs is None else {"content": logprobs, "refusal": None}
+        return {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def first(self) -> dict[str, Any]:
+        return self._delta({"role": "assistant", "content": None if self.calls_only else ""})
+
+    def step(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
+        """The stream's choice entries for ``chunk`` (none, a content delta, tool call
+        deltas, the finish)."""
+        self.usage = chunk.usage or self.usage
+        text = self.decoder.feed(chunk.text) if self.decoder else chunk.text
+        lp = chat_logprobs(chunk.logprobs) if chunk.logprobs and self.logprobs is not None \
+            else None
+        self.content = (self.content or "") + text
+        self.logprobs = None if self.logprobs is None else [*self.logprobs, *(lp or ())]
+        out = [self._delta({"content": text}, lp)] if text or lp else []
+        if chunk.finish_reason:
+            out.extend(self._finish(chunk.finish_reason))
+        return out
+
+    def _finish(self, reason: str) -> list[dict[str, Any]]:
+        out = []
+        if self.decoder is not None:
+            answer = self.decoder.result(reason)
+            reason, self.tool_calls = answer.finish_reason, answer.tool_calls
+            self.content = answer.content
+            if answer.unsent:
+                out.append(self._delta({"content": answer.unsent}))
+            for j, call in enumerate(answer.tool_calls or ()):
+                out.append(self._delta({"tool_calls": [{"index": j, **call}]}))
+        self.finish = reason
+        return [*out, self._delta({}, finish=reason)]
+
+    def final(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content,
+                                   "refusal": None}
+        if self.tool_calls is not None:
+            message["tool_calls"] = self.tool_calls
+        lp = None if self.logprobs is None else {"content": self.logprobs, "refusal": None}
+        return {"index": self.index, "message": message, "logprobs": lp,
+                "finish_reason": self.finish or "stop"}
+
+    def output_text(self) -> str:
+        """What ``on_output`` gets: the content, or the tool calls' JSON text."""
+        return tool_calls_text(self.tool_calls) if self.tool_calls else self.content or ""
+
+
+async def chat_completions(request: web.Request, data: Any, model: str, backend: Backend, *,
+                           on_output: OnOutput | None = None) -> web.StreamResponse:
     """Answer one chat completion request (``data``: the parsed JSON body) on ``backend``.
 
+    Args:
+        model: the served model name (aliases resolved).
+        on_output: called once when the answer completes (streamed or not) with the
+            first choice's text (for tool calls: the JSON text of its ``tool_calls``
+            list) and the ``usage`` object; not called for a failed answer.
+
+    Returns:
+        A ``chat.completion`` JSON response, or an SSE stream of
+        ``chat.completion.chunk`` objects for ``stream: true``.
+
     Raises:
-        RequestError: a field the embedded engine cannot honour (named in ``param``).
+        RequestError: a malformed request or a field the embedded engine cannot honour
+            (400, named in ``param``); a prompt too long or a schema the engine rejects.
+        EngineError: the engine failed before the first token (503).
     """
     body = parse_model(ChatCompletionRequest, data, "chat completion request")
+    reject_unsupported(body, _UNSUPPORTED)
+    plan, k = body.tool_plan(), body.logprobs_k()
+    schema = plan.schema() if plan is not None else body.response_schema()
+    if k is not None and not backend.engine.capabilities.logprobs:
+        raise RequestError("this engine does not report logprobs; leave `logprobs` out",
+                           param="logprobs")
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     gen = GenerationRequest(
-        request_id=cid, model=model,
-        messages=[ChatMessage("system" if m.role == "developer" else m.role, m.text())
-                  for m in body.messages],
-        sampling=body.sampling(), constraint=body.constraint(),
+        request_id=cid, model=model, messages=engine_messages(body.messages, plan),
+        sampling=body.sampling(body.max_completion_tokens or body.max_tokens, k),
+        constraint=None if schema is None else OutputConstraint(json_schema=schema),
         session_id=request.headers.get("x-flowlift-session"))
-    created = int(time.time())
-    base = {"id": cid, "created": created, "model": model}
-    t_queued = time.monotonic()
-    async with backend.slots.slot(Priority.of("interactive")):
-        t_started = time.monotonic()
-        stream = backend.engine.generate(gen)
-        try:
+    choices = [_ChatChoice(i, plan, k is not None) for i in range(body.n or 1)]
+    head = {"id": cid, "created": int(time.time()), "model": model}
+
+    def done() -> dict[str, Any]:
+        usage = usage_json(total_usage([c.usage for c in choices]))
+        notify(on_output, choices[0].output_text(), usage)
+        return usage
+
+    timing = Timing()
+    try:
+        async with started(backend, fan_out(gen, len(choices)), timing) as chunks:
             if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return await _stream(request, stream, base, include_usage)
-            text, finish, usage = [], None, None
-            async for chunk in stream:
-                text.append(chunk.text)
-                finish = chunk.finish_reason or finish
-                usage = chunk.usage or usage
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-    t_done = time.monotonic()
-    timing = (f"queue;dur={(t_started - t_queued) * 1000:.1f}, "
-              f"engine;dur={(t_done - t_started) * 1000:.1f}")
-    return web.json_response({
-        **base, "object": "chat.completion",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                     "logprobs": None, "finish_reason": finish or "stop"}],
-        "usage": _usage(usage)}, headers={"Server-Timing": timing})
+                return await stream_choices(
+                    request, {**head, "object": "chat.completion.chunk"},
+                    body.include_usage, [c.first() for c in choices], chunks,
+                    lambda i, chunk: choices[i].step(chunk), done)
+            async for index, chunk in chunks:
+                choices[index].step(chunk)
+    except RequestError as exc:
+        if plan is not None and exc.param == "response_format":
+            exc.param = "tools"  # the schema the engine rejected was built from the tools
+        raise
+    return web.json_response({**head, "object": "chat.completion",
+                              "choices": [c.final() for c in choices], "usage": done()},
+                             headers={"Server-Timing": timing.server_timing()})
 
 
-async def _stream(request: web.Request, stream: Any, base: dict[str, Any],
-                  include_usage: bool) -> web.StreamResponse:
-    head = {**base, "object": "chat.completion.chunk"}
+async def embeddings(request: web.Request, data: Any, model: str,
+                     backend: Backend) -> web.StreamResponse:
+    """``POST /v1/embeddings`` for a model of the embedded engine: always refused.
 
-    def chunk(delta: dict[str, Any], finish: str | None) -> str:
-        data = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                     "finish_reason": finish}]}
-        if include_usage:
-            data["usage"] = None
-        return json.dumps(data, ensure_ascii=False)
-
-    async with sse_response(request, sep="\n", allow_all_methods=True) as resp:
-        await resp.send(chunk({"role": "assistant", "content": ""}, None))
-        usage = None
-        try:
-            async for piece in stream:
-                usage = piece.usage or usage
-                if piece.text:
-                    await resp.send(chunk({"content": piece.text}, None))
-                if piece.finish_reason:
-                    await resp.send(chunk({}, piece.finish_reason))
-        except FlowliftError as exc:  # headers are out: report in band, never a clean finish
-            await resp.send(json.dumps(exc.to_openai()))
-            return resp
-        if include_usage:
-            await resp.send(json.dumps({**head, "choices": [], "usage": _usage(usage)}))
-        await resp.send("[DONE]")
-    return resp
+    Raises:
+        RequestError: 400, ``param="model"``, ``code="model_not_supported"``: the
+            embedded engine serves generative models, which cannot embed.
+    """
+    err = RequestError(
+        f"model {model!r} does not support embeddings: the embedded engine serves "
+        "generative models only. Configure an embeddings model as an upstream backend "
+        "and send the request to that model.", param="model")
+    err.code = "model_not_supported"
+    raise err

@@ -19,7 +19,8 @@ async def test_non_streaming_shape(client):
     body = await resp.json()
     assert body["object"] == "chat.completion" and body["model"] == "fake-model"
     choice = body["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": "echo: hello there"}
+    assert choice["message"] == {"role": "assistant", "content": "echo: hello there",
+                                 "refusal": None}
     assert choice["finish_reason"] == "stop"
     assert body["usage"]["total_tokens"] == (body["usage"]["prompt_tokens"]
                                              + body["usage"]["completion_tokens"])
@@ -57,7 +58,9 @@ async def test_response_format_json_schema_is_constrained(client, engine):
     ({**CHAT, "temperature": 7}, "temperature"),
     ({**CHAT, "max_tokens": 0}, "max_tokens"),
     ({**CHAT, "response_format": {"type": "yaml"}}, "response_format.type"),
-    ({**CHAT, "n": 3}, None),
+    ({**CHAT, "n": 129}, "n"),
+    ({**CHAT, "audio": {"voice": "x"}}, "audio"),
+    ({**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
 ])
 async def test_malformed_chat_requests_name_the_field(client, body, param):
     resp = await client.post("/v1/chat/completions", json=body)
@@ -117,17 +120,27 @@ async def test_not_ready_is_503_with_retry_after(aiohttp_client, make_app, engin
     assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
 
 
-async def test_engine_failure_mid_stream_is_reported_in_band(aiohttp_client, make_app, engine):
+async def test_engine_failure_before_output_is_an_http_error(aiohttp_client, make_app, engine):
     engine.fail_with = EngineError("engine crashed")
     app = make_app()
     client = await aiohttp_client(app)
     await app[STATE].ready.wait()
+    for stream in (True, False):  # nothing was sent yet: a status, even for a stream
+        r = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert r.status == 503 and (await r.json())["error"]["code"] == "engine_error"
+
+
+async def test_engine_failure_mid_stream_is_reported_in_band(aiohttp_client, make_app, engine):
+    engine.fail_with, engine.fail_after_chunks = EngineError("engine crashed"), 2
+    app = make_app()
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
     r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status == 200
     events = parse_sse(await r.text())
     assert events[-1][1]["error"]["message"] == "engine crashed"
     assert "[DONE]" not in [d for _, d in events]
-    r = await client.post("/v1/chat/completions", json=CHAT)
-    assert r.status == 503 and (await r.json())["error"]["code"] == "engine_error"
+    assert [d["choices"][0]["delta"].get("content") for _, d in events[1:-1]] == ["echo", ": he"]
 
 
 async def test_official_openai_client(client):

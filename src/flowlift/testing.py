@@ -2,7 +2,8 @@
 
 :class:`FakeEngine` implements :class:`flowlift.local_engine.base.Engine` without a
 model: deterministic outputs, streamed in chunks, honouring structured-output
-constraints, with a simulated prefix cache so cached-token accounting can be tested.
+constraints and raw prompts, with deterministic logprobs and a simulated prefix cache
+so cached-token accounting can be tested.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import re._constants as _rc  # type: ignore[import-not-found]
 import re._parser as _rp  # type: ignore[import-not-found]
 import socket
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from flowlift.local_engine.base import (
     Engine,
     GenerationChunk,
     GenerationRequest,
+    TokenLogprob,
     Usage,
 )
 
@@ -104,16 +108,37 @@ def example_for_schema(schema: dict[str, Any], root: dict[str, Any] | None = Non
 
 
 def default_responder(request: GenerationRequest) -> str:
-    """Choices -> the first label; JSON Schema -> a minimal instance; text -> an echo."""
-    import json
-
+    """Choices -> the first label; JSON Schema -> a minimal instance; text -> an echo of
+    the raw prompt or of the last message."""
     c = request.constraint
     if c is not None and c.choices:
         return c.choices[0]
     if c is not None and c.json_schema is not None:
         return json.dumps(example_for_schema(c.json_schema))
+    if request.prompt is not None:
+        return f"echo: {request.prompt}"
     last = request.messages[-1].content if request.messages else ""
     return f"echo: {last}"
+
+
+def fake_tokens(text: str) -> list[str]:
+    """The fake tokenization: each word with the whitespace before it (the pieces join
+    back into ``text``; trailing whitespace stays on the last piece)."""
+    pieces = re.findall(r"\s*\S+", text)
+    if pieces:
+        pieces[-1] += text[len("".join(pieces)):]
+    return pieces
+
+
+def fake_logprob(token: str, k: int) -> TokenLogprob:
+    """A deterministic, plausible logprob for ``token``: its own logprob in
+    [-1.5, -0.2] from a CRC of its text, ranked first, then ``k - 1`` made-up
+    alternatives (``"<token>~1"``, ...) each about e^-1 less likely (the probabilities
+    of a position sum to less than 1)."""
+    own = -0.2 - (zlib.crc32(token.encode()) % 1000) / 1000 * 1.3
+    alts = [(f"{token.strip() or token}~{i}", round(own - 1.5 - i, 4)) for i in range(1, k)]
+    own = round(own, 4)
+    return TokenLogprob(token, own, ((token, own), *alts) if k else ())
 
 
 class FakeEngine(Engine):
@@ -125,22 +150,27 @@ class FakeEngine(Engine):
         delay_s: sleep before each chunk (simulates decode time).
         chunk_chars: characters per streamed chunk.
         fail_with: if set, every request raises this error.
+        fail_after_chunks: with ``fail_with``, stream this many chunks first (a failure
+            in the middle of a stream).
 
     Attributes:
         requests: every request received, in order.
         aborted: ids of requests closed before they finished.
     """
 
-    capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True)
+    capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True,
+                                logprobs=True, raw_prompt=True)
 
     def __init__(self, models: Sequence[str] = ("fake-model",), *,
                  responder: Responder = default_responder, delay_s: float = 0.0,
-                 chunk_chars: int = 4, fail_with: Exception | None = None) -> None:
+                 chunk_chars: int = 4, fail_with: Exception | None = None,
+                 fail_after_chunks: int = 0) -> None:
         self._models = list(models)
         self.responder = responder
         self.delay_s = delay_s
         self.chunk_chars = chunk_chars
         self.fail_with = fail_with
+        self.fail_after_chunks = fail_after_chunks
         self.requests: list[GenerationRequest] = []
         self.aborted: list[str] = []
         self.started = False
@@ -169,12 +199,16 @@ class FakeEngine(Engine):
         return best
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the responder's text in ``chunk_chars`` pieces (one fake token per chunk
+        when logprobs are asked for); tokens are whitespace-separated words."""
         if request.model not in self._models:
             raise EngineError(f"fake engine does not serve {request.model!r}")
         self.requests.append(request)
-        if self.fail_with is not None:
+        if self.fail_with is not None and not self.fail_after_chunks:
             raise self.fail_with
-        words = tuple(" ".join(f"{m.role}: {m.content}" for m in request.messages).split())
+        prompt = request.prompt if request.prompt is not None else " ".join(
+            f"{m.role}: {m.content}" for m in request.messages)
+        words = tuple(prompt.split())
         cached = self._cached(words)
         text = self.responder(request)
         out = text.split()
@@ -182,15 +216,25 @@ class FakeEngine(Engine):
         finish = "stop"
         if limit is not None and len(out) > limit and not request.constraint:
             text, finish = " ".join(out[:limit]), "length"
+        k = request.sampling.logprobs
+        if k is None:
+            pieces = [text[i:i + self.chunk_chars]
+                      for i in range(0, max(len(text), 1), self.chunk_chars)]
+        else:
+            pieces = fake_tokens(text)
         finished = False
         try:
-            for i in range(0, max(len(text), 1), self.chunk_chars):
+            for n, piece in enumerate(pieces):
+                if self.fail_with is not None and n == self.fail_after_chunks:
+                    raise self.fail_with
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
-                yield GenerationChunk(text=text[i:i + self.chunk_chars])
+                yield GenerationChunk(text=piece, logprobs=None if k is None else (
+                    fake_logprob(piece, k),))
             finished = True
             yield GenerationChunk(text="", finish_reason=finish,
-                                  usage=Usage(len(words), len(text.split()), cached))
+                                  usage=Usage(len(words), len(text.split()), cached),
+                                  logprobs=None if k is None else ())
         finally:
             if not finished:
                 self.aborted.append(request.request_id)
