@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flowlift.testing import parse_sse
+from tests.upstream_fake import FakeUpstream, chat_json, chunk, sse_bytes, upstream_only_proxy
 
 DOC = ("The Parrot paper (OSDI 2024) exposes application-level dataflow to the serving "
        "system through Semantic Variables, so that dependent requests can be scheduled "
@@ -69,24 +70,13 @@ async def test_unknown_workflow_is_a_client_error(client):
 
 
 async def test_upstream_traffic_joins_too_and_sticks_to_one_replica(aiohttp_client,
-                                                                    aiohttp_server,
-                                                                    monkeypatch):
-    from flowlift.proxy import create_app
-    from flowlift.proxy.config import parse_config
-    from flowlift.proxy.state import STATE
-    from tests.upstream_fake import FakeUpstream, chunk, sse_bytes
+                                                                    aiohttp_server):
 
     answer = "The answer is forty-two, as computed by Deep Thought."
     fakes = [FakeUpstream([FakeUpstream.stream(sse_bytes(chunk({"content": answer}),
                                                          chunk({}, "stop")))])
              for _ in range(3)]
-    urls = [str((await aiohttp_server(f.app())).make_url("/v1")) for f in fakes]
-    config = parse_config({"backends": {f"r{i}": {"kind": "openai", "base_url": u}
-                                        for i, u in enumerate(urls)},
-                           "models": {"up": {"backends": ["r0", "r1", "r2"]}}})
-    app = create_app({}, file_config=config)
-    client = await aiohttp_client(app)
-    await app[STATE].ready.wait()
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, *fakes)
     for i, content in enumerate(["What is the answer?", f"Explain: {answer}"]):
         resp = await client.post("/v1/chat/completions", headers={
             "X-Flowlift-Workflow": "wf-up", "X-Flowlift-Step": f"s{i}"}, json={
@@ -101,18 +91,9 @@ async def test_upstream_traffic_joins_too_and_sticks_to_one_replica(aiohttp_clie
 
 
 async def test_flowlift_metadata_stays_in_the_proxy(aiohttp_client, aiohttp_server):
-    from flowlift.proxy import create_app
-    from flowlift.proxy.config import parse_config
-    from flowlift.proxy.state import STATE
-    from tests.upstream_fake import FakeUpstream, chat_json
 
     fake = FakeUpstream([FakeUpstream.json(chat_json("ok"))])
-    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
-    app = create_app({}, file_config=parse_config({
-        "backends": {"u": {"kind": "openai", "base_url": url}},
-        "models": {"up": {"backends": ["u"]}}}))
-    client = await aiohttp_client(app)
-    await app[STATE].ready.wait()
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
     for meta, expected in (({"flowlift_workflow": "w1", "team": "a"}, {"team": "a"}),
                            ({"flowlift_workflow": "w1", "flowlift_step": "s"}, None)):
         resp = await client.post("/v1/chat/completions", json={

@@ -17,7 +17,7 @@ from flowlift.proxy.routing import Route, pick
 from flowlift.proxy.state import STATE
 from flowlift.proxy.upstream import Health, forwarded_headers, retry_after_s
 from flowlift.testing import FakeEngine, parse_sse
-from tests.upstream_fake import FakeUpstream, chunk, sse_bytes
+from tests.upstream_fake import FakeUpstream, chunk, sse_bytes, upstream_only_proxy
 
 ROUTE = Route("m", ("r1", "r2", "r3"), ("fb1", "fb2"))
 
@@ -141,13 +141,7 @@ async def test_workflow_steps_run_on_an_upstream_model_with_affinity(aiohttp_cli
         chunk({"content": f"from replica {i}"}), chunk({}, "stop"),
         {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}))])
         for i in range(2)]
-    urls = [str((await aiohttp_server(f.app())).make_url("/v1")) for f in fakes]
-    config = parse_config({"backends": {f"r{i}": {"kind": "openai", "base_url": u}
-                                        for i, u in enumerate(urls)},
-                           "models": {"up": {"backends": ["r0", "r1"]}}})
-    app = create_app({}, file_config=config)
-    client = await aiohttp_client(app)
-    await app[STATE].ready.wait()
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, *fakes)
     graph = {"nodes": [{"kind": "llm", "id": f"s{i}", "model": "up", "messages": [
         {"role": "user", "content": [{"text": f"step {i}"}]}]} for i in range(4)]}
     resp = await client.post("/v1/workflows", json=graph)
@@ -170,12 +164,7 @@ async def test_a_truncated_upstream_stream_fails_the_workflow_step(aiohttp_clien
                                                                    aiohttp_server):
     fake = FakeUpstream([FakeUpstream.stream(sse_bytes(chunk({"content": "half"}),
                                                        done=False))])
-    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
-    app = create_app({}, file_config=parse_config({
-        "backends": {"u": {"kind": "openai", "base_url": url}},
-        "models": {"up": {"backends": ["u"]}}}))
-    client = await aiohttp_client(app)
-    await app[STATE].ready.wait()
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
     resp = await client.post("/v1/workflows", json={"nodes": [{
         "kind": "llm", "id": "s", "model": "up",
         "messages": [{"role": "user", "content": [{"text": "go"}]}]}]})

@@ -100,3 +100,20 @@ class FakeUpstream:
             await asyncio.sleep(stall_s)
             return resp
         return answer
+
+
+async def upstream_only_proxy(aiohttp_client: Any, aiohttp_server: Any,
+                              *fakes: FakeUpstream, model: str = "up") -> Any:
+    """A test client of a proxy with no embedded engine whose ``model`` is served by the
+    ``fakes`` as replicas ``r0``, ``r1``..."""
+    from flowlift.proxy import create_app
+    from flowlift.proxy.config import parse_config
+    from flowlift.proxy.state import STATE
+
+    urls = [str((await aiohttp_server(f.app())).make_url("/v1")) for f in fakes]
+    app = create_app({}, file_config=parse_config({
+        "backends": {f"r{i}": {"kind": "openai", "base_url": u} for i, u in enumerate(urls)},
+        "models": {model: {"backends": [f"r{i}" for i in range(len(urls))]}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    return client
