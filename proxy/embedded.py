@@ -12,7 +12,10 @@ Cached prompt tokens are reported in ``usage.prompt_tokens_details.cached_tokens
 Supported beyond plain chat: ``n`` (concurrent generations, seeds ``seed + i``; streamed
 chunks of the choices interleave, each with its ``index``), ``logprobs`` /
 ``top_logprobs`` (0-20, ``choices[].logprobs.content[]``), tools
-(:mod:`flowlift.proxy.embedded_tools`), ``presence_penalty`` / ``frequency_penalty``.
+(:mod:`flowlift.proxy.embedded_tools`: when streamed, each tool call is buffered and
+sent whole in one ``delta.tool_calls`` chunk, with ``index``, ``id``, ``type``, ``name``
+and ``arguments``, once its constrained JSON is complete; plain content streams as it
+is decoded), ``presence_penalty`` / ``frequency_penalty`` / ``logit_bias``.
 Unknown fields are accepted and ignored; an OpenAI field the engine cannot honour
 (``audio``, ``prediction``, ``reasoning_effort``, the deprecated ``functions``...) is a
 400 naming the field and the fix. Errors before the first generated token (a prompt
@@ -52,15 +55,14 @@ from flowlift.proxy.embedded_generation import (
     total_usage,
     usage_json,
 )
+from flowlift.proxy.embedded_tool_output import ToolOutputDecoder, tool_calls_text
 from flowlift.proxy.embedded_tools import (
     Message,
     Tool,
     ToolChoice,
-    ToolOutputDecoder,
     ToolPlan,
     engine_messages,
     plan_tools,
-    tool_calls_text,
 )
 from flowlift.proxy.http import parse_model
 

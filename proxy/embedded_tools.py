@@ -8,10 +8,11 @@ The engine has no native tool-call format, so flowlift makes one:
   for ``tool_choice: "required"`` or a named function (``maxItems: 1`` when
   ``parallel_tool_calls`` is false, only that function when one is named), and for
   ``"auto"`` (the default) either that or ``{"content": <the answer>}``;
-* :class:`ToolOutputDecoder` turns the constrained JSON into OpenAI ``tool_calls``
-  (``id: "call_..."``, ``type: "function"``, ``function: {name, arguments}`` with
-  ``arguments`` a JSON string) or into plain content. Content of an ``"auto"`` answer is
-  decoded while it streams; tool calls are emitted whole once their JSON is complete.
+* :class:`~flowlift.proxy.embedded_tool_output.ToolOutputDecoder` turns the
+  constrained JSON into OpenAI ``tool_calls`` (``id: "call_..."``, ``type: "function"``,
+  ``function: {name, arguments}`` with ``arguments`` a JSON string) or into plain
+  content. Content of an ``"auto"`` answer is decoded while it streams; tool calls are
+  emitted whole once their JSON is complete (one ``delta.tool_calls`` chunk per call).
 
 Conversation history with tool calls (assistant messages carrying ``tool_calls``, and
 ``role: "tool"`` results) is rendered into plain system/user/assistant text, in the same
@@ -22,17 +23,12 @@ takes it.
 from __future__ import annotations
 
 import json
-import re
-import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flowlift.local_engine.base import ChatMessage
-
-_CONTENT_KEY = '{"content":"'
-_HIGH_SURROGATES = ("\ud800", "\udbff")
 
 
 class TextPart(BaseModel):
@@ -236,90 +232,6 @@ def engine_messages(messages: list[Message], plan: ToolPlan | None) -> list[Chat
             out.insert(0, ChatMessage("system", plan.system_text()))
     return out
 
-
-@dataclass(frozen=True, slots=True)
-class ToolAnswer:
-    """A finished tool-mode answer: ``tool_calls`` (OpenAI shape) or ``content``;
-    ``unsent`` is content not yet returned by :meth:`ToolOutputDecoder.feed`."""
-
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None
-    finish_reason: str
-    unsent: str = ""
-
-
-class ToolOutputDecoder:
-    """Reads the constrained JSON of one choice, fed piece by piece.
-
-    :meth:`feed` returns content text as soon as it can be decoded (only for an
-    ``"auto"`` answer with plain-text content: ``{"content": "...`` is decoded while it
-    streams); everything else is buffered until :meth:`result`. Output that is not the
-    expected JSON (cut off by ``max_tokens``) is returned as content, as it is.
-    """
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self._buf = ""
-        self._kind: Literal["unknown", "text", "buffered"] = (
-            "unknown" if plan.text_content else "buffered")
-        self._reader = _JsonStringReader()
-        self._sent = ""
-
-    def feed(self, text: str) -> str:
-        """Add generated ``text``; returns newly decoded content (may be empty)."""
-        self._buf += text
-        if self._kind == "text":
-            return self._emit(self._reader.feed(text))
-        if self._kind == "unknown":
-            compact = re.sub(r"\s+", "", self._buf[:64])
-            if compact.startswith(_CONTENT_KEY):
-                self._kind = "text"
-                start = re.match(r'\s*\{\s*"content"\s*:\s*"', self._buf)
-                assert start is not None  # the compact form matched
-                return self._emit(self._reader.feed(self._buf[start.end():]))
-            if not _CONTENT_KEY.startswith(compact):
-                self._kind = "buffered"
-        return ""
-
-    def _emit(self, text: str) -> str:
-        self._sent += text
-        return text
-
-    def result(self, finish_reason: str) -> ToolAnswer:
-        """The answer, once the generation finished with ``finish_reason``."""
-        try:
-            value = json.loads(self._buf)
-        except ValueError:
-            value = None
-        if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-            calls = [_openai_call(c) for c in value["tool_calls"] if isinstance(c, dict)]
-            if not self.plan.parallel:
-                calls = calls[:1]
-            return ToolAnswer(None, calls, "tool_calls")
-        if isinstance(value, dict) and "content" in value:
-            content = value["content"]
-            text = content if isinstance(content, str) else json.dumps(content,
-                                                                       ensure_ascii=False)
-        elif self._kind == "text":  # cut off inside the content string
-            text = self._sent
-        else:
-            text = self._buf
-        return ToolAnswer(text, None, finish_reason, text[len(self._sent):])
-
-
-def tool_calls_text(calls: list[dict[str, Any]]) -> str:
-    """The JSON text of OpenAI ``tool_calls`` (what ``on_output`` receives for them)."""
-    return json.dumps(calls, ensure_ascii=False)
-
-
-def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
-    args = call.get("arguments", {})
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": str(call.get("name", "")),
-                         "arguments": json.dumps(args, ensure_ascii=False,
-                                                 separators=(",", ":"))}}
-
-
 def _loads_or_text(text: str) -> Any:
     try:
         return json.loads(text)
@@ -352,40 +264,3 @@ def _hoist_defs(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
         for name, sub in (schema.get(key) or {}).items():
             defs[f"{prefix}{name}"] = rewrite(sub)
     return rewrite({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
-
-
-class _JsonStringReader:
-    """Decodes the body of a JSON string (after its opening quote) fed in pieces:
-    each :meth:`feed` returns the text whose escapes are complete, up to the closing
-    quote; a high surrogate waits for its pair (``held``)."""
-
-    def __init__(self) -> None:
-        self._raw = ""
-        self._pos = 0
-        self._closed = False
-        self.held = ""
-
-    def feed(self, piece: str) -> str:
-        self._raw += piece
-        if self._closed:
-            return ""
-        raw, i = self._raw, self._pos
-        while i < len(raw):
-            if raw[i] == '"':
-                self._closed = True
-                break
-            step = (6 if raw[i + 1:i + 2] == "u" else 2) if raw[i] == "\\" else 1
-            if i + step > len(raw):
-                break
-            i += step
-        try:
-            text: str = json.loads(f'"{raw[self._pos:i]}"', strict=False)
-        except ValueError:
-            text = raw[self._pos:i]
-        self._pos = i
-        text = (self.held + text).encode("utf-16", "surrogatepass").decode(
-            "utf-16", "surrogatepass")
-        self.held = ""
-        if text and _HIGH_SURROGATES[0] <= text[-1] <= _HIGH_SURROGATES[1]:
-            self.held, text = text[-1], text[:-1]
-        return text

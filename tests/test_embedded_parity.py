@@ -25,7 +25,8 @@ from flowlift.local_engine.base import Capabilities, GenerationRequest
 from flowlift.local_engine.vllm_engine import token_logprobs
 from flowlift.proxy import embedded
 from flowlift.proxy.backends import Backend
-from flowlift.proxy.embedded_tools import ToolOutputDecoder, ToolPlan
+from flowlift.proxy.embedded_tool_output import ToolOutputDecoder
+from flowlift.proxy.embedded_tools import ToolPlan
 from flowlift.proxy.http import openai_errors
 from flowlift.proxy.scheduler import PrioritySlots
 from flowlift.testing import FakeEngine, parse_sse
@@ -263,6 +264,21 @@ async def test_unparsable_tool_output_is_returned_as_content(h):
     choice = body["choices"][0]
     assert choice["message"]["content"] == '{"tool_calls": [{"name": "get_wea'
     assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "stop"
+
+
+def test_calls_cut_off_by_max_tokens_keep_the_complete_ones():
+    whole = calls_json(("get_time", {"tz": "a"}), ("get_time", {"tz": "b"}))
+    for raw, parallel, expected in ((whole[:-2], True, 2), (whole[:-2], False, 1),
+                                    (whole[:-12], True, 1)):
+        decoder = ToolOutputDecoder(ToolPlan((), "required", parallel))
+        assert decoder.feed(raw[:-20]) + decoder.feed(raw[-20:]) == ""
+        answer = decoder.result("length")
+        assert answer.finish_reason == "length" and answer.content is None
+        assert [json.loads(c["function"]["arguments"]) for c in answer.tool_calls] == [
+            {"tz": "a"}, {"tz": "b"}][:expected]
+    decoder = ToolOutputDecoder(ToolPlan((), "required"))
+    decoder.feed(whole[:30])
+    assert decoder.result("length").content == whole[:30]
 
 
 async def test_schema_rejected_by_engine_names_tools(h):

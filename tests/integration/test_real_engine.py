@@ -149,3 +149,50 @@ def test_bad_input_gets_4xx_and_the_proxy_keeps_serving(real_proxy):
         "model": real_proxy["model"], "max_tokens": 4,
         "messages": [{"role": "user", "content": "Hi"}]})
     assert ok.status_code == 200
+
+
+def test_tool_call_logprobs_and_raw_prompt_on_real_engine(real_proxy):
+    """OpenAI parity of the embedded engine on vLLM: a constrained tool call, chat
+    logprobs (greedy: the sampled token ranks first) and a legacy completion of a raw
+    prompt (no chat template: a handful of prompt tokens)."""
+    client = openai.OpenAI(base_url=real_proxy["base_url"] + "/v1", api_key="unused",
+                           max_retries=0)
+    model = real_proxy["model"]
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather of a city.",
+        "parameters": {"type": "object", "required": ["city"],
+                       "properties": {"city": {"type": "string", "maxLength": 24}}}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = client.chat.completions.create(model=model, messages=ask, tools=[weather],
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         max_tokens=64, temperature=0)
+    calls = out.choices[0].message.tool_calls
+    assert calls and len(calls) == 1, out.model_dump_json()
+    assert out.choices[0].finish_reason == "tool_calls" and calls[0].id.startswith("call_")
+    assert calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
+    # parallel calls allowed: a small model may repeat them until max_tokens; the
+    # complete ones are kept
+    out = client.chat.completions.create(model=model, messages=ask, tools=[weather],
+                                         tool_choice="required", max_tokens=40,
+                                         temperature=0)
+    calls = out.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "get_weather", out.model_dump_json()
+
+    out = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count from 1 to 20."}],
+        logprobs=True, top_logprobs=3, max_tokens=8, temperature=0)
+    tokens = out.choices[0].logprobs.content
+    assert len(tokens) == out.usage.completion_tokens, out.model_dump_json()
+    content = out.choices[0].message.content
+    assert "".join(t.token for t in tokens)[:len(content)] == content
+    for t in tokens:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob) and t.logprob <= 0
+
+    comp = client.completions.create(model=model, prompt="The capital of France is",
+                                     max_tokens=6, temperature=0, logprobs=2)
+    choice = comp.choices[0]
+    assert choice.text and len(choice.logprobs.tokens) == comp.usage.completion_tokens, (
+        comp.model_dump_json())
+    assert comp.usage.prompt_tokens < 10  # the raw prompt, not a chat-templated one
