@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
@@ -30,12 +31,16 @@ from flowlift.errors import Overloaded, UpstreamError
 from flowlift.proxy.backends import Backend
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.routing import Route
+from flowlift.proxy.sse_bytes import complete_prefix
 from flowlift.proxy.upstream import Upstream, error_from, translate
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.proxy.attempts")
 _BACKOFF = wait_random_exponential(multiplier=0.25, max=8.0)
 BodyFor = Callable[[Upstream], bytes]
+Stream = Literal[False, "bytes", "events"]
+"""How an answer is read: whole (False), as raw bytes cut at event boundaries
+(forwarding), or as parsed server-sent events (upstream-backed workflow steps)."""
 
 
 @dataclass(slots=True)
@@ -45,14 +50,18 @@ class Opened:
     upstream: Upstream
     response: httpx.Response
     body: bytes | None = None  # plain answers
-    events: AsyncIterator[ServerSentEvent] | None = None  # streams
+    events: AsyncIterator[ServerSentEvent] | None = None  # streams read as events
     first: ServerSentEvent | None = None
+    head: bytes = b""  # streams forwarded as bytes: the whole events received so far,
+    tail: bytes = b""  # the start of the next one,
+    chunks: AsyncIterator[bytes] | None = None  # and the rest as it arrives
 
     async def release(self) -> None:
         """Close the upstream response and count the request out of the backend."""
         try:
-            if self.events is not None:
-                await self.events.aclose()  # type: ignore[attr-defined]
+            for it in (self.events, self.chunks):
+                if it is not None:
+                    await it.aclose()  # type: ignore[attr-defined]
             await self.response.aclose()
         finally:
             self.upstream.health.in_flight -= 1
@@ -78,27 +87,26 @@ class _Wait:
 
 
 async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str, str], *,
-                   stream: bool, budget_s: float) -> Opened:
+                   stream: Stream, budget_s: float) -> Opened:
     spec = upstream.spec
-    request = upstream.request(path, body, headers)
     response: httpx.Response | None = None
     stage = "before answering"
     try:
         async with asyncio.timeout(min(spec.first_token_timeout_s, budget_s) if stream
                                    else budget_s):
-            response = await upstream.client.send(request, stream=True)
+            response = await upstream.send(upstream.request(path, body, headers))
             if response.status_code >= 400:
                 raise await error_from(response, upstream.name)
             if not stream:
                 stage = "while sending its answer"
                 return Opened(upstream, response, body=await response.aread())
             stage = "before its first stream event"
-            events = EventSource(response).aiter_sse()
-            first = await anext(events, None)
-            if first is None:
+            opened = await (_first_bytes if stream == "bytes" else _first_event)(upstream,
+                                                                                 response)
+            if opened is None:
                 raise UpstreamError(f"backend {upstream.name!r} ended the stream before any "
                                     "event", status=502, backend=upstream.name)
-            return Opened(upstream, response, events=events, first=first)
+            return opened
     except UpstreamError:
         if response is not None:
             await response.aclose()
@@ -109,8 +117,26 @@ async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str
         raise translate(exc, upstream.name, stage=stage) from None
 
 
+async def _first_event(upstream: Upstream, response: httpx.Response) -> Opened | None:
+    events = EventSource(response).aiter_sse()
+    first = await anext(events, None)
+    return None if first is None else Opened(upstream, response, events=events, first=first)
+
+
+async def _first_bytes(upstream: Upstream, response: httpx.Response) -> Opened | None:
+    chunks = response.aiter_raw()
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        end = complete_prefix(buffer)
+        if end:
+            return Opened(upstream, response, head=buffer[:end], tail=buffer[end:],
+                          chunks=chunks)
+    return None
+
+
 async def open_answer(providers: Providers, route: Route, *, path: str, body_for: BodyFor,
-                      headers: dict[str, str], stream: bool,
+                      headers: dict[str, str], stream: Stream,
                       affinity: str | None = None) -> Opened | tuple[str, Backend]:
     """Try the route's backends until one answers.
 
@@ -118,8 +144,8 @@ async def open_answer(providers: Providers, route: Route, *, path: str, body_for
         path: appended to each upstream's ``base_url`` (``/chat/completions``...).
         body_for: the request body for an upstream (model renamed when it must be).
         headers: client headers allowed upstream.
-        stream: a streamed answer (the first event must arrive within the first-token
-            timeout); else the whole body within the request's budget.
+        stream: how to read the answer (:data:`Stream`); a stream's first event must
+            arrive within the first-token timeout, a whole answer within the budget.
         affinity: workflow or session id for replica affinity.
 
     Returns:
@@ -155,7 +181,7 @@ class _Attempts:
     """The state of one request's attempts: backends tried, the last failure, the clock."""
 
     def __init__(self, providers: Providers, route: Route, path: str, body_for: BodyFor,
-                 headers: dict[str, str], stream: bool, affinity: str | None) -> None:
+                 headers: dict[str, str], stream: Stream, affinity: str | None) -> None:
         self.providers, self.route, self.path = providers, route, path
         self.body_for, self.headers, self.stream = body_for, headers, stream
         self.affinity = affinity

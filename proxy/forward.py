@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,22 +22,19 @@ from typing import Any
 import httpx
 import orjson
 from aiohttp import web
-from httpx_sse import ServerSentEvent
 
 from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.attempts import Opened, open_answer
 from flowlift.proxy.inferred import render_message
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.routing import Route
+from flowlift.proxy.sse_bytes import complete_prefix, data_fields, finished
 from flowlift.proxy.upstream import Upstream, forwarded_headers, translate
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.proxy.forward")
 OnOutput = Callable[[str, dict[str, Any] | None], None]
 EmbeddedCall = Callable[[str, Any], Awaitable[web.StreamResponse]]
-_FINISHED = re.compile(r'"finish_reason"\s*:\s*"')
-_TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed",
-                              "error"})
 
 
 def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str) -> bytes:
@@ -73,7 +69,7 @@ async def forward(request: web.Request, *, providers: Providers, route: Route, p
         opened = await open_answer(
             providers, route, path=path, headers=forwarded_headers(request.headers),
             body_for=lambda up: _body_for(up, raw, data, route.model),
-            stream=data.get("stream") is True, affinity=affinity)
+            stream="bytes" if data.get("stream") is True else False, affinity=affinity)
     except UpstreamError as exc:
         return upstream_error_response(exc)
     if isinstance(opened, tuple):
@@ -129,20 +125,6 @@ def _observe_plain(body: bytes, on_output: OnOutput) -> None:
         log.info("unreadable_upstream_answer", size=len(body))
 
 
-def _encode(event: ServerSentEvent) -> bytes:
-    data = event.data
-    if event.event in ("", "message") and "\n" not in data:
-        return b"data: " + data.encode() + b"\n\n"
-    lines = [] if event.event in ("", "message") else [f"event: {event.event}"]
-    lines += [f"data: {line}" for line in data.split("\n")]
-    return ("\n".join(lines) + "\n\n").encode()
-
-
-def _finished(event: ServerSentEvent) -> bool:
-    return (event.data == "[DONE]" or event.event in _TERMINAL_EVENTS
-            or _FINISHED.search(event.data) is not None)
-
-
 class _Collect:
     """The streamed text and usage, for ``on_output``."""
 
@@ -150,56 +132,58 @@ class _Collect:
         self.parts: list[str] = []
         self.usage: dict[str, Any] | None = None
 
-    def add(self, data: str) -> None:
-        if data == "[DONE]":
-            return
-        try:
-            doc = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
-        if doc.get("usage"):
-            self.usage = doc["usage"]
-        for choice in doc.get("choices") or ():
-            if choice.get("index", 0) == 0:
-                delta = choice.get("delta") or {}
-                self.parts.append(delta.get("content") or choice.get("text") or "")
+    def add(self, events: bytes) -> None:
+        for data in data_fields(events):
+            try:
+                doc = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                continue  # [DONE]
+            if not isinstance(doc, dict):
+                continue
+            if doc.get("usage"):
+                self.usage = doc["usage"]
+            for choice in doc.get("choices") or ():
+                if choice.get("index", 0) == 0:
+                    delta = choice.get("delta") or {}
+                    self.parts.append(delta.get("content") or choice.get("text") or "")
 
 
 async def _stream(request: web.Request, opened: Opened,
                   on_output: OnOutput | None) -> web.StreamResponse:
-    upstream, first = opened.upstream, opened.first
-    assert first is not None and opened.events is not None
+    """Forward the stream as it arrives, whole events per write (:mod:`.sse_bytes`)."""
+    upstream = opened.upstream
+    assert opened.chunks is not None
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache",
                                        "X-Flowlift-Backend": upstream.name})
     collect = _Collect() if on_output is not None else None
-    finished = _finished(first)
+    done = finished(opened.head)
+    buffer = opened.tail
     failure: str | None = None
     loop = asyncio.get_running_loop()
     try:
         await resp.prepare(request)
-        await resp.write(_encode(first))
+        await resp.write(opened.head)
         if collect is not None:
-            collect.add(first.data)
+            collect.add(opened.head)
         try:
             async with asyncio.timeout(None) as idle:
                 idle.reschedule(loop.time() + upstream.spec.idle_timeout_s)
-                async for event in opened.events:
-                    await resp.write(_encode(event))
+                async for chunk in opened.chunks:
                     idle.reschedule(loop.time() + upstream.spec.idle_timeout_s)
-                    finished = finished or _finished(event)
+                    buffer += chunk
+                    end = complete_prefix(buffer)
+                    if not end:
+                        continue
+                    events, buffer = buffer[:end], buffer[end:]
+                    await resp.write(events)
+                    done = done or finished(events)
                     if collect is not None:
-                        collect.add(event.data)
+                        collect.add(events)
         except (TimeoutError, httpx.HTTPError) as exc:
             failure = str(translate(exc, upstream.name, stage="mid-stream"))
-        if not finished:
-            failure = failure or (f"backend {upstream.name!r} closed the stream before it "
-                                  "finished (no finish_reason, no [DONE])")
-            err = UpstreamError(failure + "; the answer above is incomplete", status=502,
-                                backend=upstream.name)
-            await resp.write(b"data: " + orjson.dumps(err.to_openai()) + b"\n\n")
-            upstream.health.failure(time.monotonic())
-            log.warning("stream_cut_short", backend=upstream.name, reason=failure)
+        if not done:
+            await _cut_short(resp, upstream, failure)
         else:
             upstream.health.success()
             if collect is not None and on_output is not None:
@@ -208,3 +192,14 @@ async def _stream(request: web.Request, opened: Opened,
     except ConnectionResetError:
         log.info("client_went_away", backend=upstream.name)
     return resp
+
+
+async def _cut_short(resp: web.StreamResponse, upstream: Upstream, failure: str | None) -> None:
+    """End a stream that stopped before its end marker with an in-band error event."""
+    failure = failure or (f"backend {upstream.name!r} closed the stream before it finished "
+                          "(no finish_reason, no [DONE])")
+    err = UpstreamError(failure + "; the answer above is incomplete", status=502,
+                        backend=upstream.name)
+    await resp.write(b"data: " + orjson.dumps(err.to_openai()) + b"\n\n")
+    upstream.health.failure(time.monotonic())
+    log.warning("stream_cut_short", backend=upstream.name, reason=failure)

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
 import httpx
+from httpx_aiohttp import AiohttpTransport
 
 from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.config import UpstreamSpec
@@ -123,7 +124,9 @@ class Upstream:
         name: the backend's name in the config.
         spec: its settings.
         api_key: sent as ``Authorization: Bearer``; the client's key never is.
-        transport: an httpx transport (tests use ``httpx.MockTransport``); None: network.
+        transport: an httpx transport (tests use ``httpx.MockTransport``); None: the
+            network through aiohttp's connection pool (``httpx-aiohttp``, the transport
+            openai-python offers for high concurrency) behind httpx's API.
     """
 
     def __init__(self, name: str, spec: UpstreamSpec, api_key: str | None = None, *,
@@ -138,8 +141,12 @@ class Upstream:
                               max_keepalive_connections=spec.max_connections)
         timeout = httpx.Timeout(connect=spec.connect_timeout_s, read=None, write=60.0,
                                 pool=spec.connect_timeout_s)
+        if transport is None:  # aiohttp's connector: httpcore's pool scans every pooled
+            transport = AiohttpTransport(limits=limits)  # connection on each request
+        self.transport = transport
         self.client = httpx.AsyncClient(base_url=spec.base_url.rstrip("/"), headers=headers,
                                         limits=limits, timeout=timeout, transport=transport)
+        self._extensions = {"timeout": timeout.as_dict()}
         self.health = Health(spec.failures_to_cool, spec.cooldown_s,
                              max_in_flight=spec.max_connections)
 
@@ -154,7 +161,13 @@ class Upstream:
         if url is None:
             url = self._urls[path] = httpx.URL(self.spec.base_url.rstrip("/") + path)
         return httpx.Request("POST", url, content=body,
-                             headers={**self._headers, **headers} if headers else self._headers)
+                             headers={**self._headers, **headers} if headers else self._headers,
+                             extensions=self._extensions)
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        """Send through the transport itself: the client's redirect, auth, cookie and
+        event-hook machinery has nothing to do for a proxied POST."""
+        return await self.transport.handle_async_request(request)
 
     def upstream_model(self, model: str) -> str:
         return self.spec.rename.get(model, model)
@@ -165,10 +178,14 @@ class Upstream:
 
 def translate(exc: Exception, backend: str, *, stage: str) -> UpstreamError:
     """An httpx or timeout failure as a retryable :class:`UpstreamError`."""
-    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+    cause = exc.__cause__
+    if isinstance(exc, TimeoutError) or (isinstance(exc, httpx.TimeoutException) and (
+            cause is None or isinstance(cause, TimeoutError))):  # httpx-aiohttp maps every
+        # aiohttp connection error to ConnectTimeout; the cause says what it really was
         return UpstreamError(f"backend {backend!r} timed out {stage}", status=504,
                              backend=backend)
-    return UpstreamError(f"backend {backend!r} failed {stage}: {type(exc).__name__}: {exc}",
+    real = cause if cause is not None else exc
+    return UpstreamError(f"backend {backend!r} failed {stage}: {type(real).__name__}: {real}",
                          status=502, backend=backend)
 
 

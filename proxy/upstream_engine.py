@@ -113,7 +113,7 @@ class UpstreamEngine(Engine):
                 self.providers, self.route, path="/chat/completions",
                 body_for=lambda up: orjson.dumps({**body,
                                                   "model": up.upstream_model(self.route.model)}),
-                headers={}, stream=True, affinity=request.session_id)
+                headers={}, stream="events", affinity=request.session_id)
         except UpstreamError as exc:
             raise EngineError(f"model {self.route.model!r}: {exc.message}") from None
         if isinstance(opened, tuple):

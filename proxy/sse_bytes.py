@@ -1,0 +1,47 @@
+"""Server-sent events as bytes, for forwarding a stream without re-encoding it.
+
+The proxy does not interpret a forwarded stream; it needs only two facts about it:
+where each event ends (so an in-band error is never spliced into the middle of one,
+and the first event can be awaited under the first-token timeout), and whether the
+stream reached its end marker (case S6). Both are byte searches over what arrived, per
+the WHATWG event-stream format: an event ends at a blank line (``\\n\\n``,
+``\\r\\n\\r\\n`` or ``\\r\\r``). Forwarding raw bytes keeps the upstream's framing and
+every multibyte character exactly as sent (case S4), writes each arrival in one write
+(case S5), and costs a fraction of decoding and re-encoding every event. Where
+flowlift does read events (upstream-backed workflow steps), httpx-sse parses them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+_END = re.compile(
+    rb'^data: ?\[DONE\]\s*$'                      # OpenAI chat/completions streams
+    rb'|"finish_reason"\s*:\s*"'                   # a choice finished (some upstreams stop there)
+    rb'|^event: ?(?:response\.(?:completed|incomplete|failed)|error)\s*$',  # Responses API
+    re.MULTILINE)
+
+
+def complete_prefix(buffer: bytes) -> int:
+    """Length of the longest prefix of ``buffer`` that is whole events (0: none yet)."""
+    end = 0
+    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+        i = buffer.rfind(sep)
+        if i >= 0:
+            end = max(end, i + len(sep))
+    return end
+
+
+def finished(events: bytes) -> bool:
+    """Whether whole ``events`` include the stream's end marker."""
+    return _END.search(events) is not None
+
+
+def data_fields(events: bytes) -> Iterator[str]:
+    """The ``data`` of each event in whole ``events`` (multi-line data joined by ``\\n``)."""
+    for block in re.split(rb"\r\n\r\n|\n\n|\r\r", events):
+        lines = [line[5:].removeprefix(b" ") for line in block.splitlines()
+                 if line.startswith(b"data:")]
+        if lines:
+            yield b"\n".join(lines).decode("utf-8", "replace")
