@@ -61,6 +61,7 @@ from flowlift.proxy.embedded_tools import (
     Tool,
     ToolChoice,
     ToolPlan,
+    check_schema,
     engine_messages,
     plan_tools,
 )
@@ -111,10 +112,15 @@ class ChatCompletionRequest(SamplingFields):
         if kind == "json_object":
             return {"type": "object"}
         if kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            param = "response_format.json_schema.schema"
             if not isinstance(schema, dict):
-                raise RequestError("response_format.json_schema.schema must be a JSON "
-                                   "Schema object", param="response_format.json_schema.schema")
+                raise RequestError(f"{param} must be a JSON Schema object", param=param)
+            try:
+                check_schema(schema)
+            except ValueError as exc:
+                raise RequestError(f"{param} is {exc}", param=param) from None
             return schema
         raise RequestError(f"response_format.type {kind!r} is not one of text, json_object, "
                            "json_schema", param="response_format.type")

@@ -42,6 +42,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("prompt")
     @classmethod

@@ -287,10 +287,17 @@ def reject_unsupported(body: Any, fields: Unsupported) -> None:
     extra = body.model_extra or {}
     for name, (bad, fix) in fields.items():
         value = getattr(body, name, None) if name in type(body).model_fields else extra.get(name)
-        if value is not None and bad(value):
+        if value is not None and _cannot(bad, value):
             shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
             raise RequestError(f"{name}={shown} is not supported by the embedded engine; "
                                f"{fix}", param=name)
+
+
+def _cannot(bad: Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return bad(value)
+    except TypeError:  # a value of another type than the field takes: not honoured either
+        return True
 
 
 def notify(on_output: OnOutput | None, text: str, usage: dict[str, Any] | None) -> None:

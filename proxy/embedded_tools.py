@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import jsonschema
+from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flowlift.local_engine.base import ChatMessage
@@ -83,6 +85,23 @@ class FunctionDef(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            check_schema(value)
+        return value
+
+
+def check_schema(schema: dict[str, Any]) -> None:
+    """Raise ``ValueError`` (what pydantic reports with the field's path) for a
+    document that is not a JSON Schema (draft 2020-12)."""
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "(top)"
+        raise ValueError(f"not a valid JSON Schema at {where}: {exc.message}") from None
 
 
 class Tool(BaseModel):
@@ -261,6 +280,7 @@ def _hoist_defs(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
     if not isinstance(schema, dict):
         return schema
     for key in ("$defs", "definitions"):
-        for name, sub in (schema.get(key) or {}).items():
+        found = schema.get(key)
+        for name, sub in (found if isinstance(found, dict) else {}).items():
             defs[f"{prefix}{name}"] = rewrite(sub)
     return rewrite({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
