@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cachetools import TTLCache
+from multidict import CIMultiDict, CIMultiDictProxy
 from pydantic import ValidationError
 
 from flowlift.dataflow import dependencies
@@ -67,7 +68,8 @@ _ROLES: dict[str, Role] = {"system": "system", "developer": "system",
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
     value = headers.get(name)
-    if value is None:  # plain dicts are case-sensitive; HTTP header names are not
+    if value is None and not isinstance(headers, CIMultiDictProxy | CIMultiDict):
+        # plain dicts are case-sensitive; HTTP header names are not
         low = name.lower()
         value = next((v for k, v in headers.items() if k.lower() == low), None)
     return value

@@ -16,11 +16,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-_END = re.compile(
-    rb'^data: ?\[DONE\]\s*$'                      # OpenAI chat/completions streams
-    rb'|"finish_reason"\s*:\s*"'                   # a choice finished (some upstreams stop there)
-    rb'|^event: ?(?:response\.(?:completed|incomplete|failed)|error)\s*$',  # Responses API
-    re.MULTILINE)
+_DONE = re.compile(rb"^data: ?\[DONE\]\s*$", re.MULTILINE)  # OpenAI chat/completions
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*"')  # a choice finished (some upstreams stop there)
+_TERMINAL = re.compile(  # the Responses API's last event
+    rb"^event: ?(?:response\.(?:completed|incomplete|failed)|error)\s*$", re.MULTILINE)
 
 
 def complete_prefix(buffer: bytes) -> int:
@@ -35,7 +34,10 @@ def complete_prefix(buffer: bytes) -> int:
 
 def finished(events: bytes) -> bool:
     """Whether whole ``events`` include the stream's end marker."""
-    return _END.search(events) is not None
+    # cheap substring tests first: every chunk of a stream passes through here
+    return ((b"[DONE]" in events and _DONE.search(events) is not None)
+            or (b'"finish_reason"' in events and _FINISH.search(events) is not None)
+            or (b"event:" in events and _TERMINAL.search(events) is not None))
 
 
 def data_fields(events: bytes) -> Iterator[str]:

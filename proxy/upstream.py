@@ -134,8 +134,9 @@ class Upstream:
         self.name = name
         self.spec = spec
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._headers = {**headers, "content-type": "application/json",
-                         "accept": "application/json, text/event-stream"}
+        self._headers = httpx.Headers({
+            **headers, "host": httpx.URL(spec.base_url).netloc.decode("ascii"),
+            "content-type": "application/json", "accept": "application/json, text/event-stream"})
         self._urls: dict[str, httpx.URL] = {}
         limits = httpx.Limits(max_connections=spec.max_connections,
                               max_keepalive_connections=spec.max_connections)
@@ -160,8 +161,13 @@ class Upstream:
         url = self._urls.get(path)
         if url is None:
             url = self._urls[path] = httpx.URL(self.spec.base_url.rstrip("/") + path)
-        return httpx.Request("POST", url, content=body,
-                             headers={**self._headers, **headers} if headers else self._headers,
+        all_headers = self._headers.copy()
+        all_headers["content-length"] = str(len(body))
+        for name, value in headers.items():
+            all_headers[name] = value
+        # stream= rather than content=: the body is already bytes, and content= re-derives
+        # every header (4x the cost of this whole function, measured)
+        return httpx.Request("POST", url, headers=all_headers, stream=httpx.ByteStream(body),
                              extensions=self._extensions)
 
     async def send(self, request: httpx.Request) -> httpx.Response:
