@@ -133,6 +133,10 @@ class UpstreamEngine(Engine):
                     yield GenerationChunk(text)
                 async with asyncio.timeout(idle_s):  # not around the yield: the consumer's
                     event = await anext(opened.events, None)  # type: ignore[arg-type]
+            if event is not None:  # read to the end, so the connection goes back to the pool
+                async with asyncio.timeout(idle_s):
+                    async for _ in opened.events:  # type: ignore[union-attr]
+                        pass
         except (TimeoutError, httpx.HTTPError) as exc:
             opened.upstream.health.failure(time.monotonic())
             raise EngineError(str(translate(exc, opened.upstream.name, stage="mid-stream"))) \

@@ -172,3 +172,38 @@ async def test_a_truncated_upstream_stream_fails_the_workflow_step(aiohttp_clien
     failed = [d for e, d in events if e == "step.failed"]
     assert failed and "ended the stream before it finished" in json.dumps(failed[0])
     assert not [d for e, d in events if e == "step.finished"]
+
+
+async def test_a_workflow_opens_no_new_upstream_connections_after_warm_up(aiohttp_client,
+                                                                          aiohttp_server):
+    fake = FakeUpstream([FakeUpstream.stream(sse_bytes(
+        chunk({"content": "a step's answer"}), chunk({}, "stop")))])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+
+    def chain(n):
+        nodes = [{"kind": "llm", "id": "s0", "model": "up",
+                  "messages": [{"role": "user", "content": [{"text": "start"}]}]}]
+        nodes += [{"kind": "llm", "id": f"s{i}", "model": "up", "messages": [
+            {"role": "user", "content": [{"text": "go on: "}, {"ref": f"s{i - 1}"}]}]}
+            for i in range(1, n)]
+        return {"nodes": nodes}
+
+    await (await client.post("/v1/workflows", json=chain(3))).read()  # warm-up
+    warm = {r.peer for r in fake.received}
+    seen = len(fake.received)
+    events = parse_sse(await (await client.post("/v1/workflows", json=chain(20))).text())
+    assert len([e for e, _ in events if e == "step.finished"]) == 20
+    new = {r.peer for r in fake.received[seen:]} - warm
+    assert len(fake.received) - seen == 20 and new == set()
+
+
+async def test_drop_in_requests_reuse_pooled_upstream_connections(aiohttp_client,
+                                                                   aiohttp_server):
+    fake = FakeUpstream([FakeUpstream.stream(sse_bytes(chunk({"content": "x"}),
+                                                       chunk({}, "stop")))])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    for _ in range(10):
+        resp = await client.post("/v1/chat/completions", json={
+            "model": "up", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        await resp.read()
+    assert len(fake.received) == 10 and len({r.peer for r in fake.received}) == 1

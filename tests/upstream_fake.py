@@ -22,6 +22,7 @@ class Received:
     headers: dict[str, str]
     body: bytes
     at: float
+    peer: tuple[str, int] | None = None  # the client's address: one per TCP connection
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -62,8 +63,10 @@ class FakeUpstream:
         return app
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
         self.received.append(Received(request.path, dict(request.headers),
-                                      await request.read(), time.monotonic()))
+                                      await request.read(), time.monotonic(),
+                                      tuple(peer[:2]) if peer else None))
         script = self.scripts[min(len(self.received), len(self.scripts)) - 1]
         return await script(request)
 
