@@ -21,6 +21,9 @@ class Backend:
     engine: Engine
     slots: PrioritySlots
     max_concurrency: int
+    admitted: int = 0
+    """OpenAI requests inside the embedded handler (counted from admission, before they
+    reach the slot queue, so a simultaneous burst cannot slip past ``max_queue``)."""
 
 
 class Backends:

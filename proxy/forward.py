@@ -76,7 +76,12 @@ async def forward(request: web.Request, *, providers: Providers, route: Route, p
         if embedded is None:
             raise RequestError(f"{path} is not served by the embedded engine; configure an "
                                f"upstream backend for model {route.model!r}", param="model")
-        return await embedded(*opened)
+        backend = opened[1]
+        backend.admitted += 1  # no await since the route chose it: no burst slips through
+        try:
+            return await embedded(*opened)
+        finally:
+            backend.admitted -= 1
     try:
         if opened.body is not None:
             return _plain(opened, on_output)

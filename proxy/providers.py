@@ -97,7 +97,8 @@ class Providers:
         if up is not None:
             return up.health.available(time.monotonic() if now is None else now)
         backend = self._embedded_names[name]
-        return backend.slots.queued < self.max_queue
+        return (backend.slots.queued < self.max_queue
+                and backend.admitted < backend.max_concurrency + self.max_queue)
 
     def load(self, name: str) -> int:
         up = self.upstreams.get(name)

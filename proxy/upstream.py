@@ -201,6 +201,10 @@ async def error_from(resp: httpx.Response, backend: str) -> UpstreamError:
         body = await resp.aread()
     finally:
         await resp.aclose()
+    if resp.status_code in (401, 403):  # flowlift's upstream key, not the client's: a 502
+        return UpstreamError(f"backend {backend!r} rejected flowlift's upstream credentials "
+                             f"(HTTP {resp.status_code}); check its api_key_env in the "
+                             "proxy's config", status=502, retryable=False, backend=backend)
     return UpstreamError(f"backend {backend!r} answered HTTP {resp.status_code}",
                          status=resp.status_code, body=body,
                          retryable=resp.status_code in RETRYABLE_STATUS,

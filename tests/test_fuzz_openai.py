@@ -174,22 +174,15 @@ def test_no_server_error_no_hang_spec_shaped_answers(schemas, base_url, focus, l
 
 
 # Valid JSON Schemas in `response_format` / tool parameters that the fuzzing hunt found
-# answered with a 500 (an unhandled KeyError / IndexError / RecursionError in the
-# FakeEngine's `example_for_schema`, which the proxy reports as an internal error).
-FAKE_ENGINE_GAP = pytest.mark.xfail(strict=True, reason=(
-    "flowlift.testing.example_for_schema: resolves $ref only under $defs, treats every "
-    "property as required when `required` is absent (recursing forever on {'$ref': '#'}), "
-    "and reads properties[k] for each required k (KeyError without `properties`)"))
-
-
+# answered with a 500 by the FakeEngine (fixed: local $ref pointers, recursion, required
+# keys without properties), and unsatisfiable ones that must be a 400, not a 500.
 @pytest.mark.parametrize("schema", [
     pytest.param({"definitions": {"n": {"type": "integer"}}, "type": "object",
                   "properties": {"x": {"$ref": "#/definitions/n"}}, "required": ["x"]},
-                 id="definitions-ref", marks=FAKE_ENGINE_GAP),
+                 id="definitions-ref"),
     pytest.param({"type": "object", "properties": {"child": {"$ref": "#"}}},
-                 id="recursive", marks=FAKE_ENGINE_GAP),
-    pytest.param({"type": "object", "required": ["a"]}, id="required-only",
-                 marks=FAKE_ENGINE_GAP),
+                 id="recursive"),
+    pytest.param({"type": "object", "required": ["a"]}, id="required-only"),
     pytest.param({"$defs": {"n": {"type": "integer"}}, "type": "object",
                   "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"]},
                  id="defs-ref"),
@@ -202,3 +195,13 @@ def test_valid_output_schemas_are_answered(base_url, schema):
     assert resp.status_code == 200, resp.text
     answer = json.loads(resp.json()["choices"][0]["message"]["content"])
     jsonschema.Draft202012Validator(schema).validate(answer)
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#/$defs/missing"}, {"enum": []}])
+def test_unsatisfiable_output_schemas_are_a_400(base_url, schema):
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "out", "schema": schema}}}
+    resp = requests.post(f"{base_url}/chat/completions", json=body, timeout=TIMEOUT_S)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"].startswith("response_format")

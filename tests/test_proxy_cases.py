@@ -425,3 +425,22 @@ async def test_R2_embedded_queue_full_is_429_with_retry_after(aiohttp_client):
     assert shed.status == 429 and shed.headers["Retry-After"] == "1"
     assert (await shed.json())["error"]["code"] == "rate_limit_exceeded"
     assert (await running).status == 200 and (await queued).status == 200
+
+
+async def test_R2_a_simultaneous_burst_cannot_slip_past_the_queue_limit(aiohttp_client):
+    engine = FakeEngine(["fake-model"], delay_s=0.2)
+    app = create_app({"fake-model": engine}, ProxyConfig(max_concurrency=1, max_queue=1))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "a b"}]}
+    answers = await asyncio.gather(*[client.post("/v1/chat/completions", json=body)
+                                     for _ in range(5)])
+    assert sorted(a.status for a in answers) == [200, 200, 429, 429, 429]
+
+
+async def test_B2_an_upstream_rejecting_the_configured_key_is_a_502_not_the_clients_401(proxy):
+    fake = FakeUpstream([FakeUpstream.json({"error": {"message": "bad key"}}, 401)])
+    client = await proxy(fake)
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status == 502
+    assert "api_key_env" in (await resp.json())["error"]["message"]

@@ -26,7 +26,7 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from flowlift.errors import EngineError
+from flowlift.errors import EngineError, RequestError
 from flowlift.local_engine.base import (
     Capabilities,
     Engine,
@@ -75,36 +75,66 @@ def example_for_pattern(pattern: str) -> str:
     return _walk(_rp.parse(pattern))
 
 
-def example_for_schema(schema: dict[str, Any], root: dict[str, Any] | None = None) -> Any:
-    """A small instance that satisfies ``schema`` (objects, arrays, enums, ``$ref``...)."""
-    root = root or schema
+def _resolve(ref: str, root: dict[str, Any]) -> dict[str, Any]:
+    """A local ``$ref`` (a JSON pointer such as ``#/$defs/x`` or ``#/definitions/x``)."""
+    node: Any = root
+    for part in ref.removeprefix("#").strip("/").split("/") if ref != "#" else ():
+        node = node[part.replace("~1", "/").replace("~0", "~")]
+    if not isinstance(node, dict):
+        raise ValueError(f"$ref {ref!r} does not point to a schema")
+    return node
+
+
+def example_for_schema(schema: dict[str, Any], root: dict[str, Any] | None = None,
+                       depth: int = 0) -> Any:
+    """A small instance that satisfies ``schema`` (objects, arrays, enums, local ``$ref``
+    pointers...). Without ``required`` every property is filled, except below 8 levels
+    of nesting, so recursive schemas end.
+
+    Raises:
+        ValueError: an unresolvable ``$ref``, an empty ``enum``, or nesting past 32 levels
+            (a schema no instance can be built for this way).
+    """
+    root = root if root is not None else schema
+    if depth > 32:
+        raise ValueError("schema nests deeper than 32 levels (a required recursion?)")
     if "$ref" in schema:
-        name = schema["$ref"].rsplit("/", 1)[-1]
-        return example_for_schema(root.get("$defs", {})[name], root)
+        try:
+            target = _resolve(schema["$ref"], root)
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"$ref {schema['$ref']!r} points to nothing") from None
+        return example_for_schema(target, root, depth + 1)
     if "const" in schema:
         return schema["const"]
     if "enum" in schema:
+        if not schema["enum"]:
+            raise ValueError("enum is empty: no value can satisfy it")
         return schema["enum"][0]
     for key in ("anyOf", "oneOf", "allOf"):
-        if key in schema:
-            return example_for_schema(schema[key][0], root)
+        if schema.get(key):
+            return example_for_schema(schema[key][0], root, depth + 1)
     kind = schema.get("type", "object")
     kind = kind[0] if isinstance(kind, list) else kind
     if kind == "object":
         props = schema.get("properties", {})
-        return {k: example_for_schema(props[k], root) for k in schema.get("required", props)}
+        keys = schema.get("required", props if depth < 8 else ())
+        return {k: example_for_schema(props.get(k, {"type": "string"}), root, depth + 1)
+                for k in keys}
     if kind == "array":
         item = schema.get("items", {"type": "string"})
-        return [example_for_schema(item, root) for _ in range(schema.get("minItems", 1))]
+        return [example_for_schema(item, root, depth + 1)
+                for _ in range(schema.get("minItems", 1))]
+    return _scalar_example(kind, schema)
+
+
+def _scalar_example(kind: str, schema: dict[str, Any]) -> Any:
     if kind == "string":
         if "pattern" in schema:
             return example_for_pattern(schema["pattern"])
         return "x" * max(1, schema.get("minLength", 1))
     if kind in ("integer", "number"):
         return schema.get("minimum", 1)
-    if kind == "boolean":
-        return True
-    return None
+    return True if kind == "boolean" else None
 
 
 def default_responder(request: GenerationRequest) -> str:
@@ -210,7 +240,11 @@ class FakeEngine(Engine):
             f"{m.role}: {m.content}" for m in request.messages)
         words = tuple(prompt.split())
         cached = self._cached(words)
-        text = self.responder(request)
+        try:
+            text = self.responder(request)
+        except ValueError as exc:  # what vLLM's grammar compiler rejects, the fake does too
+            raise RequestError(f"the output constraint was rejected: {exc}",
+                               param="response_format") from None
         out = text.split()
         limit = request.sampling.max_tokens
         finish = "stop"
