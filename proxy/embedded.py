@@ -66,6 +66,7 @@ from flowlift.proxy.embedded_tools import (
     plan_tools,
 )
 from flowlift.proxy.http import parse_model
+from flowlift.proxy.sessions import observe
 
 __all__ = ["ChatCompletionRequest", "chat_completions", "completions", "embeddings"]
 
@@ -248,6 +249,7 @@ async def chat_completions(request: web.Request, data: Any, model: str, backend:
     if k is not None and not backend.engine.capabilities.logprobs:
         raise RequestError("this engine does not report logprobs; leave `logprobs` out",
                            param="logprobs")
+    on_output = observe(request, backend.name, on_output)  # per-session turn accounting
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     gen = GenerationRequest(
         request_id=cid, model=model, messages=engine_messages(body.messages, plan),
