@@ -187,11 +187,15 @@ def test_no_server_error_no_hang_spec_shaped_answers(schemas, base_url, focus, l
                   "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"]},
                  id="defs-ref"),
 ])
-def test_valid_output_schemas_are_answered(base_url, schema):
+def _ask_for(base_url, schema):
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "out", "schema": schema}}}
-    resp = requests.post(f"{base_url}/chat/completions", json=body, timeout=TIMEOUT_S)
+    return requests.post(f"{base_url}/chat/completions", json=body, timeout=TIMEOUT_S)
+
+
+def test_valid_output_schemas_are_answered(base_url, schema):
+    resp = _ask_for(base_url, schema)
     assert resp.status_code == 200, resp.text
     answer = json.loads(resp.json()["choices"][0]["message"]["content"])
     jsonschema.Draft202012Validator(schema).validate(answer)
@@ -199,9 +203,6 @@ def test_valid_output_schemas_are_answered(base_url, schema):
 
 @pytest.mark.parametrize("schema", [{"$ref": "#/$defs/missing"}, {"enum": []}])
 def test_unsatisfiable_output_schemas_are_a_400(base_url, schema):
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "out", "schema": schema}}}
-    resp = requests.post(f"{base_url}/chat/completions", json=body, timeout=TIMEOUT_S)
+    resp = _ask_for(base_url, schema)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"].startswith("response_format")

@@ -411,11 +411,17 @@ async def test_embeddings_pass_through_and_the_embedded_engine_says_it_cannot(pr
     assert responses.status == 400 and (await responses.json())["error"]["param"] == "model"
 
 
-async def test_R2_embedded_queue_full_is_429_with_retry_after(aiohttp_client):
-    engine = FakeEngine(["fake-model"], delay_s=0.1)
+async def one_slot_proxy(aiohttp_client, delay_s):
+    """A proxy on a FakeEngine with one engine slot and room for one waiting request."""
+    engine = FakeEngine(["fake-model"], delay_s=delay_s)
     app = create_app({"fake-model": engine}, ProxyConfig(max_concurrency=1, max_queue=1))
     client = await aiohttp_client(app)
     await app[STATE].ready.wait()
+    return client
+
+
+async def test_R2_embedded_queue_full_is_429_with_retry_after(aiohttp_client):
+    client = await one_slot_proxy(aiohttp_client, 0.1)
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "a b c d"}]}
     running = asyncio.create_task(client.post("/v1/chat/completions", json=body))
     await asyncio.sleep(0.05)
@@ -428,10 +434,7 @@ async def test_R2_embedded_queue_full_is_429_with_retry_after(aiohttp_client):
 
 
 async def test_R2_a_simultaneous_burst_cannot_slip_past_the_queue_limit(aiohttp_client):
-    engine = FakeEngine(["fake-model"], delay_s=0.2)
-    app = create_app({"fake-model": engine}, ProxyConfig(max_concurrency=1, max_queue=1))
-    client = await aiohttp_client(app)
-    await app[STATE].ready.wait()
+    client = await one_slot_proxy(aiohttp_client, 0.2)
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "a b"}]}
     answers = await asyncio.gather(*[client.post("/v1/chat/completions", json=body)
                                      for _ in range(5)])
