@@ -176,6 +176,13 @@ def test_no_server_error_no_hang_spec_shaped_answers(schemas, base_url, focus, l
 # Valid JSON Schemas in `response_format` / tool parameters that the fuzzing hunt found
 # answered with a 500 by the FakeEngine (fixed: local $ref pointers, recursion, required
 # keys without properties), and unsatisfiable ones that must be a 400, not a 500.
+def _ask_for(base_url, schema):
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "out", "schema": schema}}}
+    return requests.post(f"{base_url}/chat/completions", json=body, timeout=TIMEOUT_S)
+
+
 @pytest.mark.parametrize("schema", [
     pytest.param({"definitions": {"n": {"type": "integer"}}, "type": "object",
                   "properties": {"x": {"$ref": "#/definitions/n"}}, "required": ["x"]},
@@ -187,13 +194,6 @@ def test_no_server_error_no_hang_spec_shaped_answers(schemas, base_url, focus, l
                   "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"]},
                  id="defs-ref"),
 ])
-def _ask_for(base_url, schema):
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "out", "schema": schema}}}
-    return requests.post(f"{base_url}/chat/completions", json=body, timeout=TIMEOUT_S)
-
-
 def test_valid_output_schemas_are_answered(base_url, schema):
     resp = _ask_for(base_url, schema)
     assert resp.status_code == 200, resp.text
