@@ -197,6 +197,12 @@ class Engine(abc.ABC):
         """True while the engine can take requests."""
         return True
 
+    def running(self) -> int | None:
+        """Requests the engine is still working on (queued or decoding), or ``None`` when
+        the engine cannot tell. After a request is aborted or its stream closed, it no
+        longer counts: tests use this to prove no generation is left orphaned."""
+        return None
+
     def tokenize(self, model: str, text: str) -> list[int] | None:
         """Token ids of ``text`` in ``model``'s tokenizer, or ``None`` when unknown."""
         return None

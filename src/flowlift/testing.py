@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import json
 import os
 import re
@@ -182,10 +184,13 @@ class FakeEngine(Engine):
         fail_with: if set, every request raises this error.
         fail_after_chunks: with ``fail_with``, stream this many chunks first (a failure
             in the middle of a stream).
+        max_running: most requests generating at once (like vLLM's ``max_num_seqs``);
+            the others wait and are admitted by ``priority`` (lower first), then arrival.
+            ``None``: no limit.
 
     Attributes:
         requests: every request received, in order.
-        aborted: ids of requests closed before they finished.
+        aborted: ids of requests closed or aborted before they finished.
     """
 
     capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True,
@@ -194,7 +199,7 @@ class FakeEngine(Engine):
     def __init__(self, models: Sequence[str] = ("fake-model",), *,
                  responder: Responder = default_responder, delay_s: float = 0.0,
                  chunk_chars: int = 4, fail_with: Exception | None = None,
-                 fail_after_chunks: int = 0) -> None:
+                 fail_after_chunks: int = 0, max_running: int | None = None) -> None:
         self._models = list(models)
         self.responder = responder
         self.delay_s = delay_s
@@ -204,7 +209,12 @@ class FakeEngine(Engine):
         self.requests: list[GenerationRequest] = []
         self.aborted: list[str] = []
         self.started = False
+        self.max_running = max_running
         self._seen: LRUCache[tuple[str, ...], None] = LRUCache(maxsize=4096)
+        self._active: set[str] = set()  # admitted, generating
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+        self._abort_flags: set[str] = set()
 
     @property
     def model_names(self) -> Sequence[str]:
@@ -256,25 +266,65 @@ class FakeEngine(Engine):
                       for i in range(0, max(len(text), 1), self.chunk_chars)]
         else:
             pieces = fake_tokens(text)
+        rid = request.request_id
         finished = False
         try:
+            await self._admit(rid, request.priority)
+            sent: list[str] = []
             for n, piece in enumerate(pieces):
                 if self.fail_with is not None and n == self.fail_after_chunks:
                     raise self.fail_with
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
+                if rid in self._abort_flags:
+                    finish = "abort"
+                    break
+                sent.append(piece)
                 yield GenerationChunk(text=piece, logprobs=None if k is None else (
                     fake_logprob(piece, k),))
             finished = True
-            yield GenerationChunk(text="", finish_reason=finish,
-                                  usage=Usage(len(words), len(text.split()), cached),
+            usage = Usage(len(words), len("".join(sent).split()), cached)
+            yield GenerationChunk(text="", finish_reason=finish, usage=usage,
                                   logprobs=None if k is None else ())
         finally:
+            self._release(rid)
             if not finished:
-                self.aborted.append(request.request_id)
+                self.aborted.append(rid)
+
+    async def _admit(self, request_id: str, priority: int) -> None:
+        """Wait for a free slot (``max_running``); lower priority numbers first."""
+        if self.max_running is not None and len(self._active) >= self.max_running:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (priority, next(self._arrivals), fut))
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():  # admitted, then cancelled
+                    self._active.add(request_id)
+                raise
+        self._active.add(request_id)
+
+    def _release(self, request_id: str) -> None:
+        self._abort_flags.discard(request_id)
+        if request_id not in self._active:
+            return
+        self._active.discard(request_id)
+        while self._waiting and (self.max_running is None
+                                 or len(self._active) < self.max_running):
+            *_, fut = heapq.heappop(self._waiting)
+            if not fut.done():
+                fut.set_result(None)
+                return
 
     async def abort(self, request_id: str) -> None:
+        """Stop a running request: its stream ends with ``finish_reason="abort"``."""
+        if request_id in self._active:
+            self._abort_flags.add(request_id)
         self.aborted.append(request_id)
+
+    def running(self) -> int:
+        """Requests generating or waiting for a slot."""
+        return len(self._active) + sum(not f.done() for *_, f in self._waiting)
 
     def tokenize(self, model: str, text: str) -> list[int] | None:
         return [hash(w) & 0xFFFFFFFF for w in text.split()]

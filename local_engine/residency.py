@@ -1,0 +1,178 @@
+"""Which models stay loaded: a residency manager for several models in one memory budget.
+
+Two layers, as everywhere in flowlift:
+
+* pure decisions over data -- :func:`lookahead` turns the compiler's residency plan
+  (:class:`flowlift.report.ResidencyReport`: per model, when a run first needs it and
+  until when) and the steps already queued into each model's *next use*;
+  :func:`choose_evictions` picks what to unload so a model fits: never a model a queued
+  step of a running workflow needs next (or one with requests in flight), otherwise
+  the resident model whose next use is furthest away first (Belady's rule, with the plan
+  standing in for the future);
+* I/O at the edge -- :class:`ResidencyManager` loads and unloads through each model's
+  :class:`~flowlift.local_engine.base.Engine` (``start()`` loads, ``close()`` unloads),
+  one change at a time.
+
+Errors: :class:`flowlift.errors.EngineError` when a model cannot fit without evicting a
+model that is needed now, or is bigger than the whole budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from flowlift.errors import EngineError
+from flowlift.local_engine.base import Engine
+from flowlift.report import ResidencyReport
+
+NEVER = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Lookahead:
+    """What the queued and planned work says about each model.
+
+    Attributes:
+        next_use_ms: model -> milliseconds until it is next needed (``0`` now; a model
+            missing here is not needed again: :data:`NEVER`).
+        pinned: models a queued step of a running workflow needs next: never evicted.
+    """
+
+    next_use_ms: Mapping[str, float] = field(default_factory=dict)
+    pinned: frozenset[str] = frozenset()
+
+    def next_use(self, model: str) -> float:
+        return 0.0 if model in self.pinned else self.next_use_ms.get(model, NEVER)
+
+    def merge(self, other: Lookahead) -> Lookahead:
+        """Both lookaheads at once (several running workflows): the sooner use wins."""
+        uses = dict(self.next_use_ms)
+        for model, ms in other.next_use_ms.items():
+            uses[model] = min(ms, uses.get(model, NEVER))
+        return Lookahead(uses, self.pinned | other.pinned)
+
+
+def lookahead(plan: Sequence[ResidencyReport], elapsed_ms: float,
+              queued_models: Iterable[str] = ()) -> Lookahead:
+    """One running workflow's lookahead.
+
+    Args:
+        plan: the compiler's residency plan for the run (``CompileReport.residency``;
+            times are from the run's start).
+        elapsed_ms: how long the run has been going.
+        queued_models: models of its steps that are ready and waiting to dispatch.
+
+    Returns:
+        Next use per model (``0`` while its window is open, the time to ``load_by_ms``
+        before it; windows that ended are dropped) with the queued models pinned.
+    """
+    uses: dict[str, float] = {}
+    for window in plan:
+        if window.keep_until_ms >= elapsed_ms:
+            uses[window.model] = max(window.load_by_ms - elapsed_ms, 0.0)
+    queued = frozenset(queued_models)
+    for model in queued:
+        uses[model] = 0.0
+    return Lookahead(uses, queued)
+
+
+def choose_evictions(load: str, sizes_mb: Mapping[str, float], resident: Iterable[str],
+                     budget_mb: float, ahead: Lookahead,
+                     busy: Iterable[str] = ()) -> list[str]:
+    """Models to unload, in order, so ``load`` fits in ``budget_mb``.
+
+    Args:
+        load: the model to load.
+        sizes_mb: memory of every model.
+        resident: models loaded now.
+        budget_mb: memory for all loaded models together.
+        ahead: next uses and pinned models.
+        busy: models with requests in flight (never evicted either).
+
+    Raises:
+        EngineError: ``load`` is bigger than the budget, or it fits only by evicting a
+            pinned or busy model.
+    """
+    loaded = [m for m in resident if m != load]
+    need = sizes_mb[load]
+    if need > budget_mb:
+        raise EngineError(f"model {load} needs {need:.0f} MB; the budget is {budget_mb:.0f} MB")
+    free = budget_mb - sum(sizes_mb[m] for m in loaded)
+    keep = ahead.pinned | frozenset(busy)
+    # furthest next use first; ties: the bigger model (fewer unloads)
+    candidates = sorted((m for m in loaded if m not in keep),
+                        key=lambda m: (-ahead.next_use(m), -sizes_mb[m], m))
+    out: list[str] = []
+    for model in candidates:
+        if free >= need:
+            break
+        out.append(model)
+        free += sizes_mb[model]
+    if free < need:
+        held = sorted(m for m in loaded if m in keep)
+        raise EngineError(f"model {load} ({need:.0f} MB) does not fit in {budget_mb:.0f} MB "
+                          f"without unloading {', '.join(held)}, needed by queued steps")
+    return out
+
+
+@dataclass(slots=True)
+class ManagedModel:
+    """A model the manager may load: its engine and its memory when loaded."""
+
+    engine: Engine
+    memory_mb: float
+
+
+class ResidencyManager:
+    """Loads and unloads models within a memory budget (see the module docstring).
+
+    Args:
+        models: model name -> :class:`ManagedModel`.
+        budget_mb: memory all loaded models may use together.
+
+    Attributes:
+        resident: loaded models, in load order.
+        events: ``("load" | "unload", model)`` in the order they happened.
+    """
+
+    def __init__(self, models: Mapping[str, ManagedModel], budget_mb: float) -> None:
+        self.models = dict(models)
+        self.budget_mb = budget_mb
+        self.resident: list[str] = []
+        self.events: list[tuple[str, str]] = []
+        self._lock = asyncio.Lock()
+
+    def _busy(self) -> list[str]:
+        return [m for m in self.resident if self.models[m].engine.running()]
+
+    async def ensure(self, model: str, ahead: Lookahead = Lookahead()) -> Engine:
+        """Return ``model``'s engine, loaded, unloading others first when needed.
+
+        Raises:
+            EngineError: unknown model, or it cannot fit (see :func:`choose_evictions`).
+        """
+        if model not in self.models:
+            raise EngineError(f"no managed model {model!r} (have {sorted(self.models)})")
+        async with self._lock:
+            if model not in self.resident:
+                sizes = {m: spec.memory_mb for m, spec in self.models.items()}
+                for victim in choose_evictions(model, sizes, self.resident, self.budget_mb,
+                                               ahead, self._busy()):
+                    await self.models[victim].engine.close()
+                    self.resident.remove(victim)
+                    self.events.append(("unload", victim))
+                await self.models[model].engine.start()
+                self.resident.append(model)
+                self.events.append(("load", model))
+        return self.models[model].engine
+
+    async def close(self) -> None:
+        """Unload every model."""
+        async with self._lock:
+            for model in reversed(self.resident):
+                await self.models[model].engine.close()
+                self.events.append(("unload", model))
+            self.resident.clear()
