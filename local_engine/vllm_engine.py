@@ -64,6 +64,11 @@ class VLLMConfig:
         compact_json: JSON outputs without whitespace between JSON tokens (engine-wide in
             vLLM; needs the ``guidance`` or ``xgrammar`` backend). Small models otherwise
             spend their token budget on newlines and hit ``max_tokens`` mid-object.
+        speculative_ngram: with a number ``k``, n-gram (prompt-lookup) speculative
+            decoding proposes up to ``k`` tokens per step copied from where the last
+            tokens already occur in the prompt (vLLM's ``speculative_config`` method
+            ``"ngram"``, windows of 2-4 tokens); it pays off when outputs quote their
+            input (extraction, editing). ``None``: off.
     """
 
     model: str
@@ -78,6 +83,7 @@ class VLLMConfig:
     seed: int = 0
     structured_outputs_backend: Literal["guidance", "xgrammar", "auto"] = "guidance"
     compact_json: bool = True
+    speculative_ngram: int | None = None
 
     @classmethod
     def for_model(cls, name_or_path: str | None = None, **overrides: Any) -> VLLMConfig:
@@ -185,7 +191,8 @@ class VLLMEngine(Engine):
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
             scheduling_policy=cfg.scheduling_policy, seed=cfg.seed,
-            structured_outputs_config=structured, disable_log_stats=True)
+            structured_outputs_config=structured, disable_log_stats=True,
+            speculative_config=speculative_config(cfg))
         try:
             # No local name for the AsyncLLM: this frame was seen referenced after the
             # call returned, and a local would keep the engine alive after close().
@@ -330,12 +337,30 @@ class VLLMEngine(Engine):
             # alive, so its __del__ (a second shutdown) does not fail at exit.
             gc.collect()
 
+    def running(self) -> int | None:
+        """Requests vLLM still holds (queued or decoding), or ``None`` before start."""
+        if self._engine is None:
+            return None
+        return int(self._engine.output_processor.get_num_unfinished_requests())
+
     def tokenize(self, model: str, text: str) -> list[int] | None:
         """Token ids of ``text`` (no special tokens added), or ``None`` for an unknown
         model or before :meth:`start`."""
         if self._tokenizer is None or model not in self.model_names:
             return None
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def speculative_config(config: VLLMConfig) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` for :attr:`VLLMConfig.speculative_ngram` (``None``:
+    no speculative decoding)."""
+    k = config.speculative_ngram
+    if k is None:
+        return None
+    if k < 1:
+        raise EngineError(f"speculative_ngram must be at least 1 token, not {k}")
+    return {"method": "ngram", "num_speculative_tokens": k,
+            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 def token_logprobs(piece: Any, k: int) -> tuple[TokenLogprob, ...]:
