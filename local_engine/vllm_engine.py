@@ -68,7 +68,10 @@ class VLLMConfig:
             decoding proposes up to ``k`` tokens per step copied from where the last
             tokens already occur in the prompt (vLLM's ``speculative_config`` method
             ``"ngram"``, windows of 2-4 tokens); it pays off when outputs quote their
-            input (extraction, editing). ``None``: off.
+            input (extraction, editing). ``None``: off. With it vLLM ignores
+            ``logit_bias`` and turns off async scheduling; on CPU it warns of a slowdown
+            unless Intel's OpenMP is in ``LD_PRELOAD`` (checked once on the CPU build:
+            it loads and generates, structured outputs included; speed-up not measured).
     """
 
     model: str
