@@ -93,7 +93,9 @@ def chat(client: httpx.Client, messages: list[dict[str, str]], max_tokens: int,
 def session(client: httpx.Client, turns: int, max_tokens: int) -> dict[str, Any]:
     """Run one agent session in both arms, turn by turn."""
     sid = f"agent-{secrets.token_hex(4)}"
-    messages = [{"role": "system", "content": PREAMBLE}, {"role": "user", "content": TASK}]
+    # the session id leads the preamble: a session shares no cached prefix with another
+    messages = [{"role": "system", "content": f"Session {sid}. {PREAMBLE}"},
+                {"role": "user", "content": TASK}]
     rows: list[dict[str, Any]] = []
     for n in range(turns):
         reuse = chat(client, messages, max_tokens, sid)
