@@ -20,7 +20,7 @@ from aiohttp import web
 
 from flowlift.errors import AuthenticationError, ConfigError, EngineError
 from flowlift.local_engine.base import Engine
-from flowlift.proxy import openai_api, workflows
+from flowlift.proxy import openai_api, sessions_api, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
@@ -152,5 +152,6 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     app.router.add_get("/readyz", readyz)
     app.add_routes(openai_api.routes)
     app.add_routes(workflows.routes)
+    sessions_api.setup(app)  # per-turn cache accounting of X-Flowlift-Session sessions
     app.cleanup_ctx.append(_lifecycle)
     return app

@@ -30,8 +30,11 @@ def setup(app: web.Application, table: SessionTable | None = None) -> SessionTab
     Returns:
         The table the app records sessions into.
     """
-    app[SESSIONS] = table if table is not None else SessionTable()
-    app.add_routes(routes)
+    installed = SESSIONS in app
+    if table is not None or not installed:
+        app[SESSIONS] = table if table is not None else SessionTable()
+    if not installed:  # create_app installs it; a test may swap in its own table
+        app.add_routes(routes)
     return app[SESSIONS]
 
 
