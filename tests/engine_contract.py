@@ -165,9 +165,10 @@ async def check_priority(t: Target) -> None:
         await asyncio.sleep(0.01)  # arrival order is part of the contract
         return task
 
-    fillers = [await started(_request(t, COUNTING, max_tokens=24 + 6 * i, raw=True,
+    prompt = COUNTING[:120]  # short prompts, short outputs: slots free 4 steps apart
+    fillers = [await started(_request(t, prompt, max_tokens=12 + 4 * i, raw=True,
                                       priority=5)) for i in range(t.slots)]
-    late = [_request(t, COUNTING, max_tokens=24, raw=True, priority=p) for p in (5, 5, 0)]
+    late = [_request(t, prompt, max_tokens=12, raw=True, priority=p) for p in (5, 5, 0)]
     tasks = [await started(r) for r in late]
     async with asyncio.timeout(300):
         await asyncio.gather(*fillers, *tasks)
