@@ -199,9 +199,19 @@ async def test_session_table_stays_bounded_through_the_proxy(aiohttp_client) -> 
 
 async def test_app_without_a_session_table_still_answers(aiohttp_client) -> None:
     app = create_app({"fake-model": FakeEngine(["fake-model"])})
+    app.pop(SESSIONS, None)  # e.g. an app built without sessions_api.setup
     client = await aiohttp_client(app)
     await app[STATE].ready.wait()
     r = await client.post("/v1/chat/completions", json={
         "model": "fake-model", "messages": [{"role": "user", "content": "hi"}]},
         headers={"X-Flowlift-Session": "s"})
     assert r.status == 200
+
+
+async def test_create_app_records_sessions_by_default(aiohttp_client) -> None:
+    app = create_app({"fake-model": FakeEngine(["fake-model"])})
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    await _agent_turns(client, "default-table", 2)
+    body = await (await client.get("/v1/sessions/default-table")).json()
+    assert body["turn_count"] == 2 and body["turns"][1]["reusable_tokens"] > 0
