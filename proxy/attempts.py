@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import httpx
+import orjson
 from httpx_sse import EventSource, ServerSentEvent
 from tenacity import (
     AsyncRetrying,
@@ -92,14 +93,14 @@ async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str
     response: httpx.Response | None = None
     stage = "before answering"
     try:
-        async with asyncio.timeout(min(spec.first_token_timeout_s, budget_s) if stream
-                                   else budget_s):
+        async with asyncio.timeout(min(spec.first_token_timeout_s if stream
+                                       else spec.response_timeout_s, budget_s)):
             response = await upstream.send(upstream.request(path, body, headers))
             if response.status_code >= 400:
                 raise await error_from(response, upstream.name)
             if not stream:
                 stage = "while sending its answer"
-                return Opened(upstream, response, body=await response.aread())
+                return _whole(upstream, response, await response.aread())
             stage = "before its first stream event"
             opened = await (_first_bytes if stream == "bytes" else _first_event)(upstream,
                                                                                  response)
@@ -115,6 +116,22 @@ async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str
         if response is not None:
             await response.aclose()
         raise translate(exc, upstream.name, stage=stage) from None
+
+
+def _whole(upstream: Upstream, response: httpx.Response, body: bytes) -> Opened:
+    """A whole answer, checked: a 200 that is not a JSON object, or a 1xx/204/3xx, is
+    the upstream's fault (a retryable 502), never passed on to break the client."""
+    if response.status_code == 200:
+        try:
+            if isinstance(orjson.loads(body), dict):
+                return Opened(upstream, response, body=body)
+        except orjson.JSONDecodeError:
+            pass
+        problem = "an answer that is not a JSON object"
+    else:
+        problem = f"HTTP {response.status_code}, which is no answer to a POST"
+    raise UpstreamError(f"backend {upstream.name!r} sent {problem}", status=502,
+                        backend=upstream.name)
 
 
 async def _first_event(upstream: Upstream, response: httpx.Response) -> Opened | None:

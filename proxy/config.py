@@ -16,6 +16,7 @@ A TOML file (``flowlift serve --config flowlift.toml``)::
     connect_timeout_s = 5
     first_token_timeout_s = 60           # headers + first stream event
     idle_timeout_s = 60                  # between stream events
+    response_timeout_s = 300             # a whole (non-streamed) answer, per attempt
     max_connections = 64                 # pooled connections (and requests in flight)
     failures_to_cool = 3                 # consecutive failures before a cool-down
     cooldown_s = 30
@@ -38,7 +39,15 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import httpx
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from flowlift.errors import ConfigError
 
@@ -63,10 +72,22 @@ class UpstreamSpec(_Strict):
 
     kind: Literal["openai"]
     base_url: str = Field(pattern=r"^https?://")
+
+    @field_validator("base_url")
+    @classmethod
+    def _parsable(cls, value: str) -> str:
+        try:
+            url = httpx.URL(value)
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise ValueError(f"not a URL ({exc})") from None
+        if not url.host:
+            raise ValueError("the URL names no host")
+        return value
     api_key_env: str | None = None
     connect_timeout_s: float = Field(default=5.0, gt=0)
     first_token_timeout_s: float = Field(default=60.0, gt=0)
     idle_timeout_s: float = Field(default=60.0, gt=0)
+    response_timeout_s: float = Field(default=300.0, gt=0)
     max_connections: int = Field(default=64, ge=1)
     failures_to_cool: int = Field(default=3, ge=1)
     cooldown_s: float = Field(default=30.0, ge=0)

@@ -65,6 +65,7 @@ async def forward(request: web.Request, *, providers: Providers, route: Route, p
         Overloaded: no backend can take the request now (429/503 with ``Retry-After``).
         RequestError: the route chose the embedded engine for an endpoint it lacks.
     """
+    deadline = asyncio.get_running_loop().time() + route.total_timeout_s
     try:
         opened = await open_answer(
             providers, route, path=path, headers=forwarded_headers(request.headers),
@@ -85,27 +86,40 @@ async def forward(request: web.Request, *, providers: Providers, route: Route, p
     try:
         if opened.body is not None:
             return _plain(opened, on_output)
-        return await _stream(request, opened, on_output)
+        return await _stream(request, opened, on_output, deadline)
     finally:
         await opened.release()
 
 
 def upstream_error_response(exc: UpstreamError) -> web.Response:
-    """The client's answer when every attempt failed: the last upstream's own error body
-    and status when it sent an OpenAI-shaped one, else flowlift's (with ``Retry-After``
-    when the upstream named a wait)."""
+    """The client's answer when every attempt failed.
+
+    An upstream's own 4xx with an OpenAI-shaped body goes to the client as it is (the
+    request was at fault). Anything else is the backend's fault, never the client's and
+    never flowlift's own 500: 5xx becomes 502 (503 stays 503), other non-OpenAI answers
+    502, and a 429/503 always carries ``Retry-After``.
+    """
     headers = {"X-Flowlift-Backend": exc.backend} if exc.backend else {}
-    if exc.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    status = exc.status if exc.status < 500 or exc.status in (503, 504) else 502
+    retry_after = exc.retry_after_s
+    if status in (429, 503) and retry_after is None:
+        retry_after = 1.0
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
     if exc.body:
         try:
             doc = orjson.loads(exc.body)
         except orjson.JSONDecodeError:
             doc = None
         if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
-            return web.Response(body=exc.body, status=exc.status,
+            return web.Response(body=exc.body, status=status,
                                 content_type="application/json", headers=headers)
-    return web.json_response(exc.to_openai(), status=exc.status, headers=headers)
+        if status < 500:
+            status = 502  # an HTML 404 from a misconfigured base_url is not the client's
+    body = exc.to_openai()
+    body["error"]["message"] = (f"{exc.message} (upstream status {exc.status})"
+                                if status != exc.status else exc.message)
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
@@ -153,9 +167,14 @@ class _Collect:
                     self.parts.append(delta.get("content") or choice.get("text") or "")
 
 
-async def _stream(request: web.Request, opened: Opened,
-                  on_output: OnOutput | None) -> web.StreamResponse:
-    """Forward the stream as it arrives, whole events per write (:mod:`.sse_bytes`)."""
+async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | None,
+                  deadline: float) -> web.StreamResponse:
+    """Forward the stream as it arrives, whole events per write (:mod:`.sse_bytes`).
+
+    The idle timeout restarts only when a whole event arrives (bytes dribbling in
+    without ever finishing one do not keep a stream alive), and the request's total
+    budget (``deadline``, event-loop time) ends any stream that outlives it.
+    """
     upstream = opened.upstream
     assert opened.chunks is not None
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
@@ -172,14 +191,14 @@ async def _stream(request: web.Request, opened: Opened,
         if collect is not None:
             collect.add(opened.head)
         try:
-            async with asyncio.timeout(None) as idle:
-                idle.reschedule(loop.time() + upstream.spec.idle_timeout_s)
+            idle_s = upstream.spec.idle_timeout_s
+            async with asyncio.timeout_at(min(loop.time() + idle_s, deadline)) as idle:
                 async for chunk in opened.chunks:
-                    idle.reschedule(loop.time() + upstream.spec.idle_timeout_s)
                     buffer += chunk
                     end = complete_prefix(buffer)
                     if not end:
                         continue
+                    idle.reschedule(min(loop.time() + idle_s, deadline))
                     events, buffer = buffer[:end], buffer[end:]
                     await resp.write(events)
                     done = done or finished(events)

@@ -96,6 +96,9 @@ def parse_json(raw: bytes) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}", param="body") from None
+    except RecursionError:
+        raise RequestError("request body nests JSON too deeply (over 1,000 levels)",
+                           param="body") from None
 
 
 async def read_json(request: web.Request) -> Any:

@@ -14,6 +14,7 @@ graph (:mod:`flowlift.proxy.inferred`, shown by ``GET /v1/workflows/{id}``).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,6 +23,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from flowlift.errors import ModelNotFound, RequestError
 from flowlift.proxy import embedded
 from flowlift.proxy.backends import Backend
 from flowlift.proxy.forward import OnOutput, forward
@@ -30,6 +32,7 @@ from flowlift.proxy.inferred import workflow_from
 from flowlift.proxy.state import STATE, ProxyState
 
 routes = web.RouteTableDef()
+_SESSION_ID = re.compile(r"[\x21-\x7e]{1,128}")
 EmbeddedHandler = Callable[..., Awaitable[web.StreamResponse]]
 
 
@@ -54,6 +57,13 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
     raw = await read_body(request)
     data = json_object(raw)
     route = state.providers.route(data["model"])
+    if not isinstance(data.get("stream", False), bool | None):
+        raise RequestError("`stream` must be true or false", param="stream")
+    session = request.headers.get("x-flowlift-session")
+    if session is not None and not _SESSION_ID.fullmatch(session):
+        raise RequestError("X-Flowlift-Session must be 1-128 printable ASCII characters with "
+                           "no spaces; use an id like 'agent-7' or a UUID",
+                           param="X-Flowlift-Session")
     joined = workflow_from(request.headers, data) if observe else None
     if joined and isinstance(data.get("metadata"), dict) and any(
             k.startswith("flowlift_") for k in data["metadata"]):
@@ -61,7 +71,7 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
         data = {k: v for k, v in data.items() if k != "metadata"} | (
             {"metadata": meta} if meta else {})
         raw = orjson.dumps(data)  # flowlift's own fields stay in the proxy
-    affinity = joined[0] if joined else request.headers.get("x-flowlift-session")
+    affinity = joined[0] if joined else session
     on_output = _recorder(state, joined, route.model, data) if joined else None
     if joined:
         structlog.contextvars.bind_contextvars(workflow_id=joined[0], step_id=joined[1])
@@ -105,3 +115,18 @@ async def list_models(request: web.Request) -> web.Response:
     data = [{"id": m, "object": "model", "created": created, "owned_by": "flowlift"}
             for m in state.providers.models]
     return web.json_response({"object": "list", "data": data})
+
+
+@routes.get("/v1/models/{model}")
+async def get_model(request: web.Request) -> web.Response:
+    """One served model (``client.models.retrieve``).
+
+    Raises:
+        ModelNotFound: a name nothing serves (404).
+    """
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if name not in state.providers.models:
+        raise ModelNotFound(name, state.providers.models)
+    return web.json_response({"id": name, "object": "model", "created": int(state.started_at),
+                              "owned_by": "flowlift"})

@@ -3,9 +3,12 @@
 The proxy does not interpret a forwarded stream; it needs only two facts about it:
 where each event ends (so an in-band error is never spliced into the middle of one,
 and the first event can be awaited under the first-token timeout), and whether the
-stream reached its end marker (case S6). Both are byte searches over what arrived, per
-the WHATWG event-stream format: an event ends at a blank line (``\\n\\n``,
-``\\r\\n\\r\\n`` or ``\\r\\r``). Forwarding raw bytes keeps the upstream's framing and
+stream reached its end marker (case S6): ``data: [DONE]`` (or the Responses API's
+last event). A ``finish_reason`` is not the end: with ``n > 1`` other choices may still
+be running, and with ``include_usage`` the usage chunk follows it. Both are byte
+searches over what arrived, per the WHATWG event-stream format: an event ends at a
+blank line (``\\n\\n``, ``\\r\\n\\r\\n`` or ``\\r\\r``).
+Forwarding raw bytes keeps the upstream's framing and
 every multibyte character exactly as sent (case S4), writes each arrival in one write
 (case S5), and costs a fraction of decoding and re-encoding every event. Where
 flowlift does read events (upstream-backed workflow steps), httpx-sse parses them.
@@ -17,7 +20,6 @@ import re
 from collections.abc import Iterator
 
 _DONE = re.compile(rb"^data: ?\[DONE\]\s*$", re.MULTILINE)  # OpenAI chat/completions
-_FINISH = re.compile(rb'"finish_reason"\s*:\s*"')  # a choice finished (some upstreams stop there)
 _TERMINAL = re.compile(  # the Responses API's last event
     rb"^event: ?(?:response\.(?:completed|incomplete|failed)|error)\s*$", re.MULTILINE)
 
@@ -36,7 +38,6 @@ def finished(events: bytes) -> bool:
     """Whether whole ``events`` include the stream's end marker."""
     # cheap substring tests first: every chunk of a stream passes through here
     return ((b"[DONE]" in events and _DONE.search(events) is not None)
-            or (b'"finish_reason"' in events and _FINISH.search(events) is not None)
             or (b"event:" in events and _TERMINAL.search(events) is not None))
 
 

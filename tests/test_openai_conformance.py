@@ -203,7 +203,8 @@ CHAT = {"model": "fake-model", "messages": MESSAGES}
     (401, "POST", "/v1/chat/completions", CHAT),
     (400, "POST", "/v1/chat/completions", {**CHAT, "model": "up-model", "user": "status-400"}),
     (429, "POST", "/v1/chat/completions", {**CHAT, "model": "up-model", "user": "status-429"}),
-    (500, "POST", "/v1/chat/completions", {**CHAT, "model": "up-model", "user": "status-500"}),
+    # an upstream's 500 is the backend's fault: a 502 from the proxy, never a 500
+    (502, "POST", "/v1/chat/completions", {**CHAT, "model": "up-model", "user": "status-500"}),
 ], ids=lambda v: v if isinstance(v, int | str) and len(str(v)) < 24 else "")
 async def test_error_answers_are_spec_errors(proxy, status, method, path, body):
     config = ProxyConfig(max_body_bytes=2048, api_keys=frozenset({"sk-good"}) if

@@ -345,7 +345,7 @@ async def test_R2_proxy_503_carries_retry_after_when_every_backend_cools(proxy):
     fake = FakeUpstream([FakeUpstream.json({"error": {"message": "down"}}, 500)])
     client = await proxy(fake, model={"max_attempts": 1}, failures_to_cool=1, cooldown_s=30)
     first = await client.post("/v1/chat/completions", json=CHAT)
-    assert first.status == 500
+    assert first.status == 502  # the upstream's 500: the backend's fault, not flowlift's
     second = await client.post("/v1/chat/completions", json=CHAT)
     assert second.status == 503
     assert 1 <= int(second.headers["Retry-After"]) <= 30
@@ -447,3 +447,66 @@ async def test_B2_an_upstream_rejecting_the_configured_key_is_a_502_not_the_clie
     resp = await client.post("/v1/chat/completions", json=CHAT)
     assert resp.status == 502
     assert "api_key_env" in (await resp.json())["error"]["message"]
+
+
+# -- what a fresh-clone user broke ------------------------------------------------------
+async def test_S6_a_finish_reason_without_done_is_still_cut_short(proxy):
+    # n=2: choice 0 finished, choice 1 never did; include_usage: the usage never came
+    fake = FakeUpstream([FakeUpstream.stream(sse_bytes(chunk({"content": "a"}),
+                                                       chunk({}, "stop"), done=False))])
+    client = await proxy(fake)
+    events = datas(await (await client.post("/v1/chat/completions", json={
+        **CHAT, "n": 2, "stream": True})).text())
+    assert "error" in events[-1] and "[DONE]" not in events
+
+
+async def test_S6_bytes_dribbling_without_an_event_end_at_the_idle_timeout(proxy):
+    fake = FakeUpstream([FakeUpstream.stream(
+        sse_bytes(chunk({"content": "a"}), done=False) + [b"d", b"a", b"t", b"a"] * 20,
+        gap_s=0.2)])
+    client = await proxy(fake, idle_timeout_s=1)
+    t0 = time.monotonic()
+    events = datas(await (await client.post("/v1/chat/completions",
+                                            json={**CHAT, "stream": True})).text())
+    assert time.monotonic() - t0 < 5
+    assert "error" in events[-1] and "timed out" in events[-1]["error"]["message"]
+
+
+async def test_R3_a_whole_answer_waits_at_most_the_response_timeout(proxy):
+    stalled = FakeUpstream([FakeUpstream.headers_then_stall(10)])
+    client = await proxy(stalled, response_timeout_s=1, model={"max_attempts": 1})
+    t0 = time.monotonic()
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status == 504 and time.monotonic() - t0 < 3
+
+
+@pytest.mark.parametrize("answer,status", [
+    (FakeUpstream.json(b"{not json"), 502), (FakeUpstream.json(b"", 204), 502),
+    (FakeUpstream.json(b"<html>Not Found</html>", 404), 502),
+    (FakeUpstream.json({"error": {"message": "overloaded"}}, 503), 503)])
+async def test_broken_upstream_answers_are_the_backends_fault(proxy, answer, status):
+    client = await proxy(FakeUpstream([answer]), model={"max_attempts": 1})
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status == status
+    assert "error" in await resp.json()
+    if status == 503:
+        assert resp.headers["Retry-After"] == "1"
+
+
+async def test_deeply_nested_json_is_a_400_not_a_500(proxy):
+    client = await proxy(FakeUpstream([FakeUpstream.json(chat_json())]))
+    body = '{"model": "up", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    resp = await client.post("/v1/chat/completions", data=body,
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "body"
+
+
+async def test_models_retrieve_and_request_field_checks(proxy):
+    client = await proxy(FakeUpstream([FakeUpstream.json(chat_json())]))
+    assert (await (await client.get("/v1/models/up")).json())["id"] == "up"
+    assert (await client.get("/v1/models/nope")).status == 404
+    bad_stream = await client.post("/v1/chat/completions", json={**CHAT, "stream": "yes"})
+    assert bad_stream.status == 400 and (await bad_stream.json())["error"]["param"] == "stream"
+    bad_session = await client.post("/v1/chat/completions", json=CHAT,
+                                    headers={"X-Flowlift-Session": "has space"})
+    assert bad_session.status == 400

@@ -17,7 +17,7 @@ def test_complete_prefix_ends_at_the_last_blank_line(buffer, expected):
 
 @pytest.mark.parametrize("events,done", [
     (b"data: [DONE]\n\n", True), (b"data: [DONE]\r\n\r\n", True),
-    (b'data: {"choices":[{"finish_reason": "stop"}]}\n\n', True),
+    (b'data: {"choices":[{"finish_reason": "stop"}]}\n\n', False),  # n > 1, usage follow
     (b'data: {"choices":[{"finish_reason":null}]}\n\n', False),
     (b'data: {"text":"say [DONE] later"}\n\n', False),
     (b"event: response.completed\ndata: {}\n\n", True),

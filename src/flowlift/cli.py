@@ -81,7 +81,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"flowlift serve: {exc.message}", file=sys.stderr)
         return 2
     print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=30)
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=30)
+    except OSError as exc:  # the port is taken, the host is not ours...
+        print(f"flowlift serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     return 0
 
 
