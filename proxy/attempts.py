@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 import orjson
@@ -50,7 +50,8 @@ class Opened:
 
     upstream: Upstream
     response: httpx.Response
-    body: bytes | None = None  # plain answers
+    body: bytes | None = None  # plain answers,
+    doc: dict[str, Any] | None = None  # and the JSON object they hold (parsed once)
     events: AsyncIterator[ServerSentEvent] | None = None  # streams read as events
     first: ServerSentEvent | None = None
     head: bytes = b""  # streams forwarded as bytes: the whole events received so far,
@@ -123,10 +124,11 @@ def _whole(upstream: Upstream, response: httpx.Response, body: bytes) -> Opened:
     the upstream's fault (a retryable 502), never passed on to break the client."""
     if response.status_code == 200:
         try:
-            if isinstance(orjson.loads(body), dict):
-                return Opened(upstream, response, body=body)
+            doc = orjson.loads(body)
         except orjson.JSONDecodeError:
-            pass
+            doc = None
+        if isinstance(doc, dict):
+            return Opened(upstream, response, body=body, doc=doc)
         problem = "an answer that is not a JSON object"
     else:
         problem = f"HTTP {response.status_code}, which is no answer to a POST"

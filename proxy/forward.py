@@ -125,23 +125,22 @@ def upstream_error_response(exc: UpstreamError) -> web.Response:
 def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
     opened.upstream.health.success()
     body = opened.body or b""
-    if on_output is not None:
-        _observe_plain(body, on_output)
+    if on_output is not None and opened.doc is not None:
+        _observe_plain(opened.doc, on_output)
     return web.Response(body=body, status=opened.response.status_code,
                         content_type="application/json",
                         headers={"X-Flowlift-Backend": opened.upstream.name})
 
 
-def _observe_plain(body: bytes, on_output: OnOutput) -> None:
+def _observe_plain(doc: dict[str, Any], on_output: OnOutput) -> None:
     try:
-        doc = orjson.loads(body)
         choice = (doc.get("choices") or [{}])[0]
         message = choice.get("message")
         text = (render_message(message)[1] if isinstance(message, dict)
                 else choice.get("text") or "")
         on_output(text, doc.get("usage"))
-    except (orjson.JSONDecodeError, AttributeError, IndexError, TypeError):
-        log.info("unreadable_upstream_answer", size=len(body))
+    except (AttributeError, IndexError, TypeError):
+        log.info("unreadable_upstream_answer", keys=sorted(doc)[:8])
 
 
 class _Collect:

@@ -144,9 +144,7 @@ class Upstream:
                                 pool=spec.connect_timeout_s)
         if transport is None:  # aiohttp's connector: httpcore's pool scans every pooled
             transport = AiohttpTransport(limits=limits)  # connection on each request
-        self.transport = transport
-        self.client = httpx.AsyncClient(base_url=spec.base_url.rstrip("/"), headers=headers,
-                                        limits=limits, timeout=timeout, transport=transport)
+        self.transport = transport  # no httpx.AsyncClient around it: see send()
         self._extensions = {"timeout": timeout.as_dict()}
         self.health = Health(spec.failures_to_cool, spec.cooldown_s,
                              max_in_flight=spec.max_connections)
@@ -179,7 +177,7 @@ class Upstream:
         return self.spec.rename.get(model, model)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.transport.aclose()
 
 
 def translate(exc: Exception, backend: str, *, stage: str) -> UpstreamError:

@@ -207,3 +207,28 @@ async def test_drop_in_requests_reuse_pooled_upstream_connections(aiohttp_client
             "model": "up", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
         await resp.read()
     assert len(fake.received) == 10 and len({r.peer for r in fake.received}) == 1
+
+
+async def test_an_injected_httpx_transport_sees_the_upstream_request(monkeypatch):
+    import httpx
+
+    from flowlift.proxy.config import UpstreamSpec
+    from flowlift.proxy.upstream import Upstream
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"ok": True})
+
+    up = Upstream("u", UpstreamSpec(kind="openai", base_url="http://up.example:8000/v1"),
+                  "sk-up", transport=httpx.MockTransport(handler))
+    response = await up.send(up.request("/chat/completions", b'{"model":"m"}',
+                                        {"traceparent": "00-a-b-01"}))
+    assert await response.aread() == b'{"ok":true}'
+    req = seen[0]
+    assert str(req.url) == "http://up.example:8000/v1/chat/completions"
+    assert req.headers["host"] == "up.example:8000" and req.headers["content-length"] == "13"
+    assert req.headers["authorization"] == "Bearer sk-up"
+    assert req.headers["traceparent"] == "00-a-b-01" and req.content == b'{"model":"m"}'
+    await up.aclose()
