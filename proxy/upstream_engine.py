@@ -26,7 +26,7 @@ from flowlift.local_engine.base import (
     GenerationRequest,
     Usage,
 )
-from flowlift.proxy.attempts import open_answer
+from flowlift.proxy.attempts import Opened, open_answer
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.routing import Route
 from flowlift.proxy.upstream import translate
@@ -101,6 +101,8 @@ class UpstreamEngine(Engine):
     def __init__(self, providers: Providers, route: Route) -> None:
         self.providers = providers
         self.route = route
+        self._open: dict[str, Opened] = {}  # request id -> its upstream stream
+        self._aborted: set[str] = set()
 
     @property
     def model_names(self) -> Sequence[str]:
@@ -121,28 +123,28 @@ class UpstreamEngine(Engine):
             async for chunk in backend.engine.generate(request):
                 yield chunk
             return
+        rid = request.request_id
+        self._open[rid] = opened
         finish: str | None = None
         usage = Usage()
         try:
-            idle_s = opened.upstream.spec.idle_timeout_s
-            event = opened.first
-            while event is not None and event.data != "[DONE]":
-                text, finish_now, usage_now = _read_event(event.data, opened.upstream.name)
-                finish, usage = finish_now or finish, usage_now or usage
-                if text:
-                    yield GenerationChunk(text)
-                async with asyncio.timeout(idle_s):  # not around the yield: the consumer's
-                    event = await anext(opened.events, None)  # type: ignore[arg-type]
-            if event is not None:  # read to the end, so the connection goes back to the pool
-                async with asyncio.timeout(idle_s):
-                    async for _ in opened.events:  # type: ignore[union-attr]
-                        pass
+            async for chunk in self._read(opened):
+                if isinstance(chunk, GenerationChunk):
+                    yield chunk
+                else:
+                    finish, usage = chunk
         except (TimeoutError, httpx.HTTPError) as exc:
-            opened.upstream.health.failure(time.monotonic())
-            raise EngineError(str(translate(exc, opened.upstream.name, stage="mid-stream"))) \
-                from None
+            if rid not in self._aborted:
+                opened.upstream.health.failure(time.monotonic())
+                raise EngineError(str(translate(exc, opened.upstream.name,
+                                                stage="mid-stream"))) from None
         finally:
+            self._open.pop(rid, None)
             await opened.release()
+        if rid in self._aborted:
+            self._aborted.discard(rid)
+            yield GenerationChunk("", finish_reason="abort", usage=usage)
+            return
         if finish is None:
             opened.upstream.health.failure(time.monotonic())
             raise EngineError(f"backend {opened.upstream.name!r} ended the stream before it "
@@ -150,6 +152,35 @@ class UpstreamEngine(Engine):
         opened.upstream.health.success()
         yield GenerationChunk("", finish_reason=finish, usage=usage)
 
+    @staticmethod
+    async def _read(opened: Opened) -> AsyncIterator[GenerationChunk | tuple[str | None, Usage]]:
+        """Text chunks as they arrive, then ``(finish_reason, usage)``; the stream is read
+        to its end so the connection goes back to the pool."""
+        finish: str | None = None
+        usage = Usage()
+        idle_s = opened.upstream.spec.idle_timeout_s
+        event = opened.first
+        while event is not None and event.data != "[DONE]":
+            text, finish_now, usage_now = _read_event(event.data, opened.upstream.name)
+            finish, usage = finish_now or finish, usage_now or usage
+            if text:
+                yield GenerationChunk(text)
+            async with asyncio.timeout(idle_s):  # not around the yield: the consumer's
+                event = await anext(opened.events, None)  # type: ignore[arg-type]
+        if event is not None:
+            async with asyncio.timeout(idle_s):
+                async for _ in opened.events:  # type: ignore[union-attr]
+                    pass
+        yield finish, usage
+
+    def running(self) -> int:
+        return len(self._open)
+
     async def abort(self, request_id: str) -> None:
-        """Closing the generation's iterator closes its upstream stream; nothing else."""
+        """Close the request's upstream stream; its generation ends with ``"abort"``.
+        Unknown or finished ids are ignored."""
+        opened = self._open.get(request_id)
+        if opened is not None:
+            self._aborted.add(request_id)
+            await opened.response.aclose()
 

@@ -232,3 +232,24 @@ async def test_an_injected_httpx_transport_sees_the_upstream_request(monkeypatch
     assert req.headers["authorization"] == "Bearer sk-up"
     assert req.headers["traceparent"] == "00-a-b-01" and req.content == b'{"model":"m"}'
     await up.aclose()
+
+
+async def test_aborting_an_upstream_backed_generation_closes_its_stream(aiohttp_client,
+                                                                        aiohttp_server):
+    from flowlift.local_engine.base import ChatMessage, GenerationRequest
+
+    fake = FakeUpstream([FakeUpstream.stream(
+        sse_bytes(*[chunk({"content": f"t{i} "}) for i in range(50)], chunk({}, "stop")),
+        gap_s=0.1)])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    engine = client.app[STATE].backends.resolve("up")[1].engine
+    request = GenerationRequest("req-1", "up", [ChatMessage("user", "go")])
+    chunks = []
+    async for piece in engine.generate(request):
+        chunks.append(piece)
+        if len(chunks) == 2:
+            assert engine.running() == 1
+            await engine.abort("req-1")
+    assert chunks[-1].finish_reason == "abort" and len(chunks) < 10
+    assert engine.running() == 0
+    await engine.abort("req-1")  # finished ids are ignored
