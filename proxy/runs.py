@@ -47,7 +47,7 @@ from flowlift.proxy.deadline import DeadlineClock
 from flowlift.proxy.events import EventLog
 from flowlift.proxy.scheduler import Priority
 from flowlift.proxy.store import StoredRun
-from flowlift.tracing import RunTrace, bind_run, get_logger
+from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
 
 log = get_logger("flowlift.runs")
 WARM_WAIT_S = 30.0  # longest a step waits for its prefix group's first prefill
@@ -290,10 +290,13 @@ class Run:
         pieces: list[str] = []
         await self._await_warm(node.id)
         priority = self._priority(node.id)
+        attempt: AttemptTrace | None = None
         try:
             tokens = int(self.plan.uncached_tokens.get(node.id, 0)) if self.plan else 0
             async with backend.slots.slot(priority, tokens) as slot:
                 self.trace.mark(node.id, "started", status="running")
+                attempt = AttemptTrace(len(st.attempts) + 1, model, self.trace.now_ms())
+                st.attempts.append(attempt)
                 engine_priority = 0 if self.backends.fcfs else priority.engine_priority()
                 stream = backend.engine.generate(
                     dataclasses.replace(request, priority=engine_priority))
@@ -301,22 +304,38 @@ class Run:
                     async for chunk in stream:
                         if chunk.text and st.first_token_ms is None:
                             self.trace.mark(node.id, "first_token")
+                            attempt.first_token_ms = st.first_token_ms
                             slot.prefilled()
                             self._warmed(node.id)
                         pieces.append(chunk.text)
                         if chunk.usage is not None:
-                            st.prompt_tokens = chunk.usage.prompt_tokens
-                            st.completion_tokens = chunk.usage.completion_tokens
-                            st.cached_tokens = chunk.usage.cached_tokens
+                            st.prompt_tokens = attempt.prompt_tokens = chunk.usage.prompt_tokens
+                            st.completion_tokens = attempt.completion_tokens = (
+                                chunk.usage.completion_tokens)
+                            st.cached_tokens = attempt.cached_tokens = chunk.usage.cached_tokens
                 finally:
                     await stream.aclose()  # type: ignore[attr-defined]
+        except BaseException as exc:
+            if attempt is not None:
+                attempt.finished_ms, attempt.outcome = self.trace.now_ms(), "error"
+                attempt.error = getattr(exc, "message", None) or type(exc).__name__
+            raise
         finally:
             self._warmed(node.id)
         if st.first_token_ms is None:
             self.trace.mark(node.id, "first_token")
         self.trace.mark(node.id, "generated")
         self._observe(model, st)
-        return check_output(contract, "".join(pieces), step_id=node.id)
+        assert attempt is not None
+        try:
+            value = check_output(contract, "".join(pieces), step_id=node.id)
+        except FlowliftError as exc:
+            attempt.outcome, attempt.error = "contract_failed", exc.message
+            raise
+        finally:
+            attempt.finished_ms = self.trace.now_ms()
+        attempt.outcome = "ok"
+        return value
 
     def _observe(self, model: str, st: Any) -> None:
         if self.costs is None or st.started_ms is None:

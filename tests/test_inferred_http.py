@@ -26,7 +26,8 @@ async def chat(client, content, step=None, stream=False, **headers):
     return (await resp.json())["choices"][0]["message"]["content"]
 
 
-async def test_plain_traffic_becomes_a_graph_with_edges_and_a_report(client):
+async def test_plain_traffic_becomes_a_graph_with_edges_and_a_report(client, engine):
+    engine.delay_s = 0.005  # each call takes real time, so translate's wait is measurable
     facts = await chat(client, f"Extract the facts: {DOC}", step="extract")
     label = await chat(client, f"Classify these facts: {facts}", step="classify", stream=True)
     await chat(client, f"Summarize {facts} given the label {label}", step="summarize")

@@ -6,11 +6,12 @@ splits the time into queue, prefill (TTFT), decode, validate and tool wait.
 """
 
 from flowlift.tracing.logging import bind_run, configure_logging, get_logger
-from flowlift.tracing.recorder import RunTrace, StepTrace
+from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace
 from flowlift.tracing.summary import STAGES, format_stage_table, stage_summary
 
 __all__ = [
     "STAGES",
+    "AttemptTrace",
     "RunTrace",
     "StepTrace",
     "bind_run",

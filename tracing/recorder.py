@@ -9,6 +9,10 @@ started (a monotonic clock, so durations never go negative)::
     generated_ms    last token (decode = generated - first_token)
     finished_ms     contract checked, output stored (validate = finished - generated)
 
+An llm step also keeps one :class:`AttemptTrace` per try (``attempts``): a retry after a
+contract failure or a step of a model cascade is its own attempt, with its own model,
+instants, tokens and outcome, so retries show as children of the step.
+
 Client-run (``@tool``) steps use ``ready_ms`` (wanted) and ``finished_ms`` (result
 arrived); their whole span is tool wait. The JSON-lines form (:meth:`RunTrace.records`)
 is one ``run`` record followed by one ``step`` record per step.
@@ -19,6 +23,27 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+
+@dataclass(slots=True)
+class AttemptTrace:
+    """One try of an llm step, times in ms since the run started.
+
+    ``outcome``: ``running`` until it ends, then ``ok`` (output accepted),
+    ``contract_failed`` (output rejected by the step's contract), or ``error`` (the
+    engine or upstream failed). ``error`` holds the reason for the last two.
+    """
+
+    attempt: int
+    model: str
+    started_ms: float
+    first_token_ms: float | None = None
+    finished_ms: float | None = None
+    outcome: str = "running"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -38,6 +63,7 @@ class StepTrace:
     cached_tokens: int = 0
     error: str | None = None
     same_as: str | None = None  # an identical call whose output this step reused
+    attempts: list[AttemptTrace] = field(default_factory=list)
 
     def durations_ms(self) -> dict[str, float]:
         """Time per stage in ms; stages that did not happen are absent."""
