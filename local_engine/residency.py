@@ -11,7 +11,11 @@ Two layers, as everywhere in flowlift:
   standing in for the future);
 * I/O at the edge -- :class:`ResidencyManager` loads and unloads through each model's
   :class:`~flowlift.local_engine.base.Engine` (``start()`` loads, ``close()`` unloads),
-  one change at a time.
+  one change at a time; a request holds a lease on its model while it runs, so nothing
+  unloads a model under a generation. :class:`ResidentEngine`
+  (:mod:`flowlift.local_engine.resident`) puts one managed model behind the ordinary
+  engine interface, so the proxy's dispatch (workflow steps and OpenAI requests alike)
+  loads what it needs on the way to the engine.
 
 Errors: :class:`flowlift.errors.EngineError` when a model cannot fit without evicting a
 model that is needed now, or is bigger than the whole budget.
@@ -20,8 +24,11 @@ model that is needed now, or is bigger than the whole budget.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flowlift.errors import EngineError
@@ -129,45 +136,125 @@ class ManagedModel:
 class ResidencyManager:
     """Loads and unloads models within a memory budget (see the module docstring).
 
+    A model that does not fit until a busy or pinned model is done *waits* (re-checking
+    whenever a lease ends, and every ``recheck_s``) instead of failing; only a model
+    bigger than the whole budget, or a wait past ``max_wait_s``, is an error.
+
     Args:
         models: model name -> :class:`ManagedModel`.
         budget_mb: memory all loaded models may use together.
+        lookahead: called for the current :class:`Lookahead` when :meth:`ensure` is not
+            given one (the proxy passes its running workflows' plans and queues).
+        max_wait_s: longest :meth:`ensure` waits for room.
+        recheck_s: how often a waiting :meth:`ensure` looks again without a lease ending.
 
     Attributes:
         resident: loaded models, in load order.
         events: ``("load" | "unload", model)`` in the order they happened.
     """
 
-    def __init__(self, models: Mapping[str, ManagedModel], budget_mb: float) -> None:
+    def __init__(self, models: Mapping[str, ManagedModel], budget_mb: float, *,
+                 lookahead: Callable[[], Lookahead] | None = None,
+                 max_wait_s: float = 300.0, recheck_s: float = 0.5) -> None:
         self.models = dict(models)
         self.budget_mb = budget_mb
+        self.lookahead = lookahead
+        self.max_wait_s = max_wait_s
+        self.recheck_s = recheck_s
         self.resident: list[str] = []
         self.events: list[tuple[str, str]] = []
+        self._leases: Counter[str] = Counter()
         self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()
 
     def _busy(self) -> list[str]:
-        return [m for m in self.resident if self.models[m].engine.running()]
+        return [m for m in self.resident
+                if self._leases[m] or self.models[m].engine.running()]
 
-    async def ensure(self, model: str, ahead: Lookahead = Lookahead()) -> Engine:
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def ensure(self, model: str, ahead: Lookahead | None = None) -> Engine:
         """Return ``model``'s engine, loaded, unloading others first when needed.
 
+        Args:
+            ahead: what the work ahead needs; ``None``: ask :attr:`lookahead`.
+
         Raises:
-            EngineError: unknown model, or it cannot fit (see :func:`choose_evictions`).
+            EngineError: unknown model, a model bigger than the budget, or no room made
+                within ``max_wait_s`` (see :func:`choose_evictions`).
         """
         if model not in self.models:
             raise EngineError(f"no managed model {model!r} (have {sorted(self.models)})")
+        sizes = {m: spec.memory_mb for m, spec in self.models.items()}
+        if sizes[model] > self.budget_mb:
+            raise EngineError(f"model {model} needs {sizes[model]:.0f} MB; the budget is "
+                              f"{self.budget_mb:.0f} MB")
+        give_up = time.monotonic() + self.max_wait_s
+        while True:
+            async with self._lock:
+                if model in self.resident:
+                    return self.models[model].engine
+                now = ahead if ahead is not None else (
+                    self.lookahead() if self.lookahead else Lookahead())
+                try:
+                    victims = choose_evictions(model, sizes, self.resident, self.budget_mb,
+                                               now, self._busy())
+                except EngineError:
+                    if time.monotonic() >= give_up:
+                        raise
+                    changed = self._changed  # room is held by work in flight: wait
+                else:
+                    for victim in victims:
+                        await self.models[victim].engine.close()
+                        self.resident.remove(victim)
+                        self.events.append(("unload", victim))
+                    await self.models[model].engine.start()
+                    self.resident.append(model)
+                    self.events.append(("load", model))
+                    self._notify()
+                    return self.models[model].engine
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), self.recheck_s)
+
+    @contextlib.asynccontextmanager
+    async def use(self, model: str) -> AsyncIterator[Engine]:
+        """``async with manager.use(model) as engine:`` -- loaded, and never evicted until
+        the block ends (a lease).
+
+        Raises:
+            EngineError: as :meth:`ensure`.
+        """
+        engine = await self.ensure(model)
+        self._leases[model] += 1  # no await since ensure returned: nothing slipped in
+        try:
+            yield engine
+        finally:
+            self._leases[model] -= 1
+            self._notify()
+
+    async def preload(self, model: str) -> bool:
+        """Load ``model`` if it fits without unloading anything; True when resident."""
         async with self._lock:
-            if model not in self.resident:
-                sizes = {m: spec.memory_mb for m, spec in self.models.items()}
-                for victim in choose_evictions(model, sizes, self.resident, self.budget_mb,
-                                               ahead, self._busy()):
-                    await self.models[victim].engine.close()
-                    self.resident.remove(victim)
-                    self.events.append(("unload", victim))
-                await self.models[model].engine.start()
-                self.resident.append(model)
-                self.events.append(("load", model))
-        return self.models[model].engine
+            if model in self.resident:
+                return True
+            used = sum(self.models[m].memory_mb for m in self.resident)
+            if used + self.models[model].memory_mb > self.budget_mb:
+                return False
+            await self.models[model].engine.start()
+            self.resident.append(model)
+            self.events.append(("load", model))
+            return True
+
+    async def unload(self, model: str) -> None:
+        """Unload ``model`` now if it is loaded (shutdown: in-flight work is not waited for)."""
+        async with self._lock:
+            if model in self.resident:
+                await self.models[model].engine.close()
+                self.resident.remove(model)
+                self.events.append(("unload", model))
+                self._notify()
 
     async def close(self) -> None:
         """Unload every model."""

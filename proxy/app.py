@@ -20,12 +20,14 @@ from aiohttp import web
 
 from flowlift.errors import AuthenticationError, ConfigError, EngineError
 from flowlift.local_engine.base import Engine
+from flowlift.local_engine.residency import ResidencyManager
 from flowlift.proxy import openai_api, sessions_api, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.registry import RunRegistry
+from flowlift.proxy.sessions import SessionTable
 from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
 from flowlift.proxy.store import RunStore
 from flowlift.proxy.upstream_engine import UpstreamEngine
@@ -66,6 +68,10 @@ async def readyz(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
     body = {"ready": state.ready.is_set(), "models": state.backends.models,
             "load_time_s": state.load_time_s, "error": state.load_error}
+    if state.residency is not None:
+        body["residency"] = {"budget_mb": state.residency.budget_mb,
+                             "resident": list(state.residency.resident),
+                             "managed": sorted(state.residency.models)}
     return web.json_response(body, status=200 if state.ready.is_set() else 503)
 
 
@@ -108,7 +114,8 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
 
 def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None, *,
                file_config: FileConfig | None = None,
-               transport: httpx.AsyncBaseTransport | None = None) -> web.Application:
+               transport: httpx.AsyncBaseTransport | None = None,
+               residency: ResidencyManager | None = None) -> web.Application:
     """Build the proxy.
 
     Args:
@@ -116,6 +123,9 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         config: proxy settings.
         file_config: upstream providers and model routes (:mod:`flowlift.proxy.config`).
         transport: httpx transport for every upstream (tests); None: the network.
+        residency: the manager behind the :class:`~flowlift.local_engine.resident.ResidentEngine`
+            engines among ``engines`` (several models in one memory budget); the proxy
+            feeds it its running workflows' plans and queues.
 
     Returns:
         An ``aiohttp.web.Application``; engines start when the app starts.
@@ -147,11 +157,16 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         providers=providers,
         runs=RunRegistry(RunStore(config.state_path or ":memory:"), config.trace_dir,
                          detached_timeout_s=config.detached_timeout_s),
-        config=config)
+        config=config, residency=residency)
+    if residency is not None:
+        runs = app[STATE].runs
+        residency.lookahead = lambda: runs.lookahead(backends.canonical)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.add_routes(openai_api.routes)
     app.add_routes(workflows.routes)
-    sessions_api.setup(app)  # per-turn cache accounting of X-Flowlift-Session sessions
+    # per-turn cache accounting of X-Flowlift-Session sessions
+    sessions_api.setup(app, SessionTable(max_sessions=config.max_sessions,
+                                         ttl_s=config.session_ttl_s))
     app.cleanup_ctx.append(_lifecycle)
     return app

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cachetools import TTLCache
@@ -20,6 +21,7 @@ from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
 from flowlift.errors import RequestError
 from flowlift.graph import Graph
+from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.planning import plan
 from flowlift.proxy.runs import Run
@@ -93,6 +95,20 @@ class RunRegistry:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             path = self.trace_dir / f"{run.run_id}.jsonl"
             path.write_text("".join(json.dumps(r) + "\n" for r in run.trace.records()))
+
+    def lookahead(self, canonical: Callable[[str | None], str]) -> Lookahead:
+        """What the active runs need next, for the residency manager: each run's residency
+        plan (compiled windows, relative to the run's elapsed time) with the models of its
+        queued llm steps pinned; ``canonical`` maps a graph's model name to the served one."""
+        ahead = Lookahead()
+        for run in self.active.values():
+            windows = [] if run.plan is None else [
+                w.model_copy(update={"model": canonical(w.model)})
+                for w in run.plan.report.residency]
+            queued = {canonical(st.model) for st in run.trace.steps.values()
+                      if st.kind == "llm" and st.status == "queued"}
+            ahead = ahead.merge(lookahead(windows, run.trace.now_ms(), queued))
+        return ahead
 
     def sweep(self) -> None:
         """Cancel runs without a listener for longer than ``detached_timeout_s``."""

@@ -14,6 +14,7 @@ from flowlift.costs import CostTracker
 from flowlift.proxy.inferred import InferredWorkflows
 
 if TYPE_CHECKING:
+    from flowlift.local_engine.residency import ResidencyManager
     from flowlift.proxy.backends import Backends
     from flowlift.proxy.providers import Providers
     from flowlift.proxy.registry import RunRegistry
@@ -35,6 +36,8 @@ class ProxyConfig:
         batch_cap_when_interactive: batch slots while interactive work runs (None: half).
         api_keys: keys clients must send as ``Authorization: Bearer``; empty: no auth.
         max_queue: OpenAI requests waiting per engine before the proxy answers 429.
+        max_sessions, session_ttl_s: bounds of the ``X-Flowlift-Session`` table (sessions
+            kept; seconds a session lives after its last turn).
     """
 
     max_concurrency: int = 16
@@ -47,6 +50,8 @@ class ProxyConfig:
     batch_cap_when_interactive: int | None = None
     api_keys: frozenset[str] = frozenset()
     max_queue: int = 256
+    max_sessions: int = 10_000
+    session_ttl_s: float = 1800.0
 
 
 @dataclass(slots=True)
@@ -61,6 +66,7 @@ class ProxyState:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     load_error: str | None = None
     load_time_s: float | None = None
+    residency: ResidencyManager | None = None
 
 
 STATE: web.AppKey[ProxyState] = web.AppKey("flowlift", ProxyState)

@@ -24,24 +24,45 @@ import httpx
 from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
 
-def _engines(args: argparse.Namespace) -> dict[str, object]:
+FAKE_MODEL_MB = 1024.0  # what a residency budget counts per model with --engine fake
+
+
+def _engines(args: argparse.Namespace) -> tuple[dict[str, object], object | None]:
+    """The embedded engines of ``flowlift serve`` and, with ``--memory-budget-mb``, the
+    residency manager they share (then each engine is a ResidentEngine)."""
     if args.engine == "none":
-        return {}
+        return {}, None
+    extra = list(getattr(args, "extra_model", None) or ())
+    sized: dict[str, tuple[object, float]] = {}
     if args.engine == "fake":
         from flowlift.testing import FakeEngine
 
-        name = args.model or "fake-model"
-        return {name: FakeEngine([name], delay_s=args.fake_delay_s)}
-    from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
+        for name in [args.model or "fake-model", *extra]:
+            sized[name] = (FakeEngine([name], delay_s=args.fake_delay_s), FAKE_MODEL_MB)
+    else:
+        from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
 
-    print(f"flowlift: preparing model {args.model or 'SmolLM2-135M-Instruct (default)'} ...",
-          file=sys.stderr, flush=True)
-    config = VLLMConfig.for_model(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                                  max_num_seqs=args.max_concurrency,
-                                  speculative_ngram=args.speculative_ngram)
-    name = config.served_model_name
-    engine = VLLMEngine(config)
-    return {name: engine}
+        configs = []  # all resolved (converted, downloaded) before any engine sets vLLM's env
+        for model in [args.model, *extra]:
+            print(f"flowlift: preparing model {model or 'SmolLM2-135M-Instruct (default)'} ...",
+                  file=sys.stderr, flush=True)
+            configs.append(VLLMConfig.for_model(model, dtype=args.dtype,
+                                                max_model_len=args.max_model_len,
+                                                max_num_seqs=args.max_concurrency,
+                                                speculative_ngram=args.speculative_ngram,
+                                                block_size=args.block_size))
+        for config in configs:
+            sized[config.served_model_name] = (VLLMEngine(config),
+                                               config.estimated_memory_mb())
+    budget = getattr(args, "memory_budget_mb", None)
+    if budget is None:
+        return {name: engine for name, (engine, _) in sized.items()}, None
+    from flowlift.local_engine.resident import managed_engines
+    from flowlift.local_engine.residency import ManagedModel, ResidencyManager
+
+    manager = ResidencyManager({name: ManagedModel(engine, mb)  # type: ignore[arg-type]
+                                for name, (engine, mb) in sized.items()}, budget)
+    return managed_engines(manager), manager  # type: ignore[return-value]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -51,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from flowlift.tracing import configure_logging
 
     configure_logging(args.log_level)
-    from flowlift.errors import ConfigError
+    from flowlift.errors import ConfigError, EngineError
     from flowlift.local_engine.models import cache_dir
     from flowlift.proxy.config import EmbeddedSpec, load_config
 
@@ -74,10 +95,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          batch_prefill_budget=args.batch_prefill_budget,
                          batch_cap_when_interactive=args.batch_cap_when_interactive,
                          api_keys=file_config.proxy_keys() if file_config else frozenset(),
-                         max_queue=args.max_queue)
+                         max_queue=args.max_queue, max_sessions=args.max_sessions,
+                         session_ttl_s=args.session_ttl_s)
     try:
-        app = create_app(_engines(args), config, file_config=file_config)  # type: ignore[arg-type]
-    except ConfigError as exc:
+        engines, residency = _engines(args)
+        app = create_app(engines, config, file_config=file_config,  # type: ignore[arg-type]
+                         residency=residency)  # type: ignore[arg-type]
+    except (ConfigError, EngineError) as exc:
         print(f"flowlift serve: {exc.message}", file=sys.stderr)
         return 2
     print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
@@ -204,15 +228,21 @@ def _model_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
              else "not converted yet (converted on first `flowlift serve`)")
     rows.append((m.DEFAULT_MODEL + " (default)",
                  f"PyPI-shipped GGUF ({m._GGUF_DIST}, {args.dtype})", state))
-    if args.model and args.model != m.DEFAULT_MODEL:
-        path = Path(args.model).expanduser()
+    for model in [args.model, *(args.extra_model or ())]:
+        if not model or model == m.DEFAULT_MODEL:
+            continue
+        path = Path(model).expanduser()
         if path.is_dir():
             ok = (path / "config.json").is_file()
             rows.append((path.name, f"local path ({path.resolve()})",
                          "ready" if ok else "missing config.json"))
+        elif m._HUB_ID.fullmatch(model):
+            kept = m.hub_dir(model)
+            rows.append((model, "hub id", f"downloaded ({kept})" if (kept / "config.json")
+                         .is_file() else "not downloaded (fetched on first `flowlift serve` "
+                         "when a model hub is reachable)"))
         else:
-            rows.append((args.model, "hub id", "not downloaded: flowlift serves local "
-                         "folders; fetch it with `huggingface-cli download` first"))
+            rows.append((model, "unknown", "neither a folder nor a hub id (org/name)"))
     if args.config:
         cfg = load_config(args.config)
         for name, route in cfg.models.items():
@@ -247,11 +277,32 @@ def cmd_models(args: argparse.Namespace) -> int:
           + (f", load took {body['load_time_s']} s" if body.get("load_time_s") else ""))
     ids = [d.get("id") for d in listed.json().get("data", [])] if listed.status_code == 200 \
         else []
+    residency = body.get("residency")
+    resident = set(residency["resident"]) if residency else None
     for model_id in ids:
-        print(f"  serves {model_id}")
+        state = "" if resident is None or model_id not in residency["managed"] else (
+            " (loaded)" if model_id in resident else " (not loaded: loads on first use)")
+        print(f"  serves {model_id}{state}")
+    if residency:
+        print(f"  residency budget {residency['budget_mb']:.0f} MB; loaded now: "
+              f"{', '.join(residency['resident']) or '(none)'}")
     if listed.status_code != 200:
         print(f"  /v1/models answered {listed.status_code}")
     return 0
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, not {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,6 +350,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-ngram", type=int, default=None, metavar="N",
                        help="n-gram (prompt-lookup) speculative decoding: propose up to N "
                             "tokens per step copied from the prompt (default: off)")
+    serve.add_argument("--extra-model", action="append", default=[], metavar="NAME_OR_DIR",
+                       help="serve another embedded model (a local HF checkpoint folder); "
+                            "repeat for more")
+    serve.add_argument("--memory-budget-mb", type=_positive, default=None,
+                       help="memory all embedded models may use together: models load on "
+                            "demand and unload by the compiler's residency plan (furthest "
+                            "next use first; never one a queued step needs). Default: every "
+                            "model stays loaded")
+    serve.add_argument("--block-size", type=int, default=None,
+                       help="KV-cache block size in tokens (default: vLLM's, 128 on CPU); "
+                            "smaller blocks keep more of a session's previous answer cached")
+    serve.add_argument("--max-sessions", type=_positive_int, default=10_000,
+                       help="X-Flowlift-Session sessions kept (least recently used go "
+                            "first; default 10000)")
+    serve.add_argument("--session-ttl-s", type=_positive, default=1800.0,
+                       help="seconds a session is kept after its last turn (default 1800)")
     serve.add_argument("--fake-delay-s", type=float, default=0.01,
                        help="with --engine fake: seconds per streamed chunk")
     serve.set_defaults(func=cmd_serve)
@@ -324,6 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="configured models, their source and state")
     models.add_argument("--model", default=None, help="a model name, local checkpoint folder "
                         "or hub id to describe too")
+    models.add_argument("--extra-model", action="append", default=[], metavar="NAME_OR_DIR",
+                        help="another embedded model to describe (as `serve --extra-model`)")
     models.add_argument("--dtype", default="float32", help="dtype of the default model's "
                         "converted copy (default float32)")
     models.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
