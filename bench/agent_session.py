@@ -158,6 +158,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, nargs="+", default=[6, 35])
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="the engine's KV block size (flowlift serve --block-size; "
+                             "default: vLLM's, 128 on CPU)")
     args = parser.parse_args()
     results: dict[str, Any] = {
         "max_tokens": args.max_tokens, "arms": {
@@ -166,7 +169,10 @@ def main() -> int:
                          "message: every turn re-prefills the whole context"},
         "machine": "2 CPU cores, vLLM CPU build, SmolLM2-135M float32, shared and noisy",
         "command": "python bench/agent_session.py " + " ".join(sys.argv[1:])}
-    with proxy("--max-concurrency", "4", name="agent_session") as base, \
+    extra = ("--block-size", str(args.block_size)) if args.block_size else ()
+    name = f"agent_session_bs{args.block_size}" if args.block_size else "agent_session"
+    results["block_size"] = args.block_size
+    with proxy("--max-concurrency", "4", *extra, name=name) as base, \
             httpx.Client(base_url=base, timeout=600) as client:
         chat(client, [{"role": "user", "content": "warm up"}], 4, None)
         for turns in args.turns:
@@ -176,7 +182,7 @@ def main() -> int:
             out["wall_s"] = round(time.monotonic() - t0, 1)
             results[f"turns_{turns}"] = out
             print({k: v for k, v in out.items() if k not in ("turns",)}, flush=True)
-    save("agent_session", results)
+    save(name, results)
     return 0
 
 
