@@ -123,3 +123,9 @@ async def test_session_bounds_come_from_the_proxy_config():
     app = create_app({"m": FakeEngine(["m"])}, ProxyConfig(max_sessions=3, session_ttl_s=9.0))
     table = app[SESSIONS]
     assert table.ttl_s == 9.0 and table._table.maxsize == 3
+
+
+def test_two_models_under_one_name_are_refused(capsys):
+    assert main(["serve", "--engine", "fake", "--model", "a", "--extra-model", "a",
+                 "--state-db", ":memory:"]) == 2
+    assert "two models would be served as 'a'" in capsys.readouterr().err

@@ -27,6 +27,17 @@ from flowlift.sdk.workflow import DEFAULT_BASE_URL
 FAKE_MODEL_MB = 1024.0  # what a residency budget counts per model with --engine fake
 
 
+def _add(sized: dict[str, tuple[object, float]], name: str, engine: object,
+         memory_mb: float) -> None:
+    from flowlift.errors import ConfigError
+
+    if name in sized:
+        raise ConfigError(f"two models would be served as {name!r} (a folder's name is its "
+                          "model name): give each --model/--extra-model its own name",
+                          param="--extra-model")
+    sized[name] = (engine, memory_mb)
+
+
 def _engines(args: argparse.Namespace) -> tuple[dict[str, object], object | None]:
     """The embedded engines of ``flowlift serve`` and, with ``--memory-budget-mb``, the
     residency manager they share (then each engine is a ResidentEngine)."""
@@ -38,7 +49,7 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, object], object | None
         from flowlift.testing import FakeEngine
 
         for name in [args.model or "fake-model", *extra]:
-            sized[name] = (FakeEngine([name], delay_s=args.fake_delay_s), FAKE_MODEL_MB)
+            _add(sized, name, FakeEngine([name], delay_s=args.fake_delay_s), FAKE_MODEL_MB)
     else:
         from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
 
@@ -52,8 +63,8 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, object], object | None
                                                 speculative_ngram=args.speculative_ngram,
                                                 block_size=args.block_size))
         for config in configs:
-            sized[config.served_model_name] = (VLLMEngine(config),
-                                               config.estimated_memory_mb())
+            _add(sized, config.served_model_name, VLLMEngine(config),
+                 config.estimated_memory_mb())
     budget = getattr(args, "memory_budget_mb", None)
     if budget is None:
         return {name: engine for name, (engine, _) in sized.items()}, None
