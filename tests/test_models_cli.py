@@ -125,7 +125,11 @@ async def test_session_bounds_come_from_the_proxy_config():
     assert table.ttl_s == 9.0 and table._table.maxsize == 3
 
 
-def test_two_models_under_one_name_are_refused(capsys):
-    assert main(["serve", "--engine", "fake", "--model", "a", "--extra-model", "a",
-                 "--state-db", ":memory:"]) == 2
-    assert "two models would be served as 'a'" in capsys.readouterr().err
+def test_two_models_under_one_name_are_refused():
+    from flowlift.cli import _engines
+    from flowlift.errors import ConfigError
+
+    args = build_parser().parse_args(["serve", "--engine", "fake", "--model", "a",
+                                      "--extra-model", "a"])
+    with pytest.raises(ConfigError, match="two models would be served as 'a'"):
+        _engines(args)
