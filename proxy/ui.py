@@ -108,7 +108,7 @@ def _path_html(steps: list[Any], path: tuple[str, ...], planned: tuple[str, ...]
     if not path:
         return '<p class="path">No step has finished yet.</p>'
     split = path_stage_ms(steps, path)
-    parts = ", ".join(f"{escape(STAGE_LABELS[s])} {_ms(v)}" for s, v in split.items() if v > 0)
+    parts = ", ".join(f"{escape(STAGE_LABELS[s])} {_ms(v)}" for s, v in split.items() if v >= 0.5)
     planned_txt = ("the same steps" if list(planned) == list(path)
                    else ARROW.join(escape(p) for p in planned) or "-")
     return (f'<ul class="path"><li><b>Critical path (measured)</b>: '

@@ -188,7 +188,7 @@ def nice_ticks(span_ms: float, max_ticks: int = 8) -> list[float]:
     raw = span_ms / max_ticks
     mag = 10.0 ** math.floor(math.log10(raw))
     step = next(mag * m for m in (1, 2, 5, 10) if mag * m >= raw)
-    n = int(span_ms // step)
+    n = int(span_ms / step + 1e-9)
     return [round(k * step, 6) for k in range(n + 1)]
 
 

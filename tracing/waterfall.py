@@ -105,7 +105,7 @@ def _footer(steps: Sequence[Mapping[str, Any]], path: Sequence[str],
         return ["critical path (measured): no step finished"]
     split = path_stage_ms(steps, path)
     on = sum(split.values())
-    parts = ", ".join(f"{STAGE_LABELS[s]} {_s(ms)}" for s, ms in split.items() if ms > 0)
+    parts = ", ".join(f"{STAGE_LABELS[s]} {_s(ms)}" for s, ms in split.items() if ms >= 0.5)
     lines = [f"critical path (measured): {' -> '.join(path)}",
              f"  {_s(on)} of the {_s(wall_ms)} wall time in its steps: {parts or '-'}"]
     if planned:
