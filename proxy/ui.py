@@ -158,7 +158,7 @@ def timeline_body(doc: dict[str, Any]) -> str:
             + _path_html(steps, chart.critical_path, chart.planned_path, chart.wall_ms)
             + '</section><aside class="report" id="report"><noscript>The report needs '
             "JavaScript; the JSON link above has it.</noscript></aside></div>"
-            + _steps_table(doc, steps, set(chart.critical_path))
+            + _steps_table(doc, [r.record for r in chart.rows], set(chart.critical_path))
             + f'<script type="application/json" id="report-data">{json_for_script(report)}'
             "</script>")
 

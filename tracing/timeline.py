@@ -241,7 +241,7 @@ class Gantt:
 
 
 def gantt(records: Iterable[Mapping[str, Any]], deps: Mapping[str, Iterable[str]],
-          planned_path: Sequence[str] = (), *, label_px: float = 210, chart_px: float = 720,
+          planned_path: Sequence[str] = (), *, label_px: float = 190, chart_px: float = 640,
           row_px: float = 22, top_px: float = 28, min_bar_px: float = 1.0) -> Gantt:
     """Lay a trace out as a Gantt chart (rows ordered by when each step became ready).
 
