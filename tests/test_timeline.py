@@ -88,7 +88,7 @@ def test_measured_critical_path_follows_the_input_that_finished_last():
 
 
 def test_path_stage_ms_sums_the_stages_along_the_path():
-    records, deps = _trace()
+    records, _ = _trace()
     steps = split_records(records)[1]
     split = path_stage_ms(steps, ["a", "b", "t"])
     assert split["tool_wait"] == 395 and split["failed_try"] == 60
