@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 import threading
 import time
@@ -110,7 +111,8 @@ class Progress:
             return
         line = format_line(counts, now - self.t0, self.name)
         try:
-            if self.tty:
+            if self.tty:  # one line, never wrapped (a wrapped line cannot be redrawn)
+                line = line[:max(20, shutil.get_terminal_size((120, 24)).columns - 1)]
                 pad = " " * max(0, self._width - len(line))
                 self.stream.write("\r" + line + pad + ("\n" if final else ""))
                 self._width = len(line)

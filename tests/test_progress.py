@@ -112,3 +112,10 @@ async def test_no_progress_unless_asked(client, capsys, monkeypatch):
     async with workflow("quiet", base_url=base):
         item(1)
     assert "flowlift:" not in capsys.readouterr().err
+
+
+def test_terminal_line_fits_the_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")
+    out = Stream(tty=True)
+    Progress("a-long-workflow-name", out, interval_s=0.0).update(Counts(10, done=3))
+    assert len(out.getvalue()) == 1 + 39

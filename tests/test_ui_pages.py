@@ -166,3 +166,21 @@ async def test_progress_counts_a_running_run(client, engine):
     assert done["counts"]["done"] == 4
     unknown = await client.get("/v1/workflows/wf-none/progress")
     assert unknown.status == 400 and (await unknown.json())["error"]["param"] == "run_id"
+
+
+async def test_failed_run_shows_the_failed_try_and_the_skipped_step(client, engine):
+    engine.responder = lambda req: "not json"
+    graph = {"name": "fails", "nodes": [
+        llm("parse", "give json", contract={"json_schema": {"type": "object"}}),
+        llm("then", "use ", {"ref": "parse"})]}
+    run_id, events = await run(client, graph)
+    assert events[-1][1]["status"] == "failed"
+    html = await (await client.get(f"/ui/workflows/{run_id}")).text()
+    page = parse(html)
+    assert [(b["data-step"], b["data-stage"]) for b in page.bars
+            if b["data-stage"] == "failed_try"] == [("parse", "failed_try")]
+    assert {b["data-step"] for b in page.bars if b.get("data-critical")} == {"parse"}
+    assert "then" not in {b["data-step"] for b in page.bars}
+    assert "Critical path (measured)</b>: parse</li>" in html  # not through the skipped step
+    assert "skipped: input &#x27;parse&#x27; failed" in html
+    assert 'class="status status-failed"' in html

@@ -146,12 +146,13 @@ def measured_critical_path(steps: Sequence[Mapping[str, Any]],
             or :func:`flowlift.dataflow.dependencies`).
 
     Returns:
-        Step ids; empty when no step finished. Input (constant) nodes take no time and
-        are left out.
+        Step ids; empty when no step finished. Input (constant) nodes and steps skipped
+        because an input failed take no time and are left out.
     """
     by_id = {s["step_id"]: s for s in steps}
-    finished = {sid: f for sid, s in by_id.items()
-                if (f := _f(s.get("finished_ms"))) is not None and s.get("kind") != "input"}
+    finished = {sid: f for sid, s in by_id.items()  # skipped steps were never ready
+                if (f := _f(s.get("finished_ms"))) is not None and s.get("kind") != "input"
+                and _f(s.get("ready_ms")) is not None}
     if not finished:
         return []
     order = {sid: k for k, sid in enumerate(by_id)}
