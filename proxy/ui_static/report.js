@@ -70,6 +70,17 @@
     return box;
   }
 
+  // one line per distinct reason: "42 steps (related_1, related_2, ...): reason"
+  function grouped(breaks) {
+    const by = new Map();
+    for (const b of breaks) {
+      if (!by.has(b.reason)) by.set(b.reason, []);
+      by.get(b.reason).push(b.step_id);
+    }
+    return [...by].map(([reason, ids]) => ids.length === 1 ? `${ids[0]}: ${reason}` :
+      `${ids.length} steps (${ids.slice(0, 3).join(", ")}${ids.length > 3 ? ", ..." : ""}): ${reason}`);
+  }
+
   window.flowliftRenderReport = function (root, report, maxRows) {
     root.replaceChildren();
     if (!report) {
@@ -82,7 +93,7 @@
     root.append(list("Prefix groups", report.prefix_groups.slice(0, 8).map(
       (g) => `${g.steps} steps share ${g.shared_tokens} tokens (warmed by ${g.leader})`)));
     root.append(list("Identical calls merged", report.merges.slice(0, 8).map((m) => `${m.step_id} == ${m.same_as}`)));
-    root.append(list("Chain breaks", report.breaks.slice(0, 8).map((b) => `${b.step_id}: ${b.reason}`)));
+    root.append(list("Chain breaks", grouped(report.breaks)));
     root.append(list("Residency", report.residency.map(
       (r) => `${r.model}: ${s(r.load_by_ms)} \u2013 ${s(r.keep_until_ms)} (${r.steps} steps)`)));
     root.append(nodes(report, maxRows || 60));
