@@ -69,6 +69,7 @@ class Dom(HTMLParser):
         self.bars: list[dict[str, str | None]] = []
         self.tags: list[str] = []
         self.report_rows: list[dict[str, str | None]] = []
+        self.plan_bars: list[dict[str, str | None]] = []
         self.attrs: dict[str, dict[str, str | None]] = {}
 
     def handle_starttag(self, tag, attrs):
@@ -80,6 +81,8 @@ class Dom(HTMLParser):
             self.bars.append(a)
         if tag == "tr" and a.get("data-step"):
             self.report_rows.append(a)
+        if tag == "rect" and "plan-bar" in (a.get("class") or "").split():
+            self.plan_bars.append(a)
 
 
 def dump(url: str, profile: Path) -> Dom:
@@ -120,8 +123,10 @@ def test_timeline_page_in_chromium(proxy, tmp_path):
     count = {c: n for n, c in colours}
     assert len(count) > 50  # text, bars, bands: not a blank or error page
     assert count.get((255, 240, 227), 0) > 10_000  # the critical rows' band (3 rows)
-    for stage_rgb in ((78, 121, 167), (89, 161, 79), (176, 122, 161)):  # prefill, decode, tool
-        assert count.get(stage_rgb, 0) > 50, stage_rgb
+    # each legend swatch is 12 x 12 = 144 px: more than that is bars
+    for stage_rgb, least in (((78, 121, 167), 150), ((89, 161, 79), 1000),  # prefill, decode
+                             ((176, 122, 161), 1000)):  # tool wait
+        assert count.get(stage_rgb, 0) > least, stage_rgb
 
     dom = dump(url, tmp_path / "profile")
     critical = {b["data-step"] for b in dom.bars if b.get("data-critical") == "measured"}
@@ -141,6 +146,11 @@ def test_compile_page_in_chromium(proxy, tmp_path):
     rows = {r["data-step"]: r for r in dom.report_rows}
     assert set(rows) == {"doc", "facts", "title", "summary"}
     assert rows["summary"].get("class") == "critical"
+    planned = {b["data-step"]: b for b in dom.plan_bars}  # the planned schedule's chart
+    assert set(planned) == {"facts", "title", "summary"}
+    assert {s for s, b in planned.items() if b.get("data-critical") == "planned"} == {
+        "facts", "summary"}
+    assert float(planned["summary"]["x"]) > float(planned["facts"]["x"])
 
 
 def test_missing_run_in_chromium(proxy, tmp_path):

@@ -70,6 +70,45 @@
     return box;
   }
 
+  // the compiler's planned schedule: each node from its estimated start for its
+  // estimated cost; the planned critical path outlined
+  function schedule(report, maxRows) {
+    const NS = "http://www.w3.org/2000/svg";
+    const nodes = report.nodes.filter((n) => n.kind !== "input")
+      .sort((a, b) => a.start_ms - b.start_ms).slice(0, maxRows);
+    const span = Math.max(1, ...nodes.map((n) => n.start_ms + n.est_ms));
+    const label = 130, width = 380, row = 16, top = 18;
+    const svg = document.createElementNS(NS, "svg");
+    const h = top + nodes.length * row + 4;
+    for (const [k, v] of [["class", "schedule"], ["width", label + width + 6], ["height", h],
+                          ["viewBox", `0 0 ${label + width + 6} ${h}`]]) svg.setAttribute(k, v);
+    const add = (tag, attrs, text) => {
+      const node = document.createElementNS(NS, tag);
+      for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+      if (text !== undefined) node.textContent = text;
+      svg.append(node);
+      return node;
+    };
+    for (const f of [0, 0.5, 1]) {
+      add("text", { class: "tick-label", x: label + f * width, y: 11,
+                    "text-anchor": f === 0 ? "start" : f === 1 ? "end" : "middle" }, s(f * span));
+    }
+    nodes.forEach((n, k) => {
+      const y = top + k * row;
+      add("text", { class: "label", x: 4, y: y + 11 }, n.step_id.length > 18 ? n.step_id.slice(0, 17) + "\u2026" : n.step_id);
+      const bar = add("rect", { class: "plan-bar" + (n.critical ? " critical" : ""), "data-step": n.step_id,
+        x: label + (n.start_ms / span) * width, y: y + 2, width: Math.max(1, (n.est_ms / span) * width), height: 11, rx: 2 });
+      if (n.critical) bar.setAttribute("data-critical", "planned");
+      const tip = document.createElementNS(NS, "title");
+      tip.textContent = `${n.step_id}: planned ${s(n.start_ms)} + ${s(n.est_ms)}`;
+      bar.append(tip);
+    });
+    const box = el("div");
+    box.append(el("h4", {}, "Planned schedule (estimates, unlimited concurrency)"));
+    box.append(svg);
+    return box;
+  }
+
   // one line per distinct reason: "42 steps (related_1, related_2, ...): reason"
   function grouped(breaks) {
     const by = new Map();
@@ -96,6 +135,7 @@
     root.append(list("Chain breaks", grouped(report.breaks)));
     root.append(list("Residency", report.residency.map(
       (r) => `${r.model}: ${s(r.load_by_ms)} \u2013 ${s(r.keep_until_ms)} (${r.steps} steps)`)));
+    root.append(schedule(report, maxRows || 60));
     root.append(nodes(report, maxRows || 60));
   };
 })();
