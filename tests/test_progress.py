@@ -86,7 +86,7 @@ def item(x):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_a_run_draws_its_progress_to_stderr(client, engine, capsys, monkeypatch, mode):
     monkeypatch.setattr("flowlift.sdk.progress.PLAIN_INTERVAL_S", 0.05)
-    engine.delay_s = 0.02
+    engine.delay_s = 0.05  # ~0.4 s per step: several polls see it running
     base = str(client.make_url("")).rstrip("/")
 
     def run_sync():
