@@ -27,6 +27,7 @@ from flowlift.proxy.http import Handler, error_response, log, openai_errors
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.registry import RunRegistry
 from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
+from flowlift.proxy.outcomes import StepOutcomes
 from flowlift.proxy.store import RunStore
 from flowlift.proxy.upstream_engine import UpstreamEngine
 
@@ -104,6 +105,7 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         await engine.close()
     await state.providers.aclose()
     state.runs.store.close()
+    state.runs.outcomes.close()
 
 
 def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None, *,
@@ -142,12 +144,16 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     if not backends.models:
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")
+    state_path = config.state_path or ":memory:"
     app[STATE] = ProxyState(
         backends=backends,
         providers=providers,
-        runs=RunRegistry(RunStore(config.state_path or ":memory:"), config.trace_dir,
-                         detached_timeout_s=config.detached_timeout_s),
-        config=config)
+        runs=RunRegistry(RunStore(state_path), config.trace_dir,
+                         detached_timeout_s=config.detached_timeout_s,
+                         outcomes=StepOutcomes(state_path,
+                                               default_model=backends.default_model)),
+        config=config,
+        prices=file_config.prices() if file_config else {})
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.add_routes(openai_api.routes)

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import orjson
 
-from flowlift.errors import EngineError, RequestError, UpstreamError
+from flowlift.errors import ContentRefused, EngineError, RequestError, UpstreamError
 from flowlift.local_engine.base import (
     Capabilities,
     Engine,
@@ -29,7 +29,7 @@ from flowlift.local_engine.base import (
 from flowlift.proxy.attempts import Opened, open_answer
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.routing import Route
-from flowlift.proxy.upstream import translate
+from flowlift.proxy.upstream import translate, unretryable
 
 
 def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
@@ -54,6 +54,10 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
         labels = ", ".join(constraint.choices)
         body["messages"] = [{"role": "system", "content": "Answer with exactly one of: "
                              f"{labels}. Nothing else."}, *body["messages"]]
+    elif constraint is not None and constraint.regex is not None:
+        body["messages"] = [{"role": "system", "content": "Answer with text that matches "
+                             f"the regular expression {constraint.regex} as a whole. "
+                             "Nothing else."}, *body["messages"]]
     if request.prompt is not None:
         raise RequestError("raw prompts go to /v1/completions; upstream workflow steps use "
                            "chat messages", param="prompt")
@@ -92,8 +96,8 @@ class UpstreamEngine(Engine):
     """Serves ``route.model`` from the route's upstream backends.
 
     Constrained outputs are asked for with ``response_format: json_schema``; a label set
-    becomes an instruction (upstreams have no portable choice constraint), so the
-    proxy's contract check is what enforces it (case W3).
+    or a regex becomes an instruction (upstreams have no portable choice or regex
+    constraint), so the proxy's contract check is what enforces it (case W3).
     """
 
     capabilities = Capabilities(structured_outputs=True, abort=True)
@@ -117,7 +121,8 @@ class UpstreamEngine(Engine):
                                                   "model": up.upstream_model(self.route.model)}),
                 headers={}, stream="events", affinity=request.session_id)
         except UpstreamError as exc:
-            raise EngineError(f"model {self.route.model!r}: {exc.message}") from None
+            raise unretryable(exc, self.route.model) or EngineError(
+                f"model {self.route.model!r}: {exc.message}") from None
         if isinstance(opened, tuple):
             _, backend = opened
             async for chunk in backend.engine.generate(request):
@@ -150,6 +155,9 @@ class UpstreamEngine(Engine):
             raise EngineError(f"backend {opened.upstream.name!r} ended the stream before it "
                               "finished")
         opened.upstream.health.success()
+        if finish == "content_filter":
+            raise ContentRefused(f"model {self.route.model!r}: the answer was cut by the "
+                                 "provider's content filter")
         yield GenerationChunk("", finish_reason=finish, usage=usage)
 
     @staticmethod
