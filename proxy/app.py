@@ -24,10 +24,10 @@ from flowlift.proxy import openai_api, sessions_api, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
+from flowlift.proxy.outcomes import StepOutcomes
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.registry import RunRegistry
 from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
-from flowlift.proxy.outcomes import StepOutcomes
 from flowlift.proxy.store import RunStore
 from flowlift.proxy.upstream_engine import UpstreamEngine
 

@@ -45,8 +45,8 @@ from flowlift.proxy.backends import Backends
 from flowlift.proxy.cascade import Generated, run_step
 from flowlift.proxy.deadline import DeadlineClock
 from flowlift.proxy.events import EventLog
-from flowlift.proxy.scheduler import Priority
 from flowlift.proxy.outcomes import StepOutcomes
+from flowlift.proxy.scheduler import Priority
 from flowlift.proxy.store import StoredRun
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
 
