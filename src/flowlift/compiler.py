@@ -387,7 +387,9 @@ def _report(graph: Graph, opts: CompileOptions, order: list[str],
     bound_ms = max(critical_ms, work_ms / max(opts.max_concurrency, 1))
     residency, switches = _residency(order, model_of, start, cost)
     deadline_ms = graph.deadline_s * 1000 if graph.deadline_s else None
-    used = {model_of[n] for n in model_of}
+    used = {model_of[n] for n in model_of} | {
+        m or opts.default_model for n in model_of if isinstance(nodes[n], LLMNode)
+        for m in nodes[n].models()}  # type: ignore[union-attr]
     return CompileReport(
         name=graph.name, workflow_class=graph.workflow_class, steps=len(order),
         levels=1 + max(depth.values(), default=-1),

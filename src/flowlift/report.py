@@ -111,7 +111,8 @@ def _cascade_lines(r: CompileReport) -> list[str]:
     multi = [c for c in r.cascades if len(c.models) > 1]
     chains = sorted({" -> ".join(c.models) for c in multi})
     if "expected_price" in t:
-        exp, alone, unit = t["expected_price"], t["last_only_price"], "price"
+        exp, alone = t["expected_price"], t["last_only_price"]
+        unit = "(tokens x price per 1k tokens)"
     else:
         exp, alone, unit = t["expected_ms"] / 1000, t["last_only_ms"] / 1000, "s (no prices)"
     ratio = f" ({exp / alone:.2f}x)" if alone else ""
