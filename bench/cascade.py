@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -45,10 +46,10 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.stdlib_docs.corpus import AREAS, Area, Document, load_documents  # noqa: E402
-from examples.stdlib_docs.pipeline import PREAMBLE  # noqa: E402
-from flowlift import step, workflow  # noqa: E402
-from flowlift.testing import free_port, running_proxy  # noqa: E402
+from examples.stdlib_docs.corpus import AREAS, Area, Document, load_documents
+from examples.stdlib_docs.pipeline import PREAMBLE
+from flowlift import step, workflow
+from flowlift.testing import free_port, running_proxy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRICES = {"small": 0.02, "large": 0.6}  # per 1,000 tokens; large = 30x small
@@ -102,7 +103,7 @@ class Shim:
         self.client = httpx.AsyncClient(timeout=600)
 
     def scripted(self, body: dict[str, Any]) -> tuple[str, dict[str, int]]:
-        user = [m for m in body["messages"] if m["role"] == "user"][0]["content"]
+        user = next(m for m in body["messages"] if m["role"] == "user")["content"]
         name = user.split("Documentation of the ", 1)[1].split(" module", 1)[0]
         ref = next(d.reference_area for d in load_documents() if d.name == name)
         wrong = next(a for a in AREAS if a != ref)
@@ -118,6 +119,19 @@ class Shim:
     async def answer(self, body: dict[str, Any]) -> tuple[str, dict[str, int]]:
         if self.engine == "fake":
             return self.scripted(body)
+        r = await self.client.post(f"{self.proxy_url}/v1/chat/completions", json={
+            "model": "small", "messages": few_shot_messages(body["messages"]),
+            "max_tokens": 16, "temperature": 0, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "area", "schema": {
+                    "type": "string", "enum": list(AREAS)}}}})
+        doc = r.json()
+        if r.status_code != 200:
+            raise web.HTTPBadGateway(text=json.dumps(doc))
+        text = doc["choices"][0]["message"]["content"]
+        with contextlib.suppress(ValueError):  # not JSON: the contract check rejects it
+            text = json.loads(text)
+        return str(text), doc["usage"]
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         label, usage = await self.answer(await request.json())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -238,11 +252,12 @@ def main(argv: list[str] | None = None) -> int:
             report = httpx.post(f"{base}/v1/workflows:compile", json=graph, timeout=120).json()
     by = {r["mode"]: r for r in rows}
     large = by["large"]
+    ratio = round(by["cascade"]["cost"] / large["cost"], 3) if large["cost"] else None
     summary = {
         "engine": args.engine, "documents": len(docs), "prices_per_1k": PRICES,
         "min_confidence": args.min_confidence, "modes": rows,
         "cascade_vs_large": {
-            "cost_ratio": round(by["cascade"]["cost"] / large["cost"], 3) if large["cost"] else None,
+            "cost_ratio": ratio,
             "pass_rate_delta": round(by["cascade"]["pass_rate"] - large["pass_rate"], 4)},
         "compiler_after_runs": report.get("cascade_totals"),
         "learned_failure_rates": report.get("cascades", [{}])[0].get("failure_rates")}
