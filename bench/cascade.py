@@ -179,11 +179,11 @@ price_per_1k_tokens = {PRICES["large"]}
 """
 
 
-def run_mode(mode: str, docs: list[Document], floor: float) -> dict[str, Any]:
+def run_mode(mode: str, docs: list[Document], floor: float | None = None) -> dict[str, Any]:
     model: Any = {"small": "small", "large": "large", "cascade": ["small", "large"]}[mode]
+    name = f"label_{mode}" + (f"_{floor}" if floor is not None else "")
 
-    @step(model=model, output=Area, max_tokens=8, name=f"label_{mode}",
-          min_confidence=floor if mode == "cascade" else None)
+    @step(model=model, output=Area, max_tokens=8, name=name, min_confidence=floor)
     def label(doc: Document) -> list[dict[str, str]]:
         return [{"role": "system", "content": PREAMBLE},
                 {"role": "user", "content": question(doc)}]
@@ -198,10 +198,15 @@ def run_mode(mode: str, docs: list[Document], floor: float) -> dict[str, Any]:
     steps = {r["step_id"]: r for r in wf.trace if r.get("type") == "step"}
     passed = cost = tokens = 0.0
     escalated = 0
-    confidences = []
+    confidences: list[float] = []
+    labels: list[str | None] = []
+    first_confidence: list[float | None] = []
     for doc, out in zip(docs, outs, strict=True):
         rec = steps[out.step_id]
-        ok = out.step_id not in wf.failures and out.value == doc.reference_area
+        value = None if out.step_id in wf.failures else out.value
+        labels.append(value)
+        first_confidence.append(rec["attempts"][0].get("confidence"))
+        ok = value == doc.reference_area
         passed += ok
         escalated += len({a["model"] for a in rec["attempts"]}) > 1
         for a in rec["attempts"]:
@@ -211,18 +216,48 @@ def run_mode(mode: str, docs: list[Document], floor: float) -> dict[str, Any]:
             if a.get("confidence") is not None:
                 confidences.append(a["confidence"])
     n = len(docs)
-    return {"mode": mode, "items": n, "pass_rate": round(passed / n, 4),
+    return {"mode": mode if floor is None else f"cascade@{floor}", "floor": floor,
+            "items": n, "pass_rate": round(passed / n, 4), "labels": labels,
+            "first_confidence": first_confidence,
             "contract_failures": len(wf.failures), "escalated": escalated,
             "tokens": int(tokens), "cost": round(cost, 6), "wall_s": round(wall_s, 1),
-            "small_confidence": sorted(round(c, 3) for c in confidences)}
+            "confidences": sorted(round(c, 3) for c in confidences)}
+
+
+def calibration(docs: list[Document], small: dict[str, Any],
+                cascade: dict[str, Any]) -> dict[str, Any]:
+    """Is the small model's confidence higher when its label is right? (Greedy decoding:
+    the cascade's first attempt is the small-only run's answer.)"""
+    right, wrong = [], []
+    for doc, label, conf in zip(docs, small["labels"], cascade["first_confidence"],
+                                strict=True):
+        if conf is not None:
+            (right if label == doc.reference_area else wrong).append(conf)
+
+    def mean(xs: list[float]) -> float | None:
+        return round(sum(xs) / len(xs), 3) if xs else None
+
+    return {"right": len(right), "wrong": len(wrong), "mean_confidence_right": mean(right),
+            "mean_confidence_wrong": mean(wrong)}
+
+
+def cascade_graph(docs: list[Document], floor: float) -> dict[str, Any]:
+    """The cascade run's graph, for the compiler's estimate after the runs."""
+    def node(i: int, doc: Document) -> dict[str, Any]:
+        return {"kind": "llm", "id": f"label_{i}", "name": f"label_cascade_{floor}",
+                "cascade": ["small", "large"], "min_confidence": floor,
+                "contract": {"choices": list(AREAS)}, "params": {"max_tokens": 8},
+                "messages": [{"role": "system", "content": [{"text": PREAMBLE}]},
+                             {"role": "user", "content": [{"text": question(doc)}]}]}
+    return {"nodes": [node(i, d) for i, d in enumerate(docs)]}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--engine", choices=("vllm", "fake"), default="vllm")
     parser.add_argument("--limit", type=int, default=None, help="first N documents")
-    parser.add_argument("--min-confidence", type=float, default=0.5,
-                        help="the cascade's confidence floor (default 0.5)")
+    parser.add_argument("--floors", default="0.7,0.8",
+                        help="confidence floors of the cascade runs (default 0.7,0.8)")
     args = parser.parse_args(argv)
     docs = load_documents(args.limit)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -240,36 +275,33 @@ def main(argv: list[str] | None = None) -> int:
             for shim in shims.values():
                 shim.proxy_url = base
             os.environ["FLOWLIFT_BASE_URL"] = base
-            rows = [run_mode(m, docs, args.min_confidence) for m in ("small", "large", "cascade")]
-            graph = {"nodes": [{"kind": "llm", "id": f"label_{i}", "name": "label_cascade",
-                                "cascade": ["small", "large"], "min_confidence":
-                                args.min_confidence, "contract": {"choices": list(AREAS)},
-                                "params": {"max_tokens": 8},
-                                "messages": [{"role": "system", "content": [{"text": PREAMBLE}]},
-                                             {"role": "user", "content": [
-                                                 {"text": question(d)}]}]}
-                               for i, d in enumerate(docs)]}
+            floors = [float(f) for f in args.floors.split(",")]
+            rows = [run_mode("small", docs), run_mode("large", docs),
+                    *(run_mode("cascade", docs, f) for f in floors)]
+            graph = cascade_graph(docs, floors[0])
             report = httpx.post(f"{base}/v1/workflows:compile", json=graph, timeout=120).json()
-    by = {r["mode"]: r for r in rows}
-    large = by["large"]
-    ratio = round(by["cascade"]["cost"] / large["cost"], 3) if large["cost"] else None
+    small, large, cascades = rows[0], rows[1], rows[2:]
     summary = {
         "engine": args.engine, "documents": len(docs), "prices_per_1k": PRICES,
-        "min_confidence": args.min_confidence, "modes": rows,
-        "cascade_vs_large": {
-            "cost_ratio": ratio,
-            "pass_rate_delta": round(by["cascade"]["pass_rate"] - large["pass_rate"], 4)},
+        "modes": rows,
+        "cascade_vs_large": [{
+            "floor": c["floor"], "cost_ratio": round(c["cost"] / large["cost"], 3),
+            "pass_rate_delta": round(c["pass_rate"] - large["pass_rate"], 4)}
+            for c in cascades],
+        "calibration": calibration(docs, small, cascades[0]),
         "compiler_after_runs": report.get("cascade_totals"),
-        "learned_failure_rates": report.get("cascades", [{}])[0].get("failure_rates")}
+        "learned_failure_rates": (report.get("cascades") or [{}])[0].get("failure_rates")}
     out = RESULTS / f"cascade.{args.engine}.json"
     out.write_text(json.dumps(summary, indent=1))
-    print(f"\n{'mode':<8} {'pass':>6} {'contract fail':>13} {'escalated':>9} {'tokens':>7} "
+    print(f"\n{'mode':<12} {'pass':>6} {'contract fail':>13} {'escalated':>9} {'tokens':>7} "
           f"{'cost':>8} {'wall s':>7}")
     for r in rows:
-        print(f"{r['mode']:<8} {r['pass_rate']:>6.1%} {r['contract_failures']:>13} "
+        print(f"{r['mode']:<12} {r['pass_rate']:>6.1%} {r['contract_failures']:>13} "
               f"{r['escalated']:>9} {r['tokens']:>7} {r['cost']:>8.4f} {r['wall_s']:>7}")
-    print(f"cascade / large-only cost: {summary['cascade_vs_large']['cost_ratio']}; "
-          f"compiler's estimate after the runs: {summary['compiler_after_runs']}")
+    print(f"cascade vs large-only: {summary['cascade_vs_large']}")
+    print(f"small model's confidence: {summary['calibration']}")
+    print(f"compiler's estimate after the runs (floor {floors[0]}): "
+          f"{summary['compiler_after_runs']}")
     print(f"written to {out}")
     return 0
 

@@ -348,6 +348,7 @@ class Run:
         if st.first_token_ms is None:
             self.trace.mark(node.id, "first_token")
         self.trace.mark(node.id, "generated")
+        assert attempt is not None  # set before the stream opened; errors raised above
         for field in ("prompt_tokens", "completion_tokens", "cached_tokens"):
             setattr(st, field, sum(getattr(a, field) for a in st.attempts))
         attempt.finished_ms = self.trace.now_ms()

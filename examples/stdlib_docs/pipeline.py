@@ -103,7 +103,7 @@ def extract(doc: Document) -> list[dict[str, Any]]:
 # proxy with) defines both names; a proxy without them runs classify on its default
 # model alone, and the pipeline says so.
 CASCADE = ("small", "large")
-MIN_CONFIDENCE = 0.5
+MIN_CONFIDENCE = 0.7
 
 
 def classify_prompt(doc: Document, facts: Any) -> list[dict[str, Any]]:
