@@ -124,9 +124,10 @@ def _cascade_lines(r: CompileReport) -> list[str]:
         if key in seen:
             continue
         seen.add(key)
-        rates = ", ".join(f"{m} {f:.0%} of {n}" for m, f, n in
-                          zip(c.models, c.failure_rates, c.observed, strict=True))
-        lines.append(f"  {key[0]}: failure rate {rates} seen")
+        rates = ", ".join(f"{m} {f:.0%} of {n} seen" if n else f"{m} {f:.0%} (prior)"
+                          for m, f, n in zip(c.models, c.failure_rates, c.observed,
+                                             strict=True))
+        lines.append(f"  {key[0]}: failure rate {rates}")
     return lines
 
 
