@@ -305,3 +305,11 @@ async def test_an_upstream_context_error_escalates_along_the_cascade(aiohttp_cli
                                             retries=2, contract={"choices": LABELS})])
     assert done["s_1"] == "spam" and len(fake.received) == 1
     assert "maximum context length" in steps["s_1"]["attempts"][0]["error"]
+
+
+def test_a_cascade_model_that_cannot_enforce_the_contract_is_a_chain_break():
+    graph = Graph.model_validate({"nodes": [llm("s_1", "x", cascade=["small", "plain"],
+                                                contract={"regex": "a+"})]})
+    report = compile_graph(graph, CompileOptions(enforces=lambda m: m != "plain")).report
+    assert [b.reason for b in report.breaks] == [
+        "contract not enforceable by plain's backend: checked after generation"]

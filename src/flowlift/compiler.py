@@ -378,10 +378,12 @@ def _report(graph: Graph, opts: CompileOptions, order: list[str],
               if isinstance(nodes[nid], ToolNode)]
     for nid in order:
         node = nodes[nid]
-        if (isinstance(node, LLMNode) and node.contract is not None
-                and not opts.enforces(model_of[nid])):
-            breaks.append(BreakReport(step_id=nid, reason=f"contract not enforceable by "
-                                      f"{model_of[nid]}'s backend: checked after generation"))
+        if not isinstance(node, LLMNode) or node.contract is None:
+            continue
+        for model in dict.fromkeys(m or opts.default_model for m in node.models()):
+            if not opts.enforces(model):
+                breaks.append(BreakReport(step_id=nid, reason=f"contract not enforceable by "
+                                          f"{model}'s backend: checked after generation"))
     critical_ms = max(tail.values(), default=0.0)
     work_ms = sum(cost.values())
     bound_ms = max(critical_ms, work_ms / max(opts.max_concurrency, 1))
