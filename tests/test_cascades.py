@@ -21,7 +21,8 @@ from flowlift.proxy.config import parse_config
 from flowlift.proxy.outcomes import StepOutcomes
 from flowlift.proxy.state import STATE
 from flowlift.report import format_report
-from flowlift.testing import FakeEngine, parse_sse
+from flowlift.testing import FakeEngine
+from tests.test_contract_retries import run as run_graph
 from tests.upstream_fake import FakeUpstream, chunk, sse_bytes
 
 LABELS = ["spam", "ham"]
@@ -33,13 +34,7 @@ def llm(node_id, text, **extra):
 
 
 async def run(client, nodes):
-    resp = await client.post("/v1/workflows", json={"nodes": nodes})
-    assert resp.status == 200, await resp.text()
-    events = parse_sse(await resp.text())
-    done = {d["step_id"]: d["value"] for e, d in events if e == "step.finished"}
-    failed = {d["step_id"]: d["error"] for e, d in events if e == "step.failed"}
-    steps = {r["step_id"]: r for r in events[-1][1]["trace"] if r["type"] == "step"}
-    return done, failed, steps
+    return await run_graph(client, *nodes)
 
 
 async def two_models(aiohttp_client, small, large, tmp_path=None):

@@ -44,6 +44,7 @@ async def proxy(aiohttp_client, engines):
 
 
 async def run(client, *nodes):
+    """Run ``nodes`` as one graph: (outputs, failures, trace step records) by step id."""
     resp = await client.post("/v1/workflows", json={"nodes": list(nodes)})
     assert resp.status == 200, await resp.text()
     events = parse_sse(await resp.text())
