@@ -85,8 +85,19 @@ def test_unknown_cascade_models_are_graph_errors():
 def test_graphs_without_the_new_fields_still_parse():
     old = {"version": "1", "nodes": [{"kind": "llm", "id": "a", "model": "m", "messages": [
         {"role": "user", "content": [{"text": "x"}]}], "contract": {"choices": ["p"]}}]}
-    node = Graph.model_validate(old).nodes[0]
+    graph = Graph.model_validate(old)
+    node = graph.nodes[0]
     assert node.cascade is None and node.retries == 0 and node.models() == ("m",)
+    wire = graph.to_wire()["nodes"][0]  # readable by proxies that predate the new fields
+    assert not {"retries", "cascade", "min_confidence"} & set(wire)
+    assert "regex" not in wire["contract"]
+    assert Graph.model_validate(graph.to_wire()) == graph
+
+
+def test_steps_with_different_cascades_are_not_merged_as_identical():
+    nodes = [llm("a_1", "same"), llm("a_2", "same", cascade=["small", "large"]),
+             llm("a_3", "same", retries=2), llm("a_4", "same")]
+    assert compile_graph(Graph.model_validate({"nodes": nodes})).merged_into == {"a_4": "a_1"}
 
 
 # -- escalation --------------------------------------------------------------------------

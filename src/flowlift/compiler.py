@@ -139,6 +139,7 @@ def _canonical(node: Node, canon: dict[str, str]) -> str | None:
         if not _deterministic(node):
             return None
         body = {"model": node.model, "params": node.params.model_dump(mode="json"),
+                "policy": [node.cascade, node.retries, node.min_confidence],
                 "contract": node.contract.model_dump(mode="json") if node.contract else None,
                 "messages": [[m.role, [ref(p) if isinstance(p, Ref) else p.text
                                        for p in m.content]] for m in node.messages]}

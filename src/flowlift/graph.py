@@ -29,7 +29,14 @@ import json
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 GRAPH_VERSION = "1"
 
@@ -69,6 +76,16 @@ class Params(_Model):
     seed: int | None = None
 
 
+def _drop(data: Any, defaults: dict[str, Any]) -> Any:
+    """Leave out fields added after version "1" shipped while they hold their defaults,
+    so graphs that do not use them stay readable by proxies that predate them."""
+    if isinstance(data, dict):
+        for key, default in defaults.items():
+            if key in data and data[key] == default:
+                del data[key]
+    return data
+
+
 class Contract(_Model):
     """What a step's output must satisfy: a JSON Schema, a fixed label set, or a regular
     expression the whole output must match (Python ``re.fullmatch`` syntax; vLLM
@@ -86,6 +103,10 @@ class Contract(_Model):
         if self.choices is not None and not self.choices:
             raise ValueError("contract.choices must hold at least one label")
         return self
+
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _drop(handler(self), {"regex": None})
 
 
 class Literal_(_Model):
@@ -130,6 +151,10 @@ class LLMNode(_Model):
             raise ValueError(f"model {self.model!r} must be the cascade's first model "
                              f"{self.cascade[0]!r} (or omitted)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _drop(handler(self), {"retries": 0, "cascade": None, "min_confidence": None})
 
     def models(self) -> tuple[str | None, ...]:
         """The models this step may run on, in order (``None``: the default model)."""
