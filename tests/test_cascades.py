@@ -319,3 +319,19 @@ def test_a_cascade_model_that_cannot_enforce_the_contract_is_a_chain_break():
     report = compile_graph(graph, CompileOptions(enforces=lambda m: m != "plain")).report
     assert [b.reason for b in report.breaks] == [
         "contract not enforceable by plain's backend: checked after generation"]
+
+
+async def test_an_upstream_content_filter_finish_escalates(aiohttp_client, aiohttp_server):
+    fake = FakeUpstream([FakeUpstream.stream(sse_bytes(chunk({"content": "I can"}),
+                                                       chunk({}, "content_filter")))])
+    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
+    large = FakeEngine(["large"])
+    app = create_app({"large": large}, file_config=parse_config({
+        "backends": {"up": {"kind": "openai", "base_url": url}},
+        "models": {"up": {"backends": ["up"]}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    done, _, steps = await run(client, [llm("s_1", "x", cascade=["up", "large"], retries=2,
+                                            contract={"choices": LABELS})])
+    assert done["s_1"] == "spam" and len(fake.received) == 1  # not retried on "up"
+    assert "content filter" in steps["s_1"]["attempts"][0]["error"]

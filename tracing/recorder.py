@@ -34,7 +34,8 @@ class AttemptTrace:
     (valid, but under the step's ``min_confidence``: escalated along its cascade), or
     ``error`` (the engine or upstream failed). ``error`` holds the reason for the last
     three. ``confidence``: the geometric mean of the output's token probabilities, when
-    the step asked for logprobs.
+    the step asked for logprobs. ``model``: the name the step asked for (a cascade's
+    ``small``/``large``; the served name when the step named none).
     """
 
     attempt: int
