@@ -14,6 +14,9 @@ Per model of the step (``LLMNode.models()``: its cascade, or its one model):
    :class:`~flowlift.errors.ContentRefused`), escalate to the next model with the
    step's original messages (FrugalGPT, Chen et al. 2023; LOTUS cascades).
 
+A backend that sends no logprobs gives no confidence: the floor cannot apply there,
+and the attempt's trace says so (its ``error`` note), rather than passing silently.
+
 Transport failures (timeouts, 5xx, 429, a broken stream) are *not* retried here: the
 proxy's :mod:`flowlift.proxy.attempts` is the one layer that retries them, and an
 engine error that comes out of it fails the step (no second layer, case T3; a route's
@@ -106,7 +109,9 @@ async def run_step(node: LLMNode, messages: Sequence[ChatMessage], attempt: Atte
                     convo = [*messages, *feedback(node.contract, out.text, exc)]
                 continue
             t.confidence = confidence(out.logprobs)
-            if floor is not None and t.confidence is not None and t.confidence < floor:
+            if floor is not None and t.confidence is None:  # visible, never silent
+                t.error = "the backend sent no logprobs: the confidence floor was not applied"
+            elif floor is not None and t.confidence is not None and t.confidence < floor:
                 t.outcome = "low_confidence"
                 t.error = f"confidence {t.confidence:.3f} under the floor {floor}"
                 failure = None

@@ -335,3 +335,33 @@ async def test_an_upstream_content_filter_finish_escalates(aiohttp_client, aioht
                                             contract={"choices": LABELS})])
     assert done["s_1"] == "spam" and len(fake.received) == 1  # not retried on "up"
     assert "content filter" in steps["s_1"]["attempts"][0]["error"]
+
+
+def _with_logprobs(text: str, logprob: float | None):
+    lp = None if logprob is None else {"content": [{"token": text, "logprob": logprob,
+                                                    "top_logprobs": []}]}
+    return FakeUpstream.stream(sse_bytes(
+        {**chunk({"content": text}), "choices": [{"index": 0, "delta": {"content": text},
+                                                  "logprobs": lp, "finish_reason": None}]},
+        chunk({}, "stop")))
+
+
+@pytest.mark.parametrize(("logprob", "models", "note"), [
+    (-2.0, ["up", "large"], None),  # p = 0.135 < 0.5: escalates
+    (-0.1, ["up"], None),  # p = 0.905: kept
+    (None, ["up"], "no logprobs")])  # the floor cannot apply, and the trace says so
+async def test_an_upstreams_logprobs_feed_the_confidence_floor(aiohttp_client, aiohttp_server,
+                                                              logprob, models, note):
+    fake = FakeUpstream([_with_logprobs("ham", logprob)])
+    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
+    app = create_app({"large": FakeEngine(["large"])}, file_config=parse_config({
+        "backends": {"up": {"kind": "openai", "base_url": url}},
+        "models": {"up": {"backends": ["up"]}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    _, _, steps = await run(client, [llm("s_1", "x", cascade=["up", "large"],
+                                         min_confidence=0.5, contract={"choices": LABELS})])
+    tries = steps["s_1"]["attempts"]
+    assert [t["model"] for t in tries] == models
+    assert fake.received[0].json()["logprobs"] is True
+    assert (note in (tries[0]["error"] or "")) if note else tries[-1]["outcome"] == "ok"
