@@ -241,7 +241,7 @@ def test_flowlift_compile_prices_flag(tmp_path):
     assert bad.returncode == 1 and "MODEL=PRICE" in bad.stderr
 
 
-def test_prices_come_from_the_config_file():
+async def test_prices_come_from_the_config_file(aiohttp_client):
     cfg = parse_config({"backends": {"local": {"kind": "embedded"}}, "models": {
         "small": {"backends": ["local"], "price_per_1k_tokens": 0.1},
         "large": {"backends": ["local"], "price_per_1k_tokens": 1.5},
@@ -249,7 +249,15 @@ def test_prices_come_from_the_config_file():
     assert cfg.prices() == {"small": 0.1, "large": 1.5}
     app = create_app({"m": FakeEngine(["m"])}, file_config=cfg)
     assert app[STATE].prices == {"small": 0.1, "large": 1.5}
-    assert {"small", "large"} <= app[STATE].backends.known()
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    graph = {"nodes": [llm("s_1", "x", cascade=["small", "large"])]}
+    report = await (await client.post("/v1/workflows:compile", json=graph)).json()
+    totals = report["cascade_totals"]
+    assert totals["expected_price"] < totals["last_only_price"]  # priced by the config
+    cheap = [llm("s_1", "x", cascade=["small", "free"])]  # an unpriced model: time only
+    report = await (await client.post("/v1/workflows:compile", json={"nodes": cheap})).json()
+    assert "expected_price" not in report["cascade_totals"]
 
 
 # -- one transport-retry layer (T3) on a fake upstream -----------------------------------
