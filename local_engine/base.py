@@ -65,12 +65,14 @@ class SamplingOptions:
 class OutputConstraint:
     """A structured-output constraint enforced by constrained decoding.
 
-    Exactly one of ``json_schema`` (a JSON Schema document) or ``choices`` (a fixed
-    label set; the output is exactly one of them) is set.
+    Exactly one of ``json_schema`` (a JSON Schema document), ``choices`` (a fixed
+    label set; the output is exactly one of them) or ``regex`` (the whole output
+    matches it) is set.
     """
 
     json_schema: dict[str, Any] | None = None
     choices: tuple[str, ...] | None = None
+    regex: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

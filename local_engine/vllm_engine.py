@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from flowlift.errors import EngineError, FlowliftError, ModelNotFound, RequestError
+from flowlift.errors import (
+    ContextLengthExceeded,
+    EngineError,
+    FlowliftError,
+    ModelNotFound,
+    RequestError,
+)
 from flowlift.local_engine.base import (
     Capabilities,
     Engine,
@@ -128,7 +134,8 @@ def translate_error(exc: BaseException, prompt_param: str = "messages") -> Flowl
     * flowlift errors pass through;
     * ``EngineDeadError`` (the engine core process died) -> :class:`EngineError`;
     * request validation errors (``VLLMClientError``, ``ValueError``, ``TypeError``) ->
-      :class:`RequestError`, with ``param=prompt_param`` (``"messages"``, or ``"prompt"``
+      :class:`RequestError` (:class:`ContextLengthExceeded` for a prompt past the
+      context), with ``param=prompt_param`` (``"messages"``, or ``"prompt"``
       for a raw prompt) for a prompt longer than the context and
       ``param="response_format"`` for a rejected structured-output schema;
     * anything else (``EngineGenerateError``, ...) -> :class:`EngineError`.
@@ -145,8 +152,8 @@ def translate_error(exc: BaseException, prompt_param: str = "messages") -> Flowl
     if client or isinstance(cause, ValueError | TypeError):
         low = text.lower()
         if "maximum model length" in low or "max_model_len" in low:
-            return RequestError(f"the prompt is too long for the model: {text}",
-                                param=prompt_param)
+            return ContextLengthExceeded(f"the prompt is too long for the model: {text}",
+                                         param=prompt_param)
         if any(k in low for k in ("structured", "schema", "grammar", "choice", "json")):
             return RequestError(f"the output constraint was rejected: {text}",
                                 param="response_format")
@@ -241,7 +248,7 @@ class VLLMEngine(Engine):
         if not ids:
             raise RequestError("the prompt is empty (no tokens); send some text", param=param)
         if len(ids) >= self.config.max_model_len:
-            raise RequestError(
+            raise ContextLengthExceeded(
                 f"the prompt has {len(ids)} tokens; {request.model} takes at most "
                 f"{self.config.max_model_len - 1} (its context is "
                 f"{self.config.max_model_len} tokens, prompt plus completion)",
@@ -272,6 +279,8 @@ class VLLMEngine(Engine):
             if not c.choices:
                 raise RequestError("choices must not be empty", param="response_format")
             structured = StructuredOutputsParams(choice=list(c.choices))
+        elif c is not None and c.regex is not None:
+            structured = StructuredOutputsParams(regex=c.regex)
         return SamplingParams(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
             stop=list(s.stop) or None, seed=s.seed, structured_outputs=structured,

@@ -27,6 +27,7 @@ from flowlift.proxy import openai_api, progress_api, sessions_api, ui, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
+from flowlift.proxy.outcomes import StepOutcomes
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.registry import RunRegistry
 from flowlift.proxy.sessions import SessionTable
@@ -112,6 +113,7 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         await engine.close()
     await state.providers.aclose()
     state.runs.store.close()
+    state.runs.outcomes.close()
 
 
 def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None, *,
@@ -154,12 +156,16 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     if not backends.models:
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")
+    state_path = config.state_path or ":memory:"
     app[STATE] = ProxyState(
         backends=backends,
         providers=providers,
-        runs=RunRegistry(RunStore(config.state_path or ":memory:"), config.trace_dir,
-                         detached_timeout_s=config.detached_timeout_s),
-        config=config, residency=residency)
+        runs=RunRegistry(RunStore(state_path), config.trace_dir,
+                         detached_timeout_s=config.detached_timeout_s,
+                         outcomes=StepOutcomes(state_path,
+                                               default_model=backends.default_model)),
+        config=config, residency=residency,
+        prices=file_config.prices() if file_config else {})
     if residency is not None:
         runs = app[STATE].runs
         residency.lookahead = lambda: runs.lookahead(backends.canonical)

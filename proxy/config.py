@@ -27,6 +27,7 @@ A TOML file (``flowlift serve --config flowlift.toml``)::
     fallbacks = ["openai"]               # in order, when no replica can answer
     total_timeout_s = 600                # the request's whole budget, retries included
     max_attempts = 4
+    price_per_1k_tokens = 0.6            # optional: the unit of cascade cost estimates
 
 Every problem is reported at once, naming its field (``ConfigError``); upstream keys are
 read from the environment when the file is loaded, so a missing secret fails at start.
@@ -102,6 +103,9 @@ class ModelSpec(_Strict):
     fallbacks: list[str] = Field(default_factory=list)
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_attempts: int = Field(default=4, ge=1, le=20)
+    price_per_1k_tokens: float | None = Field(default=None, ge=0)
+    """Price of 1,000 tokens (prompt + completion) on this model, in any currency: the
+    unit of the compiler's cascade cost estimate."""
 
 
 class FileConfig(_Strict):
@@ -123,6 +127,11 @@ class FileConfig(_Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def prices(self) -> dict[str, float]:
+        """Model name -> price per 1,000 tokens, for the models that set one."""
+        return {name: spec.price_per_1k_tokens for name, spec in self.models.items()
+                if spec.price_per_1k_tokens is not None}
 
     def proxy_keys(self) -> frozenset[str]:
         """The proxy API keys clients must present (empty: no auth)."""

@@ -1,17 +1,26 @@
 """Compiling graphs inside the proxy: the compiler fed with this proxy's tokenizers,
-measured cost models and backend capabilities."""
+measured cost models, backend capabilities, learned failure rates and prices."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from flowlift.compiler import CompileOptions, Plan, approximate_tokenize, compile_graph
+from flowlift.compiler import (
+    CompileOptions,
+    Plan,
+    approximate_tokenize,
+    compile_graph,
+    no_outcomes,
+)
 from flowlift.costs import CostModel, CostTracker
 from flowlift.graph import Graph
 from flowlift.proxy.backends import Backends
+from flowlift.proxy.outcomes import StepOutcomes
 
 
-def compile_options(backends: Backends, costs: CostTracker) -> CompileOptions:
+def compile_options(backends: Backends, costs: CostTracker,
+                    outcomes: StepOutcomes | None = None,
+                    prices: Mapping[str, float] | None = None) -> CompileOptions:
     def tokenize(model: str, text: str) -> Sequence[int]:
         name = backends.canonical(model)
         if name in backends.models:
@@ -28,11 +37,17 @@ def compile_options(backends: Backends, costs: CostTracker) -> CompileOptions:
         return name not in backends.models or \
             backends.resolve(name)[1].engine.capabilities.structured_outputs
 
+    priced = dict(prices or {})
     return CompileOptions(default_model=backends.default_model, tokenize=tokenize,
                           costs=cost, enforces=enforces,
-                          max_concurrency=sum(b.max_concurrency for b in backends.backends))
+                          max_concurrency=sum(b.max_concurrency for b in backends.backends),
+                          outcomes=outcomes.counts if outcomes is not None else no_outcomes,
+                          price=priced.get)
 
 
-def plan(graph: Graph, backends: Backends, costs: CostTracker) -> Plan:
-    """Compile ``graph`` for this proxy (pure; run it off the event loop for big graphs)."""
-    return compile_graph(graph, compile_options(backends, costs))
+def plan(graph: Graph, backends: Backends, costs: CostTracker,
+         outcomes: StepOutcomes | None = None,
+         prices: Mapping[str, float] | None = None) -> Plan:
+    """Compile ``graph`` for this proxy (pure; run it off the event loop for big graphs):
+    measured cost models, learned failure rates per (step, model), configured prices."""
+    return compile_graph(graph, compile_options(backends, costs, outcomes, prices))

@@ -23,6 +23,7 @@ from flowlift.errors import RequestError
 from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.backends import Backends
+from flowlift.proxy.outcomes import StepOutcomes
 from flowlift.proxy.planning import plan
 from flowlift.proxy.runs import Run
 from flowlift.proxy.store import RunStore, StoredRun
@@ -36,8 +37,10 @@ class RunRegistry:
 
     def __init__(self, store: RunStore | None = None, trace_dir: Path | None = None,
                  keep: int = 1024, ttl_s: float = 3600.0,
-                 detached_timeout_s: float = 300.0) -> None:
+                 detached_timeout_s: float = 300.0,
+                 outcomes: StepOutcomes | None = None) -> None:
         self.store = store or RunStore(":memory:")
+        self.outcomes = outcomes or StepOutcomes(":memory:")
         self.active: dict[str, Run] = {}
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
         self.trace_dir = trace_dir
@@ -63,7 +66,8 @@ class RunRegistry:
         if graph.id is not None and (graph.id in self.active or self.store.exists(graph.id)):
             raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
                                "fresh one", param="id")
-        run = Run(graph, backends, run_plan, costs, sink=self.store.append)
+        run = Run(graph, backends, run_plan, costs, sink=self.store.append,
+                  outcomes=self.outcomes)
         self.store.create(run.run_id, graph.to_wire())
         self._activate(run)
         return run
@@ -73,8 +77,9 @@ class RunRegistry:
         resumed = []
         for stored in self.store.unfinished():
             graph = Graph.model_validate(stored.graph)
-            run = Run(graph, backends, plan(graph, backends, costs), costs,
-                      run_id=stored.run_id, sink=self.store.append, restored=stored)
+            run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
+                      run_id=stored.run_id, sink=self.store.append, restored=stored,
+                      outcomes=self.outcomes)
             self._activate(run)
             resumed.append(run)
             log.info("run_resumed", workflow_id=run.run_id, done=len(run.outputs),

@@ -42,9 +42,10 @@ from flowlift.local_engine.base import (
     SamplingOptions,
 )
 from flowlift.proxy.backends import Backends
-from flowlift.proxy.contracts import check_output
+from flowlift.proxy.cascade import Generated, run_step
 from flowlift.proxy.deadline import DeadlineClock
 from flowlift.proxy.events import EventLog
+from flowlift.proxy.outcomes import StepOutcomes
 from flowlift.proxy.scheduler import Priority
 from flowlift.proxy.store import StoredRun
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
@@ -71,8 +72,10 @@ class Run:
     def __init__(self, graph: Graph, backends: Backends, plan: Plan | None = None,
                  costs: CostTracker | None = None, *, run_id: str | None = None,
                  sink: Callable[[str, int, str, dict[str, Any]], None] | None = None,
-                 restored: StoredRun | None = None) -> None:
+                 restored: StoredRun | None = None,
+                 outcomes: StepOutcomes | None = None) -> None:
         self.graph = graph
+        self.outcomes = outcomes
         self.backends = backends
         self.plan = plan
         self.costs = costs
@@ -274,45 +277,65 @@ class Run:
         return [ChatMessage(t.role, self._render(t.content)) for t in templates]
 
     async def _llm(self, node: LLMNode) -> Any:
-        model, backend = self.backends.resolve(node.model)
+        """Contract check, retries and cascade (:mod:`flowlift.proxy.cascade`) over
+        :meth:`_attempt`, one generation each."""
+        messages = self._messages(node.messages)
+        record = None if self.outcomes is None else self.outcomes.record
+        value, model = await run_step(node, messages,
+                                      functools.partial(self._attempt, node), record)
+        self.trace.step(node.id).model = self.backends.canonical(model)
+        return value
+
+    async def _attempt(self, node: LLMNode, want: str | None,
+                       messages: list[ChatMessage], *, logprobs: bool) -> Generated:
+        """One generation of ``node`` on model ``want``; every try is an
+        :class:`AttemptTrace` in the step's ``attempts``."""
+        model, backend = self.backends.resolve(want)
         p = node.params
         contract = node.contract
-        request = GenerationRequest(
-            request_id=f"{self.run_id}:{node.id}", model=model,
-            messages=self._messages(node.messages),
-            sampling=SamplingOptions(max_tokens=p.max_tokens, temperature=p.temperature,
-                                     top_p=p.top_p, stop=p.stop, seed=p.seed),
-            constraint=(OutputConstraint(json_schema=contract.json_schema,
-                                         choices=contract.choices) if contract else None),
-            session_id=self.run_id)
         st = self.trace.step(node.id)
+        number = len(st.attempts) + 1
+        request = GenerationRequest(
+            request_id=f"{self.run_id}:{node.id}" + (f":{number}" if number > 1 else ""),
+            model=model, messages=messages,
+            sampling=SamplingOptions(max_tokens=p.max_tokens, temperature=p.temperature,
+                                     top_p=p.top_p, stop=p.stop, seed=p.seed,
+                                     logprobs=0 if logprobs else None),
+            constraint=(OutputConstraint(json_schema=contract.json_schema,
+                                         choices=contract.choices, regex=contract.regex)
+                        if contract else None),
+            session_id=self.run_id)
         st.model = model
         pieces: list[str] = []
-        await self._await_warm(node.id)
+        tokens_lp: list[Any] = []
+        if number == 1:
+            await self._await_warm(node.id)
         priority = self._priority(node.id)
         attempt: AttemptTrace | None = None
         try:
             tokens = int(self.plan.uncached_tokens.get(node.id, 0)) if self.plan else 0
             async with backend.slots.slot(priority, tokens) as slot:
-                self.trace.mark(node.id, "started", status="running")
-                attempt = AttemptTrace(len(st.attempts) + 1, model, self.trace.now_ms())
+                if st.started_ms is None:
+                    self.trace.mark(node.id, "started", status="running")
+                attempt = AttemptTrace(number, want or model, self.trace.now_ms())
                 st.attempts.append(attempt)
                 engine_priority = 0 if self.backends.fcfs else priority.engine_priority()
                 stream = backend.engine.generate(
                     dataclasses.replace(request, priority=engine_priority))
                 try:
                     async for chunk in stream:
-                        if chunk.text and st.first_token_ms is None:
-                            self.trace.mark(node.id, "first_token")
-                            attempt.first_token_ms = st.first_token_ms
+                        if chunk.text and attempt.first_token_ms is None:
+                            attempt.first_token_ms = self.trace.now_ms()
+                            if st.first_token_ms is None:
+                                self.trace.mark(node.id, "first_token")
                             slot.prefilled()
                             self._warmed(node.id)
                         pieces.append(chunk.text)
+                        tokens_lp.extend(chunk.logprobs or ())
                         if chunk.usage is not None:
-                            st.prompt_tokens = attempt.prompt_tokens = chunk.usage.prompt_tokens
-                            st.completion_tokens = attempt.completion_tokens = (
-                                chunk.usage.completion_tokens)
-                            st.cached_tokens = attempt.cached_tokens = chunk.usage.cached_tokens
+                            attempt.prompt_tokens = chunk.usage.prompt_tokens
+                            attempt.completion_tokens = chunk.usage.completion_tokens
+                            attempt.cached_tokens = chunk.usage.cached_tokens
                 finally:
                     await stream.aclose()  # type: ignore[attr-defined]
         except BaseException as exc:
@@ -325,26 +348,21 @@ class Run:
         if st.first_token_ms is None:
             self.trace.mark(node.id, "first_token")
         self.trace.mark(node.id, "generated")
-        self._observe(model, st)
-        assert attempt is not None
-        try:
-            value = check_output(contract, "".join(pieces), step_id=node.id)
-        except FlowliftError as exc:
-            attempt.outcome, attempt.error = "contract_failed", exc.message
-            raise
-        finally:
-            attempt.finished_ms = self.trace.now_ms()
-        attempt.outcome = "ok"
-        return value
+        assert attempt is not None  # set before the stream opened; errors raised above
+        for field in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+            setattr(st, field, sum(getattr(a, field) for a in st.attempts))
+        attempt.finished_ms = self.trace.now_ms()
+        self._observe(model, attempt)
+        return Generated("".join(pieces), attempt, tokens_lp)
 
-    def _observe(self, model: str, st: Any) -> None:
-        if self.costs is None or st.started_ms is None:
+    def _observe(self, model: str, at: AttemptTrace) -> None:
+        if self.costs is None or at.first_token_ms is None or at.finished_ms is None:
             return
-        self.costs.observe(model, prompt_tokens=st.prompt_tokens,
-                           cached_tokens=st.cached_tokens,
-                           completion_tokens=st.completion_tokens,
-                           prefill_ms=st.first_token_ms - st.started_ms,
-                           decode_ms=st.generated_ms - st.first_token_ms)
+        self.costs.observe(model, prompt_tokens=at.prompt_tokens,
+                           cached_tokens=at.cached_tokens,
+                           completion_tokens=at.completion_tokens,
+                           prefill_ms=at.first_token_ms - at.started_ms,
+                           decode_ms=at.finished_ms - at.first_token_ms)
 
     async def _tool(self, node: ToolNode) -> Any:
         def arg(a: Any) -> Any:

@@ -67,6 +67,8 @@ class ProxyState:
     load_error: str | None = None
     load_time_s: float | None = None
     residency: ResidencyManager | None = None
+    prices: dict[str, float] = field(default_factory=dict)
+    """Model name -> price per 1,000 tokens (config ``[models."x"] price_per_1k_tokens``)."""
 
 
 STATE: web.AppKey[ProxyState] = web.AppKey("flowlift", ProxyState)

@@ -7,6 +7,7 @@ httpx is the only place upstream errors come from; :func:`translate` turns them 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Mapping
@@ -17,7 +18,13 @@ from email.utils import parsedate_to_datetime
 import httpx
 from httpx_aiohttp import AiohttpTransport
 
-from flowlift.errors import RequestError, UpstreamError
+from flowlift.errors import (
+    ContentRefused,
+    ContextLengthExceeded,
+    FlowliftError,
+    RequestError,
+    UpstreamError,
+)
 from flowlift.proxy.config import UpstreamSpec
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529})
@@ -207,3 +214,28 @@ async def error_from(resp: httpx.Response, backend: str) -> UpstreamError:
                          status=resp.status_code, body=body,
                          retryable=resp.status_code in RETRYABLE_STATUS,
                          retry_after_s=retry_after_s(resp.headers), backend=backend)
+
+
+_CONTEXT_CODES = frozenset({"context_length_exceeded", "string_above_max_length"})
+_POLICY_CODES = frozenset({"content_filter", "content_policy_violation"})
+
+
+def unretryable(exc: UpstreamError, model: str) -> FlowliftError | None:
+    """The typed error of an upstream answer no retry on the same model can change: a
+    prompt past the model's context (:class:`ContextLengthExceeded`) or a content-policy
+    refusal (:class:`ContentRefused`), read from the OpenAI error body's ``code``
+    (``context_length_exceeded``, ``content_filter``, ``content_policy_violation``).
+    ``None`` for anything else."""
+    if exc.body is None or exc.status >= 500:
+        return None
+    try:
+        err = json.loads(exc.body).get("error") or {}
+        code = str(err.get("code") or err.get("type") or "")
+        message = str(err.get("message") or "")
+    except (ValueError, AttributeError):
+        return None
+    if code in _CONTEXT_CODES:
+        return ContextLengthExceeded(f"model {model!r}: {message or code}", param="messages")
+    if code in _POLICY_CODES:
+        return ContentRefused(f"model {model!r} refused the content: {message or code}")
+    return None

@@ -18,18 +18,19 @@ from typing import Any
 import httpx
 import orjson
 
-from flowlift.errors import EngineError, RequestError, UpstreamError
+from flowlift.errors import ContentRefused, EngineError, RequestError, UpstreamError
 from flowlift.local_engine.base import (
     Capabilities,
     Engine,
     GenerationChunk,
     GenerationRequest,
+    TokenLogprob,
     Usage,
 )
 from flowlift.proxy.attempts import Opened, open_answer
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.routing import Route
-from flowlift.proxy.upstream import translate
+from flowlift.proxy.upstream import translate, unretryable
 
 
 def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
@@ -46,6 +47,10 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
                        ("frequency_penalty", s.frequency_penalty)):
         if value:
             body[key] = value
+    if s.logprobs is not None:  # a cascade's confidence floor needs them
+        body["logprobs"] = True
+        if s.logprobs:
+            body["top_logprobs"] = s.logprobs
     constraint = request.constraint
     if constraint is not None and constraint.json_schema is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {
@@ -54,6 +59,10 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
         labels = ", ".join(constraint.choices)
         body["messages"] = [{"role": "system", "content": "Answer with exactly one of: "
                              f"{labels}. Nothing else."}, *body["messages"]]
+    elif constraint is not None and constraint.regex is not None:
+        body["messages"] = [{"role": "system", "content": "Answer with text that matches "
+                             f"the regular expression {constraint.regex} as a whole. "
+                             "Nothing else."}, *body["messages"]]
     if request.prompt is not None:
         raise RequestError("raw prompts go to /v1/completions; upstream workflow steps use "
                            "chat messages", param="prompt")
@@ -67,8 +76,18 @@ def _usage(doc: dict[str, Any]) -> Usage:
                  cached_tokens=details.get("cached_tokens") or 0)
 
 
-def _read_event(data: str, backend: str) -> tuple[str, str | None, Usage | None]:
-    """(text of choice 0, finish_reason, usage) of one chat.completion.chunk.
+def _token_logprobs(choice: dict[str, Any]) -> tuple[TokenLogprob, ...]:
+    """OpenAI's ``choices[].logprobs.content`` as :class:`TokenLogprob` entries."""
+    entries = (choice.get("logprobs") or {}).get("content") or ()
+    return tuple(TokenLogprob(e.get("token", ""), float(e.get("logprob", 0.0)), tuple(
+        (t.get("token", ""), float(t.get("logprob", 0.0))) for t in e.get("top_logprobs") or ()))
+        for e in entries if isinstance(e, dict))
+
+
+def _read_event(data: str, backend: str
+                ) -> tuple[str, str | None, Usage | None, tuple[TokenLogprob, ...]]:
+    """(text of choice 0, finish_reason, usage, token logprobs) of one
+    chat.completion.chunk.
 
     Raises:
         EngineError: an in-band error event, or an event that is not JSON.
@@ -80,20 +99,21 @@ def _read_event(data: str, backend: str) -> tuple[str, str | None, Usage | None]
             from None
     if "error" in doc:
         raise EngineError(f"backend {backend!r}: {(doc['error'] or {}).get('message')}")
-    text, finish = "", None
+    text, finish, logprobs = "", None, ()
     for choice in doc.get("choices") or ():
         if choice.get("index", 0) == 0:
             text = (choice.get("delta") or {}).get("content") or ""
             finish = choice.get("finish_reason")
-    return text, finish, _usage(doc["usage"]) if doc.get("usage") else None
+            logprobs = _token_logprobs(choice)
+    return text, finish, _usage(doc["usage"]) if doc.get("usage") else None, logprobs
 
 
 class UpstreamEngine(Engine):
     """Serves ``route.model`` from the route's upstream backends.
 
     Constrained outputs are asked for with ``response_format: json_schema``; a label set
-    becomes an instruction (upstreams have no portable choice constraint), so the
-    proxy's contract check is what enforces it (case W3).
+    or a regex becomes an instruction (upstreams have no portable choice or regex
+    constraint), so the proxy's contract check is what enforces it (case W3).
     """
 
     capabilities = Capabilities(structured_outputs=True, abort=True)
@@ -117,7 +137,8 @@ class UpstreamEngine(Engine):
                                                   "model": up.upstream_model(self.route.model)}),
                 headers={}, stream="events", affinity=request.session_id)
         except UpstreamError as exc:
-            raise EngineError(f"model {self.route.model!r}: {exc.message}") from None
+            raise unretryable(exc, self.route.model) or EngineError(
+                f"model {self.route.model!r}: {exc.message}") from None
         if isinstance(opened, tuple):
             _, backend = opened
             async for chunk in backend.engine.generate(request):
@@ -150,6 +171,9 @@ class UpstreamEngine(Engine):
             raise EngineError(f"backend {opened.upstream.name!r} ended the stream before it "
                               "finished")
         opened.upstream.health.success()
+        if finish == "content_filter":
+            raise ContentRefused(f"model {self.route.model!r}: the answer was cut by the "
+                                 "provider's content filter")
         yield GenerationChunk("", finish_reason=finish, usage=usage)
 
     @staticmethod
@@ -161,10 +185,10 @@ class UpstreamEngine(Engine):
         idle_s = opened.upstream.spec.idle_timeout_s
         event = opened.first
         while event is not None and event.data != "[DONE]":
-            text, finish_now, usage_now = _read_event(event.data, opened.upstream.name)
+            text, finish_now, usage_now, lps = _read_event(event.data, opened.upstream.name)
             finish, usage = finish_now or finish, usage_now or usage
-            if text:
-                yield GenerationChunk(text)
+            if text or lps:
+                yield GenerationChunk(text, logprobs=lps or None)
             async with asyncio.timeout(idle_s):  # not around the yield: the consumer's
                 event = await anext(opened.events, None)  # type: ignore[arg-type]
         if event is not None:

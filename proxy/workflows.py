@@ -85,7 +85,8 @@ async def _replay(events: list[Event], after: int):  # type: ignore[no-untyped-d
 async def start_workflow(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     graph = parse_graph(await read_json(request), state.backends)
-    run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs)
+    run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs,
+                                     state.runs.outcomes, state.prices)
     run = state.runs.start(graph, state.backends, state.costs, run_plan)
     log.info("run_started", workflow_id=run.run_id, name=graph.name, steps=len(graph.nodes))
     return await _send(request, run.log.follow(0), run)
@@ -110,7 +111,8 @@ async def compile_workflow(request: web.Request) -> web.Response:
     """The compiler's report for a graph, under this proxy's measured cost models."""
     state = request.app[STATE]
     graph = parse_graph(await read_json(request), state.backends)
-    run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs)
+    run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs,
+                                     state.runs.outcomes, state.prices)
     return web.json_response(run_plan.report.model_dump(mode="json"))
 
 
@@ -132,7 +134,8 @@ async def get_run(request: web.Request) -> web.Response:
     run = runs.active.get(run_id) or runs.finished.get(run_id)
     if run is None and run_id in state.inferred:
         def report(graph: Graph) -> dict[str, Any]:
-            return plan(graph, state.backends, state.costs).report.model_dump(mode="json")
+            return plan(graph, state.backends, state.costs, state.runs.outcomes,
+                        state.prices).report.model_dump(mode="json")
         described = await asyncio.to_thread(state.inferred.describe, run_id, report)
         if described is not None:
             return web.json_response(described)

@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec .venv/bin/flowlift run examples/stdlib_docs/pipeline.py "$@"
+exec .venv/bin/flowlift run --config examples/stdlib_docs/flowlift.toml \
+    examples/stdlib_docs/pipeline.py "$@"

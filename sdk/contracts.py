@@ -1,13 +1,15 @@
 """Turning a step's ``output=`` into a graph contract, and raw outputs back into values.
 
 Supported: a pydantic model class (JSON Schema, parsed back into the model), a
-``Literal[...]`` or ``Enum`` (a fixed label set), a JSON Schema ``dict``, or ``None``
-(plain text).
+``Literal[...]`` or ``Enum`` (a fixed label set), a JSON Schema ``dict``, a regular
+expression (``re.compile(...)`` or :class:`Regex`; the whole output must match), or
+``None`` (plain text).
 """
 
 from __future__ import annotations
 
 import enum
+import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +19,25 @@ from pydantic import BaseModel
 
 from flowlift.errors import UserError
 from flowlift.graph import Contract
+
+
+@dataclass(frozen=True, slots=True)
+class Regex:
+    """A regex contract: the step's whole output must match ``pattern``
+    (``re.fullmatch``; vLLM constrains decoding to it).
+
+    Raises:
+        UserError: when ``pattern`` does not compile.
+    """
+
+    pattern: str
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:
+            raise UserError(f"output=Regex({self.pattern!r}) does not compile: {exc}",
+                            param="output") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +71,14 @@ def output_spec(output: Any) -> OutputSpec:
         return OutputSpec(Contract(choices=labels), _identity)
     if isinstance(output, dict):
         return OutputSpec(Contract(json_schema=output), _identity)
+    if isinstance(output, re.Pattern):
+        if output.flags & ~re.UNICODE:
+            raise UserError("regex flags do not travel in a contract: write them inline, "
+                            "e.g. re.compile('(?i)yes|no')", param="output")
+        output = Regex(output.pattern)
+    if isinstance(output, Regex):
+        return OutputSpec(Contract(regex=output.pattern), _identity)
     raise UserError(f"unsupported step output {output!r}: use a pydantic model, "
-                    "Literal['a', 'b'], an Enum, a JSON Schema dict, or None for text",
+                    "Literal['a', 'b'], an Enum, a JSON Schema dict, re.compile(...) / "
+                    "Regex('...'), or None for text",
                     param="output")

@@ -70,9 +70,13 @@ class Step(Generic[P]):
     """A prompt-returning function that runs on a model. Created by :func:`step`."""
 
     def __init__(self, fn: Callable[P, Any], *, model: str | None, spec: OutputSpec,
-                 params: Params, name: str | None) -> None:
+                 params: Params, name: str | None, cascade: tuple[str, ...] | None = None,
+                 retries: int = 0, min_confidence: float | None = None) -> None:
         self.fn = fn
         self.model = model
+        self.cascade = cascade
+        self.retries = retries
+        self.min_confidence = min_confidence
         self.spec = spec
         self.params = params
         self.name = name or fn.__name__
@@ -88,7 +92,8 @@ class Step(Generic[P]):
         prompt = self.fn(*args, **kwargs)
         node = LLMNode(id=wf.new_id(self.name), name=self.name, model=self.model,
                        messages=_messages(prompt, wf, self.name), params=self.params,
-                       contract=self.spec.contract)
+                       contract=self.spec.contract, retries=self.retries,
+                       cascade=self.cascade, min_confidence=self.min_confidence)
         return wf.add_node(node, parse=self.spec.parse, fields=self.spec.fields)
 
 
@@ -112,30 +117,53 @@ class Tool(Generic[P, R]):
 @overload
 def step(fn: Callable[P, Any], /) -> Step[P]: ...
 @overload
-def step(*, model: str | None = None, output: Any = None, max_tokens: int | None = 256,
-         temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
-         seed: int | None = None, name: str | None = None
+def step(*, model: str | Sequence[str] | None = None, output: Any = None,
+         max_tokens: int | None = 256, temperature: float = 0.0, top_p: float = 1.0,
+         stop: Sequence[str] = (), seed: int | None = None, name: str | None = None,
+         retries: int = 0, min_confidence: float | None = None
          ) -> Callable[[Callable[P, Any]], Step[P]]: ...
 
 
-def step(fn: Callable[P, Any] | None = None, /, *, model: str | None = None,
+def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | None = None,
          output: Any = None, max_tokens: int | None = 256, temperature: float = 0.0,
          top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
-         name: str | None = None) -> Any:
+         name: str | None = None, retries: int = 0,
+         min_confidence: float | None = None) -> Any:
     """Mark a function that returns a prompt as an LLM step.
 
     Args:
-        model: served model name; ``None`` uses the proxy's default model.
+        model: served model name; ``None`` uses the proxy's default model; a list of
+            names is a cascade (FrugalGPT): each call runs on the first, and an output
+            that fails its contract (after ``retries``) or ``min_confidence`` escalates
+            to the next.
         output: the contract: a pydantic model (schema-constrained decoding, parsed into
             the model), ``Literal[...]``/``Enum`` (one of fixed labels), a JSON Schema
-            dict, or ``None`` for text.
+            dict, a regex (``re.compile(...)`` or ``Regex("...")``: the whole output must
+            match), or ``None`` for text.
         max_tokens, temperature, top_p, stop, seed: sampling (OpenAI meanings).
         name: node name prefix (default: the function's name).
+        retries: re-runs of this step alone, per model, when its output fails the
+            contract; the validation errors are fed back to the model (0 to 10).
+        min_confidence: in (0, 1]: escalate outputs whose geometric-mean token
+            probability is lower (only with a cascade; needs engine logprobs).
 
     Raises:
-        UserError: for an unsupported ``output`` or bad sampling values.
+        UserError: for an unsupported ``output``, bad sampling values, an empty cascade,
+            or a bad ``retries`` / ``min_confidence``.
     """
     spec = output_spec(output)
+    cascade = None
+    if model is not None and not isinstance(model, str):
+        cascade = tuple(model)
+        if not cascade or not all(isinstance(m, str) and m for m in cascade):
+            raise UserError(f"model={model!r}: a cascade is a non-empty list of model "
+                            "names", param="model")
+        model = cascade[0]
+    if not 0 <= retries <= 10:
+        raise UserError(f"retries={retries}: must be 0 to 10", param="retries")
+    if min_confidence is not None and not 0 < min_confidence <= 1:
+        raise UserError(f"min_confidence={min_confidence}: must be in (0, 1]",
+                        param="min_confidence")
     try:
         params = Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                         stop=tuple(stop), seed=seed)
@@ -143,7 +171,8 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | None = None,
         raise UserError(f"bad sampling parameters: {exc}", param="params") from None
 
     def wrap(f: Callable[P, Any]) -> Step[P]:
-        return Step(f, model=model, spec=spec, params=params, name=name)
+        return Step(f, model=model, spec=spec, params=params, name=name, cascade=cascade,
+                    retries=retries, min_confidence=min_confidence)
 
     return wrap(fn) if fn is not None else wrap
 

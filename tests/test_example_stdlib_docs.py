@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import io
 import json
+import zlib
 
 from examples.stdlib_docs import pipeline
 from examples.stdlib_docs.corpus import MAX_CHARS, MIN_CHARS, load_documents, truncate
@@ -56,3 +57,48 @@ async def test_pipeline_runs_on_the_fake_engine(client, tmp_path, monkeypatch):
     assert "module" in text and "summary" in text and "tool_wait" in text
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert records[0]["type"] == "run" and len(records) == 1 + 12
+
+
+async def test_pipeline_classifies_on_the_cascade_of_its_config(aiohttp_client, tmp_path,
+                                                               monkeypatch):
+    from pathlib import Path
+
+    from flowlift.proxy import create_app
+    from flowlift.proxy.config import load_config
+    from flowlift.proxy.state import STATE
+    from flowlift.testing import FakeEngine, default_responder
+
+    config = load_config(Path(pipeline.__file__).with_name("flowlift.toml"))
+    def responder(request):  # a label that depends on the document, so do its logprobs
+        c = request.constraint
+        if c is not None and c.choices:
+            return c.choices[zlib.crc32(request.messages[-1].content.encode()) % len(c.choices)]
+        return default_responder(request)
+
+    def logprob(token):  # the fake is unsure of two areas only
+        return -2.0 if token.strip() in ("networking", "text", "processing") else -0.05
+
+    engine = FakeEngine(["fake-model"], responder=responder, logprob=logprob)
+    app = create_app({"fake-model": engine}, file_config=config)
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    monkeypatch.setenv("FLOWLIFT_BASE_URL", str(client.make_url("")).rstrip("/"))
+    trace = tmp_path / "t.jsonl"
+    out = io.StringIO()
+
+    def run() -> int:
+        with contextlib.redirect_stdout(out):
+            return pipeline.main(["--limit", "6", "--trace", str(trace)])
+
+    assert await asyncio.to_thread(run) == 0, out.getvalue()
+    assert "classify cascade small -> large (confidence floor 0.7): " in out.getvalue()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    labels = [r for r in records if r.get("name") == "classify"]
+    assert len(labels) == 6 and all(r["attempts"][0]["model"] == "small" for r in labels)
+    moved = [r for r in labels if len(r["attempts"]) > 1]
+    assert all(r["attempts"][0]["outcome"] == "low_confidence" for r in moved)
+    assert all(r["attempts"][-1]["model"] == "large" for r in moved)
+    counts = app[STATE].runs.outcomes.counts("classify", "small")
+    assert counts.items == 6 and counts.failures == len(moved)
+    # labels the fake is unsure of fall under the floor, the others do not
+    assert 0 < len(moved) < 6

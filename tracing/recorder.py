@@ -30,8 +30,12 @@ class AttemptTrace:
     """One try of an llm step, times in ms since the run started.
 
     ``outcome``: ``running`` until it ends, then ``ok`` (output accepted),
-    ``contract_failed`` (output rejected by the step's contract), or ``error`` (the
-    engine or upstream failed). ``error`` holds the reason for the last two.
+    ``contract_failed`` (output rejected by the step's contract), ``low_confidence``
+    (valid, but under the step's ``min_confidence``: escalated along its cascade), or
+    ``error`` (the engine or upstream failed). ``error`` holds the reason for the last
+    three. ``confidence``: the geometric mean of the output's token probabilities, when
+    the step asked for logprobs. ``model``: the name the step asked for (a cascade's
+    ``small``/``large``; the served name when the step named none).
     """
 
     attempt: int
@@ -44,6 +48,7 @@ class AttemptTrace:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    confidence: float | None = None
 
 
 @dataclass(slots=True)

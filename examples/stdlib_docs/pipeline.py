@@ -7,7 +7,11 @@ One workflow; four steps per document; every document in the same graph::
 
 Run it through the proxy (one is started for you when none answers)::
 
-    flowlift run examples/stdlib_docs/pipeline.py [--limit N] [--trace PATH]
+    flowlift run --config examples/stdlib_docs/flowlift.toml \
+        examples/stdlib_docs/pipeline.py [--limit N] [--trace PATH]
+
+Contracts: ``extract`` is JSON-Schema constrained and retried once with the validation
+errors fed back; ``classify`` is a fixed label set on the cascade ``small -> large``.
 
 Exit status: 0 when every step succeeded; 1 when some failed (the table still prints,
 with the failed rows marked); 2 when no proxy could be reached.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -24,6 +29,7 @@ import threading
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 from pydantic import BaseModel, Field, StringConstraints
 
 if __package__ in (None, ""):  # run as a script: make `examples.stdlib_docs` importable
@@ -39,6 +45,7 @@ from flowlift import (
     tool,
     workflow,
 )
+from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
 DEFAULT_TRACE = "runs/stdlib_docs.trace.jsonl"
 
@@ -79,7 +86,7 @@ class ModuleFacts(BaseModel):
                                   description="up to three search terms")
 
 
-@step(output=ModuleFacts, max_tokens=96)
+@step(output=ModuleFacts, max_tokens=96, retries=1)
 def extract(doc: Document) -> list[dict[str, Any]]:
     return [
         {"role": "system", "content": PREAMBLE},
@@ -90,8 +97,16 @@ def extract(doc: Document) -> list[dict[str, Any]]:
     ]
 
 
-@step(output=Area, max_tokens=8)
-def classify(doc: Document, facts: Any) -> list[dict[str, Any]]:
+# classify runs on a cascade (FrugalGPT): a label whose token probabilities are low
+# (geometric mean under MIN_CONFIDENCE), or that fails its contract, goes on to the
+# second model. examples/stdlib_docs/flowlift.toml (what scripts/demo.sh starts the
+# proxy with) defines both names; a proxy without them runs classify on its default
+# model alone, and the pipeline says so.
+CASCADE = ("small", "large")
+MIN_CONFIDENCE = 0.7
+
+
+def classify_prompt(doc: Document, facts: Any) -> list[dict[str, Any]]:
     return [
         {"role": "system", "content": PREAMBLE},
         {"role": "user", "content": (
@@ -99,6 +114,28 @@ def classify(doc: Document, facts: Any) -> list[dict[str, Any]]:
             f"Which area is the {doc.name} module in: {', '.join(AREAS[:-1])}, or "
             f"{AREAS[-1]}?")},
     ]
+
+
+classify = step(model=list(CASCADE), output=Area, max_tokens=8, retries=1,
+                min_confidence=MIN_CONFIDENCE, name="classify")(classify_prompt)
+classify_single = step(output=Area, max_tokens=8, retries=1, name="classify")(classify_prompt)
+
+
+def cascade_served(base_url: str) -> bool:
+    """Whether the proxy at ``base_url`` serves every model of :data:`CASCADE`."""
+    try:
+        listed = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return False  # the workflow itself reports an unreachable proxy
+    served = {m.get("id") for m in listed.get("data", [])}
+    return set(CASCADE) <= served
+
+
+def escalations(trace: list[dict[str, Any]], name: str = "classify") -> tuple[int, int]:
+    """(steps of ``name`` whose output came from a later cascade model, all of them)."""
+    steps = [r for r in trace if r.get("type") == "step" and r.get("name") == name]
+    moved = sum(1 for r in steps if len({a["model"] for a in r.get("attempts", [])}) > 1)
+    return moved, len(steps)
 
 
 _index: BM25Index | None = None
@@ -227,6 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"licence: {LICENSE}")
     print()
 
+    labeller = classify
+    if args.dump_graph is None and not cascade_served(
+            os.environ.get("FLOWLIFT_BASE_URL", DEFAULT_BASE_URL)):
+        labeller = classify_single
+        print(f"note: this proxy does not serve the cascade {' -> '.join(CASCADE)} (start it "
+              "with --config examples/stdlib_docs/flowlift.toml); classify runs on the "
+              "default model alone")
+        print()
     outs: list[dict[str, Any]] = []
     failed_run: WorkflowFailed | None = None
     try:
@@ -235,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                       submit=args.dump_graph is None) as wf:
             for doc in docs:
                 facts = extract(doc)
-                label = classify(doc, facts)
+                label = labeller(doc, facts)
                 rel = related(facts, doc.name)
                 summary = summarize(doc, facts, label, rel)
                 outs.append({"facts": facts, "label": label, "related": rel,
@@ -261,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"area matches the reference label for {agree}/{len(classified)} classified "
           "documents (labels in corpus.MODULES)")
     print()
+    if labeller is classify:
+        moved, total = escalations(wf.trace)
+        print(f"classify cascade {' -> '.join(CASCADE)} (confidence floor {MIN_CONFIDENCE}): "
+              f"{moved}/{total} labels escalated to {CASCADE[-1]}")
     print(wf.report())
     print()
     print(f"trace: {wf.trace_path}")

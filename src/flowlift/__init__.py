@@ -17,7 +17,7 @@ from flowlift.errors import (
     UserError,
     WorkflowFailed,
 )
-from flowlift.sdk import SemanticVariable, Workflow, step, tool, workflow
+from flowlift.sdk import Regex, SemanticVariable, Workflow, step, tool, workflow
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "FlowliftError",
     "GraphError",
     "ProxyUnavailable",
+    "Regex",
     "RequestError",
     "SemanticVariable",
     "SemanticVariableError",

@@ -171,6 +171,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                "--state-db", str(log_dir / "state.sqlite")]
         if args.model:
             cmd += ["--model", args.model]
+        if args.config:
+            cmd += ["--config", args.config]
         print(f"flowlift: starting a proxy at {base} (log: {log_path})", file=sys.stderr,
               flush=True)
         with log_path.open("wb") as log_file:
@@ -224,12 +226,43 @@ def cmd_compile(args: argparse.Namespace) -> int:
         try:
             graph = Graph.model_validate(doc)
             validate(graph)
+            opts = _local_compile_options(args)
         except (GraphError, ValueError) as exc:
             print(f"flowlift compile: {exc}", file=sys.stderr)
             return 1
-        report = compile_graph(graph).report
+        report = compile_graph(graph, opts).report
     print(report.model_dump_json(indent=2) if args.json else format_report(report))
     return 0
+
+
+def _local_compile_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Prices from ``--price MODEL=PRICE``; failure rates from the state database.
+
+    Raises:
+        ValueError: a ``--price`` that is not ``MODEL=NUMBER``.
+    """
+    from flowlift.compiler import CompileOptions
+    from flowlift.local_engine.models import cache_dir
+
+    prices: dict[str, float] = {}
+    for item in args.price:
+        name, _, value = item.partition("=")
+        try:
+            price = float(value)
+        except ValueError:
+            price = -1.0
+        if not name or not price >= 0:  # also NaN
+            raise ValueError(f"--price {item!r}: write MODEL=PRICE, e.g. --price large=0.6")
+        prices[name] = price
+    opts = CompileOptions(price=prices.get)
+    db = Path(args.state_db) if args.state_db else cache_dir() / "state.sqlite"
+    if db.is_file():
+        from dataclasses import replace
+
+        from flowlift.proxy.outcomes import StepOutcomes
+
+        opts = replace(opts, outcomes=StepOutcomes(db).counts)
+    return opts
 
 
 def _model_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
@@ -395,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true",
                      help="no progress bar (done / running / queued / failed steps) on "
                           "stderr; also FLOWLIFT_PROGRESS=0")
+    run.add_argument("--config", default=None,
+                     help="the started proxy's TOML config (models, upstreams, prices)")
     run.set_defaults(func=cmd_run)
 
     comp = sub.add_parser("compile", help="the compiler's report for a graph (JSON file)")
@@ -404,6 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                             DEFAULT_BASE_URL),
                       help="ask this proxy (its tokenizers and measured cost models)")
     comp.add_argument("--local", action="store_true", help="do not ask a proxy")
+    comp.add_argument("--price", action="append", default=[], metavar="MODEL=PRICE",
+                      help="local compiles: price per 1,000 tokens of MODEL (repeatable; "
+                           "a proxy uses its config's price_per_1k_tokens)")
+    comp.add_argument("--state-db", default=None,
+                      help="local compiles: the state database whose learned failure "
+                           "rates feed cascade estimates (default "
+                           "$FLOWLIFT_CACHE_DIR/state.sqlite when it exists)")
     comp.set_defaults(func=cmd_compile)
 
     models = sub.add_parser("models", help="configured models, their source and state")

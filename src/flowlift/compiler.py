@@ -30,9 +30,11 @@ from typing import Any
 
 from flowlift.costs import UNMEASURED, CostModel
 from flowlift.dataflow import dependencies, levels
+from flowlift.escalation import OutcomeCounts, expected_cost
 from flowlift.graph import Graph, InputNode, LLMNode, Node, Ref, ToolNode
 from flowlift.report import (
     BreakReport,
+    CascadeReport,
     CompileReport,
     MergeReport,
     NodeReport,
@@ -76,6 +78,10 @@ class CompileOptions:
         enforces: ``model -> bool``: can its backend constrain decoding natively?
         max_concurrency: steps the backends run at once (for the capacity bound).
         tool_ms: expected duration of a client-run step.
+        outcomes: ``(step name, model) -> OutcomeCounts`` learned from real runs: a
+            cascade step's expected cost (:mod:`flowlift.escalation`), and the retries
+            of any step with observations.
+        price: ``model -> price per 1,000 tokens`` or ``None`` (unpriced).
     """
 
     default_model: str = "default"
@@ -84,6 +90,14 @@ class CompileOptions:
     enforces: Callable[[str], bool] = field(default=lambda model: True)
     max_concurrency: int = 16
     tool_ms: float = 50.0
+    outcomes: Callable[[str, str], OutcomeCounts] = field(default=lambda step, model:
+                                                          OutcomeCounts())
+    price: Callable[[str], float | None] = field(default=lambda model: None)
+
+
+def no_outcomes(step: str, model: str | None) -> OutcomeCounts:
+    """Nothing observed yet (the prior: failure rate 0.5, one attempt per item)."""
+    return OutcomeCounts()
 
 
 @dataclass(slots=True)
@@ -125,6 +139,7 @@ def _canonical(node: Node, canon: dict[str, str]) -> str | None:
         if not _deterministic(node):
             return None
         body = {"model": node.model, "params": node.params.model_dump(mode="json"),
+                "policy": [node.cascade, node.retries, node.min_confidence],
                 "contract": node.contract.model_dump(mode="json") if node.contract else None,
                 "messages": [[m.role, [ref(p) if isinstance(p, Ref) else p.text
                                        for p in m.content]] for m in node.messages]}
@@ -215,7 +230,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     order = [nid for level in level_list for nid in level]
     nodes = graph.node_map()
     merged = find_identical(graph, order)
-    model_of = {nid: (n.model or opts.default_model) for nid, n in nodes.items()
+    model_of = {nid: (n.models()[0] or opts.default_model) for nid, n in nodes.items()
                 if isinstance(n, LLMNode)}
 
     prefixes = {nid: (model_of[nid], opts.tokenize(model_of[nid], _literal_prefix(n)))
@@ -238,6 +253,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     cost: dict[str, float] = {}
     prompt_tok: dict[str, float] = {}
     uncached_tok: dict[str, float] = {}
+    cascades: list[CascadeReport] = []
     for nid in order:
         node = nodes[nid]
         if nid in merged:
@@ -249,6 +265,10 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
             prompt_tok[nid] = _prompt_tokens(node, opts, model, out_tok)
             uncached = uncached_tok[nid] = max(prompt_tok[nid] - shared_of.get(nid, 0), 0.0)
             cost[nid] = opts.costs(model).step_ms(uncached, out_tok[nid])
+            cascade = _cascade(node, opts, uncached, prompt_tok[nid], out_tok[nid])
+            if cascade is not None:
+                cascades.append(cascade)
+                cost[nid] = cascade.expected_ms
         elif isinstance(node, ToolNode):
             cost[nid], out_tok[nid] = opts.tool_ms, 32.0
         else:
@@ -269,8 +289,52 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     path = _critical_path(order, deps, tail, children)
     report = _report(graph, opts, order, deps, nodes, merged, model_of, groups, leader,
                      cost, tail, start, prompt_tok, out_tok, path, group_of, level_list)
+    report = report.model_copy(update={"cascades": cascades,
+                                       "cascade_totals": cascade_totals(cascades)})
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
                 prefix_group=group_of, group_leader=leader, report=report)
+
+
+def _cascade(node: LLMNode, opts: CompileOptions, uncached: float, prompt: float,
+             out: float) -> CascadeReport | None:
+    """A cascade step's expected cost (time and, where every model is priced, price)
+    under the failure rates learned per (step, model); ``None`` for a one-model step
+    (whose estimate only grows by its observed attempts per item)."""
+    models = [m or opts.default_model for m in node.models()]
+    step = node.name or node.id
+    counts = [opts.outcomes(step, m) for m in models]
+    ms = [opts.costs(m).step_ms(uncached, out) for m in models]
+    if len(models) == 1:
+        return None if not counts[0].items else CascadeReport(
+            step_id=node.id, step=step, models=models,
+            failure_rates=[round(counts[0].failure_rate, 4)],
+            observed=[counts[0].items], expected_ms=round(counts[0].attempts_per_item * ms[0],
+                                                          1), last_only_ms=round(ms[0], 1))
+    prices = [opts.price(m) for m in models]
+    priced = all(p is not None for p in prices)
+    per_attempt = [(prompt + out) / 1000.0 * p for p in prices] if priced else []  # type: ignore[operator]
+    last = counts[-1].attempts_per_item
+    return CascadeReport(
+        step_id=node.id, step=step, models=models,
+        failure_rates=[round(c.failure_rate, 4) for c in counts],
+        observed=[c.items for c in counts],
+        expected_ms=round(expected_cost(ms, counts), 1), last_only_ms=round(last * ms[-1], 1),
+        expected_price=round(expected_cost(per_attempt, counts), 6) if priced else None,
+        last_only_price=round(last * per_attempt[-1], 6) if priced else None)
+
+
+def cascade_totals(cascades: Sequence[CascadeReport]) -> dict[str, float]:
+    """Sums over cascade steps: ``expected_ms``/``last_only_ms`` always, and
+    ``expected_price``/``last_only_price`` when every cascade step is priced."""
+    multi = [c for c in cascades if len(c.models) > 1]
+    if not multi:
+        return {}
+    out = {"expected_ms": round(sum(c.expected_ms for c in multi), 1),
+           "last_only_ms": round(sum(c.last_only_ms for c in multi), 1)}
+    if all(c.expected_price is not None for c in multi):
+        out["expected_price"] = round(sum(c.expected_price or 0.0 for c in multi), 6)
+        out["last_only_price"] = round(sum(c.last_only_price or 0.0 for c in multi), 6)
+    return out
 
 
 def _critical_path(order: list[str], deps: dict[str, frozenset[str]],
@@ -315,16 +379,20 @@ def _report(graph: Graph, opts: CompileOptions, order: list[str],
               if isinstance(nodes[nid], ToolNode)]
     for nid in order:
         node = nodes[nid]
-        if (isinstance(node, LLMNode) and node.contract is not None
-                and not opts.enforces(model_of[nid])):
-            breaks.append(BreakReport(step_id=nid, reason=f"contract not enforceable by "
-                                      f"{model_of[nid]}'s backend: checked after generation"))
+        if not isinstance(node, LLMNode) or node.contract is None:
+            continue
+        for model in dict.fromkeys(m or opts.default_model for m in node.models()):
+            if not opts.enforces(model):
+                breaks.append(BreakReport(step_id=nid, reason=f"contract not enforceable by "
+                                          f"{model}'s backend: checked after generation"))
     critical_ms = max(tail.values(), default=0.0)
     work_ms = sum(cost.values())
     bound_ms = max(critical_ms, work_ms / max(opts.max_concurrency, 1))
     residency, switches = _residency(order, model_of, start, cost)
     deadline_ms = graph.deadline_s * 1000 if graph.deadline_s else None
-    used = {model_of[n] for n in model_of}
+    used = {model_of[n] for n in model_of} | {
+        m or opts.default_model for n in model_of if isinstance(nodes[n], LLMNode)
+        for m in nodes[n].models()}  # type: ignore[union-attr]
     return CompileReport(
         name=graph.name, workflow_class=graph.workflow_class, steps=len(order),
         levels=1 + max(depth.values(), default=-1),

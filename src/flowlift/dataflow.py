@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Collection, Mapping
 
 import jsonschema
@@ -90,15 +91,28 @@ def _node_problems(node: Node, ids: Collection[str], nodes: Mapping[str, Node],
                 problems.append(f"node {node.id!r} reads field {'.'.join(ref.path)!r} of "
                                 f"{ref.ref!r}, whose output is text (give it a JSON contract)")
     if isinstance(node, LLMNode):
-        if models is not None and node.model is not None and node.model not in models:
-            problems.append(f"node {node.id!r} asks for unknown model {node.model!r} "
+        problems.extend(_llm_problems(node, models))
+    return problems
+
+
+def _llm_problems(node: LLMNode, models: Collection[str] | None) -> list[str]:
+    problems: list[str] = []
+    for model in dict.fromkeys(node.models()):
+        if models is not None and model is not None and model not in models:
+            problems.append(f"node {node.id!r} asks for unknown model {model!r} "
                             f"(served: {', '.join(sorted(models)) or 'none'})")
-        schema = node.contract.json_schema if node.contract else None
-        if schema is not None:
-            error = _schema_error(json.dumps(schema, sort_keys=True))
-            if error is not None:
-                problems.append(f"node {node.id!r} has an invalid JSON Schema contract: "
-                                f"{error}")
+    regex = node.contract.regex if node.contract else None
+    if regex is not None:
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            problems.append(f"node {node.id!r} has an invalid regex contract: {exc}")
+    schema = node.contract.json_schema if node.contract else None
+    if schema is not None:
+        error = _schema_error(json.dumps(schema, sort_keys=True))
+        if error is not None:
+            problems.append(f"node {node.id!r} has an invalid JSON Schema contract: "
+                            f"{error}")
     return problems
 
 

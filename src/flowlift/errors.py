@@ -7,13 +7,18 @@
     │   ├── GraphError                invalid workflow graph (``problems`` lists all)
     │   ├── SemanticVariableError     a placeholder used as if it held a value
     │   ├── RequestError              malformed request (``param`` names the field)
-    │   │   └── PayloadTooLarge       body over the configured limit (HTTP 413)
+    │   │   ├── PayloadTooLarge       body over the configured limit (HTTP 413)
+    │   │   └── ContextLengthExceeded prompt (+ max_tokens) past the model's context;
+    │   │                             never retried on the same model
     │   ├── ModelNotFound             model name not served (HTTP 404)
     │   ├── AuthenticationError       missing or wrong proxy API key (HTTP 401)
     │   └── ConfigError               the proxy's config file or flags are wrong
     └── RunError                      something failed while running
         ├── EngineError               the inference engine failed or is not loaded
         ├── ContractError             output does not satisfy the step's contract
+        │                             (``step_id``, ``model``, ``attempt``, ``errors``)
+        ├── ContentRefused            the provider refused the content (content policy);
+        │                             never retried on the same model
         ├── StepFailed                a workflow step failed (``step_id``, ``cause``)
         ├── WorkflowFailed            a run ended with failed steps (``failures``)
         ├── ProxyUnavailable          the SDK cannot reach the flowlift proxy
@@ -99,6 +104,14 @@ class PayloadTooLarge(RequestError):
     code = "payload_too_large"
 
 
+class ContextLengthExceeded(RequestError):
+    """The prompt (plus ``max_tokens``) does not fit the model's context. Retrying on the
+    same model cannot succeed; a model cascade may escalate to a longer-context model."""
+
+    code = "context_length_exceeded"
+    retryable = False
+
+
 class ModelNotFound(UserError):
     status = 404
     code = "model_not_found"
@@ -138,10 +151,24 @@ class ContractError(RunError):
     code = "contract_violation"
 
     def __init__(self, message: str, *, step_id: str | None = None,
-                 errors: Sequence[str] = ()) -> None:
+                 errors: Sequence[str] = (), model: str | None = None,
+                 attempt: int | None = None) -> None:
         super().__init__(message)
         self.step_id = step_id
         self.errors = list(errors)
+        self.model = model
+        self.attempt = attempt
+
+
+class ContentRefused(RunError):
+    """The model's provider refused the request or cut the answer for its content policy
+    (an upstream ``content_filter`` finish or a ``content_policy_violation`` error).
+    Retrying on the same model cannot succeed; a cascade may escalate."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "content_filter"
+    retryable = False
 
 
 class StepFailed(RunError):

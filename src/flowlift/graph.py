@@ -2,7 +2,8 @@
 
 A graph is what the SDK ships to the proxy (``POST /v1/workflows``) and what
 ``flowlift compile`` reads. Nodes are ``llm`` steps (model, chat messages with holes,
-sampling params, contract), ``tool`` steps run by the client, and ``input`` constants.
+sampling params, contract, retry policy, an optional model cascade), ``tool`` steps run
+by the client, and ``input`` constants.
 
 Edges are never listed: they are derived from variable references (:class:`Ref`)
 inside prompts and tool arguments -- dataflow over Semantic Variables, as in Parrot
@@ -15,7 +16,8 @@ JSON shape (version ``"1"``)::
        {"kind": "llm", "id": "extract_1", "model": null,
         "messages": [{"role": "user", "content": [{"text": "Doc: "}, {"ref": "input_1"}]}],
         "params": {"max_tokens": 64, "temperature": 0.0},
-        "contract": {"json_schema": {...}}},
+        "contract": {"json_schema": {...}}, "retries": 1,
+        "cascade": ["small", "large"], "min_confidence": 0.5},
        {"kind": "tool", "id": "lookup_1", "name": "lookup",
         "args": [{"ref": "extract_1", "path": ["name"]}], "kwargs": {"k": {"value": 3}}},
        {"kind": "input", "id": "input_1", "value": "..."}]}
@@ -27,7 +29,14 @@ import json
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 GRAPH_VERSION = "1"
 
@@ -67,19 +76,37 @@ class Params(_Model):
     seed: int | None = None
 
 
+def _drop(data: Any, defaults: dict[str, Any]) -> Any:
+    """Leave out fields added after version "1" shipped while they hold their defaults,
+    so graphs that do not use them stay readable by proxies that predate them."""
+    if isinstance(data, dict):
+        for key, default in defaults.items():
+            if key in data and data[key] == default:
+                del data[key]
+    return data
+
+
 class Contract(_Model):
-    """What a step's output must satisfy: a JSON Schema or a fixed label set."""
+    """What a step's output must satisfy: a JSON Schema, a fixed label set, or a regular
+    expression the whole output must match (Python ``re.fullmatch`` syntax; vLLM
+    constrains decoding to it natively)."""
 
     json_schema: dict[str, Any] | None = None
     choices: tuple[str, ...] | None = None
+    regex: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Contract:
-        if (self.json_schema is None) == (self.choices is None):
-            raise ValueError("a contract has exactly one of json_schema or choices")
+        kinds = sum(x is not None for x in (self.json_schema, self.choices, self.regex))
+        if kinds != 1:
+            raise ValueError("a contract has exactly one of json_schema, choices or regex")
         if self.choices is not None and not self.choices:
             raise ValueError("contract.choices must hold at least one label")
         return self
+
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _drop(handler(self), {"regex": None})
 
 
 class Literal_(_Model):
@@ -105,6 +132,33 @@ class LLMNode(_Model):
     messages: tuple[MessageTemplate, ...] = Field(min_length=1)
     params: Params = Params()
     contract: Contract | None = None
+    retries: int = Field(default=0, ge=0, le=10)
+    """Re-runs of this step alone, per model, after its output fails its contract (the
+    validation errors are fed back to the model)."""
+    cascade: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=8)
+    """Models to try in order (FrugalGPT, Chen et al. 2023): an output that fails its
+    contract after that model's retries, or falls under ``min_confidence``, escalates to
+    the next. ``model``, when also given, must be ``cascade[0]``."""
+    min_confidence: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Confidence floor: the geometric mean of the output's token probabilities
+    (``exp`` of the mean token logprob). Under it, the output escalates to the next model
+    of the cascade; the last model's output is kept whatever its confidence."""
+
+    @model_validator(mode="after")
+    def _cascade_head(self) -> LLMNode:
+        if self.cascade is not None and self.model is not None \
+                and self.model != self.cascade[0]:
+            raise ValueError(f"model {self.model!r} must be the cascade's first model "
+                             f"{self.cascade[0]!r} (or omitted)")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _drop(handler(self), {"retries": 0, "cascade": None, "min_confidence": None})
+
+    def models(self) -> tuple[str | None, ...]:
+        """The models this step may run on, in order (``None``: the default model)."""
+        return self.cascade if self.cascade is not None else (self.model,)
 
 
 class ToolNode(_Model):

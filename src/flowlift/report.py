@@ -57,6 +57,25 @@ class BreakReport(_Report):
     reason: str
 
 
+class CascadeReport(_Report):
+    """The expected cost of one step with a cascade (or with observed retries).
+
+    ``failure_rates``/``observed`` per model (Laplace-smoothed rate, items seen);
+    ``expected_*`` along the cascade, ``last_only_*`` with its last model alone (both
+    per item, retries included); prices only when every model has one.
+    """
+
+    step_id: str
+    step: str
+    models: list[str]
+    failure_rates: list[float]
+    observed: list[int]
+    expected_ms: float
+    last_only_ms: float
+    expected_price: float | None = None
+    last_only_price: float | None = None
+
+
 class CompileReport(_Report):
     """Everything the compiler found about one graph."""
 
@@ -77,10 +96,39 @@ class CompileReport(_Report):
     breaks: list[BreakReport]
     cost_models: dict[str, CostModel]
     nodes: list[NodeReport]
+    cascades: list[CascadeReport] = []
+    cascade_totals: dict[str, float] = {}
 
 
 def _s(ms: float) -> str:
     return f"{ms / 1000:.2f} s"
+
+
+def _cascade_lines(r: CompileReport) -> list[str]:
+    t = r.cascade_totals
+    if not t:
+        return []
+    multi = [c for c in r.cascades if len(c.models) > 1]
+    chains = sorted({" -> ".join(c.models) for c in multi})
+    if "expected_price" in t:
+        exp, alone = t["expected_price"], t["last_only_price"]
+        unit = "(tokens x price per 1k tokens)"
+    else:
+        exp, alone, unit = t["expected_ms"] / 1000, t["last_only_ms"] / 1000, "s (no prices)"
+    ratio = f" ({exp / alone:.2f}x)" if alone else ""
+    lines = [f"cascades: {len(multi)} step(s) ({'; '.join(chains[:3])}): expected cost "
+             f"{exp:.4g} {unit} vs {alone:.4g} with the last model alone{ratio}"]
+    seen: set[tuple[str, ...]] = set()
+    for c in multi:
+        key = (c.step, *c.models)
+        if key in seen:
+            continue
+        seen.add(key)
+        rates = ", ".join(f"{m} {f:.0%} of {n} seen" if n else f"{m} {f:.0%} (prior)"
+                          for m, f, n in zip(c.models, c.failure_rates, c.observed,
+                                             strict=True))
+        lines.append(f"  {key[0]}: failure rate {rates}")
+    return lines
 
 
 def format_report(r: CompileReport, max_rows: int = 40) -> str:
@@ -107,6 +155,7 @@ def format_report(r: CompileReport, max_rows: int = 40) -> str:
         lines.append(f"cost model {name} ({cm.source}, {cm.samples} samples): prefill "
                      f"{cm.prefill_tps:.0f} tok/s, {cm.tpot_ms:.1f} ms/token, "
                      f"overhead {cm.ttft_overhead_ms:.0f} ms")
+    lines += _cascade_lines(r)
     if r.breaks:
         lines.append(f"chain breaks: {len(r.breaks)}")
         lines += [f"  {b.step_id}: {b.reason}" for b in r.breaks[:5]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import json
@@ -140,13 +141,15 @@ def _scalar_example(kind: str, schema: dict[str, Any]) -> Any:
 
 
 def default_responder(request: GenerationRequest) -> str:
-    """Choices -> the first label; JSON Schema -> a minimal instance; text -> an echo of
-    the raw prompt or of the last message."""
+    """Choices -> the first label; JSON Schema -> a minimal instance; regex -> a short
+    matching string; text -> an echo of the raw prompt or of the last message."""
     c = request.constraint
     if c is not None and c.choices:
         return c.choices[0]
     if c is not None and c.json_schema is not None:
         return json.dumps(example_for_schema(c.json_schema))
+    if c is not None and c.regex is not None:
+        return example_for_pattern(c.regex)
     if request.prompt is not None:
         return f"echo: {request.prompt}"
     last = request.messages[-1].content if request.messages else ""
@@ -187,6 +190,11 @@ class FakeEngine(Engine):
         max_running: most requests generating at once (like vLLM's ``max_num_seqs``);
             the others wait and are admitted by ``priority`` (lower first), then arrival.
             ``None``: no limit.
+        structured_outputs: False makes it a backend without native structured output
+            (``capabilities.structured_outputs`` is False), like a plain upstream: the
+            constraint still reaches the responder, which may ignore it.
+        logprob: with it, ``(token) -> logprob`` replaces :func:`fake_logprob`'s own
+            logprob (tests of confidence floors).
 
     Attributes:
         requests: every request received, in order.
@@ -199,7 +207,13 @@ class FakeEngine(Engine):
     def __init__(self, models: Sequence[str] = ("fake-model",), *,
                  responder: Responder = default_responder, delay_s: float = 0.0,
                  chunk_chars: int = 4, fail_with: Exception | None = None,
-                 fail_after_chunks: int = 0, max_running: int | None = None) -> None:
+                 fail_after_chunks: int = 0, max_running: int | None = None,
+                 structured_outputs: bool = True,
+                 logprob: Callable[[str], float] | None = None) -> None:
+        if not structured_outputs:
+            self.capabilities = dataclasses.replace(self.capabilities,
+                                                    structured_outputs=False)
+        self.logprob = logprob
         self._models = list(models)
         self.responder = responder
         self.delay_s = delay_s
@@ -281,7 +295,7 @@ class FakeEngine(Engine):
                     break
                 sent.append(piece)
                 yield GenerationChunk(text=piece, logprobs=None if k is None else (
-                    fake_logprob(piece, k),))
+                    self._logprob(piece, k),))
             finished = True
             usage = Usage(len(words), len("".join(sent).split()), cached)
             yield GenerationChunk(text="", finish_reason=finish, usage=usage,
@@ -290,6 +304,13 @@ class FakeEngine(Engine):
             self._release(rid)
             if not finished:
                 self.aborted.append(rid)
+
+    def _logprob(self, piece: str, k: int) -> TokenLogprob:
+        lp = fake_logprob(piece, k)
+        if self.logprob is None:
+            return lp
+        own = self.logprob(piece)
+        return TokenLogprob(piece, own, ((piece, own), *lp.top[1:]) if k else ())
 
     async def _admit(self, request_id: str, priority: int) -> None:
         """Wait for a free slot (``max_running``); lower priority numbers first."""

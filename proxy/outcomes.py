@@ -1,0 +1,89 @@
+"""Learned failure rates per (step name, model), persisted next to the run store.
+
+Every llm step reports, for each model it tried, whether that model delivered the
+output and how many attempts it took (:func:`flowlift.proxy.cascade.run_step`). The
+counts live in one small SQLite table in the state database (``--state-db``), so they
+survive restarts and the compiler's cascade estimate
+(:mod:`flowlift.escalation`) gets better with every run::
+
+    step_outcomes(step TEXT, model TEXT, items INTEGER, failures INTEGER,
+                  attempts INTEGER, updated_at REAL, PRIMARY KEY (step, model))
+
+Steps are keyed by their name (``@step`` function name, e.g. ``extract``), not their
+id, so all items of a batch pool their counts; models by the name the graph uses
+(``small``, ``large``), so two aliases of one served model keep separate rates.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+from flowlift.errors import EngineError
+from flowlift.escalation import OutcomeCounts
+from flowlift.tracing import get_logger
+
+log = get_logger("flowlift.outcomes")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS step_outcomes (step TEXT NOT NULL, model TEXT NOT NULL,
+    items INTEGER NOT NULL, failures INTEGER NOT NULL, attempts INTEGER NOT NULL,
+    updated_at REAL NOT NULL, PRIMARY KEY (step, model));
+"""
+_UPSERT = """
+INSERT INTO step_outcomes VALUES (?, ?, 1, ?, ?, ?)
+ON CONFLICT (step, model) DO UPDATE SET items = items + 1,
+    failures = failures + excluded.failures, attempts = attempts + excluded.attempts,
+    updated_at = excluded.updated_at
+"""
+
+
+class StepOutcomes:
+    """Counts per (step, model), read once at start and written through on each record.
+
+    Args:
+        path: the SQLite file (the proxy's state database) or ``":memory:"``.
+        default_model: the name recorded for steps that name no model.
+
+    Raises:
+        EngineError: when the database cannot be opened (the message names the path).
+    """
+
+    def __init__(self, path: str | Path = ":memory:", *, default_model: str | None = None
+                 ) -> None:
+        self.path = str(path)
+        self.default_model = default_model or "default"
+        try:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, isolation_level=None,
+                                       check_same_thread=False, timeout=5.0)
+            self._db.executescript(_SCHEMA)
+            rows = self._db.execute(
+                "SELECT step, model, items, failures, attempts FROM step_outcomes").fetchall()
+        except sqlite3.Error as exc:
+            raise EngineError(f"cannot open the outcome store {self.path}: {exc}") from exc
+        self._counts = {(s, m): OutcomeCounts(i, f, a) for s, m, i, f, a in rows}
+
+    def record(self, step: str, model: str | None, accepted: bool, attempts: int) -> None:
+        """One item of ``step`` ran on ``model``: delivered (``accepted``) or not."""
+        key = (step, model or self.default_model)
+        old = self._counts.get(key, OutcomeCounts())
+        failed = 0 if accepted else 1
+        self._counts[key] = OutcomeCounts(old.items + 1, old.failures + failed,
+                                          old.attempts + attempts)
+        try:
+            self._db.execute(_UPSERT, (*key, failed, attempts, time.time()))
+        except sqlite3.Error as exc:  # advisory counts: a busy database never fails a step
+            log.warning("outcome_store_write_failed", path=self.path, error=str(exc))
+
+    def counts(self, step: str, model: str | None) -> OutcomeCounts:
+        """What ``step`` did on ``model`` so far (zero counts when never seen)."""
+        return self._counts.get((step, model or self.default_model), OutcomeCounts())
+
+    def snapshot(self) -> dict[tuple[str, str], OutcomeCounts]:
+        return dict(self._counts)
+
+    def close(self) -> None:
+        self._db.close()
