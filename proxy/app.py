@@ -17,10 +17,11 @@ from collections.abc import Mapping
 
 import httpx
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
 
 from flowlift.errors import AuthenticationError, ConfigError, EngineError
 from flowlift.local_engine.base import Engine
-from flowlift.proxy import openai_api, sessions_api, workflows
+from flowlift.proxy import openai_api, sessions_api, telemetry, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
@@ -30,8 +31,9 @@ from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
 from flowlift.proxy.store import RunStore
 from flowlift.proxy.upstream_engine import UpstreamEngine
 
-_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models", "/v1/workflows:compile"})
-_UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
+_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models", "/v1/workflows:compile",
+                         "/metrics"})
+_UNAUTHENTICATED = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 @web.middleware
@@ -108,7 +110,8 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
 
 def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None, *,
                file_config: FileConfig | None = None,
-               transport: httpx.AsyncBaseTransport | None = None) -> web.Application:
+               transport: httpx.AsyncBaseTransport | None = None,
+               tracer_provider: TracerProvider | None = None) -> web.Application:
     """Build the proxy.
 
     Args:
@@ -116,6 +119,9 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         config: proxy settings.
         file_config: upstream providers and model routes (:mod:`flowlift.proxy.config`).
         transport: httpx transport for every upstream (tests); None: the network.
+        tracer_provider: an OpenTelemetry tracer provider for the proxy's spans; None:
+            its own (OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, else JSON lines
+            in ``config.trace_dir``; see :mod:`flowlift.tracing.spans`).
 
     Returns:
         An ``aiohttp.web.Application``; engines start when the app starts.
@@ -153,5 +159,6 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     app.add_routes(openai_api.routes)
     app.add_routes(workflows.routes)
     sessions_api.setup(app)  # per-turn cache accounting of X-Flowlift-Session sessions
+    telemetry.setup(app, app[STATE], tracer_provider)  # spans, /metrics
     app.cleanup_ctx.append(_lifecycle)
     return app
