@@ -167,30 +167,38 @@ class RequestTrace:
                 None if partial and 0 not in self.usage else cached, partial)
 
     def end(self, status: int | None, abandoned: bool, error: BaseException | None) -> None:
+        """Record the outcome and end the span (always, whatever fails on the way)."""
+        try:
+            self._conclude(status, abandoned, error)
+            self._stages()
+        finally:
+            self.span.end()
+
+    def _conclude(self, status: int | None, abandoned: bool,
+                  error: BaseException | None) -> None:
         span = self.span
-        prompt, completion, cached, partial = self.usage_numbers()
-        attrs: dict[str, Any] = genai.usage_attributes(prompt, completion, cached)
+        complete = self.done or (bool(self.texts) and len(self.finish) >= len(self.texts))
+        self.outcome = ("complete" if complete and status == 200 else "abandoned"
+                        if abandoned else "error" if (status or 500) >= 400 or error
+                        else "incomplete")
+        attrs: dict[str, Any] = {"flowlift.outcome": self.outcome}
+        if status is not None:
+            attrs["http.response.status_code"] = status
+        if self.outcome in ("error", "incomplete"):
+            attrs[genai.ERROR_TYPE] = (type(error).__name__ if error is not None
+                                       else str(status) if status and status >= 400
+                                       else "stream_incomplete")
+            span.set_status(Status(StatusCode.ERROR))
         if self.response_model:
             attrs[genai.RESPONSE_MODEL] = self.response_model
         if self.finish:
             attrs[genai.FINISH_REASONS] = [self.finish[i] for i in sorted(self.finish)]
-        if status is not None:
-            attrs["http.response.status_code"] = status
-        complete = self.done or bool(self.texts) and len(self.finish) >= len(self.texts)
-        outcome = ("complete" if complete and status == 200 else "abandoned" if abandoned
-                   else "error" if (status or 500) >= 400 or error else "incomplete")
-        self.outcome = attrs["flowlift.outcome"] = outcome
-        attrs["flowlift.usage.partial"] = partial
         if self.events:
             attrs["flowlift.stream.events"] = self.events
         span.set_attributes(attrs)
-        if outcome in ("error", "incomplete"):
-            kind = (type(error).__name__ if error is not None
-                    else str(status) if status and status >= 400 else "stream_incomplete")
-            span.set_attribute(genai.ERROR_TYPE, kind)
-            span.set_status(Status(StatusCode.ERROR))
-        self._stages()
-        span.end()
+        prompt, completion, cached, partial = self.usage_numbers()
+        span.set_attributes({**genai.usage_attributes(prompt, completion, cached),
+                             "flowlift.usage.partial": partial})
 
     def _stages(self) -> None:
         parent = trace.set_span_in_context(self.span)

@@ -40,7 +40,8 @@ class Telemetry:
     """Tracer and metrics of one proxy.
 
     Args:
-        provider: the proxy's tracer provider (:func:`~flowlift.tracing.spans.proxy_tracer_provider`).
+        provider: the proxy's tracer provider
+            (:func:`~flowlift.tracing.spans.proxy_tracer_provider`).
         state: the proxy's state (backends, runs, upstreams: read by the metrics at scrape
             time).
         owned: the provider is this proxy's own (shut down with it); False for one it

@@ -35,6 +35,7 @@ recording an attempt calls :meth:`Metrics.cascade_escalated` itself.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -154,7 +155,7 @@ class Metrics:
 
     def record_attempts(self, attempts: Sequence[AttemptTrace]) -> None:
         """Retries and escalations of one step, from its attempts in order."""
-        for before, after in zip(attempts, attempts[1:], strict=False):
+        for before, after in itertools.pairwise(attempts):
             self.retries.labels(after.model, before.outcome).inc()
             if after.model != before.model:
                 self.cascade_escalated(before.model, after.model)

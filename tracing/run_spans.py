@@ -39,7 +39,7 @@ _OUTCOME_ERROR = {"error": "engine_error", "contract_failed": "contract_failed"}
 
 
 def _ns(trace_: RunTrace, ms: float) -> int:
-    return int((trace_.started_at + ms / 1000.0) * 1e9)
+    return int(trace_.started_at * 1e9) + round(ms * 1e6)  # one base: offsets stay exact
 
 
 def step_error_type(st: StepTrace) -> str:
@@ -72,7 +72,7 @@ class RunSpans:
         self.tracer, self.trace, self.provider_of = tracer, trace_, provider_of
         self.request_models = request_models
         self.span: Span = tracer.start_span(
-            f"invoke_workflow {trace_.name}", context=parent, kind=SpanKind.INTERNAL,
+            f"invoke_workflow {trace_.name}", context=parent, kind=SpanKind.SERVER,
             start_time=_ns(trace_, 0.0), attributes={
                 genai.OPERATION: "invoke_workflow", genai.WORKFLOW_ID: trace_.run_id,
                 genai.WORKFLOW_NAME: trace_.name,
@@ -89,8 +89,9 @@ class RunSpans:
         """End the run span and emit its steps' spans from the trace records."""
         t, span = self.trace, self.span
         for st in t.steps.values():
-            if st.ready_ms is not None and st.kind in ("llm", "tool"):
-                self._step(st)
+            if st.kind in ("llm", "tool") and (st.ready_ms is not None
+                                               or st.finished_ms is not None):
+                self._step(st)  # a step skipped for a failed input: a span at its end
         span.set_attribute("flowlift.workflow.status", t.status)
         span.set_attribute("flowlift.workflow.steps", len(t.steps))
         if t.status != "succeeded":
@@ -117,22 +118,23 @@ class RunSpans:
 
     def _step(self, st: StepTrace) -> None:
         end_ms = st.finished_ms if st.finished_ms is not None else self.trace.now_ms()
+        start_ms = st.ready_ms if st.ready_ms is not None else end_ms
         if st.kind == "tool":
             attrs = {**self._ids(st), genai.OPERATION: "execute_tool", genai.TOOL_NAME: st.name,
                      genai.TOOL_CALL_ID: st.step_id}
             span = self.tracer.start_span(f"execute_tool {st.name}",
                                           context=trace.set_span_in_context(self.span),
-                                          start_time=_ns(self.trace, st.ready_ms or 0.0),
+                                          start_time=_ns(self.trace, start_ms),
                                           attributes=attrs)
             self._child("tool_wait", span, st.ready_ms, end_ms, self._ids(st, "tool_wait"))
         else:
-            span = self._llm_step(st, end_ms)
+            span = self._llm_step(st, start_ms, end_ms)
         if st.status == "failed":
             span.set_attribute(genai.ERROR_TYPE, step_error_type(st))
             span.set_status(Status(StatusCode.ERROR, st.error))
         span.end(_ns(self.trace, end_ms))
 
-    def _llm_step(self, st: StepTrace, end_ms: float) -> Span:
+    def _llm_step(self, st: StepTrace, start_ms: float, end_ms: float) -> Span:
         provider = self.provider_of(st.model)
         attrs: dict[str, Any] = {**self._ids(st), genai.OPERATION: "chat",
                                  genai.PROVIDER: provider, "flowlift.step.name": st.name}
@@ -151,7 +153,7 @@ class RunSpans:
         kind = SpanKind.CLIENT if provider == "openai" else SpanKind.INTERNAL
         span = self.tracer.start_span(f"chat {st.model or requested or 'default'}",
                                       context=trace.set_span_in_context(self.span), kind=kind,
-                                      start_time=_ns(self.trace, st.ready_ms or 0.0),
+                                      start_time=_ns(self.trace, start_ms),
                                       attributes=attrs)
         first = st.attempts[0].started_ms if st.attempts else st.started_ms
         self._child("queue", span, st.ready_ms, first if first is not None else

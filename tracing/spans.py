@@ -78,7 +78,11 @@ class JsonLinesSpanExporter(SpanExporter):
 
 
 def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter | None:
-    if not (env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+    """The OTLP exporter the ``OTEL_EXPORTER_OTLP_*`` settings of ``env`` ask for (None:
+    no endpoint set). Headers, timeout, certificates: the exporter reads them itself."""
+    traces = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not (traces or base):
         return None
     protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
@@ -86,9 +90,10 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter | None:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
             OTLPSpanExporter as GrpcExporter,
         )
-        return GrpcExporter()  # endpoint, headers, timeout: from the OTEL_* environment
+        return GrpcExporter(endpoint=traces or base)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter()
+    # the spec: a signal-specific endpoint is used as is; the base one gets /v1/traces
+    return OTLPSpanExporter(endpoint=traces or f"{(base or '').rstrip('/')}/v1/traces")
 
 
 def proxy_tracer_provider(trace_dir: Path | None, *,
