@@ -37,8 +37,8 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-__all__ = ["CapturedSpans", "JsonLinesSpanExporter", "capture_spans", "capturing", "extract",
-           "inject",
+__all__ = ["CapturedSpans", "JsonLinesSpanExporter", "capture_spans", "capturing",
+           "configure_tracing", "extract", "inject",
            "proxy_tracer_provider", "sdk_tracer_provider"]
 
 _W3C = TraceContextTextMapPropagator()
@@ -124,6 +124,31 @@ def proxy_tracer_provider(trace_dir: Path | None, *,
 def capturing() -> bool:
     """Whether a :func:`capture_spans` block is active."""
     return bool(_captures)
+
+
+def configure_tracing(service_name: str, *, jsonl_path: str | os.PathLike[str] | None = None,
+                      env: Mapping[str, str] | None = None) -> TracerProvider | None:
+    """Set up OpenTelemetry for an application that has none, so the SDK's spans are
+    recorded and its ``traceparent`` joins the proxy's spans to them: OTLP when
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, else JSON lines at ``jsonl_path``, through a
+    batch processor (flushed at exit). An app that already installed a provider keeps it.
+
+    Returns:
+        The provider installed, or None (one was already set, or nothing to export to).
+    """
+    if isinstance(trace.get_tracer_provider(), TracerProvider):
+        return None
+    env = os.environ if env is None else env
+    exporter = _otlp_exporter(env)
+    if exporter is None and jsonl_path is not None:
+        exporter = JsonLinesSpanExporter(jsonl_path)
+    if exporter is None:
+        return None
+    provider = TracerProvider(resource=Resource.create({"service.name": env.get(
+        "OTEL_SERVICE_NAME", service_name)}))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return provider
 
 
 def sdk_tracer_provider() -> trace.TracerProvider:
