@@ -315,8 +315,13 @@ async def test_spans_go_to_json_lines_in_the_trace_dir_by_default(tmp_path, monk
     await (await client.post("/v1/chat/completions", json=CHAT)).read()
     await client.close()  # app shutdown flushes the batch processor
     lines = [json.loads(x) for x in (tmp_path / "spans.jsonl").read_text().splitlines()]
-    assert [x["name"] for x in lines if x["kind"] == "SpanKind.SERVER"] == ["chat fake-model"]
-    assert lines[0]["resource"]["attributes"]["service.name"] == "flowlift-proxy"
+    (server,) = (x for x in lines if x["kind"] == "SERVER")
+    assert server["name"] == "chat fake-model" and server["service"] == "flowlift-proxy"
+    assert server["attributes"]["gen_ai.response.finish_reasons"] == ["stop"]
+    children = [x for x in lines if x["parent_span_id"] == server["span_id"]]
+    assert {x["name"] for x in children} == {"queue", "prefill", "decode"}
+    assert all(x["trace_id"] == server["trace_id"] for x in children)
+    assert server["end_time_unix_nano"] > server["start_time_unix_nano"] > 0
 
 
 async def test_spans_go_to_an_otlp_collector_when_configured(aiohttp_server, tmp_path):

@@ -22,8 +22,9 @@ import threading
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+import orjson
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -37,17 +38,47 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-__all__ = ["CapturedSpans", "JsonLinesSpanExporter", "capture_spans", "capturing",
-           "configure_tracing", "extract", "inject",
-           "proxy_tracer_provider", "sdk_tracer_provider"]
+__all__ = [
+    "CapturedSpans",
+    "JsonLinesSpanExporter",
+    "capture_spans",
+    "capturing",
+    "configure_tracing",
+    "extract",
+    "inject",
+    "proxy_tracer_provider",
+    "sdk_tracer_provider",
+    "span_record",
+]
 
 _W3C = TraceContextTextMapPropagator()
 _captures: list[TracerProvider] = []  # capture_spans() stack: test hook, like structlog's config
 
 
+def span_record(span: ReadableSpan) -> dict[str, Any]:
+    """One span as a JSON-ready dict: ids in hex (as W3C ``traceparent`` writes them),
+    times in ns since the epoch, the kind and status code by name."""
+    ctx, parent = span.context, span.parent
+    status = span.status
+    rec: dict[str, Any] = {
+        "name": span.name, "trace_id": format(ctx.trace_id, "032x") if ctx else None,
+        "span_id": format(ctx.span_id, "016x") if ctx else None,
+        "parent_span_id": format(parent.span_id, "016x") if parent else None,
+        "kind": span.kind.name, "start_time_unix_nano": span.start_time,
+        "end_time_unix_nano": span.end_time,
+        "status": {"code": status.status_code.name, "description": status.description},
+        "attributes": dict(span.attributes or {}),
+        "service": (span.resource.attributes.get("service.name")
+                    if span.resource is not None else None)}
+    if span.events:
+        rec["events"] = [{"name": e.name, "time_unix_nano": e.timestamp,
+                          "attributes": dict(e.attributes or {})} for e in span.events]
+    return rec
+
+
 class JsonLinesSpanExporter(SpanExporter):
-    """Writes each finished span as one JSON object per line (OpenTelemetry's own
-    ``ReadableSpan.to_json`` form) to ``path``, appending.
+    """Writes each finished span as one JSON object per line (:func:`span_record`) to
+    ``path``, appending.
 
     A write that fails (disk full, directory gone) returns ``FAILURE``; it never raises.
     """
@@ -55,18 +86,18 @@ class JsonLinesSpanExporter(SpanExporter):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = "".join(s.to_json(indent=None) + "\n" for s in spans)
         try:
+            lines = b"".join(orjson.dumps(span_record(s), default=str) + b"\n" for s in spans)
             with self._lock:
                 if self._file is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
-                    self._file = self.path.open("a", encoding="utf-8")
+                    self._file = self.path.open("ab")
                 self._file.write(lines)
                 self._file.flush()
-        except OSError:
+        except (OSError, TypeError, ValueError):
             return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
 
@@ -112,7 +143,8 @@ def proxy_tracer_provider(trace_dir: Path | None, *,
         return _captures[-1]
     env = os.environ if env is None else env
     provider = TracerProvider(resource=Resource.create({"service.name": env.get(
-        "OTEL_SERVICE_NAME", "flowlift-proxy")}))
+        "OTEL_SERVICE_NAME", "flowlift-proxy")}), shutdown_on_exit=False)  # the app shuts
+    # it down at cleanup; no atexit hook per app (tests make hundreds)
     exporter = _otlp_exporter(env)
     if exporter is None and trace_dir is not None:
         exporter = JsonLinesSpanExporter(trace_dir / "spans.jsonl")

@@ -1,0 +1,146 @@
+"""Tracing overhead: the same proxy with tracing on and off, side by side in one run.
+
+Two ``flowlift serve --engine fake`` processes (no model: what is measured is the
+proxy's own work): ``traced`` with the default set-up (spans of every request and run,
+exported as JSON lines by the background batch processor into a temporary trace dir,
+Prometheus metrics) and ``untraced`` with ``OTEL_SDK_DISABLED=true`` (OpenTelemetry's
+own switch: no-op tracer; metrics still on). Requests alternate between the two, one at
+a time, so drift hits both alike:
+
+* ``chat``: non-streamed chat completions; ``stream``: streamed ones (the fake engine
+  sends ~10 chunks); ``workflow``: ``POST /v1/workflows`` with a 24-step graph (8
+  chains of 3), read to ``run.finished``.
+
+Reported per path and kind: p50 / p99 end-to-end latency (ms) and server CPU time per
+request (utime + stime of the server process from ``/proc``, ms). Servers are pinned to
+core 1 and this load generator to core 0 when there are two cores.
+
+    .venv/bin/python bench/tracing_overhead.py [--requests 300] [--runs 30]
+
+Writes ``bench/results/tracing_overhead.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+
+from bench.harness import RESULTS, pct, save
+from flowlift.testing import running_proxy
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+CHAT = {"model": "default", "max_tokens": 32,
+        "messages": [{"role": "user", "content": "Say hello to the tracing benchmark."}]}
+
+
+def graph() -> dict[str, Any]:
+    nodes: list[dict[str, Any]] = []
+    for c in range(8):
+        prev = None
+        for s in range(3):
+            content: list[dict[str, Any]] = [{"text": f"chain {c} step {s}: "}]
+            if prev:
+                content.append({"ref": prev, "path": []})
+            nodes.append({"kind": "llm", "id": f"c{c}s{s}", "params": {"max_tokens": 16},
+                          "messages": [{"role": "user", "content": content}]})
+            prev = f"c{c}s{s}"
+    return {"name": "bench", "nodes": nodes}
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+async def one(client: httpx.AsyncClient, base: str, kind: str) -> float:
+    t0 = time.perf_counter()
+    if kind == "workflow":
+        async with client.stream("POST", f"{base}/v1/workflows", json=graph()) as r:
+            body = b"".join([c async for c in r.aiter_bytes()])
+            assert b"run.finished" in body and b'"succeeded"' in body, body[-300:]
+    else:
+        async with client.stream("POST", f"{base}/v1/chat/completions",
+                                 json={**CHAT, "stream": kind == "stream"}) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_bytes():
+                pass
+    return (time.perf_counter() - t0) * 1000
+
+
+async def measure(servers: dict[str, tuple[str, int]], kind: str, n: int) -> dict[str, Any]:
+    lat: dict[str, list[float]] = {p: [] for p in servers}
+    cpu: dict[str, float] = dict.fromkeys(servers, 0.0)
+    async with httpx.AsyncClient(timeout=120) as client:
+        for _ in range(min(20, n)):  # warm-up
+            for base, _pid in servers.values():
+                await one(client, base, kind)
+        for i in range(n):
+            order = list(servers) if i % 2 == 0 else list(reversed(servers))
+            for path in order:
+                base, pid = servers[path]
+                c0 = cpu_s(pid)
+                lat[path].append(await one(client, base, kind))
+                cpu[path] += cpu_s(pid) - c0
+    return {p: {"p50_ms": pct(lat[p], 50), "p99_ms": pct(lat[p], 99),
+                "cpu_ms_per_request": cpu[p] * 1000 / n, "n": n} for p in servers}
+
+
+@contextlib.contextmanager
+def both(tmp: Path):
+    with running_proxy("--engine", "fake", "--state-db", ":memory:", "--log-level",
+                       "warning", "--trace-dir", str(tmp / "traces"),
+                       log_path=tmp / "traced.log") as (traced, p1):
+        os.environ["OTEL_SDK_DISABLED"] = "true"
+        try:
+            cm = running_proxy("--engine", "fake", "--state-db", ":memory:", "--log-level",
+                               "warning", log_path=tmp / "untraced.log")
+            with cm as (untraced, p2):
+                os.environ.pop("OTEL_SDK_DISABLED", None)
+                if (os.cpu_count() or 1) >= 2:
+                    for pid in (p1.pid, p2.pid):
+                        os.sched_setaffinity(pid, {1})
+                    os.sched_setaffinity(0, {0})
+                yield {"traced": (traced, p1.pid), "untraced": (untraced, p2.pid)}
+        finally:
+            os.environ.pop("OTEL_SDK_DISABLED", None)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--runs", type=int, default=30)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d, both(Path(d)) as servers:
+        results = {"chat": await measure(servers, "chat", a.requests),
+                   "stream": await measure(servers, "stream", a.requests),
+                   "workflow": await measure(servers, "workflow", a.runs)}
+        spans = Path(d, "traces", "spans.jsonl")
+        await asyncio.sleep(6)  # the batch processor exports every 5 s
+        results["spans_exported"] = (sum(1 for _ in spans.open()) if spans.exists() else 0)
+    print(f"{'kind':<9} {'path':<9} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>11}")
+    for kind in ("chat", "stream", "workflow"):
+        for path, r in results[kind].items():
+            print(f"{kind:<9} {path:<9} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+                  f"{r['cpu_ms_per_request']:>11.2f}")
+        t, u = results[kind]["traced"], results[kind]["untraced"]
+        print(f"{kind:<9} {'ratio':<9} {t['p50_ms'] / u['p50_ms']:>8.2f} "
+              f"{t['p99_ms'] / u['p99_ms']:>8.2f} "
+              f"{t['cpu_ms_per_request'] / max(u['cpu_ms_per_request'], 1e-9):>11.2f}")
+    print(f"spans exported by the traced proxy: {results['spans_exported']}")
+    save("tracing_overhead", {"args": vars(a), **results})
+    print(f"written: {RESULTS / 'tracing_overhead.json'}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
