@@ -18,6 +18,7 @@ included), ``prefill`` (slot to first chunk), ``decode`` (first to last chunk).
 from __future__ import annotations
 
 import contextvars
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ log = get_logger("flowlift.tracing")
 _current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
     "flowlift_request_trace", default=None)
 TRACED_PATHS = {f"/v1{path}": op for path, op in genai.OPERATIONS.items()}
+_MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"|"model":\s*"')
 
 
 def _ns(t: float) -> int:
@@ -76,6 +78,7 @@ class RequestTrace:
         self.upstream_usage: dict[str, Any] | None = None
         self.response_model: str | None = None
         self.outcome = "unknown"
+        self.ids: dict[str, str] = {}  # the workflow and step it joined, for the children
 
     # -- hooks (called by the handlers; each one never raises) -------------------------
     def request(self, model: str, joined: tuple[str, str | None] | None, stream: bool) -> None:
@@ -84,9 +87,10 @@ class RequestTrace:
             self.span.update_name(f"{self.operation} {model}")
             self.span.set_attributes({genai.REQUEST_MODEL: model, "flowlift.stream": stream})
             if joined is not None:
-                self.span.set_attribute(genai.WORKFLOW_ID, joined[0])
+                self.ids[genai.WORKFLOW_ID] = joined[0]
                 if joined[1] is not None:
-                    self.span.set_attribute(genai.STEP_ID, joined[1])
+                    self.ids[genai.STEP_ID] = joined[1]
+                self.span.set_attributes(self.ids)
 
     def slot(self, engine: Engine, model: str, backend: str) -> None:
         with _safe("slot"):
@@ -126,7 +130,7 @@ class RequestTrace:
             self.last_at = now
             self.events += 1
             self.done = self.done or finished(events)
-            if b'"usage":{' in events or b'"finish_reason":"' in events:
+            if _MAY_HOLD.search(events):
                 for data in data_fields(events):
                     if data.startswith("{"):
                         self._read_doc(orjson.loads(data))
@@ -208,7 +212,7 @@ class RequestTrace:
         for name, start, end in pairs:
             if start is not None and end is not None:
                 child = self.tracer.start_span(name, context=parent, start_time=_ns(start),
-                                          attributes={genai.STAGE: name})
+                                               attributes={**self.ids, genai.STAGE: name})
                 child.end(_ns(max(end, start)))
 
 

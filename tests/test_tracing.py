@@ -222,6 +222,34 @@ async def test_T1_stream_span_stays_open_until_the_stream_is_exhausted(traced, c
     assert (stages["decode"].end_time - stages["decode"].start_time) / 1e9 >= 8 * 0.02
 
 
+async def test_T1_forwarded_stream_span_ends_at_done_with_the_upstreams_usage(
+        aiohttp_client, aiohttp_server, captured):
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+             "prompt_tokens_details": {"cached_tokens": 4}}
+    pieces = sse_bytes(*[chunk({"content": f"w{i} "}) for i in range(3)], chunk({}, "stop"),
+                       {**chunk(), "choices": [], "usage": usage})
+    fake = FakeUpstream([FakeUpstream.stream(pieces, gap_s=0.03)])
+    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
+    app = create_app({}, file_config=parse_config({
+        "backends": {"r0": {"kind": "openai", "base_url": url}},
+        "models": {"up": {"backends": ["r0"]}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    resp = await client.post("/v1/chat/completions", headers={"X-Flowlift-Workflow": "wf-s"},
+                             json={**CHAT, "model": "up", "stream": True})
+    assert (await resp.text()).rstrip().endswith("data: [DONE]")
+    span = captured.named("chat up")[0]
+    assert (span.end_time - span.start_time) / 1e9 >= 5 * 0.03  # open for the whole stream
+    a = span.attributes
+    assert a["flowlift.outcome"] == "complete" and a["flowlift.stream.events"] == 6
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"],
+            a["gen_ai.usage.cache_read.input_tokens"]) == (7, 3, 4)
+    assert a["gen_ai.response.model"] == "up-model"
+    children = captured.children(span)
+    assert {c.name for c in children} == {"routing", "decode"}
+    assert all(c.attributes["flowlift.workflow.id"] == "wf-s" for c in children)
+
+
 async def test_T2_abandoned_stream_ends_its_span_with_partial_usage(traced, captured):
     client, engine = traced
     engine.delay_s, engine.chunk_chars = 0.01, 6
