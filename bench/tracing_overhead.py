@@ -16,6 +16,7 @@ request (utime + stime of the server process from ``/proc``, ms). Servers are pi
 core 1 and this load generator to core 0 when there are two cores.
 
     .venv/bin/python bench/tracing_overhead.py [--requests 300] [--runs 30]
+    .venv/bin/python bench/tracing_overhead.py --export-only   # the in-process figures
 
 Writes ``bench/results/tracing_overhead.json`` and prints a table.
 """
@@ -96,6 +97,48 @@ async def measure(servers: dict[str, tuple[str, int]], kind: str, n: int) -> dic
                 "cpu_ms_per_request": cpu[p] * 1000 / n, "n": n} for p in servers}
 
 
+def export_cost(runs: int = 50, steps: int = 24) -> dict[str, float]:
+    """In process: ms to serialise one ``steps``-step run's spans, OpenTelemetry's
+    ``ReadableSpan.to_json`` vs the JSON-lines exporter's records (median of 5)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from flowlift.tracing import AttemptTrace, RunTrace
+    from flowlift.tracing.run_spans import RunSpans
+    from flowlift.tracing.spans import JsonLinesSpanExporter
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("bench")
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        trace = RunTrace("wf-bench", "bench")
+        for i in range(steps):
+            st = trace.add_step(f"s{i}", "llm", "s", "m")
+            st.ready_ms, st.started_ms, st.first_token_ms = 1.0, 2.0, 3.0
+            st.generated_ms, st.finished_ms, st.status = 4.0, 5.0, "done"
+            st.attempts = [AttemptTrace(1, "m", 2.0, 3.0, 5.0, "ok", 50, 20, 10)]
+        trace.finish("succeeded")
+        RunSpans(tracer, trace, None, lambda _: "vllm", {}).close()
+    build_ms = (time.perf_counter() - t0) * 1000 / runs
+    spans = memory.get_finished_spans()
+    with tempfile.TemporaryDirectory() as d:
+        exporter = JsonLinesSpanExporter(Path(d) / "spans.jsonl")
+        ours, otel = [], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            exporter.export(spans)
+            ours.append((time.perf_counter() - t0) * 1000 / runs)
+            t0 = time.perf_counter()
+            "".join(s.to_json(indent=None) + "\n" for s in spans)
+            otel.append((time.perf_counter() - t0) * 1000 / runs)
+        exporter.shutdown()
+    return {"spans_per_run": len(spans) / runs, "build_ms_per_run": build_ms,
+            "jsonl_export_ms_per_run": pct(ours, 50), "otel_to_json_ms_per_run": pct(otel, 50)}
+
+
 @contextlib.contextmanager
 def both(tmp: Path):
     with running_proxy("--engine", "fake", "--state-db", ":memory:", "--log-level",
@@ -120,7 +163,13 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--export-only", action="store_true",
+                    help="only the in-process span building / serialising figures")
     a = ap.parse_args()
+    cost = export_cost()
+    print("per 24-step run: " + ", ".join(f"{k} {v:.2f}" for k, v in cost.items()))
+    if a.export_only:
+        return
     with tempfile.TemporaryDirectory() as d, both(Path(d)) as servers:
         results = {"chat": await measure(servers, "chat", a.requests),
                    "stream": await measure(servers, "stream", a.requests),
@@ -138,7 +187,7 @@ async def main() -> None:
               f"{t['p99_ms'] / u['p99_ms']:>8.2f} "
               f"{t['cpu_ms_per_request'] / max(u['cpu_ms_per_request'], 1e-9):>11.2f}")
     print(f"spans exported by the traced proxy: {results['spans_exported']}")
-    save("tracing_overhead", {"args": vars(a), **results})
+    save("tracing_overhead", {"args": vars(a), "in_process": cost, **results})
     print(f"written: {RESULTS / 'tracing_overhead.json'}")
 
 

@@ -14,6 +14,7 @@ from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, capture_spans
 from flowlift.tracing import configure_logging, get_logger
 from flowlift.tracing.logging import REDACTED, RedactSecrets
+from tests.test_tracing import run_span
 from tests.upstream_fake import FakeUpstream, chat_json
 
 UPSTREAM_KEY, PROXY_KEY = "sk-upstream-0123456789", "sk-proxy-abcdefgh"
@@ -79,8 +80,9 @@ async def test_log_lines_carry_the_trace_and_span_ids(aiohttp_client, log_lines)
         graph = {"name": "t", "nodes": [{"kind": "llm", "id": "a", "messages": [
             {"role": "user", "content": [{"text": "x"}]}]}]}
         await (await client.post("/v1/workflows", json=graph)).text()
+        await run_span(captured, "t")
     line = next(x for x in log_lines() if x["event"] == "step_error")
-    run = captured.named("invoke_workflow t")[0]
+    run = await run_span(captured, "t")
     assert line["workflow_id"] == run.attributes["flowlift.workflow.id"]
     assert line["step_id"] == "a"
     assert line["trace_id"] == format(run.context.trace_id, "032x")

@@ -53,6 +53,16 @@ async def _until(predicate, timeout_s: float = 3.0):
         await asyncio.sleep(0.01)
 
 
+async def run_span(captured, name: str):
+    """The proxy's ``invoke_workflow {name}`` span (built off the loop once the run
+    ended: wait for it)."""
+    def found():
+        return [s for s in captured.named(f"invoke_workflow {name}")
+                if s.kind is SpanKind.SERVER]
+    await _until(found)
+    return found()[0]
+
+
 def _within(child, parent) -> bool:
     return parent.start_time <= child.start_time <= child.end_time <= parent.end_time
 
@@ -62,11 +72,11 @@ async def test_sdk_and_proxy_spans_join_one_trace_with_the_stage_split(traced, c
     base = str(client.make_url("")).rstrip("/")
     async with workflow("e2e", base_url=base) as wf:
         pipeline(["d1"], alookup)
+    proxy_run = await run_span(captured, "e2e")
     spans = captured.spans
     assert len({s.context.trace_id for s in spans}) == 1  # one trace
     sdk_run = next(s for s in spans if s.name == "invoke_workflow e2e" and s.parent is None)
     assert sdk_run.kind is SpanKind.CLIENT
-    proxy_run = next(s for s in spans if s.name == "invoke_workflow e2e" and s.parent)
     assert proxy_run.parent.span_id == sdk_run.context.span_id
     assert proxy_run.attributes["flowlift.workflow.id"] == wf.run_id
     assert sdk_run.attributes["flowlift.workflow.id"] == wf.run_id
@@ -107,7 +117,7 @@ async def test_workflow_continues_the_callers_traceparent(traced, captured):
         {"role": "user", "content": [{"text": "hi"}]}]}]}
     resp = await client.post("/v1/workflows", json=graph, headers={"traceparent": CALLER})
     await resp.text()
-    run = captured.named("invoke_workflow g")[0]
+    run = await run_span(captured, "g")
     assert run.context.trace_id == CALLER_TRACE and run.parent.span_id == CALLER_SPAN
     assert run.parent.is_remote
 
@@ -121,7 +131,7 @@ async def test_failed_step_spans_carry_error_type(traced, captured):
         {"kind": "llm", "id": "b", "messages": [{"role": "user", "content": [
             {"ref": "a", "path": []}]}]}]}
     await (await client.post("/v1/workflows", json=graph)).text()
-    run = captured.named("invoke_workflow bad")[0]
+    run = await run_span(captured, "bad")
     assert run.status.status_code is StatusCode.ERROR
     assert run.attributes["error.type"] == "step_failed"
     by_id = {s.attributes["flowlift.step.id"]: s for s in captured.children(run)}
@@ -194,7 +204,7 @@ async def test_upstream_workflow_step_sends_the_runs_span_upstream(
     graph = {"name": "u", "nodes": [{"kind": "llm", "id": "a", "model": "up", "messages": [
         {"role": "user", "content": [{"text": "hi"}]}]}]}
     await (await client.post("/v1/workflows", json=graph)).text()
-    run = captured.named("invoke_workflow u")[0]
+    run = await run_span(captured, "u")
     sent = fake.received[0].headers["traceparent"].split("-")
     assert int(sent[1], 16) == run.context.trace_id and int(sent[2], 16) == run.context.span_id
     step = captured.children(run)[0]
