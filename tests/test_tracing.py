@@ -111,6 +111,28 @@ async def test_sdk_and_proxy_spans_join_one_trace_with_the_stage_split(traced, c
     assert summarize.start_time >= tool.end_time >= extract.end_time
 
 
+async def test_sync_sdk_tool_spans_in_worker_threads_join_the_workflow_span(traced,
+                                                                            captured):
+    from tests.test_sdk_end_to_end import lookup
+
+    client, _ = traced
+    base = str(client.make_url("")).rstrip("/")
+
+    def run():
+        with workflow("sync", base_url=base) as wf:
+            pipeline(["a", "b"], lookup)
+        return wf
+
+    wf = await asyncio.to_thread(run)
+    await run_span(captured, "sync")
+    sdk_run = next(s for s in captured.named("invoke_workflow sync")
+                   if s.kind is SpanKind.CLIENT)
+    tools = [s for s in captured.named("execute_tool lookup") if s.parent is not None
+             and s.parent.span_id == sdk_run.context.span_id]
+    assert len(tools) == 2 and {t.attributes["flowlift.workflow.id"] for t in tools} == {
+        wf.run_id}
+
+
 async def test_workflow_continues_the_callers_traceparent(traced, captured):
     client, _ = traced
     graph = {"name": "g", "nodes": [{"kind": "llm", "id": "a", "messages": [
