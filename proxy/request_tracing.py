@@ -52,8 +52,8 @@ def _ns(t: float) -> int:
 def _safe(what: str) -> Iterator[None]:
     try:
         yield
-    except Exception:  # tracing must never break a request
-        log.exception("tracing_failed", hook=what)
+    except Exception as exc:  # tracing must never break a request
+        log.warning("tracing_failed", hook=what, error=f"{type(exc).__name__}: {exc}")
 
 
 class RequestTrace:

@@ -335,6 +335,7 @@ async def test_tracing_failures_never_reach_the_request(traced, captured, monkey
     await resp.content.readany()
     resp.close()
     await _until(lambda: captured.named("chat fake-model"))  # the span still ended
+    engine.delay_s = 0.0
     ok = await client.post("/v1/chat/completions", json=CHAT)
     assert ok.status == 200
 
