@@ -155,7 +155,7 @@ class RequestTrace:
         if not self.texts:
             return None, None, None, False
         prompt = cached = completion = 0
-        partial = False
+        partial = unknown = False
         for index, pieces in self.texts.items():
             u = self.usage.get(index)
             if u is not None:
@@ -163,12 +163,14 @@ class RequestTrace:
                 if index == 0:
                     prompt, cached = u.prompt_tokens, u.cached_tokens
                 continue
-            partial = True
+            partial = True  # cut short: count what was generated with the engine's tokenizer
             counted = (self.engine.count_tokens(self.engine_model or "", "".join(pieces))
                        if self.engine is not None else None)
-            completion += counted if counted is not None else len("".join(pieces).split())
-        return (None if partial and 0 not in self.usage else prompt, completion,
-                None if partial and 0 not in self.usage else cached, partial)
+            unknown = unknown or counted is None
+            completion += counted or 0
+        head = partial and 0 not in self.usage
+        return (None if head else prompt, None if unknown else completion,
+                None if head else cached, partial)
 
     def end(self, status: int | None, abandoned: bool, error: BaseException | None) -> None:
         """Record the outcome and end the span (always, whatever fails on the way)."""
@@ -199,6 +201,8 @@ class RequestTrace:
             attrs[genai.FINISH_REASONS] = [self.finish[i] for i in sorted(self.finish)]
         if self.events:
             attrs["flowlift.stream.events"] = self.events
+        if self.texts:
+            attrs["flowlift.stream.chunks"] = sum(len(p) for p in self.texts.values())
         span.set_attributes(attrs)
         prompt, completion, cached, partial = self.usage_numbers()
         span.set_attributes({**genai.usage_attributes(prompt, completion, cached),
