@@ -16,14 +16,13 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from flowlift import workflow
 from flowlift.proxy import ProxyConfig, create_app
-from flowlift.proxy.config import parse_config
 from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, capture_spans
 from flowlift.tracing import AttemptTrace, RunTrace
 from flowlift.tracing.run_spans import RunSpans
 from flowlift.tracing.spans import JsonLinesSpanExporter, _otlp_exporter, proxy_tracer_provider
 from tests.test_sdk_end_to_end import alookup, pipeline
-from tests.upstream_fake import FakeUpstream, chat_json, chunk, sse_bytes
+from tests.upstream_fake import FakeUpstream, chat_json, chunk, sse_bytes, upstream_only_proxy
 
 CALLER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 CALLER_TRACE, CALLER_SPAN = int("0af7651916cd43dd8448eb211c80319c", 16), 0xb7ad6b7169203331
@@ -189,12 +188,7 @@ def test_every_attempt_is_a_child_span_and_retries_are_marked(captured):
 async def test_openai_request_span_continues_the_caller_and_goes_upstream(
         aiohttp_client, aiohttp_server, captured, monkeypatch):
     fake = FakeUpstream([FakeUpstream.json(chat_json())])
-    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
-    app = create_app({}, file_config=parse_config({
-        "backends": {"r0": {"kind": "openai", "base_url": url}},
-        "models": {"up": {"backends": ["r0"]}}}))
-    client = await aiohttp_client(app)
-    await app[STATE].ready.wait()
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
     resp = await client.post("/v1/chat/completions", json={**CHAT, "model": "up"},
                              headers={"traceparent": CALLER, "X-Flowlift-Workflow": "wf-x",
                                       "X-Flowlift-Step": "draft"})
@@ -217,12 +211,7 @@ async def test_upstream_workflow_step_sends_the_runs_span_upstream(
     fake = FakeUpstream([FakeUpstream.stream(sse_bytes(
         chunk({"content": "hi"}), chunk({}, "stop"),
         {**chunk(), "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}}))])
-    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
-    app = create_app({}, file_config=parse_config({
-        "backends": {"r0": {"kind": "openai", "base_url": url}},
-        "models": {"up": {"backends": ["r0"]}}}))
-    client = await aiohttp_client(app)
-    await app[STATE].ready.wait()
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
     graph = {"name": "u", "nodes": [{"kind": "llm", "id": "a", "model": "up", "messages": [
         {"role": "user", "content": [{"text": "hi"}]}]}]}
     await (await client.post("/v1/workflows", json=graph)).text()
@@ -261,12 +250,7 @@ async def test_T1_forwarded_stream_span_ends_at_done_with_the_upstreams_usage(
     pieces = sse_bytes(*[chunk({"content": f"w{i} "}) for i in range(3)], chunk({}, "stop"),
                        {**chunk(), "choices": [], "usage": usage})
     fake = FakeUpstream([FakeUpstream.stream(pieces, gap_s=0.03)])
-    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
-    app = create_app({}, file_config=parse_config({
-        "backends": {"r0": {"kind": "openai", "base_url": url}},
-        "models": {"up": {"backends": ["r0"]}}}))
-    client = await aiohttp_client(app)
-    await app[STATE].ready.wait()
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
     resp = await client.post("/v1/chat/completions", headers={"X-Flowlift-Workflow": "wf-s"},
                              json={**CHAT, "model": "up", "stream": True})
     assert (await resp.text()).rstrip().endswith("data: [DONE]")
@@ -306,12 +290,7 @@ async def test_T2_abandoned_upstream_stream_ends_its_span(aiohttp_client, aiohtt
                                                           captured):
     pieces = sse_bytes(*[chunk({"content": f"w{i} "}) for i in range(50)], chunk({}, "stop"))
     fake = FakeUpstream([FakeUpstream.stream(pieces, gap_s=0.01)])
-    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
-    app = create_app({}, file_config=parse_config({
-        "backends": {"r0": {"kind": "openai", "base_url": url}},
-        "models": {"up": {"backends": ["r0"]}}}))
-    client = await aiohttp_client(app)
-    await app[STATE].ready.wait()
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
     resp = await client.post("/v1/chat/completions",
                              json={**CHAT, "model": "up", "stream": True})
     got = b""
