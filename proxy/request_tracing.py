@@ -40,7 +40,7 @@ log = get_logger("flowlift.tracing")
 _current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
     "flowlift_request_trace", default=None)
 TRACED_PATHS = {f"/v1{path}": op for path, op in genai.OPERATIONS.items()}
-_MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"|"model":\s*"')
+_MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"')
 
 
 def _ns(t: float) -> int:
@@ -122,15 +122,16 @@ class RequestTrace:
                 self._read_doc(doc)
 
     def sse(self, events: bytes) -> None:
-        """Whole events of a forwarded upstream stream (read only where they may hold
-        usage or a finish reason: a byte search first)."""
+        """Whole events of a forwarded upstream stream. Parsed only where they may hold
+        usage or a finish reason (a byte search first), and the first (the model)."""
         with _safe("sse"):
             now = time.monotonic()
             self.first_at = self.first_at or now
             self.last_at = now
-            self.events += 1
+            first = self.events == 0
+            self.events += events.count(b"data:")
             self.done = self.done or finished(events)
-            if _MAY_HOLD.search(events):
+            if first or _MAY_HOLD.search(events):
                 for data in data_fields(events):
                     if data.startswith("{"):
                         self._read_doc(orjson.loads(data))
