@@ -10,9 +10,10 @@ or the upstream's events), so an abandoned stream's span still carries the usage
 (output tokens counted with the engine's tokenizer). Tracing never raises into a request:
 every hook swallows and logs its own failure.
 
-Child spans, from the instants noted: ``queue`` (arrival to an engine slot, embedded
-engine), ``routing`` (arrival to an upstream's first answer, retries and fallbacks
-included), ``prefill`` (slot to first chunk), ``decode`` (first to last chunk).
+The stage split, from the instants noted, as attributes (``flowlift.queue_ms``: arrival
+to an engine slot, embedded engine; ``flowlift.routing_ms``: arrival to an upstream's
+first answer, retries and fallbacks included; ``flowlift.prefill_ms``: slot to first
+chunk; ``flowlift.decode_ms``: first to last chunk) and a ``first_token`` event.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def _safe(what: str) -> Iterator[None]:
 class RequestTrace:
     """What one OpenAI request's span learns while the request runs."""
 
-    def __init__(self, tracer: trace.Tracer, span: trace.Span, operation: str) -> None:
-        self.tracer, self.span, self.operation = tracer, span, operation
+    def __init__(self, span: trace.Span, operation: str) -> None:
+        self.span, self.operation = span, operation
         self.t0 = time.monotonic()
         self.model: str | None = None
         self.stream = False
@@ -78,7 +79,7 @@ class RequestTrace:
         self.upstream_usage: dict[str, Any] | None = None
         self.response_model: str | None = None
         self.outcome = "unknown"
-        self.ids: dict[str, str] = {}  # the workflow and step it joined, for the children
+        self.ids: dict[str, str] = {}  # the workflow and step it joined
 
     # -- hooks (called by the handlers; each one never raises) -------------------------
     def request(self, model: str, joined: tuple[str, str | None] | None, stream: bool) -> None:
@@ -210,15 +211,17 @@ class RequestTrace:
                              "flowlift.usage.partial": partial})
 
     def _stages(self) -> None:
-        parent = trace.set_span_in_context(self.span)
+        """The stage split as ``flowlift.<stage>_ms`` attributes and a ``first_token``
+        event at its instant (one request's stages follow each other: no child spans,
+        which would double tracing's cost on the proxy's fastest path)."""
         pairs = (("queue", self.t0, self.slot_at), ("routing", self.t0, self.routed_at),
                  ("prefill", self.slot_at, self.first_at),
                  ("decode", self.first_at, self.last_at))
-        for name, start, end in pairs:
-            if start is not None and end is not None:
-                child = self.tracer.start_span(name, context=parent, start_time=_ns(start),
-                                               attributes={**self.ids, genai.STAGE: name})
-                child.end(_ns(max(end, start)))
+        self.span.set_attributes({f"flowlift.{name}_ms": round((end - start) * 1000, 3)
+                                  for name, start, end in pairs
+                                  if start is not None and end is not None})
+        if self.first_at is not None:
+            self.span.add_event("first_token", timestamp=_ns(self.first_at))
 
 
 def current() -> RequestTrace | None:
@@ -241,7 +244,7 @@ def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
         span = tracer.start_span(operation, context=extract(request.headers),
                                  kind=SpanKind.SERVER, attributes={
                                      genai.OPERATION: operation, "http.route": request.path})
-        rt = RequestTrace(tracer, span, operation)
+        rt = RequestTrace(span, operation)
         token = _current.set(rt)
         ctx_token = otel_context.attach(trace.set_span_in_context(span))
         status: int | None = None

@@ -203,7 +203,7 @@ async def test_openai_request_span_continues_the_caller_and_goes_upstream(
     assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (3, 1)
     assert a["gen_ai.response.finish_reasons"] == ("stop",)
     assert (a["flowlift.workflow.id"], a["flowlift.step.id"]) == ("wf-x", "draft")
-    assert [c.name for c in captured.children(span)] == ["routing"]
+    assert span.attributes["flowlift.routing_ms"] > 0 and not captured.children(span)
 
 
 async def test_upstream_workflow_step_sends_the_runs_span_upstream(
@@ -237,10 +237,10 @@ async def test_T1_stream_span_stays_open_until_the_stream_is_exhausted(traced, c
     assert a["flowlift.outcome"] == "complete" and a["flowlift.usage.partial"] is False
     assert a["gen_ai.usage.output_tokens"] == 8 and a["gen_ai.response.finish_reasons"] == (
         "stop",)
-    stages = {c.name: c for c in captured.children(span)}
-    assert set(stages) == {"queue", "prefill", "decode"}
-    assert {c.context.trace_id for c in stages.values()} == {span.context.trace_id}
-    assert (stages["decode"].end_time - stages["decode"].start_time) / 1e9 >= 8 * 0.02
+    assert {"flowlift.queue_ms", "flowlift.prefill_ms"} <= set(a)
+    assert a["flowlift.decode_ms"] >= 8 * 20  # first to last chunk
+    (first,) = span.events
+    assert first.name == "first_token" and span.start_time < first.timestamp < span.end_time
 
 
 async def test_T1_forwarded_stream_span_ends_at_done_with_the_upstreams_usage(
@@ -261,9 +261,7 @@ async def test_T1_forwarded_stream_span_ends_at_done_with_the_upstreams_usage(
     assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"],
             a["gen_ai.usage.cache_read.input_tokens"]) == (7, 3, 4)
     assert a["gen_ai.response.model"] == "up-model"
-    children = captured.children(span)
-    assert {c.name for c in children} == {"routing", "decode"}
-    assert all(c.attributes["flowlift.workflow.id"] == "wf-s" for c in children)
+    assert a["flowlift.workflow.id"] == "wf-s" and a["flowlift.decode_ms"] >= 3 * 30
 
 
 async def test_T2_abandoned_stream_ends_its_span_with_partial_usage(traced, captured):
@@ -358,9 +356,7 @@ async def test_spans_go_to_json_lines_in_the_trace_dir_by_default(tmp_path, monk
     (server,) = (x for x in lines if x["kind"] == "SERVER")
     assert server["name"] == "chat fake-model" and server["service"] == "flowlift-proxy"
     assert server["attributes"]["gen_ai.response.finish_reasons"] == ["stop"]
-    children = [x for x in lines if x["parent_span_id"] == server["span_id"]]
-    assert {x["name"] for x in children} == {"queue", "prefill", "decode"}
-    assert all(x["trace_id"] == server["trace_id"] for x in children)
+    assert [e["name"] for e in server["events"]] == ["first_token"]
     assert server["end_time_unix_nano"] > server["start_time_unix_nano"] > 0
 
 
