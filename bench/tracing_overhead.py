@@ -9,7 +9,10 @@ a time, so drift hits both alike:
 
 * ``chat``: non-streamed chat completions; ``stream``: streamed ones (the fake engine
   sends ~10 chunks); ``workflow``: ``POST /v1/workflows`` with a 24-step graph (8
-  chains of 3), read to ``run.finished``.
+  chains of 3), read to ``run.finished``;
+* ``forward`` / ``forward-stream``: the same chat request forwarded to an upstream
+  (``bench/fake_upstream.py``, canned bytes, 20 chunks a stream): the proxy's fastest
+  path, where tracing's share is largest.
 
 Reported per path and kind: p50 / p99 end-to-end latency (ms) and server CPU time per
 request (utime + stime of the server process from ``/proc``, ms). Servers are pinned to
@@ -27,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,11 +42,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 
 from bench.harness import RESULTS, pct, save
-from flowlift.testing import running_proxy
+from flowlift.testing import free_port, running_proxy
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 CHAT = {"model": "default", "max_tokens": 32,
         "messages": [{"role": "user", "content": "Say hello to the tracing benchmark."}]}
+KINDS = ("chat", "stream", "forward", "forward-stream", "workflow")
+CONFIG = """[backends.fake]
+kind = "openai"
+base_url = "{url}/v1"
+
+[models."bench-model"]
+backends = ["fake"]
+"""
 
 
 def graph() -> dict[str, Any]:
@@ -71,8 +83,9 @@ async def one(client: httpx.AsyncClient, base: str, kind: str) -> float:
             body = b"".join([c async for c in r.aiter_bytes()])
             assert b"run.finished" in body and b'"succeeded"' in body, body[-300:]
     else:
-        async with client.stream("POST", f"{base}/v1/chat/completions",
-                                 json={**CHAT, "stream": kind == "stream"}) as r:
+        body = {**CHAT, "stream": kind.endswith("stream"),
+                "model": "bench-model" if kind.startswith("forward") else "default"}
+        async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             async for _ in r.aiter_bytes():
                 pass
@@ -141,22 +154,31 @@ def export_cost(runs: int = 50, steps: int = 24) -> dict[str, float]:
 
 @contextlib.contextmanager
 def both(tmp: Path):
-    with running_proxy("--engine", "fake", "--state-db", ":memory:", "--log-level",
-                       "warning", "--trace-dir", str(tmp / "traces"),
-                       log_path=tmp / "traced.log") as (traced, p1):
-        os.environ["OTEL_SDK_DISABLED"] = "true"
-        try:
-            cm = running_proxy("--engine", "fake", "--state-db", ":memory:", "--log-level",
-                               "warning", log_path=tmp / "untraced.log")
-            with cm as (untraced, p2):
+    port = free_port()
+    upstream = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fake_upstream.py"),
+                                 "--port", str(port), "--chunks", "20"])
+    config = tmp / "flowlift.toml"
+    config.write_text(CONFIG.format(url=f"http://127.0.0.1:{port}"))
+    common = ("--engine", "fake", "--config", str(config), "--state-db", ":memory:",
+              "--log-level", "warning")
+    try:
+        with running_proxy(*common, "--trace-dir", str(tmp / "traces"),
+                           log_path=tmp / "traced.log") as (traced, p1):
+            os.environ["OTEL_SDK_DISABLED"] = "true"
+            try:
+                cm = running_proxy(*common, log_path=tmp / "untraced.log")
+                with cm as (untraced, p2):
+                    os.environ.pop("OTEL_SDK_DISABLED", None)
+                    if (os.cpu_count() or 1) >= 2:
+                        for pid in (p1.pid, p2.pid, upstream.pid):
+                            os.sched_setaffinity(pid, {1})
+                        os.sched_setaffinity(0, {0})
+                    yield {"traced": (traced, p1.pid), "untraced": (untraced, p2.pid)}
+            finally:
                 os.environ.pop("OTEL_SDK_DISABLED", None)
-                if (os.cpu_count() or 1) >= 2:
-                    for pid in (p1.pid, p2.pid):
-                        os.sched_setaffinity(pid, {1})
-                    os.sched_setaffinity(0, {0})
-                yield {"traced": (traced, p1.pid), "untraced": (untraced, p2.pid)}
-        finally:
-            os.environ.pop("OTEL_SDK_DISABLED", None)
+    finally:
+        upstream.terminate()
+        upstream.wait(timeout=10)
 
 
 async def main() -> None:
@@ -171,19 +193,20 @@ async def main() -> None:
     if a.export_only:
         return
     with tempfile.TemporaryDirectory() as d, both(Path(d)) as servers:
-        results = {"chat": await measure(servers, "chat", a.requests),
-                   "stream": await measure(servers, "stream", a.requests),
-                   "workflow": await measure(servers, "workflow", a.runs)}
+        results: dict[str, Any] = {
+            kind: await measure(servers, kind, a.runs if kind == "workflow" else a.requests
+                                * (4 if kind.startswith("forward") else 1))
+            for kind in KINDS}
         spans = Path(d, "traces", "spans.jsonl")
         await asyncio.sleep(6)  # the batch processor exports every 5 s
         results["spans_exported"] = (sum(1 for _ in spans.open()) if spans.exists() else 0)
-    print(f"{'kind':<9} {'path':<9} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>11}")
-    for kind in ("chat", "stream", "workflow"):
+    print(f"{'kind':<15} {'path':<9} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>11}")
+    for kind in KINDS:
         for path, r in results[kind].items():
-            print(f"{kind:<9} {path:<9} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+            print(f"{kind:<15} {path:<9} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
                   f"{r['cpu_ms_per_request']:>11.2f}")
         t, u = results[kind]["traced"], results[kind]["untraced"]
-        print(f"{kind:<9} {'ratio':<9} {t['p50_ms'] / u['p50_ms']:>8.2f} "
+        print(f"{kind:<15} {'ratio':<9} {t['p50_ms'] / u['p50_ms']:>8.2f} "
               f"{t['p99_ms'] / u['p99_ms']:>8.2f} "
               f"{t['cpu_ms_per_request'] / max(u['cpu_ms_per_request'], 1e-9):>11.2f}")
     print(f"spans exported by the traced proxy: {results['spans_exported']}")
