@@ -15,8 +15,9 @@ a time, so drift hits both alike:
   path, where tracing's share is largest.
 
 Reported per path and kind: p50 / p99 end-to-end latency (ms) and server CPU time per
-request (utime + stime of the server process from ``/proc``, ms). Servers are pinned to
-core 1 and this load generator to core 0 when there are two cores.
+request (utime + stime of the server process from ``/proc``, ms; the ``forward`` kinds
+run 4x ``--requests``, being fast). Servers and the fake upstream are pinned to core 1
+and this load generator to core 0 when there are two cores.
 
     .venv/bin/python bench/tracing_overhead.py [--requests 300] [--runs 30]
     .venv/bin/python bench/tracing_overhead.py --export-only   # the in-process figures
