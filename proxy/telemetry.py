@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
@@ -164,8 +164,3 @@ def setup(app: web.Application, state: ProxyState,
     app.on_cleanup.append(flush)
     return telemetry
 
-
-def run_context(run: Any) -> contextvars.Context | None:
-    """The context for ``run``'s task: with its span current when it has telemetry."""
-    telemetry = getattr(run, "telemetry", None)
-    return None if telemetry is None else telemetry.run_started(run)
