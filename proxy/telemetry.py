@@ -90,7 +90,7 @@ class Telemetry:
     def run_closed(self, run: Run) -> None:
         """Count the run in the metrics; end its span and emit its steps' spans in a
         worker thread (the trace is final now), so the run's last event is not held up
-        by building them (~0.27 ms a step, ``bench/tracing_overhead.py``)."""
+        by building them (~0.2 ms a step, ``bench/tracing_overhead.py``)."""
         missed = bool(getattr(run, "deadline_missed", False))
         try:
             self.metrics.observe_run(run.trace, deadline_missed=missed)
