@@ -19,11 +19,12 @@ from collections.abc import Mapping
 
 import httpx
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
 
 from flowlift.errors import AuthenticationError, ConfigError, EngineError
 from flowlift.local_engine.base import Engine
 from flowlift.local_engine.residency import ResidencyManager
-from flowlift.proxy import openai_api, progress_api, sessions_api, ui, workflows
+from flowlift.proxy import openai_api, progress_api, sessions_api, telemetry, ui, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
@@ -35,8 +36,9 @@ from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
 from flowlift.proxy.store import RunStore
 from flowlift.proxy.upstream_engine import UpstreamEngine
 
-_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models", "/v1/workflows:compile"})
-_UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
+_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models", "/v1/workflows:compile",
+                         "/metrics"})
+_UNAUTHENTICATED = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 @web.middleware
@@ -119,7 +121,8 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
 def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None, *,
                file_config: FileConfig | None = None,
                transport: httpx.AsyncBaseTransport | None = None,
-               residency: ResidencyManager | None = None) -> web.Application:
+               residency: ResidencyManager | None = None,
+               tracer_provider: TracerProvider | None = None) -> web.Application:
     """Build the proxy.
 
     Args:
@@ -130,6 +133,9 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         residency: the manager behind the :class:`~flowlift.local_engine.resident.ResidentEngine`
             engines among ``engines`` (several models in one memory budget); the proxy
             feeds it its running workflows' plans and queues.
+        tracer_provider: an OpenTelemetry tracer provider for the proxy's spans; None:
+            its own (OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, else JSON lines
+            in ``config.trace_dir``; see :mod:`flowlift.tracing.spans`).
 
     Returns:
         An ``aiohttp.web.Application``; engines start when the app starts.
@@ -178,5 +184,6 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                                          ttl_s=config.session_ttl_s))
     progress_api.setup(app)  # step counts of a run (the SDK's progress bar)
     ui.setup(app)  # /ui/workflows/{run_id} (timeline) and /ui/compile
+    telemetry.setup(app, app[STATE], tracer_provider)  # spans, /metrics
     app.cleanup_ctx.append(_lifecycle)
     return app

@@ -140,6 +140,11 @@ class FileConfig(_Strict):
         raw = os.environ.get(self.server.api_keys_env, "")
         return frozenset(k.strip() for k in raw.split(",") if k.strip())
 
+    def secrets(self) -> frozenset[str]:
+        """Every secret the config reads from the environment (for the log redactor)."""
+        keys = {self.upstream_key(name) for name in self.backends}
+        return self.proxy_keys() | {k for k in keys if k}
+
     def upstream_key(self, backend: str) -> str | None:
         spec = self.backends[backend]
         if isinstance(spec, EmbeddedSpec) or not spec.api_key_env:

@@ -30,6 +30,7 @@ from flowlift.local_engine.base import (
     TokenLogprob,
     Usage,
 )
+from flowlift.proxy import request_tracing
 from flowlift.proxy.backends import Backend
 from flowlift.proxy.scheduler import Priority
 from flowlift.tracing import get_logger
@@ -152,14 +153,20 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
     priority = priority or Priority.of("interactive")
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=4 * len(requests))
 
+    traced = request_tracing.current()
+
     async def pump(index: int, request: GenerationRequest) -> None:
         try:
             async with backend.slots.slot(priority):
                 if timing is not None and timing.started is None:
                     timing.started = time.monotonic()
+                if traced is not None:
+                    traced.slot(backend.engine, request.model, backend.name)
                 stream = backend.engine.generate(request)
                 try:
                     async for chunk in stream:
+                        if traced is not None:
+                            traced.chunk(index, chunk)
                         await queue.put((index, chunk))
                 finally:
                     await stream.aclose()  # type: ignore[attr-defined]

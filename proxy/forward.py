@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 
 from flowlift.errors import RequestError, UpstreamError
+from flowlift.proxy import request_tracing
 from flowlift.proxy.attempts import Opened, open_answer
 from flowlift.proxy.inferred import render_message
 from flowlift.proxy.providers import Providers
@@ -31,6 +32,7 @@ from flowlift.proxy.routing import Route
 from flowlift.proxy.sse_bytes import complete_prefix, data_fields, finished
 from flowlift.proxy.upstream import Upstream, forwarded_headers, translate
 from flowlift.tracing import get_logger
+from flowlift.tracing.spans import inject
 
 log = get_logger("flowlift.proxy.forward")
 OnOutput = Callable[[str, dict[str, Any] | None], None]
@@ -66,9 +68,11 @@ async def forward(request: web.Request, *, providers: Providers, route: Route, p
         RequestError: the route chose the embedded engine for an endpoint it lacks.
     """
     deadline = asyncio.get_running_loop().time() + route.total_timeout_s
+    headers = forwarded_headers(request.headers)
+    inject(headers)  # the proxy's own span (a child of the caller's) is the upstream's parent
     try:
         opened = await open_answer(
-            providers, route, path=path, headers=forwarded_headers(request.headers),
+            providers, route, path=path, headers=headers,
             body_for=lambda up: _body_for(up, raw, data, route.model),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity)
     except UpstreamError as exc:
@@ -83,6 +87,9 @@ async def forward(request: web.Request, *, providers: Providers, route: Route, p
             return await embedded(*opened)
         finally:
             backend.admitted -= 1
+    traced = request_tracing.current()
+    if traced is not None:
+        traced.upstream(opened.upstream.name, opened.doc)
     try:
         if opened.body is not None:
             return _plain(opened, on_output)
@@ -180,6 +187,9 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
                                        "Cache-Control": "no-cache",
                                        "X-Flowlift-Backend": upstream.name})
     collect = _Collect() if on_output is not None else None
+    traced = request_tracing.current()
+    if traced is not None:
+        traced.sse(opened.head)
     done = finished(opened.head)
     buffer = opened.tail
     failure: str | None = None
@@ -200,6 +210,8 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
                     idle.reschedule(min(loop.time() + idle_s, deadline))
                     events, buffer = buffer[:end], buffer[end:]
                     await resp.write(events)
+                    if traced is not None:
+                        traced.sse(events)
                     done = done or finished(events)
                     if collect is not None:
                         collect.add(events)

@@ -24,7 +24,7 @@ import structlog
 from aiohttp import web
 
 from flowlift.errors import ModelNotFound, RequestError
-from flowlift.proxy import embedded
+from flowlift.proxy import embedded, request_tracing
 from flowlift.proxy.backends import Backend
 from flowlift.proxy.forward import OnOutput, forward
 from flowlift.proxy.http import json_object, read_body
@@ -75,6 +75,9 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
     on_output = _recorder(state, joined, route.model, data) if joined else None
     if joined:
         structlog.contextvars.bind_contextvars(workflow_id=joined[0], step_id=joined[1])
+    traced = request_tracing.current()
+    if traced is not None:
+        traced.request(route.model, joined, data.get("stream") is True)
 
     async def local(model: str, backend: Backend) -> web.StreamResponse:
         assert handler is not None

@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from cachetools import TTLCache
 
@@ -45,6 +46,7 @@ class RunRegistry:
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
+        self.telemetry: Any = None  # flowlift.proxy.telemetry.Telemetry (set by create_app)
         self.store.prune(older_than_s=7 * 24 * 3600)
 
     def get(self, run_id: str) -> Run:
@@ -61,14 +63,16 @@ class RunRegistry:
         return stored
 
     def start(self, graph: Graph, backends: Backends, costs: CostTracker,
-              run_plan: Plan) -> Run:
-        """Create, persist and start a run of a validated, compiled graph."""
+              run_plan: Plan, *, parent: Any = None) -> Run:
+        """Create, persist and start a run of a validated, compiled graph (``parent``:
+        the caller's OpenTelemetry context, from its ``traceparent``)."""
         if graph.id is not None and (graph.id in self.active or self.store.exists(graph.id)):
             raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
                                "fresh one", param="id")
         run = Run(graph, backends, run_plan, costs, sink=self.store.append,
                   outcomes=self.outcomes)
         self.store.create(run.run_id, graph.to_wire())
+        run.trace_parent = parent
         self._activate(run)
         return run
 
@@ -88,6 +92,7 @@ class RunRegistry:
 
     def _activate(self, run: Run) -> None:
         self.active[run.run_id] = run
+        run.telemetry = self.telemetry
         run.detached_since = time.monotonic()
         run.start().add_done_callback(lambda _: self.retire(run))
 

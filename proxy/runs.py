@@ -95,6 +95,9 @@ class Run:
         self._done = {n.id: asyncio.Event() for n in graph.nodes}
         self._tool_results: dict[str, asyncio.Future[Any]] = {}
         self.task: asyncio.Task[None] | None = None
+        self.telemetry: Any = None  # flowlift.proxy.telemetry.Telemetry, set by the registry
+        self.trace_parent: Any = None  # the caller's W3C trace context
+        self.deadline_missed = False
         for node in graph.nodes:
             model = node.model if isinstance(node, LLMNode) else None
             self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
@@ -107,7 +110,9 @@ class Run:
         return self.trace.status != "running"
 
     def start(self) -> asyncio.Task[None]:
-        self.task = asyncio.create_task(self._execute(), name=f"run {self.run_id}")
+        ctx = self.telemetry.run_started(self) if self.telemetry is not None else None
+        self.task = asyncio.create_task(self._execute(), name=f"run {self.run_id}",
+                                        context=ctx)
         return self.task
 
     def cancel(self) -> None:
@@ -155,6 +160,7 @@ class Run:
             try:
                 await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
                 if not work.done():
+                    self.deadline_missed = True
                     self._fail_unfinished(tasks, f"deadline of {self.graph.deadline_s} s "
                                           "exceeded")
             except asyncio.CancelledError:
@@ -187,6 +193,8 @@ class Run:
 
     def _close(self, status: str) -> None:
         self.trace.finish(status)
+        if self.telemetry is not None:  # spans and metrics; never raises
+            self.telemetry.run_closed(self)
         self._emit(("run.finished", {
             "run_id": self.run_id, "status": status, "failures": self.failures,
             "trace": self.trace.records()}))

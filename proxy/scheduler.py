@@ -103,6 +103,14 @@ class PrioritySlots:
     def queued(self) -> int:
         return sum(1 for w in self._heap if not w.future.done())
 
+    def queued_by_class(self) -> dict[str, int]:
+        """Waiting requests per workflow class (``interactive``, ``batch``)."""
+        out = {"interactive": 0, "batch": 0}
+        for w in self._heap:
+            if not w.future.done():
+                out["interactive" if w.priority.interactive else "batch"] += 1
+        return out
+
     def interactive_active(self) -> bool:
         return (self.in_use > self.batch_in_use
                 or time.monotonic() < self._interactive_until)

@@ -31,6 +31,7 @@ from flowlift.proxy.attempts import Opened, open_answer
 from flowlift.proxy.providers import Providers
 from flowlift.proxy.routing import Route
 from flowlift.proxy.upstream import translate, unretryable
+from flowlift.tracing.spans import inject
 
 
 def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
@@ -130,12 +131,14 @@ class UpstreamEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         body = chat_body(request, self.route.model)
+        headers: dict[str, str] = {}
+        inject(headers)  # the workflow run's span: the upstream request joins its trace
         try:
             opened = await open_answer(
                 self.providers, self.route, path="/chat/completions",
                 body_for=lambda up: orjson.dumps({**body,
                                                   "model": up.upstream_model(self.route.model)}),
-                headers={}, stream="events", affinity=request.session_id)
+                headers=headers, stream="events", affinity=request.session_id)
         except UpstreamError as exc:
             raise unretryable(exc, self.route.model) or EngineError(
                 f"model {self.route.model!r}: {exc.message}") from None

@@ -39,6 +39,7 @@ from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.planning import plan
 from flowlift.proxy.runs import Run
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.tracing.spans import extract
 
 routes = web.RouteTableDef()
 
@@ -87,7 +88,8 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
     graph = parse_graph(await read_json(request), state.backends)
     run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs,
                                      state.runs.outcomes, state.prices)
-    run = state.runs.start(graph, state.backends, state.costs, run_plan)
+    run = state.runs.start(graph, state.backends, state.costs, run_plan,
+                           parent=extract(request.headers))
     log.info("run_started", workflow_id=run.run_id, name=graph.name, steps=len(graph.nodes))
     return await _send(request, run.log.follow(0), run)
 

@@ -36,6 +36,7 @@ from flowlift.errors import (
     RunError,
 )
 from flowlift.sdk import progress
+from flowlift.sdk.tracing import current_context, tool_span, workflow_span
 from flowlift.sdk.workflow import Workflow
 
 _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=60.0)
@@ -99,12 +100,15 @@ class _Session:
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
     lost_at: float | None = None
+    trace_headers: dict[str, str] = field(default_factory=dict)  # W3C traceparent
 
     def request(self) -> tuple[str, str, dict[str, Any]]:
         if self.wf.run_id is None:
-            return "POST", "/v1/workflows", {"json": self.wf.graph().to_wire()}
+            return "POST", "/v1/workflows", {"json": self.wf.graph().to_wire(),
+                                             "headers": self.trace_headers}
         headers = {"Last-Event-ID": self.last_id} if self.last_id else {}
-        return "GET", f"/v1/workflows/{self.wf.run_id}/events", {"headers": headers}
+        return "GET", f"/v1/workflows/{self.wf.run_id}/events", {
+            "headers": {**self.trace_headers, **headers}}
 
     def result_url(self, step_id: str) -> str:
         return f"/v1/workflows/{self.wf.run_id}/steps/{step_id}/result"
@@ -165,9 +169,14 @@ def _retryable(status: int) -> bool:
 
 def run_sync(wf: Workflow) -> None:
     """Ship ``wf``'s graph and drive the run to its end (blocking), reconnecting when
-    the event stream is lost."""
+    the event stream is lost; in an ``invoke_workflow`` span (:mod:`flowlift.sdk.tracing`)."""
+    with workflow_span(wf) as trace_headers:
+        _run_sync(wf, trace_headers, current_context())
+
+
+def _run_sync(wf: Workflow, trace_headers: dict[str, str], ctx: Any) -> None:
     transport = wf.transport if isinstance(wf.transport, httpx.BaseTransport) else None
-    sess = _Session(wf)
+    sess = _Session(wf, trace_headers=trace_headers)
     with httpx.Client(base_url=wf.base_url, transport=transport, timeout=_TIMEOUT) as client, \
             ThreadPoolExecutor(max_workers=wf.tool_workers) as pool, \
             progress.showing(wf, client):  # a no-op unless progress is wanted
@@ -177,7 +186,10 @@ def run_sync(wf: Workflow) -> None:
                 client.post(sess.result_url(step_id), json=sess.results[step_id])
 
         def run_tool(call: ToolCall) -> None:
-            sess.results[call.step_id] = _tool_result(wf.tools[call.step_id].fn, call)
+            tool = wf.tools[call.step_id]
+            with tool_span(wf, call.step_id, tool.name, ctx) as outcome:
+                sess.results[call.step_id] = _tool_result(tool.fn, call)
+                outcome(sess.results[call.step_id])
             post(call.step_id)
 
         def dispatch(action: ToolCall | str | None) -> None:
@@ -206,8 +218,9 @@ def run_sync(wf: Workflow) -> None:
 class _AsyncDriver:
     """The async side of the protocol: one event stream, tool calls as tasks."""
 
-    def __init__(self, wf: Workflow, client: httpx.AsyncClient) -> None:
-        self.sess = _Session(wf)
+    def __init__(self, wf: Workflow, client: httpx.AsyncClient,
+                 trace_headers: dict[str, str] | None = None) -> None:
+        self.sess = _Session(wf, trace_headers=trace_headers or {})
         self.client = client
         self.pending: set[asyncio.Task[None]] = set()
 
@@ -217,11 +230,14 @@ class _AsyncDriver:
                                    json=self.sess.results[step_id])
 
     async def run_tool(self, call: ToolCall) -> None:
-        fn = self.sess.wf.tools[call.step_id].fn
-        if inspect.iscoroutinefunction(fn):
-            result = await _atool_result(fn, call)
-        else:
-            result = await asyncio.to_thread(_tool_result, fn, call)
+        tool = self.sess.wf.tools[call.step_id]
+        fn = tool.fn
+        with tool_span(self.sess.wf, call.step_id, tool.name) as outcome:
+            if inspect.iscoroutinefunction(fn):
+                result = await _atool_result(fn, call)
+            else:
+                result = await asyncio.to_thread(_tool_result, fn, call)
+            outcome(result)
         self.sess.results[call.step_id] = result
         await self.post(call.step_id)
 
@@ -264,9 +280,10 @@ async def run_async(wf: Workflow) -> None:
     """Ship ``wf``'s graph and drive the run to its end (async), reconnecting when the
     event stream is lost."""
     transport = wf.transport if isinstance(wf.transport, httpx.AsyncBaseTransport) else None
-    async with httpx.AsyncClient(base_url=wf.base_url, transport=transport,
-                                 timeout=_TIMEOUT) as client, progress.tracking(wf, client):
-        await _AsyncDriver(wf, client).run()
+    with workflow_span(wf) as trace_headers:
+        async with httpx.AsyncClient(base_url=wf.base_url, transport=transport,
+                                     timeout=_TIMEOUT) as client, progress.tracking(wf, client):
+            await _AsyncDriver(wf, client, trace_headers).run()
     _require_finished(wf)
 
 

@@ -232,7 +232,11 @@ async def test_B2_client_credentials_stay_home_trace_context_passes(proxy):
     assert resp.status == 200
     got = {k.lower(): v for k, v in fake.received[0].headers.items()}
     assert got["authorization"] == "Bearer sk-upstream-secret"
-    assert got["traceparent"] == headers["traceparent"]
+    # the trace continues: same trace id and flags, the proxy's own span as the parent
+    version, trace_id, parent_id, flags = got["traceparent"].split("-")
+    _, sent_trace, sent_parent, sent_flags = headers["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", sent_trace, sent_flags)
+    assert parent_id != sent_parent and int(parent_id, 16) != 0
     assert got["tracestate"] == headers["tracestate"]
     for secret in ("secret-1", "secret-2", "secret-3", "sk-proxy-key", "org-client"):
         assert secret not in json.dumps(got)

@@ -325,4 +325,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from flowlift.tracing import configure_tracing
+
+    # the app's own spans (OTLP if OTEL_EXPORTER_OTLP_ENDPOINT is set), in one trace with
+    # the proxy's: `flowlift run` has the proxy write its spans to runs/traces/spans.jsonl
+    configure_tracing("stdlib-docs", jsonl_path="runs/stdlib_docs.spans.jsonl")
     sys.exit(main())

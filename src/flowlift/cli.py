@@ -94,6 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"flowlift serve: {exc.message}", file=sys.stderr)
         return 2
+    if file_config is not None:  # its keys never reach the log
+        configure_logging(args.log_level, secrets=file_config.secrets())
     if args.engine is None:
         wants_local = file_config is None or any(
             isinstance(b, EmbeddedSpec) for b in file_config.backends.values())

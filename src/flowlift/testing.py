@@ -4,6 +4,10 @@
 model: deterministic outputs, streamed in chunks, honouring structured-output
 constraints and raw prompts, with deterministic logprobs and a simulated prefix cache
 so cached-token accounting can be tested.
+
+:func:`capture_spans` records flowlift's OpenTelemetry spans in memory while it is
+active (like ``structlog.testing.capture_logs``); ``CapturedSpans.named("chat m")``,
+``.children(span)`` and ``.spans`` read them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from flowlift.local_engine.base import (
     TokenLogprob,
     Usage,
 )
+from flowlift.tracing.spans import CapturedSpans as CapturedSpans  # re-exported
+from flowlift.tracing.spans import capture_spans as capture_spans
 
 Responder = Callable[[GenerationRequest], str]
 
@@ -427,3 +433,4 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+

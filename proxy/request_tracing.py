@@ -1,0 +1,269 @@
+"""One span per OpenAI API request (``chat {model}``, ``text_completion {model}``...).
+
+:func:`trace_requests` (an aiohttp middleware) starts the span when the request
+arrives -- a child of the caller's W3C ``traceparent`` -- makes it the current span (so
+:func:`flowlift.tracing.spans.inject` sends the proxy's own span upstream), and ends it
+when the handler is done: for a stream that is when the stream was exhausted, cut short
+or abandoned by the client, since the handler returns only then (cases T1, T2). What the
+answer held is noted as it passes (:class:`RequestTrace`: the model, the engine's chunks
+or the upstream's events), so an abandoned stream's span still carries the usage so far
+(output tokens counted with the engine's tokenizer). Tracing never raises into a request:
+every hook swallows and logs its own failure.
+
+The stage split, from the instants noted, as attributes (``flowlift.queue_ms``: arrival
+to an engine slot, embedded engine; ``flowlift.routing_ms``: arrival to an upstream's
+first answer, retries and fallbacks included; ``flowlift.prefill_ms``: slot to first
+chunk; ``flowlift.decode_ms``: first to last chunk) and a ``first_token`` event.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import orjson
+from aiohttp import web
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from flowlift.local_engine.base import Engine, GenerationChunk
+from flowlift.proxy.sse_bytes import data_fields, finished
+from flowlift.tracing import genai
+from flowlift.tracing.logging import get_logger
+from flowlift.tracing.spans import extract
+
+log = get_logger("flowlift.tracing")
+_current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
+    "flowlift_request_trace", default=None)
+TRACED_PATHS = {f"/v1{path}": op for path, op in genai.OPERATIONS.items()}
+_MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"')
+
+
+def _ns(t: float) -> int:
+    """``time.monotonic()`` seconds as epoch nanoseconds."""
+    return time.time_ns() - int((time.monotonic() - t) * 1e9)
+
+
+@contextmanager
+def _safe(what: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:  # tracing must never break a request
+        log.warning("tracing_failed", hook=what, error=f"{type(exc).__name__}: {exc}")
+
+
+class RequestTrace:
+    """What one OpenAI request's span learns while the request runs."""
+
+    def __init__(self, span: trace.Span, operation: str) -> None:
+        self.span, self.operation = span, operation
+        self.t0 = time.monotonic()
+        self.model: str | None = None
+        self.stream = False
+        self.engine: Engine | None = None
+        self.engine_model: str | None = None
+        self.slot_at: float | None = None
+        self.routed_at: float | None = None
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.texts: dict[int, list[str]] = {}
+        self.usage: dict[int, Any] = {}
+        self.finish: dict[int, str] = {}
+        self.events = 0
+        self.done = False
+        self.upstream_usage: dict[str, Any] | None = None
+        self.response_model: str | None = None
+        self.outcome = "unknown"
+        self.ids: dict[str, str] = {}  # the workflow and step it joined
+
+    # -- hooks (called by the handlers; each one never raises) -------------------------
+    def request(self, model: str, joined: tuple[str, str | None] | None, stream: bool) -> None:
+        with _safe("request"):
+            self.model, self.stream = model, stream
+            self.span.update_name(f"{self.operation} {model}")
+            self.span.set_attributes({genai.REQUEST_MODEL: model, "flowlift.stream": stream})
+            if joined is not None:
+                self.ids[genai.WORKFLOW_ID] = joined[0]
+                if joined[1] is not None:
+                    self.ids[genai.STEP_ID] = joined[1]
+                self.span.set_attributes(self.ids)
+
+    def slot(self, engine: Engine, model: str, backend: str) -> None:
+        with _safe("slot"):
+            if self.slot_at is None:
+                self.slot_at, self.engine, self.engine_model = time.monotonic(), engine, model
+                self.response_model = model
+                self.span.set_attributes({genai.PROVIDER: genai.provider_name(engine),
+                                          "flowlift.backend": backend})
+
+    def chunk(self, index: int, chunk: GenerationChunk) -> None:
+        with _safe("chunk"):
+            now = time.monotonic()
+            if self.first_at is None and chunk.text:
+                self.first_at = now
+            self.last_at = now
+            self.texts.setdefault(index, []).append(chunk.text)
+            if chunk.usage is not None:
+                self.usage[index] = chunk.usage
+            if chunk.finish_reason:
+                self.finish[index] = chunk.finish_reason
+
+    def upstream(self, backend: str, doc: dict[str, Any] | None = None) -> None:
+        """An upstream answered (``doc``: its whole JSON answer, when not streamed)."""
+        with _safe("upstream"):
+            self.routed_at = time.monotonic()
+            self.span.set_attributes({genai.PROVIDER: "openai", "flowlift.backend": backend})
+            if doc is not None:
+                self.done = True
+                self._read_doc(doc)
+
+    def sse(self, events: bytes) -> None:
+        """Whole events of a forwarded upstream stream. Parsed only where they may hold
+        usage or a finish reason (a byte search first), and the first (the model)."""
+        with _safe("sse"):
+            now = time.monotonic()
+            self.first_at = self.first_at or now
+            self.last_at = now
+            first = self.events == 0
+            self.events += events.count(b"data:")
+            self.done = self.done or finished(events)
+            if first or _MAY_HOLD.search(events):
+                for data in data_fields(events):
+                    if data.startswith("{"):
+                        self._read_doc(orjson.loads(data))
+
+    def _read_doc(self, doc: dict[str, Any]) -> None:
+        if isinstance(doc.get("model"), str):
+            self.response_model = doc["model"]
+        if isinstance(doc.get("usage"), dict):
+            self.upstream_usage = doc["usage"]
+        for choice in doc.get("choices") or ():
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                self.finish[int(choice.get("index") or 0)] = choice["finish_reason"]
+
+    # -- the end ------------------------------------------------------------------------
+    def usage_numbers(self) -> tuple[int | None, int | None, int | None, bool]:
+        """(prompt, completion, cached, partial) tokens of the answer so far."""
+        if self.upstream_usage is not None:
+            u = self.upstream_usage
+            details = u.get("prompt_tokens_details") or {}
+            return (u.get("prompt_tokens"), u.get("completion_tokens"),
+                    details.get("cached_tokens"), False)
+        if not self.texts:
+            return None, None, None, False
+        prompt = cached = completion = 0
+        partial = unknown = False
+        for index, pieces in self.texts.items():
+            u = self.usage.get(index)
+            if u is not None:
+                completion += u.completion_tokens
+                if index == 0:
+                    prompt, cached = u.prompt_tokens, u.cached_tokens
+                continue
+            partial = True  # cut short: count what was generated with the engine's tokenizer
+            counted = (self.engine.count_tokens(self.engine_model or "", "".join(pieces))
+                       if self.engine is not None else None)
+            unknown = unknown or counted is None
+            completion += counted or 0
+        head = partial and 0 not in self.usage
+        return (None if head else prompt, None if unknown else completion,
+                None if head else cached, partial)
+
+    def end(self, status: int | None, abandoned: bool, error: BaseException | None) -> None:
+        """Record the outcome and end the span (always, whatever fails on the way)."""
+        try:
+            self._conclude(status, abandoned, error)
+            self._stages()
+        finally:
+            self.span.end()
+
+    def _conclude(self, status: int | None, abandoned: bool,
+                  error: BaseException | None) -> None:
+        span = self.span
+        complete = self.done or (bool(self.texts) and len(self.finish) >= len(self.texts))
+        self.outcome = ("complete" if complete and status == 200 else "abandoned"
+                        if abandoned else "error" if (status or 500) >= 400 or error
+                        else "incomplete")
+        attrs: dict[str, Any] = {"flowlift.outcome": self.outcome}
+        if status is not None:
+            attrs["http.response.status_code"] = status
+        if self.outcome in ("error", "incomplete"):
+            attrs[genai.ERROR_TYPE] = (type(error).__name__ if error is not None
+                                       else str(status) if status and status >= 400
+                                       else "stream_incomplete")
+            span.set_status(Status(StatusCode.ERROR))
+        if self.response_model:
+            attrs[genai.RESPONSE_MODEL] = self.response_model
+        if self.finish:
+            attrs[genai.FINISH_REASONS] = [self.finish[i] for i in sorted(self.finish)]
+        if self.events:
+            attrs["flowlift.stream.events"] = self.events
+        if self.texts:
+            attrs["flowlift.stream.chunks"] = sum(len(p) for p in self.texts.values())
+        span.set_attributes(attrs)
+        prompt, completion, cached, partial = self.usage_numbers()
+        span.set_attributes({**genai.usage_attributes(prompt, completion, cached),
+                             "flowlift.usage.partial": partial})
+
+    def _stages(self) -> None:
+        """The stage split as ``flowlift.<stage>_ms`` attributes and a ``first_token``
+        event at its instant (one request's stages follow each other: no child spans,
+        which would double tracing's cost on the proxy's fastest path)."""
+        pairs = (("queue", self.t0, self.slot_at), ("routing", self.t0, self.routed_at),
+                 ("prefill", self.slot_at, self.first_at),
+                 ("decode", self.first_at, self.last_at))
+        self.span.set_attributes({f"flowlift.{name}_ms": round((end - start) * 1000, 3)
+                                  for name, start, end in pairs
+                                  if start is not None and end is not None})
+        if self.first_at is not None:
+            self.span.add_event("first_token", timestamp=_ns(self.first_at))
+
+
+def current() -> RequestTrace | None:
+    """The OpenAI request being traced in this context, if any."""
+    return _current.get()
+
+
+def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
+    """The aiohttp middleware that traces OpenAI API requests (see the module doc).
+
+    Args:
+        tracer: the proxy's tracer.
+        observe: ``observe(request_trace)`` after each request (metrics), or None.
+    """
+    @web.middleware
+    async def trace_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+        operation = TRACED_PATHS.get(request.path)
+        if operation is None or request.method != "POST":
+            return await handler(request)
+        span = tracer.start_span(operation, context=extract(request.headers),
+                                 kind=SpanKind.SERVER, attributes={
+                                     genai.OPERATION: operation, "http.route": request.path})
+        rt = RequestTrace(span, operation)
+        token = _current.set(rt)
+        ctx_token = otel_context.attach(trace.set_span_in_context(span))
+        status: int | None = None
+        error: BaseException | None = None
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            otel_context.detach(ctx_token)
+            _current.reset(token)
+            transport = request.transport
+            abandoned = transport is None or transport.is_closing()
+            with _safe("end"):
+                rt.end(status, abandoned, error)
+            if observe is not None:
+                with _safe("observe"):
+                    observe(rt)
+    return trace_requests

@@ -1,0 +1,166 @@
+"""The proxy's traces and metrics: one :class:`Telemetry` per app (``app[TELEMETRY]``).
+
+* Workflow runs: :meth:`Telemetry.run_started` gives the run's task a context whose
+  current span is the run's ``invoke_workflow`` span (a child of the caller's
+  ``traceparent``); :meth:`Telemetry.run_closed` ends it, emits its steps' spans from
+  the trace (:mod:`flowlift.tracing.run_spans`) and feeds the metrics.
+* OpenAI API requests: the :mod:`flowlift.proxy.request_tracing` middleware.
+* ``GET /metrics``: Prometheus' text format (:mod:`flowlift.tracing.metrics`).
+
+Spans are exported by a batch processor in the background (see
+:mod:`flowlift.tracing.spans`); the app flushes it when it shuts down. Nothing here
+raises into a run or a request: failures are logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from flowlift.graph import LLMNode
+from flowlift.proxy import request_tracing
+from flowlift.tracing import genai, spans
+from flowlift.tracing.logging import get_logger
+from flowlift.tracing.metrics import Metrics
+from flowlift.tracing.run_spans import RunSpans
+
+if TYPE_CHECKING:
+    from flowlift.proxy.runs import Run
+    from flowlift.proxy.state import ProxyState
+
+log = get_logger("flowlift.tracing")
+
+
+class Telemetry:
+    """Tracer and metrics of one proxy.
+
+    Args:
+        provider: the proxy's tracer provider
+            (:func:`~flowlift.tracing.spans.proxy_tracer_provider`).
+        state: the proxy's state (backends, runs, upstreams: read by the metrics at scrape
+            time).
+        owned: the provider is this proxy's own (shut down with it); False for one it
+            shares (a :func:`~flowlift.tracing.spans.capture_spans` provider): only flushed.
+    """
+
+    def __init__(self, provider: TracerProvider, state: ProxyState, *,
+                 owned: bool = True) -> None:
+        self.provider, self.owned = provider, owned
+        self.tracer = provider.get_tracer("flowlift.proxy")
+        self.state = state
+        self.metrics = Metrics(queue_depth=self._queue_depth,
+                               active_workflows=lambda: len(state.runs.active),
+                               upstream_in_flight=self._in_flight)
+        self._runs: dict[str, RunSpans] = {}
+
+    def _queue_depth(self) -> list[tuple[str, str, int]]:
+        out = []
+        for backend in self.state.backends.backends:
+            for cls, n in backend.slots.queued_by_class().items():
+                out.append((backend.name, cls, n))
+        return out
+
+    def _in_flight(self) -> list[tuple[str, int]]:
+        return [(name, up.health.in_flight) for name, up in self.state.providers.upstreams.items()]
+
+    def provider_of(self, model: str | None) -> str:
+        try:
+            return genai.provider_name(self.state.backends.resolve(model)[1].engine)
+        except Exception:
+            return "vllm"
+
+    # -- workflow runs ----------------------------------------------------------------
+    def run_started(self, run: Run) -> contextvars.Context | None:
+        """The context to run ``run``'s task in (its span current), or None on failure."""
+        try:
+            models = {n.id: n.model for n in run.graph.nodes if isinstance(n, LLMNode)}
+            run_spans = RunSpans(self.tracer, run.trace, getattr(run, "trace_parent", None),
+                                 self.provider_of, models)
+            self._runs[run.run_id] = run_spans
+            return run_spans.task_context()
+        except Exception:
+            log.exception("tracing_failed", hook="run_started")
+            return None
+
+    def run_closed(self, run: Run) -> None:
+        """Count the run in the metrics; end its span and emit its steps' spans in a
+        worker thread (the trace is final now), so the run's last event is not held up
+        by building them (~0.2 ms a step, ``bench/tracing_overhead.py``)."""
+        missed = bool(getattr(run, "deadline_missed", False))
+        try:
+            self.metrics.observe_run(run.trace, deadline_missed=missed)
+        except Exception:
+            log.exception("metrics_failed", hook="run_closed")
+        run_spans = self._runs.pop(run.run_id, None)
+        if run_spans is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None:
+            _close_spans(run_spans, missed)
+        else:
+            loop.run_in_executor(None, _close_spans, run_spans, missed)
+
+    # -- OpenAI requests --------------------------------------------------------------
+    def observe_request(self, rt: request_tracing.RequestTrace) -> None:
+        prompt, completion, cached, _ = rt.usage_numbers()
+        start = rt.slot_at or rt.t0
+        ttft = None if rt.first_at is None else rt.first_at - start
+        decode = (None if rt.first_at is None or rt.last_at is None
+                  else rt.last_at - rt.first_at)
+        self.metrics.observe_request(rt.operation, rt.outcome, rt.response_model or rt.model,
+                                     ttft, decode, (prompt, completion, cached))
+
+    async def shutdown(self) -> None:
+        """Flush (and, when owned, stop) the exporter, in a thread: it blocks up to its
+        timeout."""
+        await asyncio.to_thread(self.provider.shutdown if self.owned
+                                else self.provider.force_flush)
+
+
+def _close_spans(run_spans: RunSpans, deadline_missed: bool) -> None:
+    try:
+        run_spans.close(deadline_missed=deadline_missed)
+    except Exception:
+        log.exception("tracing_failed", hook="run_closed")
+
+
+TELEMETRY: web.AppKey[Telemetry] = web.AppKey("flowlift.telemetry", Telemetry)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    """``GET /metrics``: the proxy's metrics in Prometheus' text format."""
+    body = request.app[TELEMETRY].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def setup(app: web.Application, state: ProxyState,
+          provider: TracerProvider | None = None) -> Telemetry:
+    """Install tracing and metrics on ``app``: the request middleware (outermost), the
+    ``/metrics`` route, run hooks on the registry, and a flush at shutdown.
+
+    Args:
+        provider: a tracer provider to use (not shut down with the app); None: the
+            proxy's own (:func:`~flowlift.tracing.spans.proxy_tracer_provider`).
+    """
+    owned = provider is None and not spans.capturing()
+    provider = provider or spans.proxy_tracer_provider(state.config.trace_dir)
+    telemetry = Telemetry(provider, state, owned=owned)
+    app[TELEMETRY] = telemetry
+    state.runs.telemetry = telemetry
+    app.middlewares.insert(0, request_tracing.middleware(telemetry.tracer,
+                                                         telemetry.observe_request))
+    app.router.add_get("/metrics", metrics_handler)
+
+    async def flush(_: web.Application) -> None:
+        await telemetry.shutdown()
+    app.on_cleanup.append(flush)
+    return telemetry
+

@@ -1,0 +1,196 @@
+"""Prometheus metrics of one proxy (``GET /metrics``), in a registry of its own.
+
+Every proxy app gets its own :class:`Metrics` (a ``CollectorRegistry`` per instance, no
+module-level collectors), so two apps in one process never share counts.
+
+Recorded when a workflow run ends (from its :class:`RunTrace`, off the request path)
+and when an OpenAI API request ends:
+
+==============================================  =========================================
+``gen_ai_server_time_to_first_token_seconds``   histogram: engine dispatch to first token
+                                                (``model``, ``source`` workflow|openai)
+``gen_ai_server_time_per_output_token_seconds`` histogram: decode time / (tokens - 1)
+``flowlift_queue_wait_seconds``                 histogram: ready to dispatched (``model``)
+``flowlift_prompt_tokens_total``                counter (``model``)
+``flowlift_cached_prompt_tokens_total``         counter: prompt tokens from the prefix cache
+``flowlift_prefix_cache_hit_ratio``             gauge: cached / prompt tokens (``model``)
+``flowlift_step_retries_total``                 counter: attempts after the first
+                                                (``model``, ``reason``: the failed try's
+                                                outcome)
+``flowlift_cascade_escalations_total``          counter (``from_model``, ``to_model``)
+``flowlift_deadline_misses_total``              counter (``workflow_class``)
+``flowlift_workflows_total``                    counter: finished runs (``status``)
+``flowlift_openai_requests_total``              counter (``operation``, ``outcome``)
+==============================================  =========================================
+
+Read at scrape time (callbacks, nothing on the hot path): ``flowlift_queue_depth``
+(``backend``, ``class``), ``flowlift_active_workflows``, ``flowlift_upstream_in_flight``
+(``backend``).
+
+Retries and cascade escalations are read off each step's ``AttemptTrace`` records
+(:meth:`Metrics.record_attempts`): an attempt after the first is a retry; an attempt on
+another model than the one before it is an escalation. Code that escalates without
+recording an attempt calls :meth:`Metrics.cascade_escalated` itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+QueueDepth = Callable[[], Iterable[tuple[str, str, int]]]
+
+
+class _Live(Collector):
+    """Gauges computed at scrape time from callbacks and running totals."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        m = self.metrics
+        ratio = GaugeMetricFamily("flowlift_prefix_cache_hit_ratio",
+                                  "Prompt tokens served from the prefix cache / prompt tokens",
+                                  labels=["model"])
+        for model, prompt in m.prompt_totals.items():
+            if prompt:
+                ratio.add_metric([model], m.cached_totals.get(model, 0) / prompt)
+        yield ratio
+        depth = GaugeMetricFamily("flowlift_queue_depth",
+                                  "Requests waiting for an engine slot",
+                                  labels=["backend", "class"])
+        for backend, cls, n in m.queue_depth():
+            depth.add_metric([backend, cls], n)
+        yield depth
+        active = GaugeMetricFamily("flowlift_active_workflows", "Workflow runs not finished")
+        active.add_metric([], m.active_workflows())
+        yield active
+        flight = GaugeMetricFamily("flowlift_upstream_in_flight",
+                                   "Requests open on an upstream backend", labels=["backend"])
+        for backend, n in m.upstream_in_flight():
+            flight.add_metric([backend], n)
+        yield flight
+
+
+class Metrics:
+    """The proxy's metrics.
+
+    Args:
+        queue_depth: ``() -> [(backend, class, waiting)]`` (read at scrape time).
+        active_workflows: ``() -> int``.
+        upstream_in_flight: ``() -> [(backend, open requests)]``.
+    """
+
+    def __init__(self, *, queue_depth: QueueDepth = lambda: (),
+                 active_workflows: Callable[[], int] = lambda: 0,
+                 upstream_in_flight: Callable[[], Iterable[tuple[str, int]]] = lambda: ()
+                 ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_depth, self.active_workflows = queue_depth, active_workflows
+        self.upstream_in_flight = upstream_in_flight
+        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
+                              "Engine dispatch to first token", ["model", "source"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds",
+                              "Decode time per output token after the first",
+                              ["model", "source"], buckets=_TPOT_BUCKETS, registry=r)
+        self.queue_wait = Histogram("flowlift_queue_wait_seconds",
+                                    "Workflow step ready to dispatched", ["model"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("flowlift_prompt_tokens", "Prompt tokens", ["model"],
+                                     registry=r)
+        self.cached_tokens = Counter("flowlift_cached_prompt_tokens",
+                                     "Prompt tokens served from the prefix cache", ["model"],
+                                     registry=r)
+        self.retries = Counter("flowlift_step_retries", "Attempts of a step after its first",
+                               ["model", "reason"], registry=r)
+        self.escalations = Counter("flowlift_cascade_escalations",
+                                   "Steps escalated to the next model of their cascade",
+                                   ["from_model", "to_model"], registry=r)
+        self.deadline_misses = Counter("flowlift_deadline_misses",
+                                       "Workflow runs that ran out of their deadline",
+                                       ["workflow_class"], registry=r)
+        self.workflows = Counter("flowlift_workflows", "Finished workflow runs", ["status"],
+                                 registry=r)
+        self.requests = Counter("flowlift_openai_requests", "OpenAI API requests",
+                                ["operation", "outcome"], registry=r)
+        self.prompt_totals: dict[str, int] = {}
+        self.cached_totals: dict[str, int] = {}
+        r.register(_Live(self))
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)
+
+    # -- recording --------------------------------------------------------------------
+    def tokens(self, model: str, prompt: int, cached: int) -> None:
+        if prompt <= 0:
+            return
+        self.prompt_tokens.labels(model).inc(prompt)
+        self.cached_tokens.labels(model).inc(max(cached, 0))
+        self.prompt_totals[model] = self.prompt_totals.get(model, 0) + prompt
+        self.cached_totals[model] = self.cached_totals.get(model, 0) + max(cached, 0)
+
+    def latency(self, model: str, source: str, ttft_s: float | None, decode_s: float | None,
+                completion_tokens: int) -> None:
+        if ttft_s is not None:
+            self.ttft.labels(model, source).observe(max(ttft_s, 0.0))
+        if decode_s is not None and completion_tokens > 1:
+            self.tpot.labels(model, source).observe(max(decode_s, 0.0) / (completion_tokens - 1))
+
+    def cascade_escalated(self, from_model: str, to_model: str) -> None:
+        """Count one escalation of a step from ``from_model`` to the next model of its
+        cascade (for escalations not recorded as an ``AttemptTrace``)."""
+        self.escalations.labels(from_model, to_model).inc()
+
+    def record_attempts(self, attempts: Sequence[AttemptTrace]) -> None:
+        """Retries and escalations of one step, from its attempts in order."""
+        for before, after in itertools.pairwise(attempts):
+            self.retries.labels(after.model, before.outcome).inc()
+            if after.model != before.model:
+                self.cascade_escalated(before.model, after.model)
+
+    def observe_run(self, trace: RunTrace, *, deadline_missed: bool = False) -> None:
+        """Everything a finished run adds (its steps' latencies, tokens, attempts)."""
+        self.workflows.labels(trace.status).inc()
+        if deadline_missed:
+            self.deadline_misses.labels(trace.workflow_class).inc()
+        for st in trace.steps.values():
+            if st.kind == "llm" and st.model and st.same_as is None:
+                self._observe_step(st)
+
+    def _observe_step(self, st: StepTrace) -> None:
+        model = st.model or ""
+        if st.ready_ms is not None and st.started_ms is not None:
+            self.queue_wait.labels(model).observe(max(st.started_ms - st.ready_ms, 0.0) / 1000)
+        self.record_attempts(st.attempts)
+        for at in st.attempts:
+            self.tokens(at.model, at.prompt_tokens, at.cached_tokens)
+            if at.first_token_ms is None:
+                continue
+            end = at.finished_ms if at is not st.attempts[-1] else st.generated_ms
+            self.latency(at.model, "workflow", (at.first_token_ms - at.started_ms) / 1000,
+                         None if end is None else (end - at.first_token_ms) / 1000,
+                         at.completion_tokens)
+
+    def observe_request(self, operation: str, outcome: str, model: str | None,
+                        ttft_s: float | None, decode_s: float | None,
+                        usage: tuple[Any, Any, Any]) -> None:
+        """One OpenAI API request that ended (``usage``: prompt, completion, cached)."""
+        self.requests.labels(operation, outcome).inc()
+        if model is None:
+            return
+        prompt, completion, cached = usage
+        if prompt:
+            self.tokens(model, int(prompt), int(cached or 0))
+        self.latency(model, "openai", ttft_s, decode_s, int(completion or 0))
