@@ -20,7 +20,7 @@ from aiohttp import web
 
 from flowlift.errors import AuthenticationError, ConfigError, EngineError
 from flowlift.local_engine.base import Engine
-from flowlift.proxy import openai_api, sessions_api, workflows
+from flowlift.proxy import lifecycle, openai_api, sessions_api, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
@@ -64,9 +64,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
-    body = {"ready": state.ready.is_set(), "models": state.backends.models,
-            "load_time_s": state.load_time_s, "error": state.load_error}
-    return web.json_response(body, status=200 if state.ready.is_set() else 503)
+    reason = lifecycle.not_ready_reason(state, request.app[lifecycle.DRAIN])
+    body = {"ready": reason is None, "models": state.backends.models,
+            "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason}
+    return web.json_response(body, status=200 if reason is None else 503)
 
 
 async def _load_engines(app: web.Application) -> None:
@@ -153,5 +154,6 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     app.add_routes(openai_api.routes)
     app.add_routes(workflows.routes)
     sessions_api.setup(app)  # per-turn cache accounting of X-Flowlift-Session sessions
+    lifecycle.setup(app)  # readiness and the SIGTERM drain (new work refused while draining)
     app.cleanup_ctx.append(_lifecycle)
     return app

@@ -45,13 +45,14 @@ def _engines(args: argparse.Namespace) -> dict[str, object]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
+    import asyncio
 
     from flowlift.proxy import ProxyConfig, create_app
+    from flowlift.proxy.lifecycle import bind, serve
     from flowlift.tracing import configure_logging
 
     configure_logging(args.log_level)
-    from flowlift.errors import ConfigError
+    from flowlift.errors import ConfigError, EngineError
     from flowlift.local_engine.models import cache_dir
     from flowlift.proxy.config import EmbeddedSpec, load_config
 
@@ -76,17 +77,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          api_keys=file_config.proxy_keys() if file_config else frozenset(),
                          max_queue=args.max_queue)
     try:
-        app = create_app(_engines(args), config, file_config=file_config)  # type: ignore[arg-type]
-    except ConfigError as exc:
-        print(f"flowlift serve: {exc.message}", file=sys.stderr)
-        return 2
-    print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    try:
-        web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=30)
+        sock = bind(args.host, args.port)  # before any model is prepared or loaded
     except OSError as exc:  # the port is taken, the host is not ours...
         print(f"flowlift serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
+    try:
+        app = create_app(_engines(args), config, file_config=file_config)  # type: ignore[arg-type]
+    except (ConfigError, EngineError) as exc:  # EngineError: the --state-db cannot be opened
+        sock.close()
+        print(f"flowlift serve: {exc.message}", file=sys.stderr)
+        return 2
+    print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    asyncio.run(serve(app, sock, grace_s=args.grace_s))
     return 0
 
 
@@ -254,6 +257,22 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (>= 0)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowlift", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the sidecar proxy with the embedded engine")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8470)
+    serve.add_argument("--port", type=_port, default=8470)
     engine_opts(serve)
     serve.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
     serve.add_argument("--max-model-len", type=int, default=4096)
@@ -284,7 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="TOML file of upstream providers and model routes "
                             "(see flowlift.proxy.config; env FLOWLIFT_CONFIG)")
     serve.add_argument("--trace-dir", default=None, help="write each run's trace here")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info",
+                       choices=("debug", "info", "warning", "error", "critical"))
+    serve.add_argument("--grace-s", type=_seconds, default=30.0,
+                       help="on SIGTERM: seconds in-flight requests and runs may take to "
+                            "finish before the runs still going are checkpointed (default 30)")
     serve.add_argument("--state-db", default=None,
                        help="SQLite file of durable runs (default "
                             "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none)")
