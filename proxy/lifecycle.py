@@ -145,9 +145,9 @@ async def drain(app: web.Application, grace_s: float, hurry: asyncio.Event) -> D
     gate.draining_since = time.monotonic()
     runs = state.runs
     busy = _busy(runs)
-    for run in list(runs.active.values()):
-        if run not in busy:  # parked: nothing under way; it resumes on the next start
-            run.suspend()
+    parked = [r for r in runs.active.values() if r not in busy]
+    for run in parked:  # nothing under way: suspended now, resumed on the next start
+        run.suspend()
     log.info("drain_started", grace_s=grace_s, in_flight=gate.in_flight, runs=len(busy))
     deadline = gate.draining_since + grace_s
     while (gate.in_flight or _busy(runs)) and not hurry.is_set():
@@ -161,7 +161,7 @@ async def drain(app: web.Application, grace_s: float, hurry: asyncio.Event) -> D
     for run in still:
         run.suspend()
         gate.suspended.append(run.run_id)
-    tasks = [r.task for r in still if r.task is not None]
+    tasks = [r.task for r in parked + still if r.task is not None]
     if tasks:
         await asyncio.wait(tasks, timeout=5.0)
     log.info("drain_done", waited_s=round(time.monotonic() - gate.draining_since, 2),

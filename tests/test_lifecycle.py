@@ -113,6 +113,27 @@ async def test_a_suspended_run_records_no_failure_caused_by_the_shutdown():
     assert stored.status == "running" and not stored.failures()  # resumes, "a" runs again
 
 
+async def test_drain_does_not_wait_for_runs_parked_until_their_client_returns(
+        aiohttp_client, make_app, tmp_path):
+    from flowlift.proxy import ProxyConfig
+    from flowlift.proxy.lifecycle import drain
+
+    db = tmp_path / "state.sqlite"
+    graph = Graph.model_validate({"nodes": [{"kind": "llm", "id": "a", "model": "fake-model",
+                                             "messages": [{"role": "user",
+                                                           "content": [{"text": "hi"}]}]}]})
+    RunStore(db).create("wf-parked", graph.to_wire())  # left unfinished by a crash
+    app = make_app(ProxyConfig(state_path=db))
+    await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    assert "wf-parked" in app[STATE].runs.active  # resumed, parked
+    t0 = time.monotonic()
+    gate = await drain(app, grace_s=10, hurry=asyncio.Event())
+    assert time.monotonic() - t0 < 2 and gate.suspended == []
+    assert "wf-parked" not in app[STATE].runs.active
+    assert app[STATE].runs.store.load("wf-parked").status == "running"  # still resumable
+
+
 # -- SIGTERM on a real `flowlift serve` ------------------------------------------------
 
 LONG = "word " * 40  # 200 characters: 50 chunks of 4 at 0.05 s each, about 2.5 s
@@ -309,3 +330,25 @@ def test_bad_config_from_the_environment_in_a_real_process(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"flowlift serve: {path}: server.max_queue: Input should be greater than or equal "
         "to 1"]
+
+
+def test_a_second_sigterm_cuts_the_grace_period_short(tmp_path):
+    port, log = free_port(), tmp_path / "proxy.log"
+    base = f"http://127.0.0.1:{port}"
+    with _serve(port, tmp_path / "state.sqlite", log, grace_s=60) as (_, proc):
+        body = {"model": "fake-model", "stream": True,
+                "messages": [{"role": "user", "content": LONG * 8}]}  # about 20 s
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body,
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            _wait(lambda: "drain_started" in log.read_text(), 5, "no drain")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=15) == 0
+            waited = time.monotonic() - t0
+            with pytest.raises(httpx.HTTPError):  # cut: it could not finish in time
+                for _ in lines:
+                    pass
+    assert waited < 8, f"exit took {waited:.1f} s after the second signal"
