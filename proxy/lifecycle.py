@@ -171,14 +171,23 @@ async def drain(app: web.Application, grace_s: float, hurry: asyncio.Event) -> D
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on the first address ``host`` resolves to.
+    """A socket bound to the first address ``host`` resolves to, not listening yet:
+    the port is ours (a taken one fails here, before any model loads), and clients are
+    refused, not left hanging, until :func:`serve` listens on it.
 
     Raises:
         OSError: the address is taken or not this machine's.
     """
-    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                               flags=socket.AI_PASSIVE)[0]
-    return socket.create_server(addr[:2], family=family, backlog=1024)
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart on the port
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def serve(app: web.Application, sock: socket.socket, *, grace_s: float = 30.0,

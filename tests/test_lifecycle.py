@@ -311,6 +311,19 @@ def test_port_taken_is_one_message_and_exit_2(capsys):
     assert "cannot listen on 127.0.0.1:" in line
 
 
+def test_bind_takes_the_port_and_refuses_clients_until_serving():
+    import socket
+
+    from flowlift.proxy.lifecycle import bind
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        with pytest.raises(ConnectionRefusedError):  # not left hanging in a backlog
+            socket.create_connection(sock.getsockname(), timeout=2).close()
+    finally:
+        sock.close()
+
+
 @pytest.mark.parametrize("args", [("--port", "70000"), ("--port", "http"),
                                   ("--grace-s", "-1"), ("--log-level", "loud")])
 def test_bad_flag_exits_2_naming_it(capsys, args):

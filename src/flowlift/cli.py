@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         app = create_app(_engines(args), config, file_config=file_config)  # type: ignore[arg-type]
-    except (ConfigError, EngineError) as exc:  # EngineError: the --state-db cannot be opened
+    except (ConfigError, EngineError) as exc:  # EngineError: --state-db, --model unusable
         sock.close()
         print(f"flowlift serve: {exc.message}", file=sys.stderr)
         return 2
