@@ -45,9 +45,9 @@ from flowlift.tracing import get_logger
 log = get_logger("flowlift.lifecycle")
 
 # POSTs that start work; everything else (status, event streams of running runs, tool
-# results, cancels, model lists) is still served while draining.
+# results, cancels, model lists, compile reports) is still served while draining.
 _NEW_WORK = frozenset({"/v1/workflows", "/v1/chat/completions", "/v1/completions",
-                       "/v1/embeddings", "/v1/responses", "/v1/workflows:compile"})
+                       "/v1/embeddings", "/v1/responses"})
 _PROBES = frozenset({"/healthz", "/readyz"})
 RETRY_AFTER_S = 5.0
 
