@@ -46,6 +46,10 @@ ENV PATH=/opt/flowlift/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     XDG_CACHE_HOME=/var/lib/flowlift/cache \
     VLLM_CACHE_ROOT=/var/lib/flowlift/cache/vllm \
+    TORCHINDUCTOR_CACHE_DIR=/var/lib/flowlift/cache/torchinductor \
+    VLLM_CONFIG_ROOT=/var/lib/flowlift/config/vllm \
+    VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1 \
     PYTHONUNBUFFERED=1
 USER 10001:10001
 WORKDIR /var/lib/flowlift

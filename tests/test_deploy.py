@@ -114,6 +114,33 @@ def test_entrypoint_and_healthcheck_are_real_commands(dockerfile):
     assert health[1:3] == ["-m", "flowlift.probe"] and health[3] == "healthz"
 
 
+def _final_stage_envs(path: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for inst, value in _instructions(path):
+        if inst == "FROM":
+            out = {}
+        elif inst == "ENV":
+            out.update(part.split("=", 1) for part in shlex.split(value))  # type: ignore[misc]
+    return out
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_engine_caches_are_on_the_writable_volume(dockerfile, monkeypatch):
+    """The model cache (FLOWLIFT_CACHE_DIR) is read-only at run time: every cache the
+    engine would put under it must be set to the state volume by the image."""
+    from flowlift.local_engine.vllm_engine import VLLMConfig, set_env_defaults
+
+    env = _final_stage_envs(dockerfile)
+    cache = env["FLOWLIFT_CACHE_DIR"]
+    monkeypatch.setattr(os, "environ", {"FLOWLIFT_CACHE_DIR": cache})
+    set_env_defaults(VLLMConfig(model="/models/m", served_model_name="m"))
+    derived = {k for k, v in os.environ.items() if v.startswith(cache + "/")}
+    assert derived, "set_env_defaults no longer derives caches from FLOWLIFT_CACHE_DIR?"
+    for key in derived:
+        assert env.get(key, "").startswith("/var/lib/flowlift/"), \
+            f"{dockerfile.name}: {key} would be under the read-only {cache}"
+
+
 def test_gpu_image_is_the_official_vllm_build_pyproject_asks_for():
     image = next(v for i, v in _instructions(ROOT / "Dockerfile.gpu") if i == "ARG"
                  and v.startswith("VLLM_IMAGE="))
