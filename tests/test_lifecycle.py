@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flowlift import cli, step, workflow
+from flowlift import cli, step, tool, workflow
 from flowlift.costs import CostTracker
 from flowlift.errors import EngineError
 from flowlift.graph import Graph
@@ -151,8 +151,8 @@ def _serve(port: int, db: Path, log: Path, grace_s: float):  # type: ignore[no-u
 
 
 def _stream_chat(base: str, out: dict[str, object], first: threading.Event) -> None:
-    body = {"model": "fake-model", "stream": True,
-            "messages": [{"role": "user", "content": LONG}]}
+    body = {"model": "fake-model", "stream": True,  # about 5 s
+            "messages": [{"role": "user", "content": LONG * 2}]}
     text, lines = [], []
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as r:
         out["status"] = r.status_code
@@ -178,11 +178,18 @@ def test_sigterm_finishes_in_flight_work_refuses_new_and_exits_0(tmp_path):
     base = f"http://127.0.0.1:{port}"
     wf = workflow("drain", base_url=base, reconnect_s=5)
     errors: list[BaseException] = []
+    asked, released = threading.Event(), threading.Event()
+
+    @tool
+    def hold(text):  # its result reaches the proxy only after SIGTERM
+        asked.set()
+        released.wait(10)
+        return "held"
 
     def run() -> None:
         try:
             with wf:
-                slow(slow("a"))
+                slow(hold(slow("a")))
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -194,10 +201,12 @@ def test_sigterm_finishes_in_flight_work_refuses_new_and_exits_0(tmp_path):
         chat.start()
         runner.start()
         assert first.wait(10), "the stream did not start"
-        _wait(lambda: wf.run_id is not None, 10, "the run did not start")
+        assert asked.wait(15), "the run did not reach its @tool step"
+        assert "text" not in streamed, "the stream ended before SIGTERM: nothing in flight"
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _wait(lambda: httpx.get(f"{base}/readyz").status_code == 503, 5, "readyz stayed 200")
+        released.set()  # the tool's result is posted during the drain, and taken
         refused = httpx.post(f"{base}/v1/chat/completions", json={
             "model": "fake-model", "messages": [{"role": "user", "content": "new"}]})
         assert refused.status_code == 503 and refused.headers["Retry-After"]
@@ -208,7 +217,7 @@ def test_sigterm_finishes_in_flight_work_refuses_new_and_exits_0(tmp_path):
         chat.join(5)
         runner.join(5)
     assert streamed["status"] == 200 and streamed["done"]
-    assert streamed["text"] == f"echo: {LONG}", "the in-flight stream was cut"
+    assert streamed["text"] == f"echo: {LONG * 2}", "the in-flight stream was cut"
     assert not errors, errors
     assert wf.status == "succeeded"
     assert waited < 15, f"exit took {waited:.1f} s after SIGTERM"
