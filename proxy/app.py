@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from flowlift.errors import AuthenticationError, ConfigError, EngineError
 from flowlift.local_engine.base import Engine
 from flowlift.local_engine.residency import ResidencyManager
-from flowlift.proxy import openai_api, progress_api, sessions_api, telemetry, ui, workflows
+from flowlift.proxy import lifecycle, openai_api, progress_api, sessions_api, telemetry, ui, workflows
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
@@ -71,13 +71,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
-    body = {"ready": state.ready.is_set(), "models": state.backends.models,
-            "load_time_s": state.load_time_s, "error": state.load_error}
+    reason = lifecycle.not_ready_reason(state, request.app[lifecycle.DRAIN])
+    body = {"ready": reason is None, "models": state.backends.models,
+            "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason}
     if state.residency is not None:
         body["residency"] = {"budget_mb": state.residency.budget_mb,
                              "resident": list(state.residency.resident),
                              "managed": sorted(state.residency.models)}
-    return web.json_response(body, status=200 if state.ready.is_set() else 503)
+    return web.json_response(body, status=200 if reason is None else 503)
 
 
 async def _load_engines(app: web.Application) -> None:
@@ -185,5 +186,6 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     progress_api.setup(app)  # step counts of a run (the SDK's progress bar)
     ui.setup(app)  # /ui/workflows/{run_id} (timeline) and /ui/compile
     telemetry.setup(app, app[STATE], tracer_provider)  # spans, /metrics
+    lifecycle.setup(app)  # readiness and the SIGTERM drain (new work refused while draining)
     app.cleanup_ctx.append(_lifecycle)
     return app

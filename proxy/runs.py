@@ -200,6 +200,8 @@ class Run:
             "trace": self.trace.records()}))
 
     def _failed(self, step_id: str, error: str) -> None:
+        if self._suspending:  # the shutdown's doing, not the step's: it runs again on resume
+            return
         self.failures[step_id] = error
         self.trace.mark(step_id, "finished", status="failed", error=error)
         self._emit(("step.failed", {"step_id": step_id, "error": error}))

@@ -66,7 +66,7 @@ class RunStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # OSError: its folder cannot be made
             raise EngineError(f"cannot open the run store {self.path}: {exc}") from exc
 
     def create(self, run_id: str, graph: dict[str, Any]) -> None:
@@ -108,6 +108,14 @@ class RunStore:
             self._db.execute("DELETE FROM events WHERE run_id = ?", (rid,))
             self._db.execute("DELETE FROM runs WHERE run_id = ?", (rid,))
         return len(ids)
+
+    def problem(self) -> str | None:
+        """Why the store cannot take writes now (closed, unreadable), or None."""
+        try:
+            self._db.execute("SELECT 1 FROM runs LIMIT 1").fetchall()
+        except sqlite3.Error as exc:
+            return f"{self.path}: {exc}"
+        return None
 
     def close(self) -> None:
         self._db.close()

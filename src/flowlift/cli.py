@@ -79,9 +79,10 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, object], object | None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
+    import asyncio
 
     from flowlift.proxy import ProxyConfig, create_app
+    from flowlift.proxy.lifecycle import bind, serve
     from flowlift.tracing import configure_logging
 
     configure_logging(args.log_level)
@@ -113,19 +114,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_queue=args.max_queue, max_sessions=args.max_sessions,
                          session_ttl_s=args.session_ttl_s)
     try:
-        engines, residency = _engines(args)
-        app = create_app(engines, config, file_config=file_config,  # type: ignore[arg-type]
-                         residency=residency)  # type: ignore[arg-type]
-    except (ConfigError, EngineError) as exc:
-        print(f"flowlift serve: {exc.message}", file=sys.stderr)
-        return 2
-    print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    try:
-        web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=30)
+        sock = bind(args.host, args.port)  # before any model is prepared or loaded
     except OSError as exc:  # the port is taken, the host is not ours...
         print(f"flowlift serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
+    try:
+        engines, residency = _engines(args)
+        app = create_app(engines, config, file_config=file_config,  # type: ignore[arg-type]
+                         residency=residency)  # type: ignore[arg-type]
+    except (ConfigError, EngineError) as exc:  # EngineError: --state-db, --model unusable
+        sock.close()
+        print(f"flowlift serve: {exc.message}", file=sys.stderr)
+        return 2
+    print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    asyncio.run(serve(app, sock, grace_s=args.grace_s))
     return 0
 
 
@@ -355,6 +358,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (>= 0)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowlift", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -373,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the sidecar proxy with the embedded engine")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8470)
+    serve.add_argument("--port", type=_port, default=8470)
     engine_opts(serve)
     serve.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
     serve.add_argument("--max-model-len", type=int, default=4096)
@@ -385,7 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="TOML file of upstream providers and model routes "
                             "(see flowlift.proxy.config; env FLOWLIFT_CONFIG)")
     serve.add_argument("--trace-dir", default=None, help="write each run's trace here")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info",
+                       choices=("debug", "info", "warning", "error", "critical"))
+    serve.add_argument("--grace-s", type=_seconds, default=30.0,
+                       help="on SIGTERM: seconds in-flight requests and runs may take to "
+                            "finish before the runs still going are checkpointed (default 30)")
     serve.add_argument("--state-db", default=None,
                        help="SQLite file of durable runs (default "
                             "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none)")

@@ -23,7 +23,8 @@
         ├── WorkflowFailed            a run ended with failed steps (``failures``)
         ├── ProxyUnavailable          the SDK cannot reach the flowlift proxy
         ├── Overloaded                the proxy sheds load or every backend cools down
-        │                             (HTTP 429/503 with ``Retry-After``)
+        │   │                         (HTTP 429/503 with ``Retry-After``)
+        │   └── ShuttingDown          the proxy drains after SIGTERM (503, ``Retry-After``)
         └── UpstreamError             an upstream provider failed (status, body, retry_after_s)
 
 Every error knows its HTTP face (:meth:`FlowliftError.to_openai`): the OpenAI error
@@ -210,6 +211,15 @@ class Overloaded(RunError):
         self.retry_after_s = max(retry_after_s, 0.0)
         self.type = "rate_limit_error" if status == 429 else "server_error"
         self.code = "rate_limit_exceeded" if status == 429 else "backends_unavailable"
+
+
+class ShuttingDown(Overloaded):
+    """The proxy is draining (after SIGTERM) and takes no new work: HTTP 503 with
+    ``Retry-After``; another replica, or this one once restarted, takes it."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, status=503)
+        self.code = "shutting_down"
 
 
 class UpstreamError(RunError):

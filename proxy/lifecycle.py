@@ -1,0 +1,223 @@
+"""The proxy's life: readiness, and a graceful drain on SIGTERM.
+
+* ``/healthz`` -- the process is alive and its event loop answers (liveness).
+* ``/readyz`` -- 200 only while the engines are loaded, the run store is open and the
+  proxy is not draining; otherwise 503 with ``reason`` (readiness: a Kubernetes Service
+  stops sending traffic to a pod that is not ready).
+* :func:`serve` -- listen until SIGTERM (or SIGINT), then drain:
+
+  1. stop accepting new work: ``/readyz`` turns 503, and a request that would start
+     work (a workflow, a chat/completion/embedding/response) gets 503 with
+     ``Retry-After`` (OpenAI error shape, code ``shutting_down``). The listener stays
+     open, so what is already under way can finish: a run's ``@tool`` results are still
+     taken and its event stream can still be followed.
+  2. wait up to ``grace_s`` for in-flight requests and running workflow runs to end;
+  3. suspend the runs still going (their event log is already on disk: the run's
+     state), so a proxy started on the same ``--state-db`` resumes them and the SDK
+     reconnects; a step that was generating when it was suspended runs again there;
+  4. close the listener, the engines and the store; flush the logs; exit 0.
+
+  A second signal cuts the grace period short (step 3 at once).
+
+The drain follows Kubernetes' pod termination contract (SIGTERM, then SIGKILL after
+``terminationGracePeriodSeconds``): set that above ``grace_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from flowlift.errors import ShuttingDown
+from flowlift.proxy.http import Handler, error_response
+from flowlift.proxy.registry import RunRegistry
+from flowlift.proxy.runs import Run
+from flowlift.proxy.state import STATE, ProxyState
+from flowlift.tracing import get_logger
+
+log = get_logger("flowlift.lifecycle")
+
+# POSTs that start work; everything else (status, event streams of running runs, tool
+# results, cancels, model lists, compile reports) is still served while draining.
+_NEW_WORK = frozenset({"/v1/workflows", "/v1/chat/completions", "/v1/completions",
+                       "/v1/embeddings", "/v1/responses"})
+_PROBES = frozenset({"/healthz", "/readyz"})
+RETRY_AFTER_S = 5.0
+
+
+@dataclass(slots=True)
+class Drain:
+    """Shutdown state of one proxy: requests in flight, and since when it drains.
+
+    Attributes:
+        draining_since: ``time.monotonic()`` when the drain began, or None.
+        in_flight: requests being served (probes not counted).
+        suspended: ids of the runs checkpointed because the grace period ran out.
+        finished: runs that ended during the drain.
+    """
+
+    draining_since: float | None = None
+    in_flight: int = 0
+    suspended: list[str] = field(default_factory=list)
+    finished: int = 0
+
+    @property
+    def draining(self) -> bool:
+        return self.draining_since is not None
+
+
+DRAIN: web.AppKey[Drain] = web.AppKey("flowlift.drain", Drain)
+
+
+def _follows_running_run(request: web.Request, runs: RunRegistry) -> bool:
+    parts = request.path.split("/")  # ["", "v1", "workflows", run_id, "events"]
+    return len(parts) == 5 and parts[4] == "events" and parts[3] in runs.active
+
+
+def _refused(request: web.Request, state: ProxyState) -> bool:
+    """While draining: does this request start work (or wait on a run that will not
+    run here any more)?"""
+    if request.method == "POST" and request.path in _NEW_WORK:
+        return True
+    if request.method == "GET" and request.path.endswith("/events"):
+        return not _follows_running_run(request, state.runs)
+    return False
+
+
+@web.middleware
+async def drain_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Counts requests in flight; while draining, refuses new work with 503."""
+    if request.path in _PROBES:
+        return await handler(request)
+    drain = request.app[DRAIN]
+    if drain.draining and _refused(request, request.app[STATE]):
+        return error_response(ShuttingDown(
+            "the proxy is shutting down and takes no new work; retry (another replica, or "
+            "this one after its restart)", retry_after_s=RETRY_AFTER_S))
+    drain.in_flight += 1
+    try:
+        return await handler(request)
+    finally:
+        drain.in_flight -= 1
+
+
+def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
+    """Why the proxy should get no traffic now, or None when it is ready."""
+    if drain.draining:
+        return "draining: the proxy is shutting down"
+    if state.load_error:
+        return f"the engine failed to load: {state.load_error}"
+    if not state.ready.is_set():
+        return "the engine is still loading"
+    problem = state.runs.store.problem()
+    if problem:
+        return f"the run store is not usable: {problem}"
+    return None
+
+
+def setup(app: web.Application) -> None:
+    """Install the drain gate (after the app's other middlewares)."""
+    app[DRAIN] = Drain()
+    app.middlewares.append(drain_gate)
+
+
+def _busy(runs: RunRegistry) -> list[Run]:
+    """Runs doing work: not those parked after a restart until their client reconnects."""
+    return [r for r in runs.active.values()
+            if not (r.resumed and not r.log.listened.is_set())]
+
+
+async def drain(app: web.Application, grace_s: float, hurry: asyncio.Event) -> Drain:
+    """Stop taking work, let what is in flight finish for up to ``grace_s`` seconds (or
+    until ``hurry`` is set), then suspend the runs still going.
+
+    Returns:
+        The app's :class:`Drain` (``suspended`` lists the checkpointed run ids).
+    """
+    state, gate = app[STATE], app[DRAIN]
+    gate.draining_since = time.monotonic()
+    runs = state.runs
+    busy = _busy(runs)
+    parked = [r for r in runs.active.values() if r not in busy]
+    for run in parked:  # nothing under way: suspended now, resumed on the next start
+        run.suspend()
+    log.info("drain_started", grace_s=grace_s, in_flight=gate.in_flight, runs=len(busy))
+    deadline = gate.draining_since + grace_s
+    while (gate.in_flight or _busy(runs)) and not hurry.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(hurry.wait(), timeout=min(left, 0.05))
+    still = _busy(runs)
+    gate.finished = sum(1 for r in busy if r not in still)
+    for run in still:
+        run.suspend()
+        gate.suspended.append(run.run_id)
+    tasks = [r.task for r in parked + still if r.task is not None]
+    if tasks:
+        await asyncio.wait(tasks, timeout=5.0)
+    log.info("drain_done", waited_s=round(time.monotonic() - gate.draining_since, 2),
+             finished_runs=gate.finished, suspended_runs=gate.suspended,
+             in_flight=gate.in_flight)
+    return gate
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to the first address ``host`` resolves to, not listening yet:
+    the port is ours (a taken one fails here, before any model loads), and clients are
+    refused, not left hanging, until :func:`serve` listens on it.
+
+    Raises:
+        OSError: the address is taken or not this machine's.
+    """
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart on the port
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve(app: web.Application, sock: socket.socket, *, grace_s: float = 30.0,
+                cancel_after_s: float = 1.0) -> None:
+    """Serve ``app`` on ``sock`` (from :func:`bind`) until SIGTERM/SIGINT, then drain
+    (see the module).
+
+    Args:
+        grace_s: how long in-flight work may take to finish after the signal.
+        cancel_after_s: after the grace period (and the suspensions), how long aiohttp
+            waits for the requests still open before cancelling them.
+    """
+    runner = web.AppRunner(app, shutdown_timeout=cancel_after_s, handle_signals=False)
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        (hurry if stop.is_set() else stop).set()
+        log.info("signal", signal=signal.Signals(signum).name)
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        log.info("listening", address=sock.getsockname()[:2], grace_s=grace_s)
+        await stop.wait()
+        await drain(app, grace_s, hurry)
+    finally:
+        await runner.cleanup()  # listener closed, engines and store closed
+        log.info("stopped")
+        sys.stderr.flush()
+        sys.stdout.flush()
