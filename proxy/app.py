@@ -146,7 +146,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         backends=backends,
         providers=providers,
         runs=RunRegistry(RunStore(config.state_path or ":memory:"), config.trace_dir,
-                         detached_timeout_s=config.detached_timeout_s),
+                         detached_timeout_s=config.detached_timeout_s,
+                         max_active=config.max_runs),
         config=config)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -18,7 +18,7 @@ from cachetools import TTLCache
 
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
-from flowlift.errors import RequestError
+from flowlift.errors import Overloaded, RequestError
 from flowlift.graph import Graph
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.planning import plan
@@ -30,17 +30,25 @@ log = get_logger("flowlift.runs")
 
 
 class RunRegistry:
-    """Active runs, plus finished ones for ``ttl_s`` (bounded, so unique ids never grow it)."""
+    """Active runs, plus finished ones for ``ttl_s`` (bounded, so unique ids never grow it).
+
+    The store keeps finished runs (their events replay after a restart) for
+    ``store_ttl_s`` and at most the ``store_keep`` most recent; each :meth:`sweep`
+    forgets the rest, so the store is bounded too (disk, or memory for ``:memory:``).
+    """
 
     def __init__(self, store: RunStore | None = None, trace_dir: Path | None = None,
                  keep: int = 1024, ttl_s: float = 3600.0,
-                 detached_timeout_s: float = 300.0) -> None:
+                 detached_timeout_s: float = 300.0, store_keep: int = 10_000,
+                 store_ttl_s: float = 7 * 24 * 3600, max_active: int = 4096) -> None:
         self.store = store or RunStore(":memory:")
         self.active: dict[str, Run] = {}
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
-        self.store.prune(older_than_s=7 * 24 * 3600)
+        self.store_keep, self.store_ttl_s = store_keep, store_ttl_s
+        self.max_active = max_active
+        self.store.prune(older_than_s=store_ttl_s, keep=store_keep)
 
     def get(self, run_id: str) -> Run:
         run = self.active.get(run_id) or self.finished.get(run_id)
@@ -57,7 +65,16 @@ class RunRegistry:
 
     def start(self, graph: Graph, backends: Backends, costs: CostTracker,
               run_plan: Plan) -> Run:
-        """Create, persist and start a run of a validated, compiled graph."""
+        """Create, persist and start a run of a validated, compiled graph.
+
+        Raises:
+            RequestError: the graph's ``id`` names a run that exists.
+            Overloaded: ``max_active`` runs are running already (429, ``Retry-After``).
+        """
+        if len(self.active) >= self.max_active:
+            raise Overloaded(f"{len(self.active)} workflow runs are active, the most this "
+                             "proxy takes (--max-runs); retry shortly", retry_after_s=1.0,
+                             status=429)
         if graph.id is not None and (graph.id in self.active or self.store.exists(graph.id)):
             raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
                                "fresh one", param="id")
@@ -95,7 +112,9 @@ class RunRegistry:
             path.write_text("".join(json.dumps(r) + "\n" for r in run.trace.records()))
 
     def sweep(self) -> None:
-        """Cancel runs without a listener for longer than ``detached_timeout_s``."""
+        """Cancel runs without a listener for longer than ``detached_timeout_s``, and
+        prune the store (see the class docstring)."""
+        self.store.prune(older_than_s=self.store_ttl_s, keep=self.store_keep)
         now = time.monotonic()
         for run in list(self.active.values()):
             if run.log.listeners:

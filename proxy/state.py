@@ -35,6 +35,7 @@ class ProxyConfig:
         batch_cap_when_interactive: batch slots while interactive work runs (None: half).
         api_keys: keys clients must send as ``Authorization: Bearer``; empty: no auth.
         max_queue: OpenAI requests waiting per engine before the proxy answers 429.
+        max_runs: workflow runs active at once before ``POST /v1/workflows`` answers 429.
     """
 
     max_concurrency: int = 16
@@ -47,6 +48,7 @@ class ProxyConfig:
     batch_cap_when_interactive: int | None = None
     api_keys: frozenset[str] = frozenset()
     max_queue: int = 256
+    max_runs: int = 4096
 
 
 @dataclass(slots=True)

@@ -74,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          batch_prefill_budget=args.batch_prefill_budget,
                          batch_cap_when_interactive=args.batch_cap_when_interactive,
                          api_keys=file_config.proxy_keys() if file_config else frozenset(),
-                         max_queue=args.max_queue)
+                         max_queue=args.max_queue, max_runs=args.max_runs)
     try:
         app = create_app(_engines(args), config, file_config=file_config)  # type: ignore[arg-type]
     except ConfigError as exc:
@@ -280,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=256,
                        help="OpenAI requests waiting per engine before answering 429 "
                             "with Retry-After (default 256)")
+    serve.add_argument("--max-runs", type=int, default=4096,
+                       help="workflow runs active at once before POST /v1/workflows answers "
+                            "429 with Retry-After (default 4096)")
     serve.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
                        help="TOML file of upstream providers and model routes "
                             "(see flowlift.proxy.config; env FLOWLIFT_CONFIG)")
