@@ -287,3 +287,26 @@ async def test_a_workflow_step_on_a_failing_replica_is_billed_for_the_answer_onl
     (step,) = [s for s in final["trace"] if s.get("step_id") == "a"]
     assert (step["prompt_tokens"], step["completion_tokens"]) == (11, 5)
     assert len(bad.received) == 1 and len(b.received) == 1
+
+
+async def test_a_run_past_its_deadline_logs_no_lost_asyncio_error(aiohttp_client, caplog):
+    """Found by this suite: every run that hit its deadline left asyncio logging
+    "_GatheringFuture exception was never retrieved" with a traceback, at ERROR."""
+    import gc
+    import logging
+
+    from flowlift.testing import FakeEngine
+
+    client = await proxy_client(aiohttp_client, config_for({}, {}),
+                                engine=FakeEngine(["fake-model"], delay_s=0.05))
+    graph = {"deadline_s": 0.1, "nodes": [{"kind": "llm", "id": f"a{i}", "messages": [
+        {"role": "user", "content": [{"text": "a long answer please " * 4}]}]}
+        for i in range(3)]}
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        final = parse_sse(await (await client.post("/v1/workflows", json=graph)).text())
+        await asyncio.sleep(0.1)
+        gc.collect()
+        await asyncio.sleep(0.05)
+    assert final[-1][1]["status"] == "failed"
+    assert "deadline" in json.dumps(final[-1][1]["failures"])
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text

@@ -51,8 +51,11 @@ async def small_proxy(aiohttp_server: Any) -> tuple[Any, str]:
     """A proxy (``fake-model`` embedded, ``up`` on a fake upstream) whose tables are all
     bounded at :data:`BOUND`; (app, base URL)."""
     fake = FakeUpstream([answer_anything])
+    fake.received = deque(maxlen=64)  # type: ignore[assignment]  # the test doubles
+    engine = FakeEngine(["fake-model"])  # record every request: not what is measured
+    engine.requests = deque(maxlen=64)  # type: ignore[assignment]
     (url,) = await serve(aiohttp_server, [fake.app()])
-    app = create_app({"fake-model": FakeEngine(["fake-model"])},
+    app = create_app({"fake-model": engine},
                      ProxyConfig(max_concurrency=32),
                      file_config=parse_config(config_for({"up": {"backends": ["b0", "b1"]}},
                                                          {"b0": url, "b1": url})))
