@@ -122,7 +122,7 @@ async def test_a_failed_first_backend_fails_over_at_once_and_only_the_answer_is_
 
 async def test_connection_refused_fails_over_and_all_refused_is_a_502_naming_them(
         aiohttp_client, aiohttp_server):
-    client, b = await failover_proxy(aiohttp_client, aiohttp_server, refused_url())
+    client, _ = await failover_proxy(aiohttp_client, aiohttp_server, refused_url())
     resp, got = await ask(client, False)
     assert_answered_by_b(resp, got, False)
     dead = await proxy_client(aiohttp_client, config_for(

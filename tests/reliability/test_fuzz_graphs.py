@@ -16,6 +16,7 @@ import os
 import time
 from collections import Counter
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -143,7 +144,7 @@ def follow_run(client: httpx.Client, base: str, resp: httpx.Response, answer: An
             data = orjson.loads(line[5:])  # strict JSON (no NaN): what any client parses
             run_id = run_id or data.get("run_id")
             if event == "tool.wanted":
-                url = f"{base}/v1/workflows/{run_id}/steps/{data['step_id']}/result"
+                url = f"{base}/v1/workflows/{run_id}/steps/{quote(data['step_id'], safe='')}/result"
                 got = _post(client, url, answer)
                 assert_named_rejection(got)
                 if got.status_code == 400:  # a malformed result: the step still waits
@@ -265,11 +266,11 @@ def test_off_spec_chat_bodies_never_5xx_and_rejections_name_the_field(base, path
 def test_nan_and_lone_surrogates_are_a_400_naming_the_body(base, route, bad):
     path, _, stream = route.partition(" ")
     if path.startswith("/v1/chat"):
-        doc = ('{"model": "fake-model", "stream": %s, "messages": [{"role": "user", '
-               '"content": "hi", "name": %s}]}' % ("true" if stream else "false", bad))
+        doc = ('{"model": "fake-model", "stream": ' + ("true" if stream else "false")
+               + ', "messages": [{"role": "user", "content": "hi", "name": ' + bad + '}]}')
     else:
-        doc = ('{"nodes": [{"kind": "input", "id": "a", "value": %s}, {"kind": "llm", '
-               '"id": "b", "messages": [{"role": "user", "content": [{"ref": "a"}]}]}]}' % bad)
+        doc = ('{"nodes": [{"kind": "input", "id": "a", "value": ' + bad + '}, {"kind": '
+               '"llm", "id": "b", "messages": [{"role": "user", "content": [{"ref": "a"}]}]}]}')
     resp = httpx.post(f"{base}{path}", content=doc, headers={"Content-Type":
                                                               "application/json"})
     assert resp.status_code == 400, resp.text
@@ -279,3 +280,14 @@ def test_nan_and_lone_surrogates_are_a_400_naming_the_body(base, route, bad):
 def test_zz_report_cases_run(capsys):
     with capsys.disabled():
         print("\nfuzz cases run: " + ", ".join(f"{k}={v}" for k, v in sorted(RAN.items())))
+
+
+@pytest.mark.parametrize("step_id", [".", ".."])
+def test_dot_segment_step_ids_are_rejected_by_name(base, step_id):
+    """Found by the run fuzzer: a tool step named '..' was accepted, but its result route
+    (``/v1/workflows/{run}/steps/../result``) is normalised away by every HTTP client, so
+    the run could never finish."""
+    graph = {"nodes": [{"kind": "tool", "id": step_id, "name": "t"}]}
+    resp = httpx.post(f"{base}/v1/workflows", json=graph)
+    assert resp.status_code == 400
+    assert any("URL" in p for p in resp.json()["error"]["problems"])

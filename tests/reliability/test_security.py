@@ -111,7 +111,7 @@ async def test_no_client_credential_reaches_an_upstream_on_any_forwarded_route(g
 
 
 async def test_secrets_never_reach_logs_or_traces(guarded, aiohttp_client, aiohttp_server):
-    client, fake, traces = guarded
+    client, _, traces = guarded
     headers = {"Authorization": f"Bearer {PROXY_KEY}", **CLIENT_SECRETS}
     graph = {"nodes": [{"kind": "llm", "id": "a", "model": "up", "messages": [
         {"role": "user", "content": [{"text": "hi"}]}]}]}
