@@ -70,6 +70,8 @@ async def burst(coros: list[Any], timeout_s: float) -> tuple[Counter[str], float
 
 @pytest.mark.timeout(240)
 async def test_1000_concurrent_workflows_all_succeed_in_bounded_memory(aiohttp_server, capsys):
+    """Three bursts of 1,000 concurrent two-step workflows: every run succeeds; RSS of
+    this process (proxy and clients) before and after each burst."""
     engine = FakeEngine(["fake-model"], max_running=64)
     engine.requests = deque(maxlen=64)  # type: ignore[assignment]  # not what is measured
     app = create_app({"fake-model": engine}, ProxyConfig(max_concurrency=64))
@@ -78,7 +80,7 @@ async def test_1000_concurrent_workflows_all_succeed_in_bounded_memory(aiohttp_s
     base = str(server.make_url("")).rstrip("/")
     figures = []
     async with session() as s:
-        for round_ in range(2):
+        for round_ in range(3):
             gc.collect()
             before = rss_mib()
             counts, took = await burst([run_workflow(s, base, i + round_ * WORKFLOWS)
@@ -89,11 +91,13 @@ async def test_1000_concurrent_workflows_all_succeed_in_bounded_memory(aiohttp_s
     state = app[STATE]
     assert not state.runs.active
     assert len(state.runs.finished) <= 1024 and engine.running() == 0
-    (b0, a0, t0), (b1, a1, t1) = figures
     with capsys.disabled():
-        print(f"\n1000 workflows x2: {t0:.1f} s / {t1:.1f} s; RSS {b0:.0f} -> {a0:.0f} MiB, "
-              f"then {b1:.0f} -> {a1:.0f} MiB")
-    assert a1 - b1 <= max(0.5 * (a0 - b0), 0) + 25, figures  # no growth per burst
+        print("\n1000 concurrent workflows, 3 bursts: " + "; ".join(
+            f"{t:.1f} s, RSS {b:.0f} -> {a:.0f} MiB" for b, a, t in figures))
+    # The first two bursts fill the table of finished runs (1,024 kept); after that only
+    # the store grows, ~3 MiB per 1,000 runs until its bound (10,000 runs)
+    (b0, a0, _), _, (b2, a2, _) = figures
+    assert a2 - b2 <= 0.25 * (a0 - b0) + 10, figures
 
 
 @pytest.mark.timeout(240)
