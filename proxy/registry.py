@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from flowlift.proxy.store import RunStore, StoredRun
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+"""A client-chosen run id: no path separators or leading dot, since ``<id>.jsonl`` is the
+run's trace file under ``trace_dir`` (``../x`` or ``/tmp/x`` would write outside it)."""
 
 
 class RunRegistry:
@@ -68,9 +72,14 @@ class RunRegistry:
         """Create, persist and start a run of a validated, compiled graph.
 
         Raises:
-            RequestError: the graph's ``id`` names a run that exists.
+            RequestError: the graph's ``id`` names a run that exists, or is not a safe
+                name (:data:`_RUN_ID`: it becomes a file name under ``trace_dir``).
             Overloaded: ``max_active`` runs are running already (429, ``Retry-After``).
         """
+        if graph.id is not None and not _RUN_ID.fullmatch(graph.id):
+            raise RequestError(f"run id {graph.id[:80]!r} must be 1-128 letters, digits, "
+                               "'.', '_', ':' or '-', starting with a letter or digit (it "
+                               "names the run's URL and trace file)", param="id")
         if len(self.active) >= self.max_active:
             raise Overloaded(f"{len(self.active)} workflow runs are active, the most this "
                              "proxy takes (--max-runs); retry shortly", retry_after_s=1.0,
@@ -106,7 +115,7 @@ class RunRegistry:
         if self.active.pop(run.run_id, None) is None:
             return
         self.finished[run.run_id] = run
-        if self.trace_dir is not None:
+        if self.trace_dir is not None and _RUN_ID.fullmatch(run.run_id):  # (older stores)
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             path = self.trace_dir / f"{run.run_id}.jsonl"
             path.write_text("".join(json.dumps(r) + "\n" for r in run.trace.records()))

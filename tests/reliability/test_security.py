@@ -214,3 +214,23 @@ async def test_an_upstream_redirect_is_not_followed(aiohttp_client, aiohttp_serv
     final = parse_sse(await (await client.post("/v1/workflows", json=graph)).text())[-1][1]
     assert final["status"] == "failed"
     assert trap.received == [] and len(fake.received) == 2
+
+
+@pytest.mark.parametrize("run_id", ["../escaped", "../../escaped", "/tmp/flowlift-escaped",
+                                    "a/b", "..", ".hidden", "x" * 129, "a\\b", "a b"])
+async def test_a_client_chosen_run_id_cannot_write_outside_the_trace_dir(aiohttp_client,
+                                                                          tmp_path, run_id):
+    """Found by this suite: ``<run id>.jsonl`` is the run's trace file, and a graph's
+    ``id`` of ``../x`` or ``/tmp/x`` wrote it outside ``--trace-dir`` (``a/b`` crashed the
+    run's clean-up instead). Run ids are now safe names, or a 400 naming ``id``."""
+    traces = tmp_path / "deep" / "traces"
+    client = await proxy_client(aiohttp_client, config_for({}, {}),
+                                proxy_config=ProxyConfig(trace_dir=traces))
+    graph = {"id": run_id, "nodes": [{"kind": "llm", "id": "a", "messages": [
+        {"role": "user", "content": [{"text": "hi"}]}]}]}
+    resp = await client.post("/v1/workflows", json=graph)
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "id"
+    assert not list(tmp_path.rglob("*.jsonl")) and not Path("/tmp/flowlift-escaped.jsonl").exists()
+    ok = await client.post("/v1/workflows", json={**graph, "id": "run-1.a:b_c"})
+    assert parse_sse(await ok.text())[-1][1]["status"] == "succeeded"
+    assert [p.name for p in traces.iterdir()] == ["run-1.a:b_c.jsonl"]
