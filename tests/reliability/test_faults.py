@@ -310,3 +310,32 @@ async def test_a_run_past_its_deadline_logs_no_lost_asyncio_error(aiohttp_client
     assert final[-1][1]["status"] == "failed"
     assert "deadline" in json.dumps(final[-1][1]["failures"])
     assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
+async def test_a_client_gone_mid_stream_frees_its_upstream_connection_and_engine_slot(
+        aiohttp_client, aiohttp_server):
+    import aiohttp
+
+    from flowlift.testing import FakeEngine
+
+    events = [chunk({"content": f"w{i} "}) for i in range(100)] + [chunk({}, "stop")]
+    fake = FakeUpstream([FakeUpstream.stream(sse_bytes(*events), gap_s=0.1)])
+    (url,) = await serve(aiohttp_server, [fake.app()])
+    engine = FakeEngine(["fake-model"], delay_s=0.1)
+    client = await proxy_client(aiohttp_client, config_for({"up": {"backends": ["b0"]}},
+                                                           {"b0": url}), engine=engine)
+    health = client.app[STATE].providers.upstreams["b0"].health
+    for model in ("up", "fake-model"):
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(client.make_url("/v1/chat/completions"), json={
+                "model": model, "stream": True,
+                "messages": [{"role": "user", "content": "word " * 200}]})
+            assert resp.status == 200
+            await resp.content.readline()
+            resp.close()  # the client goes away after its first event
+        for _ in range(40):
+            if health.in_flight == 0 and engine.running() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert health.in_flight == 0 and engine.running() == 0, model
+    assert len(engine.aborted) == 1  # the embedded generation was stopped, not finished
