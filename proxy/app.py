@@ -170,7 +170,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         runs=RunRegistry(RunStore(state_path), config.trace_dir,
                          detached_timeout_s=config.detached_timeout_s,
                          outcomes=StepOutcomes(state_path,
-                                               default_model=backends.default_model)),
+                                               default_model=backends.default_model),
+                         max_active=config.max_runs),
         config=config, residency=residency,
         prices=file_config.prices() if file_config else {})
     if residency is not None:

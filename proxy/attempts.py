@@ -109,14 +109,14 @@ async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str
                 raise UpstreamError(f"backend {upstream.name!r} ended the stream before any "
                                     "event", status=502, backend=upstream.name)
             return opened
-    except UpstreamError:
-        if response is not None:
-            await response.aclose()
-        raise
     except (TimeoutError, httpx.HTTPError) as exc:
         if response is not None:
             await response.aclose()
         raise translate(exc, upstream.name, stage=stage) from None
+    except BaseException:  # an UpstreamError, or cancelled: the connection goes back
+        if response is not None:
+            await response.aclose()
+        raise
 
 
 def _whole(upstream: Upstream, response: httpx.Response, body: bytes) -> Opened:
@@ -234,4 +234,7 @@ class _Attempts:
                                         retry_after=exc.retry_after_s)
             log.info("upstream_attempt_failed", backend=name, status=exc.status,
                      retryable=exc.retryable, attempt=number)
+            raise
+        except BaseException:  # cancelled (its run or its client went away): counted out,
+            upstream.health.in_flight -= 1  # or the backend would fill up and look busy
             raise

@@ -93,12 +93,41 @@ def parse_json(raw: bytes) -> Any:
     except orjson.JSONDecodeError:
         pass
     try:  # what orjson refuses but JSON allows: integers past 64 bits
-        return json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}", param="body") from None
     except RecursionError:
         raise RequestError("request body nests JSON too deeply (over 1,000 levels)",
                            param="body") from None
+    _check_strings(data)
+    return data
+
+
+def _no_constant(name: str) -> Any:
+    """``NaN`` and ``Infinity`` are not JSON (RFC 8259 §6): echoed into an answer or an
+    event they would break every strict client."""
+    raise RequestError(f"request body holds {name}, which JSON does not allow; send a "
+                       "number or null", param="body")
+
+
+def _check_strings(data: Any) -> None:
+    """Reject a string holding a lone UTF-16 surrogate (``"\\ud800"``): it is not
+    Unicode, and cannot be written back out as UTF-8 (a stream would break mid-way)."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError("request body holds a lone UTF-16 surrogate escape in a "
+                                   f"string ({item[:40]!r}); send valid Unicode",
+                                   param="body") from None
 
 
 async def read_json(request: web.Request) -> Any:
@@ -138,4 +167,4 @@ def parse_model(model: type[M], data: Any, what: str) -> M:
         errors = exc.errors(include_url=False)
         msgs = [f"{_loc(e) or '(body)'}: {e['msg']}" for e in errors[:8]]
         raise RequestError(f"invalid {what}: " + "; ".join(msgs),
-                           param=_loc(errors[0]) or None) from None
+                           param=_loc(errors[0]) or "body") from None

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ from cachetools import TTLCache
 
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
-from flowlift.errors import RequestError
+from flowlift.errors import Overloaded, RequestError
 from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.backends import Backends
@@ -31,15 +32,24 @@ from flowlift.proxy.store import RunStore, StoredRun
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+"""A client-chosen run id: no path separators or leading dot, since ``<id>.jsonl`` is the
+run's trace file under ``trace_dir`` (``../x`` or ``/tmp/x`` would write outside it)."""
 
 
 class RunRegistry:
-    """Active runs, plus finished ones for ``ttl_s`` (bounded, so unique ids never grow it)."""
+    """Active runs, plus finished ones for ``ttl_s`` (bounded, so unique ids never grow it).
+
+    The store keeps finished runs (their events replay after a restart) for
+    ``store_ttl_s`` and at most the ``store_keep`` most recent; each :meth:`sweep`
+    forgets the rest, so the store is bounded too (disk, or memory for ``:memory:``).
+    """
 
     def __init__(self, store: RunStore | None = None, trace_dir: Path | None = None,
                  keep: int = 1024, ttl_s: float = 3600.0,
                  detached_timeout_s: float = 300.0,
-                 outcomes: StepOutcomes | None = None) -> None:
+                 outcomes: StepOutcomes | None = None, store_keep: int = 10_000,
+                 store_ttl_s: float = 7 * 24 * 3600, max_active: int = 4096) -> None:
         self.store = store or RunStore(":memory:")
         self.outcomes = outcomes or StepOutcomes(":memory:")
         self.active: dict[str, Run] = {}
@@ -47,7 +57,9 @@ class RunRegistry:
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
         self.telemetry: Any = None  # flowlift.proxy.telemetry.Telemetry (set by create_app)
-        self.store.prune(older_than_s=7 * 24 * 3600)
+        self.store_keep, self.store_ttl_s = store_keep, store_ttl_s
+        self.max_active = max_active
+        self.store.prune(older_than_s=store_ttl_s, keep=store_keep)
 
     def get(self, run_id: str) -> Run:
         run = self.active.get(run_id) or self.finished.get(run_id)
@@ -65,7 +77,21 @@ class RunRegistry:
     def start(self, graph: Graph, backends: Backends, costs: CostTracker,
               run_plan: Plan, *, parent: Any = None) -> Run:
         """Create, persist and start a run of a validated, compiled graph (``parent``:
-        the caller's OpenTelemetry context, from its ``traceparent``)."""
+        the caller's OpenTelemetry context, from its ``traceparent``).
+
+        Raises:
+            RequestError: the graph's ``id`` names a run that exists, or is not a safe
+                name (:data:`_RUN_ID`: it becomes a file name under ``trace_dir``).
+            Overloaded: ``max_active`` runs are running already (429, ``Retry-After``).
+        """
+        if graph.id is not None and not _RUN_ID.fullmatch(graph.id):
+            raise RequestError(f"run id {graph.id[:80]!r} must be 1-128 letters, digits, "
+                               "'.', '_', ':' or '-', starting with a letter or digit (it "
+                               "names the run's URL and trace file)", param="id")
+        if len(self.active) >= self.max_active:
+            raise Overloaded(f"{len(self.active)} workflow runs are active, the most this "
+                             "proxy takes (--max-runs); retry shortly", retry_after_s=1.0,
+                             status=429)
         if graph.id is not None and (graph.id in self.active or self.store.exists(graph.id)):
             raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
                                "fresh one", param="id")
@@ -101,7 +127,7 @@ class RunRegistry:
         if self.active.pop(run.run_id, None) is None:
             return
         self.finished[run.run_id] = run
-        if self.trace_dir is not None:
+        if self.trace_dir is not None and _RUN_ID.fullmatch(run.run_id):  # (older stores)
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             path = self.trace_dir / f"{run.run_id}.jsonl"
             path.write_text("".join(json.dumps(r) + "\n" for r in run.trace.records()))
@@ -121,7 +147,9 @@ class RunRegistry:
         return ahead
 
     def sweep(self) -> None:
-        """Cancel runs without a listener for longer than ``detached_timeout_s``."""
+        """Cancel runs without a listener for longer than ``detached_timeout_s``, and
+        prune the store (see the class docstring)."""
+        self.store.prune(older_than_s=self.store_ttl_s, keep=self.store_keep)
         now = time.monotonic()
         for run in list(self.active.values()):
             if run.log.listeners:

@@ -172,7 +172,8 @@ class Run:
                 raise
             finally:
                 watch.cancel()
-                work.cancel()
+                work.cancel()  # its children's cancellation is no news: not logged as lost
+                work.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._close("failed" if self.failures else "succeeded")
 
     def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str) -> None:

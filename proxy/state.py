@@ -38,6 +38,7 @@ class ProxyConfig:
         max_queue: OpenAI requests waiting per engine before the proxy answers 429.
         max_sessions, session_ttl_s: bounds of the ``X-Flowlift-Session`` table (sessions
             kept; seconds a session lives after its last turn).
+        max_runs: workflow runs active at once before ``POST /v1/workflows`` answers 429.
     """
 
     max_concurrency: int = 16
@@ -52,6 +53,7 @@ class ProxyConfig:
     max_queue: int = 256
     max_sessions: int = 10_000
     session_ttl_s: float = 1800.0
+    max_runs: int = 4096
 
 
 @dataclass(slots=True)

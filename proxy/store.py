@@ -31,6 +31,7 @@ CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, graph TEXT NOT NULL,
     status TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS events (run_id TEXT NOT NULL, seq INTEGER NOT NULL,
     name TEXT NOT NULL, data TEXT NOT NULL, PRIMARY KEY (run_id, seq));
+CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, updated_at);
 """
 
 
@@ -99,11 +100,21 @@ class RunStore:
             "SELECT run_id FROM runs WHERE status = 'running' ORDER BY created_at")]
         return [run for rid in ids if (run := self.load(rid)) is not None]
 
-    def prune(self, older_than_s: float) -> int:
-        """Forget finished runs last updated more than ``older_than_s`` ago."""
+    def prune(self, older_than_s: float, keep: int | None = None) -> int:
+        """Forget finished runs last updated more than ``older_than_s`` ago and, with
+        ``keep``, all but the ``keep`` most recently finished (so a stream of unique runs
+        cannot grow the store without bound). Runs still running are never pruned.
+
+        Returns:
+            How many runs were forgotten.
+        """
         cutoff = time.time() - older_than_s
         ids = [r[0] for r in self._db.execute(
             "SELECT run_id FROM runs WHERE status != 'running' AND updated_at < ?", (cutoff,))]
+        if keep is not None:
+            ids += [r[0] for r in self._db.execute(
+                "SELECT run_id FROM runs WHERE status != 'running' AND updated_at >= ? "
+                "ORDER BY updated_at DESC LIMIT -1 OFFSET ?", (cutoff, keep))]
         for rid in ids:
             self._db.execute("DELETE FROM events WHERE run_id = ?", (rid,))
             self._db.execute("DELETE FROM runs WHERE run_id = ?", (rid,))

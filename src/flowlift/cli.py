@@ -112,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          batch_cap_when_interactive=args.batch_cap_when_interactive,
                          api_keys=file_config.proxy_keys() if file_config else frozenset(),
                          max_queue=args.max_queue, max_sessions=args.max_sessions,
-                         session_ttl_s=args.session_ttl_s)
+                         session_ttl_s=args.session_ttl_s, max_runs=args.max_runs)
     try:
         sock = bind(args.host, args.port)  # before any model is prepared or loaded
     except OSError as exc:  # the port is taken, the host is not ours...
@@ -400,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=256,
                        help="OpenAI requests waiting per engine before answering 429 "
                             "with Retry-After (default 256)")
+    serve.add_argument("--max-runs", type=int, default=4096,
+                       help="workflow runs active at once before POST /v1/workflows answers "
+                            "429 with Retry-After (default 4096)")
     serve.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
                        help="TOML file of upstream providers and model routes "
                             "(see flowlift.proxy.config; env FLOWLIFT_CONFIG)")

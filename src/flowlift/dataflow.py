@@ -78,6 +78,9 @@ def levels(graph: Graph, deps: Mapping[str, Collection[str]] | None = None) -> l
 def _node_problems(node: Node, ids: Collection[str], nodes: Mapping[str, Node],
                    models: Collection[str] | None) -> list[str]:
     problems: list[str] = []
+    if node.id in (".", ".."):  # URLs drop dot segments (RFC 3986 §5.2.4): a tool step
+        problems.append(f"node id {node.id!r} cannot be addressed in a URL (its @tool "
+                        "result route); use letters, digits, '-' or '_'")  # never answered
     for ref in node_refs(node):
         if ref.ref == node.id:
             problems.append(f"node {node.id!r} references its own output")

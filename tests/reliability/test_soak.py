@@ -1,0 +1,204 @@
+"""Every table the proxy keeps is bounded, and memory plateaus under endless unique ids.
+
+Quick (always run): traffic with unique session, workflow and run ids past each table's
+bound -- sessions, inferred workflows, finished runs, the run store -- must stop at the
+bound; and a walk over every container reachable from the proxy's state finds nothing
+else that grew with the ids (replica affinity is rendezvous hashing: no table at all).
+
+Soak (``--soak`` or ``FLOWLIFT_SOAK_S``): the same traffic for that many seconds, RSS and
+live Python objects sampled every 5 s; the last third's peaks must stay within 2% (objects)
+and 5% + 8 MiB (RSS) of the middle third's (a plateau), with every table at or under its
+bound throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from cachetools import TTLCache
+
+from flowlift.proxy import ProxyConfig, create_app
+from flowlift.proxy.config import parse_config
+from flowlift.proxy.inferred import InferredWorkflows
+from flowlift.proxy.sessions import SESSIONS, SessionTable
+from flowlift.proxy.state import STATE
+from flowlift.testing import FakeEngine
+from tests.reliability.faults import config_for, rss_mib, serve
+from tests.upstream_fake import FakeUpstream, chat_json, chunk, sse_bytes
+
+BOUND = 40  # each table's bound in these tests (the defaults are 1,024 to 10,000)
+
+
+async def answer_anything(request):  # type: ignore[no-untyped-def]
+    import json
+    body = json.loads(await request.read())
+    if body.get("stream") is True:
+        return await FakeUpstream.stream(sse_bytes(chunk({"content": "ok"}), chunk({}, "stop"),
+                                                   {"choices": [], "usage": {
+                                                       "prompt_tokens": 3,
+                                                       "completion_tokens": 1}}))(request)
+    return await FakeUpstream.json(chat_json("ok"))(request)
+
+
+async def small_proxy(aiohttp_server: Any) -> tuple[Any, str]:
+    """A proxy (``fake-model`` embedded, ``up`` on a fake upstream) whose tables are all
+    bounded at :data:`BOUND`; (app, base URL)."""
+    fake = FakeUpstream([answer_anything])
+    fake.received = deque(maxlen=64)  # type: ignore[assignment]  # the test doubles
+    engine = FakeEngine(["fake-model"])  # record every request: not what is measured
+    engine.requests = deque(maxlen=64)  # type: ignore[assignment]
+    (url,) = await serve(aiohttp_server, [fake.app()])
+    app = create_app({"fake-model": engine},
+                     ProxyConfig(max_concurrency=32),
+                     file_config=parse_config(config_for({"up": {"backends": ["b0", "b1"]}},
+                                                         {"b0": url, "b1": url})))
+    app[SESSIONS] = SessionTable(max_sessions=BOUND)
+    server = await aiohttp_server(app)
+    state = app[STATE]
+    await state.ready.wait()
+    state.inferred = InferredWorkflows(max_workflows=BOUND)
+    state.runs.finished = TTLCache(maxsize=BOUND, ttl=3600)
+    state.runs.store_keep = BOUND
+    return app, str(server.make_url("")).rstrip("/")
+
+
+async def traffic(session: aiohttp.ClientSession, base: str, ids: Iterator[int],
+                  n: int) -> None:
+    """``n`` rounds of: a chat on each model with a new session and workflow id (one
+    streamed), and a two-step workflow run with a new run id."""
+    async def one(i: int) -> None:
+        for model, stream in (("up", False), ("up", True), ("fake-model", i % 2 == 0)):
+            async with session.post(f"{base}/v1/chat/completions", json={
+                    "model": model, "stream": stream,
+                    "messages": [{"role": "user", "content": f"turn {i} of {model}"}]},
+                    headers={"X-Flowlift-Session": f"s-{i}-{model}",
+                             "X-Flowlift-Workflow": f"w-{i}-{model}"}) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+        graph = {"id": f"run-{i}", "nodes": [
+            {"kind": "llm", "id": "a", "model": model, "params": {"max_tokens": 4},
+             "messages": [{"role": "user", "content": [{"text": f"go {i}"}]}]}
+            for model in ("fake-model",)]}
+        async with session.post(f"{base}/v1/workflows", json=graph) as resp:
+            assert resp.status == 200, await resp.text()
+            assert b'"succeeded"' in await resp.read()
+    await asyncio.gather(*[one(next(ids)) for _ in range(n)])
+
+
+def sizes(root: Any, *, depth: int = 6) -> dict[str, int]:
+    """``path -> len`` of every sized container reachable from ``root`` through object
+    attributes and the items of small dicts and lists, ``depth`` levels deep (breadth
+    first: each object under its shortest path)."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    todo: deque[tuple[Any, str, int]] = deque([(root, "app", 0)])
+    while todo:
+        obj, path, level = todo.popleft()
+        # (the FakeEngine test double records every request: not the proxy's state)
+        if id(obj) in seen or level > depth or isinstance(
+                obj, str | bytes | int | float | FakeEngine):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict | list | set | tuple | TTLCache | frozenset | deque):
+            out[path] = len(obj)
+            if len(obj) < 64 and isinstance(obj, dict):
+                todo.extend((v, f"{path}[{k!r}]", level + 1) for k, v in list(obj.items()))
+            elif len(obj) < 64 and isinstance(obj, list | tuple):
+                todo.extend((v, f"{path}[{k}]", level + 1) for k, v in enumerate(obj))
+            continue
+        attrs = getattr(obj, "__dict__", None)
+        names = list(attrs) if attrs is not None else [
+            s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ())]
+        for name in names:
+            value = getattr(obj, name, None)
+            if value is not None:
+                todo.append((value, f"{path}.{name}", level + 1))
+    return out
+
+
+def stored_runs(app: Any) -> int:
+    return app[STATE].runs.store._db.execute("SELECT count(*) FROM runs").fetchone()[0]
+
+
+def assert_bounded(app: Any) -> None:
+    state = app[STATE]
+    assert len(app[SESSIONS]) <= BOUND
+    assert len(state.inferred) <= BOUND
+    assert len(state.runs.finished) <= BOUND
+    assert len(state.costs.snapshot()) <= len(state.providers.models)
+    assert stored_runs(app) <= BOUND + len(state.runs.active)
+
+
+async def test_every_table_is_bounded_under_unique_ids(aiohttp_server):
+    app, base = await small_proxy(aiohttp_server)
+    state = app[STATE]
+    ids = itertools.count()
+    async with aiohttp.ClientSession() as s:
+        await traffic(s, base, ids, 10)  # warm-up: every table has entries
+        state.runs.sweep()
+        before = sizes({"state": state, "sessions": app[SESSIONS]})
+        for _ in range(3):
+            await traffic(s, base, ids, BOUND)
+        state.runs.sweep()
+    assert len(app[SESSIONS]) == BOUND and len(state.inferred) == BOUND
+    assert len(state.runs.finished) == BOUND and stored_runs(app) == BOUND
+    assert_bounded(app)
+    after = sizes({"state": state, "sessions": app[SESSIONS]})
+    grew = {k: (before.get(k), v) for k, v in after.items()
+            if v > max(before.get(k, 0), BOUND)}
+    assert not grew, f"grew with unique ids: {grew}"
+
+
+def test_the_store_keeps_the_newest_finished_runs_and_every_running_one(tmp_path):
+    from flowlift.proxy.store import RunStore
+
+    store = RunStore(tmp_path / "s.sqlite")
+    for i in range(30):
+        store.create(f"r{i}", {"nodes": []})
+        if i % 3:
+            store.append(f"r{i}", 1, "run.finished", {"status": "succeeded"})
+    assert store.prune(older_than_s=3600, keep=5) == 20 - 5
+    left = {r[0] for r in store._db.execute("SELECT run_id FROM runs")}
+    assert {f"r{i}" for i in range(0, 30, 3)} <= left  # running: never pruned
+    assert {f"r{i}" for i in (25, 26, 28, 29)} <= left and len(left) == 15
+    assert store._db.execute("SELECT count(DISTINCT run_id) FROM events").fetchone()[0] == 5
+
+
+@pytest.mark.timeout(0)
+async def test_soak_memory_plateaus(aiohttp_server, soak_s, capsys):
+    app, base = await small_proxy(aiohttp_server)
+    ids = itertools.count()
+    samples: list[tuple[float, float, int]] = []  # (s, RSS MiB, live Python objects)
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as s:
+        while (now := time.monotonic() - t0) < soak_s:
+            await traffic(s, base, ids, 20)
+            if not samples or now - samples[-1][0] >= 5:
+                app[STATE].runs.sweep()
+                gc.collect()
+                samples.append((now, rss_mib(), len(gc.get_objects())))
+                assert_bounded(app)
+    rounds = next(ids)
+    third = len(samples) // 3
+    middle, last = samples[third:2 * third], samples[2 * third:]
+    rss = [max(x[1] for x in part) for part in (middle, last)]
+    objects = [max(x[2] for x in part) for part in (middle, last)]
+    with capsys.disabled():
+        print(f"\nsoak {soak_s:.0f} s: {rounds} rounds ({rounds * 4} requests, "
+              f"{rounds} workflow runs, unique ids); RSS MiB / live objects over time:")
+        print("  " + ", ".join(f"{t:.0f}s {r:.0f}/{n}" for t, r, n in samples))
+        print(f"  peak of the middle third {rss[0]:.1f} MiB / {objects[0]} objects, "
+              f"of the last third {rss[1]:.1f} MiB / {objects[1]} objects")
+    assert len(samples) >= 6, "too short a soak to judge a plateau"
+    # live objects are the exact measure (a leak of any table grows them); RSS also
+    # drifts with the allocator's fragmentation, hence its looser bound
+    assert objects[1] <= 1.02 * objects[0] + 1000, samples
+    assert rss[1] <= 1.05 * rss[0] + 8.0, samples
