@@ -101,6 +101,37 @@ class _Session:
     started: set[str] = field(default_factory=set)
     lost_at: float | None = None
     trace_headers: dict[str, str] = field(default_factory=dict)  # W3C traceparent
+    refused: tuple[int, str, float | None] | None = None
+    """The proxy's last 429/503 to the graph itself: status, message, Retry-After (s)."""
+
+    def admit(self, status: int, headers: Any, body: Any) -> bool:
+        """True for a 200 stream; False to wait and try again (a 5xx or 429, e.g. the
+        engine still loading, the proxy overloaded or draining); raises a final error.
+
+        Args:
+            body: a callable returning the answer's bytes (read only when not 200).
+
+        Raises:
+            FlowliftError: a 4xx, or a 5xx other than 503 to the graph itself (nothing
+                was started, and trying again would get the same answer).
+        """
+        if status == 200:
+            self.refused = None
+            return True
+        if not _retryable(status) or (self.wf.run_id is None and status not in (429, 503)):
+            raise _error_from(status, body())
+        if self.wf.run_id is None:
+            raw = body()
+            try:
+                message = str(json.loads(raw)["error"]["message"])
+            except (ValueError, KeyError, TypeError):
+                message = raw[:200].decode(errors="replace")
+            try:
+                retry_after: float | None = float(headers.get("Retry-After", ""))
+            except ValueError:
+                retry_after = None
+            self.refused = (status, message, retry_after)
+        return False
 
     def request(self) -> tuple[str, str, dict[str, Any]]:
         if self.wf.run_id is None:
@@ -138,9 +169,18 @@ class _Session:
 
     def lost(self, exc: Exception | None) -> float:
         """Seconds to wait before reconnecting; raises when giving up."""
-        if self.wf.run_id is None:
-            raise ProxyUnavailable(self.wf.base_url, f"{type(exc).__name__}: {exc}")
         now = time.monotonic()
+        if self.wf.run_id is None:  # the graph was not accepted (yet)
+            if exc is not None or self.refused is None:
+                raise ProxyUnavailable(self.wf.base_url, f"{type(exc).__name__}: {exc}")
+            status, message, retry_after = self.refused
+            self.lost_at = self.lost_at or now
+            waited = now - self.lost_at
+            if waited >= self.wf.reconnect_s:
+                raise ProxyUnavailable(self.wf.base_url, f"it answered {status} to the "
+                                       f"workflow for {waited:.1f} s: {message}")
+            wait = retry_after if retry_after is not None else 1.0
+            return max(0.05, min(wait, 5.0, self.wf.reconnect_s - waited))
         self.lost_at = self.lost_at or now
         if now - self.lost_at > self.wf.reconnect_s:
             raise ProxyUnavailable(self.wf.base_url, f"lost the event stream of run "
@@ -202,7 +242,8 @@ def _run_sync(wf: Workflow, trace_headers: dict[str, str], ctx: Any) -> None:
             method, url, kwargs = sess.request()
             try:
                 with connect_sse(client, method, url, **kwargs) as source:
-                    if _usable(source.response.status_code, source.response.read):
+                    resp = source.response
+                    if sess.admit(resp.status_code, resp.headers, resp.read):
                         for step_id in sess.pending_results():
                             dispatch(step_id)
                         for sse in source.iter_sse():
@@ -252,10 +293,9 @@ class _AsyncDriver:
     async def attempt(self) -> None:
         method, url, kwargs = self.sess.request()
         async with aconnect_sse(self.client, method, url, **kwargs) as source:
-            status = source.response.status_code
-            if status != 200 and not _retryable(status):
-                raise _error_from(status, await source.response.aread())
-            if status == 200:
+            resp = source.response
+            body = b"" if resp.status_code == 200 else await resp.aread()
+            if self.sess.admit(resp.status_code, resp.headers, lambda: body):
                 for step_id in self.sess.pending_results():
                     self.dispatch(step_id)
                 async for sse in source.aiter_sse():
@@ -285,15 +325,6 @@ async def run_async(wf: Workflow) -> None:
                                      timeout=_TIMEOUT) as client, progress.tracking(wf, client):
             await _AsyncDriver(wf, client, trace_headers).run()
     _require_finished(wf)
-
-
-def _usable(status: int, read: Any) -> bool:
-    """True for a 200 stream; False for a retryable status; raises for a final error."""
-    if status == 200:
-        return True
-    if _retryable(status):
-        return False
-    raise _error_from(status, read())
 
 
 async def _atool_result(fn: Any, call: ToolCall) -> dict[str, Any]:

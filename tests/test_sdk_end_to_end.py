@@ -195,3 +195,36 @@ async def test_cancel_from_the_sdk(aiohttp_client, make_app, engine):
     with pytest.raises(WorkflowFailed, match="cancelled"):
         await task
     assert wf.status == "cancelled" and engine.aborted
+
+
+class SlowStart(FakeEngine):
+    load_s = 1.2
+
+    async def start(self) -> None:
+        await asyncio.sleep(self.load_s)  # the proxy answers 503 with Retry-After meanwhile
+        await super().start()
+
+
+class NeverReady(SlowStart):
+    load_s = 60.0
+
+
+async def test_a_workflow_sent_while_the_engine_loads_waits_for_it(aiohttp_client):
+    from flowlift.proxy import create_app
+
+    client = await aiohttp_client(create_app({"fake-model": SlowStart(["fake-model"])}))
+    base = str(client.make_url("")).rstrip("/")
+    async with workflow("early", base_url=base) as wf:
+        label = classify(extract("sent before the engine was ready"))
+    assert wf.status == "succeeded" and label.value in ("alpha", "beta")
+
+
+async def test_a_proxy_that_keeps_refusing_the_graph_is_one_clear_error(aiohttp_client):
+    from flowlift.proxy import create_app
+
+    client = await aiohttp_client(create_app({"fake-model": NeverReady(["fake-model"])}))
+    base = str(client.make_url("")).rstrip("/")
+    with pytest.raises(ProxyUnavailable, match=r"answered 503 to the workflow for 0\.\d s: "
+                                               "not ready: the engine is still loading"):
+        async with workflow("refused", base_url=base, reconnect_s=0.3):
+            extract("never runs")
