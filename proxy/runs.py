@@ -343,6 +343,7 @@ class Run:
                             self._warmed(node.id)
                         pieces.append(chunk.text)
                         tokens_lp.extend(chunk.logprobs or ())
+                        attempt.finish_reason = chunk.finish_reason or attempt.finish_reason
                         if chunk.usage is not None:
                             attempt.prompt_tokens = chunk.usage.prompt_tokens
                             attempt.completion_tokens = chunk.usage.completion_tokens

@@ -91,9 +91,11 @@ async def test_sdk_and_proxy_spans_join_one_trace_with_the_stage_split(traced, c
     assert a["gen_ai.request.model"] == a["gen_ai.response.model"] == "fake-model"
     assert a["gen_ai.usage.input_tokens"] > 0 and a["gen_ai.usage.output_tokens"] > 0
     assert "gen_ai.usage.cache_read.input_tokens" in a
+    assert a["gen_ai.response.finish_reasons"] == ("stop",)
     stages = captured.children(extract)
     assert [s.name for s in stages] == ["queue", "attempt 1", "validate"]
     assert [s.name for s in captured.children(stages[1])] == ["prefill", "decode"]
+    assert stages[1].attributes["gen_ai.response.finish_reasons"] == ("stop",)
     for stage in [*stages, *captured.children(stages[1])]:
         assert _within(stage, extract)
         assert stage.attributes["flowlift.step.id"] == "extract_1"

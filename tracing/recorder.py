@@ -35,7 +35,8 @@ class AttemptTrace:
     ``error`` (the engine or upstream failed). ``error`` holds the reason for the last
     three. ``confidence``: the geometric mean of the output's token probabilities, when
     the step asked for logprobs. ``model``: the name the step asked for (a cascade's
-    ``small``/``large``; the served name when the step named none).
+    ``small``/``large``; the served name when the step named none). ``finish_reason``:
+    the engine's (``stop``, ``length``, ``abort``...), when the generation ended.
     """
 
     attempt: int
@@ -49,6 +50,7 @@ class AttemptTrace:
     cached_tokens: int = 0
     error: str | None = None
     confidence: float | None = None
+    finish_reason: str | None = None
 
 
 @dataclass(slots=True)

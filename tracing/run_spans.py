@@ -150,6 +150,8 @@ class RunSpans:
             attrs["flowlift.step.same_as"] = st.same_as
         if st.attempts:
             attrs["flowlift.step.attempts"] = len(st.attempts)
+            if st.attempts[-1].finish_reason:
+                attrs[genai.FINISH_REASONS] = (st.attempts[-1].finish_reason,)
         kind = SpanKind.CLIENT if provider == "openai" else SpanKind.INTERNAL
         span = self.tracer.start_span(f"chat {st.model or requested or 'default'}",
                                       context=trace.set_span_in_context(self.span), kind=kind,
@@ -177,6 +179,8 @@ class RunSpans:
                                                           at.cached_tokens)}
         if at.attempt > 1:
             attrs["flowlift.retry"] = True
+        if at.finish_reason:
+            attrs[genai.FINISH_REASONS] = (at.finish_reason,)
         end = at.finished_ms if at.finished_ms is not None else self.trace.now_ms()
         span = self.tracer.start_span(f"attempt {at.attempt}",
                                       context=trace.set_span_in_context(step_span),
