@@ -24,7 +24,15 @@ from opentelemetry.sdk.trace import TracerProvider
 from flowlift.errors import AuthenticationError, ConfigError, EngineError
 from flowlift.local_engine.base import Engine
 from flowlift.local_engine.residency import ResidencyManager
-from flowlift.proxy import lifecycle, openai_api, progress_api, sessions_api, telemetry, ui, workflows
+from flowlift.proxy import (
+    lifecycle,
+    openai_api,
+    progress_api,
+    sessions_api,
+    telemetry,
+    ui,
+    workflows,
+)
 from flowlift.proxy.backends import Backends
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.http import Handler, error_response, log, openai_errors

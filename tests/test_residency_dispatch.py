@@ -13,8 +13,8 @@ import pytest
 
 from flowlift.errors import EngineError
 from flowlift.local_engine.base import GenerationRequest
-from flowlift.local_engine.resident import managed_engines
 from flowlift.local_engine.residency import ManagedModel, ResidencyManager
+from flowlift.local_engine.resident import managed_engines
 from flowlift.proxy import create_app
 from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, parse_sse

@@ -25,7 +25,6 @@ import httpx
 
 from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
-
 FAKE_MODEL_MB = 1024.0  # what a residency budget counts per model with --engine fake
 
 
@@ -70,8 +69,8 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, object], object | None
     budget = getattr(args, "memory_budget_mb", None)
     if budget is None:
         return {name: engine for name, (engine, _) in sized.items()}, None
-    from flowlift.local_engine.resident import managed_engines
     from flowlift.local_engine.residency import ManagedModel, ResidencyManager
+    from flowlift.local_engine.resident import managed_engines
 
     manager = ResidencyManager({name: ManagedModel(engine, mb)  # type: ignore[arg-type]
                                 for name, (engine, mb) in sized.items()}, budget)
