@@ -204,8 +204,10 @@ def resolve_model(name_or_path: str | None, dtype: str = "float32", *,
         return DEFAULT_MODEL, ensure_default_model(dtype)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        path = path.resolve()
-        return path.name, path
+        if not (path / "config.json").is_file():
+            raise EngineError(f"model folder {str(path)!r} has no config.json: pass an HF "
+                              "checkpoint folder (config.json, weights, tokenizer files)")
+        return path.name, path.absolute()
     if _HUB_ID.fullmatch(name_or_path):
         return name_or_path, _from_hub(name_or_path, download)
     raise EngineError(

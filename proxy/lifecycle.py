@@ -191,17 +191,30 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(app: web.Application, sock: socket.socket, *, grace_s: float = 30.0,
-                cancel_after_s: float = 1.0) -> None:
+                cancel_after_s: float = 1.0) -> str | None:
     """Serve ``app`` on ``sock`` (from :func:`bind`) until SIGTERM/SIGINT, then drain
-    (see the module).
+    (see the module). A client that disconnects cancels its request's handler, so a
+    whole (non-streamed) answer nobody waits for any more stops generating too.
 
     Args:
         grace_s: how long in-flight work may take to finish after the signal.
         cancel_after_s: after the grace period (and the suspensions), how long aiohttp
             waits for the requests still open before cancelling them.
+
+    Returns:
+        ``None`` after a signal; the reason when the engines failed to load (the proxy
+        then stops instead of answering 503 forever, so a supervisor sees the failure).
     """
-    runner = web.AppRunner(app, shutdown_timeout=cancel_after_s, handle_signals=False)
+    runner = web.AppRunner(app, shutdown_timeout=cancel_after_s, handle_signals=False,
+                           handler_cancellation=True)
     stop, hurry = asyncio.Event(), asyncio.Event()
+    state = app[STATE]
+
+    async def watch_load() -> None:
+        while not state.ready.is_set() and not state.load_error:
+            await asyncio.sleep(0.2)
+        if state.load_error:
+            stop.set()
 
     def on_signal(signum: int) -> None:
         (hurry if stop.is_set() else stop).set()
@@ -214,8 +227,13 @@ async def serve(app: web.Application, sock: socket.socket, *, grace_s: float = 3
         await runner.setup()
         await web.SockSite(runner, sock).start()
         log.info("listening", address=sock.getsockname()[:2], grace_s=grace_s)
+        watcher = asyncio.create_task(watch_load())
         await stop.wait()
+        watcher.cancel()
+        if state.load_error:
+            return state.load_error
         await drain(app, grace_s, hurry)
+        return None
     finally:
         await runner.cleanup()  # listener closed, engines and store closed
         log.info("stopped")

@@ -374,3 +374,34 @@ def test_a_second_sigterm_cuts_the_grace_period_short(tmp_path):
                 for _ in lines:
                     pass
     assert waited < 8, f"exit took {waited:.1f} s after the second signal"
+
+
+def test_a_client_that_leaves_a_whole_answer_stops_its_generation(tmp_path):
+    """A non-streamed request whose client gave up holds nothing: the handler is cancelled,
+    its generation aborted, so SIGTERM finds nothing in flight and exits at once."""
+    port, db, log = free_port(), tmp_path / "state.sqlite", tmp_path / "proxy.log"
+    base = f"http://127.0.0.1:{port}"
+    with _serve(port, db, log, grace_s=30) as (_, proc):
+        body = {"model": "fake-model", "max_tokens": 400,  # ~20 s at 0.05 s a word
+                "messages": [{"role": "user", "content": LONG * 20}]}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/chat/completions", json=body, timeout=0.5)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=25) == 0
+        assert time.monotonic() - t0 < 8  # not the 25 s generation nobody waits for
+
+
+async def test_a_proxy_whose_engine_fails_to_load_stops_with_the_reason():
+    from flowlift.proxy import create_app
+    from flowlift.proxy.lifecycle import bind, serve
+
+    class Broken(FakeEngine):
+        async def start(self) -> None:
+            raise RuntimeError("no common block size for 7")
+
+    app = create_app({"m": Broken(["m"])})
+    sock = bind("127.0.0.1", free_port())
+    reason = await asyncio.wait_for(serve(app, sock, grace_s=1), timeout=20)
+    assert reason is not None and "no common block size for 7" in reason

@@ -133,3 +133,18 @@ def test_two_models_under_one_name_are_refused():
                                       "--extra-model", "a"])
     with pytest.raises(ConfigError, match="two models would be served as 'a'"):
         _engines(args)
+
+
+def test_a_folder_without_config_json_and_a_budget_below_a_model_are_refused(tmp_path):
+    from flowlift.cli import _engines
+    from flowlift.errors import ConfigError
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EngineError, match="has no config.json"):
+        models.resolve_model(str(tmp_path / "empty"))
+    linked = tmp_path / "my-link"
+    linked.symlink_to(_checkpoint(tmp_path / "target"))
+    assert models.resolve_model(str(linked))[0] == "my-link"  # a link keeps its own name
+    args = build_parser().parse_args(["serve", "--engine", "fake", "--memory-budget-mb", "100"])
+    with pytest.raises(ConfigError, match="smaller than a model: fake-model"):
+        _engines(args)

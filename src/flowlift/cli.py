@@ -67,6 +67,14 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, object], object | None
             _add(sized, config.served_model_name, VLLMEngine(config),
                  config.estimated_memory_mb())
     budget = getattr(args, "memory_budget_mb", None)
+    too_big = [f"{name} (~{mb:.0f} MB)" for name, (_, mb) in sized.items()
+               if budget is not None and mb > budget]
+    if too_big:
+        from flowlift.errors import ConfigError
+
+        raise ConfigError(f"--memory-budget-mb {budget:.0f} is smaller than a model: "
+                          f"{', '.join(too_big)}; raise it (a model takes its weights, the KV "
+                          "cache and ~1 GiB for vLLM's processes)", param="--memory-budget-mb")
     if budget is None:
         return {name: engine for name, (engine, _) in sized.items()}, None
     from flowlift.local_engine.residency import ManagedModel, ResidencyManager
@@ -127,7 +135,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"flowlift serve: {exc.message}", file=sys.stderr)
         return 2
     print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    asyncio.run(serve(app, sock, grace_s=args.grace_s))
+    failed = asyncio.run(serve(app, sock, grace_s=args.grace_s))
+    if failed:
+        print(f"flowlift serve: the engine failed to load: {failed} (the log above has "
+              "the engine's own messages)", file=sys.stderr)
+        return 2
     return 0
 
 
