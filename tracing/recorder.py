@@ -73,15 +73,25 @@ class StepTrace:
     attempts: list[AttemptTrace] = field(default_factory=list)
 
     def durations_ms(self) -> dict[str, float]:
-        """Time per stage in ms; stages that did not happen are absent."""
+        """Time per stage in ms; stages that did not happen are absent.
+
+        A step tried more than once (a contract retry, a cascade escalation) spends its
+        earlier tries in ``retry`` (first try's start to the last try's start); prefill
+        and decode are the last try's, so they add up to the wall time of the step.
+        """
         out: dict[str, float] = {}
         if self.kind == "tool":
             if self.ready_ms is not None and self.finished_ms is not None:
                 out["tool_wait"] = self.finished_ms - self.ready_ms
             return out
+        started, first_token = self.started_ms, self.first_token_ms
+        if len(self.attempts) > 1:
+            last = self.attempts[-1]
+            out["retry"] = max(0.0, last.started_ms - self.attempts[0].started_ms)
+            started, first_token = last.started_ms, last.first_token_ms
         pairs = (("queue", self.ready_ms, self.started_ms),
-                 ("prefill", self.started_ms, self.first_token_ms),
-                 ("decode", self.first_token_ms, self.generated_ms),
+                 ("prefill", started, first_token),
+                 ("decode", first_token, self.generated_ms),
                  ("validate", self.generated_ms, self.finished_ms))
         for stage, start, end in pairs:
             if start is not None and end is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-STAGES = ("queue", "prefill", "decode", "validate", "tool_wait")
+STAGES = ("queue", "prefill", "decode", "validate", "retry", "tool_wait")
 
 
 def stage_summary(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,37 @@
+"""The stage split of a step tried more than once: earlier tries are `retry`, prefill and
+decode are the last try's, and the stages add up to the step's wall time."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowlift.tracing import AttemptTrace, StepTrace, stage_summary
+
+
+def test_a_retried_step_splits_into_queue_retry_prefill_decode_validate():
+    st = StepTrace("s", "llm", ready_ms=0.0, started_ms=10.0, first_token_ms=15.0,
+                   generated_ms=100.0, finished_ms=102.0)
+    st.attempts = [AttemptTrace(1, "small", 10.0, first_token_ms=15.0, finished_ms=40.0,
+                                outcome="contract_failed"),
+                   AttemptTrace(2, "small", 45.0, first_token_ms=60.0, finished_ms=102.0,
+                                outcome="ok")]
+    stages = st.durations_ms()
+    assert stages == {"queue": 10.0, "retry": 35.0, "prefill": 15.0, "decode": 40.0,
+                      "validate": 2.0}
+    assert sum(stages.values()) == pytest.approx(st.finished_ms - st.ready_ms)
+
+
+def test_one_try_has_no_retry_stage_and_the_summary_counts_retries():
+    one = StepTrace("a", "llm", ready_ms=0.0, started_ms=1.0, first_token_ms=2.0,
+                    generated_ms=5.0, finished_ms=5.0)
+    one.attempts = [AttemptTrace(1, "m", 1.0, first_token_ms=2.0, finished_ms=5.0,
+                                 outcome="ok")]
+    assert "retry" not in one.durations_ms()
+    two = StepTrace("b", "llm", ready_ms=0.0, started_ms=1.0, first_token_ms=2.0,
+                    generated_ms=9.0, finished_ms=9.0)
+    two.attempts = [AttemptTrace(1, "m", 1.0, finished_ms=3.0, outcome="error"),
+                    AttemptTrace(2, "m", 4.0, first_token_ms=6.0, finished_ms=9.0,
+                                 outcome="ok")]
+    summary = stage_summary([{"type": "step", "stages_ms": s.durations_ms()}
+                             for s in (one, two)])
+    assert summary["stages"]["retry"] == {"total_ms": 3.0, "count": 1, "mean_ms": 3.0}
