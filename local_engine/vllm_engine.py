@@ -164,10 +164,10 @@ def translate_error(exc: BaseException, prompt_param: str = "messages") -> Flowl
 class VLLMEngine(Engine):
     """One model served by vLLM's ``AsyncLLM`` inside this process.
 
-    Lifecycle: ``await start()`` in the running event loop (loads the model; blocks the
-    loop for the load: 20-55 s for the 135M default on 2 CPU cores, mostly the engine
-    core and worker processes importing vLLM), then ``generate`` / ``abort``, then
-    ``await close()``.
+    Lifecycle: ``await start()`` in the running event loop (loads the model in a worker
+    thread: 20-55 s for the 135M default on 2 CPU cores, mostly the engine core and worker
+    processes importing vLLM; the loop keeps serving meanwhile), then ``generate`` /
+    ``abort``, then ``await close()``.
     """
 
     capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True,
@@ -195,36 +195,12 @@ class VLLMEngine(Engine):
         asyncio.get_running_loop()  # must be called inside the server's loop
         set_env_defaults(self.config)
         started = time.perf_counter()
-        try:
-            from vllm import AsyncEngineArgs
-            from vllm.config import StructuredOutputsConfig
-            from vllm.v1.engine.async_llm import AsyncLLM
-        except ImportError as exc:
-            raise EngineError(f"vLLM is not installed ({exc}); {_INSTALL_HINT}") from exc
-        check_platform()
-        cfg = self.config
-        backend = cfg.structured_outputs_backend
-        structured = StructuredOutputsConfig(
-            backend=backend,
-            disable_any_whitespace=cfg.compact_json and backend in ("guidance", "xgrammar"),
-            # like xgrammar: objects with "properties" get additionalProperties=false
-            # unless the schema says otherwise (guidance would allow extra keys).
-            disable_additional_properties=backend == "guidance")
-        args = AsyncEngineArgs(
-            model=cfg.model, served_model_name=cfg.served_model_name, dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
-            scheduling_policy=cfg.scheduling_policy, seed=cfg.seed,
-            structured_outputs_config=structured, disable_log_stats=True,
-            speculative_config=speculative_config(cfg),
-            **({"block_size": cfg.block_size} if cfg.block_size else {}))
-        try:
-            # No local name for the AsyncLLM: this frame was seen referenced after the
-            # call returned, and a local would keep the engine alive after close().
-            self._engine = AsyncLLM.from_engine_args(args)
-        except Exception as exc:
-            raise EngineError(f"the vLLM engine failed to start for {cfg.model}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        # Importing vLLM and building the engine run in a worker thread, so the event
+        # loop keeps serving (health probes, 503s) during the load; AsyncLLM starts its
+        # output handlers lazily, on the loop of the first request, when it is built
+        # outside a running loop. No local name for the AsyncLLM: a frame was seen
+        # referenced after the call returned, keeping the engine alive after close().
+        self._engine = await asyncio.to_thread(_build_engine, self.config)
         self._tokenizer = self._engine.get_tokenizer()
         self.load_time_s = time.perf_counter() - started
 
@@ -376,6 +352,42 @@ class VLLMEngine(Engine):
         if self._tokenizer is None or model not in self.model_names:
             return None
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def _build_engine(cfg: VLLMConfig) -> Any:
+    """Import vLLM and build its ``AsyncLLM`` for ``cfg`` (blocking: the engine core and
+    worker processes start and load the model).
+
+    Raises:
+        EngineError: vLLM is not installed, finds no usable platform, or fails to start.
+    """
+    try:
+        from vllm import AsyncEngineArgs
+        from vllm.config import StructuredOutputsConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as exc:
+        raise EngineError(f"vLLM is not installed ({exc}); {_INSTALL_HINT}") from exc
+    check_platform()
+    backend = cfg.structured_outputs_backend
+    structured = StructuredOutputsConfig(
+        backend=backend,
+        disable_any_whitespace=cfg.compact_json and backend in ("guidance", "xgrammar"),
+        # like xgrammar: objects with "properties" get additionalProperties=false
+        # unless the schema says otherwise (guidance would allow extra keys).
+        disable_additional_properties=backend == "guidance")
+    args = AsyncEngineArgs(
+        model=cfg.model, served_model_name=cfg.served_model_name, dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+        scheduling_policy=cfg.scheduling_policy, seed=cfg.seed,
+        structured_outputs_config=structured, disable_log_stats=True,
+        speculative_config=speculative_config(cfg),
+        **({"block_size": cfg.block_size} if cfg.block_size else {}))
+    try:
+        return AsyncLLM.from_engine_args(args)
+    except Exception as exc:
+        raise EngineError(f"the vLLM engine failed to start for {cfg.model}: "
+                          f"{type(exc).__name__}: {exc}") from exc
 
 
 def check_platform(platform: Any = None) -> None:
