@@ -79,11 +79,14 @@ def _error_from(response_status: int, body: bytes) -> FlowliftError:
     try:
         err = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
+        err = None
+    if response_status == 401:  # also from a gateway in front answering without JSON
+        message = (err or {}).get("message") if isinstance(err, dict) else None
+        return AuthenticationError(f"the proxy refused the request (HTTP 401: "
+                                   f"{message or 'missing or invalid API key'}); {HINT}",
+                                   param="api_key")
+    if not isinstance(err, dict):
         return RunError(f"proxy answered HTTP {response_status}: {body[:500]!r}")
-    if response_status == 401:
-        return AuthenticationError(f"the proxy refused the request: "
-                                   f"{err.get('message') or 'missing or invalid API key'}; "
-                                   f"{HINT}", param="api_key")
     if err.get("code") == "invalid_graph":
         return GraphError(err.get("problems") or [err.get("message", "")])
     if 400 <= response_status < 500:

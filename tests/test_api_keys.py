@@ -12,6 +12,7 @@ import logging
 import textwrap
 import time
 
+import httpx
 import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
@@ -231,3 +232,18 @@ async def test_run_hands_the_key_to_the_script(keyed, tmp_path, monkeypatch):
     rc = await asyncio.to_thread(_cli, "run", "--base-url", base, "--no-progress",
                                  str(script))
     assert rc == 1  # AuthenticationError: an uncaught exception in the script
+
+
+def test_a_401_without_json_from_a_gateway_is_an_authentication_error():
+    seen: list[str] = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("Authorization", ""))
+        return httpx.Response(401, text="<html>401 Authorization Required</html>")
+
+    with pytest.raises(AuthenticationError, match="FLOWLIFT_API_KEY") as info, \
+            workflow("gated", base_url="http://gateway.invalid", api_key=WRONG,
+                     transport=httpx.MockTransport(gateway)):
+        think("x")
+    assert seen == [f"Bearer {WRONG}"]
+    _no_key_in(str(info.value))
