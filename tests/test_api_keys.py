@@ -247,3 +247,49 @@ def test_a_401_without_json_from_a_gateway_is_an_authentication_error():
         think("x")
     assert seen == [f"Bearer {WRONG}"]
     _no_key_in(str(info.value))
+
+
+def test_serve_with_a_keys_config_file_and_the_cli_end_to_end(tmp_path, monkeypatch):
+    """The whole path a user takes: ``[server] api_keys_env`` in a TOML file, the keys in
+    that variable, ``flowlift serve --config``; then ``flowlift run`` of a script and
+    ``flowlift trace`` with ``FLOWLIFT_API_KEY`` set, and a 401 without it."""
+    import subprocess
+    import sys
+
+    from flowlift.testing import running_proxy
+
+    config = tmp_path / "keys.toml"
+    config.write_text('[server]\napi_keys_env = "FLOWLIFT_API_KEYS"\n'
+                      '[backends.local]\nkind = "embedded"\n')
+    monkeypatch.setenv("FLOWLIFT_API_KEYS", f"other-key,{KEY}")
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        from flowlift import step, workflow
+
+        @step(max_tokens=4)
+        def hello(x):
+            return f"hello {x}"
+
+        with workflow("served") as wf:
+            out = hello("there")
+        print(wf.run_id, out.value)
+    """))
+    with running_proxy("--engine", "fake", "--state-db", ":memory:", "--config", str(config),
+                       log_path=tmp_path / "proxy.log", ready_timeout_s=60) as (base, _):
+        monkeypatch.delenv("FLOWLIFT_API_KEY", raising=False)
+        cli = [sys.executable, "-m", "flowlift.cli"]
+        refused = subprocess.run([*cli, "run", "--base-url", base, "--no-progress",
+                                  str(script)], capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "AuthenticationError" in refused.stderr
+        assert "FLOWLIFT_API_KEY" in refused.stderr
+        monkeypatch.setenv("FLOWLIFT_API_KEY", KEY)
+        ran = subprocess.run([*cli, "run", "--base-url", base, "--no-progress", str(script)],
+                             capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 0, ran.stderr
+        run_id, value = ran.stdout.split()[0], ran.stdout.split(maxsplit=1)[1]
+        assert run_id.startswith("wf-") and value.startswith("echo: hello")
+        traced = subprocess.run([*cli, "trace", run_id, "--base-url", base],
+                                capture_output=True, text=True, timeout=60)
+        assert traced.returncode == 0 and f"run {run_id} 'served'" in traced.stdout
+    _no_key_in((tmp_path / "proxy.log").read_text(), refused.stderr, ran.stderr,
+               traced.stderr)
