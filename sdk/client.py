@@ -28,7 +28,9 @@ from typing import Any
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 
+from flowlift.credentials import HINT
 from flowlift.errors import (
+    AuthenticationError,
     FlowliftError,
     GraphError,
     ProxyUnavailable,
@@ -77,6 +79,13 @@ def _error_from(response_status: int, body: bytes) -> FlowliftError:
     try:
         err = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
+        err = None
+    if response_status == 401:  # also from a gateway in front answering without JSON
+        message = (err or {}).get("message") if isinstance(err, dict) else None
+        return AuthenticationError(f"the proxy refused the request (HTTP 401: "
+                                   f"{message or 'missing or invalid API key'}); {HINT}",
+                                   param="api_key")
+    if not isinstance(err, dict):
         return RunError(f"proxy answered HTTP {response_status}: {body[:500]!r}")
     if err.get("code") == "invalid_graph":
         return GraphError(err.get("problems") or [err.get("message", "")])
@@ -217,7 +226,8 @@ def run_sync(wf: Workflow) -> None:
 def _run_sync(wf: Workflow, trace_headers: dict[str, str], ctx: Any) -> None:
     transport = wf.transport if isinstance(wf.transport, httpx.BaseTransport) else None
     sess = _Session(wf, trace_headers=trace_headers)
-    with httpx.Client(base_url=wf.base_url, transport=transport, timeout=_TIMEOUT) as client, \
+    with httpx.Client(base_url=wf.base_url, transport=transport, timeout=_TIMEOUT,
+                      headers=wf.http_headers()) as client, \
             ThreadPoolExecutor(max_workers=wf.tool_workers) as pool, \
             progress.showing(wf, client):  # a no-op unless progress is wanted
 
@@ -322,7 +332,8 @@ async def run_async(wf: Workflow) -> None:
     transport = wf.transport if isinstance(wf.transport, httpx.AsyncBaseTransport) else None
     with workflow_span(wf) as trace_headers:
         async with httpx.AsyncClient(base_url=wf.base_url, transport=transport,
-                                     timeout=_TIMEOUT) as client, progress.tracking(wf, client):
+                                     timeout=_TIMEOUT, headers=wf.http_headers()) as client, \
+                progress.tracking(wf, client):
             await _AsyncDriver(wf, client, trace_headers).run()
     _require_finished(wf)
 

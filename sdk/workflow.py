@@ -14,6 +14,8 @@ app, when the proxy asks. ``async with`` works the same inside an event loop.
 Errors on exit:
     GraphError / RequestError: the proxy rejected the graph (nothing ran).
     ProxyUnavailable: no proxy at ``base_url``.
+    AuthenticationError: the proxy wants an API key (``api_key=`` or
+        ``$FLOWLIFT_API_KEY``) and got none or a wrong one (HTTP 401).
     WorkflowFailed: some steps failed; the others' ``.value`` stay readable.
 """
 
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import httpx
 from pydantic import BaseModel
 
+from flowlift.credentials import bearer_headers, default_api_key
 from flowlift.errors import SemanticVariableError, StepFailed, UserError, WorkflowFailed
 from flowlift.graph import Arg, Graph, InputNode, Node, ToolNode, project
 from flowlift.sdk.variables import SemanticVariable
@@ -58,6 +61,10 @@ class Workflow:
     Args:
         name: shown in traces and reports.
         base_url: the proxy (default ``$FLOWLIFT_BASE_URL`` or ``http://127.0.0.1:8470``).
+        api_key: the proxy's API key when its config sets ``[server] api_keys_env``
+            (default ``$FLOWLIFT_API_KEY``; none: no ``Authorization`` header), sent as
+            ``Authorization: Bearer`` on every request of this workflow; never logged,
+            traced or quoted in errors.
         workflow_class: ``"interactive"`` or ``"batch"``.
         deadline_s: one deadline for the whole run, in seconds.
         trace_path: where to write the run's trace (JSON lines) when it finishes.
@@ -81,9 +88,11 @@ class Workflow:
                  metadata: Mapping[str, Any] | None = None,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
                  tool_workers: int = 8, submit: bool = True,
-                 reconnect_s: float = 300.0, progress: bool | None = None) -> None:
+                 reconnect_s: float = 300.0, progress: bool | None = None,
+                 api_key: str | None = None) -> None:
         self.name = name
         self.base_url = (base_url or default_base_url()).rstrip("/")
+        self._api_key = api_key or default_api_key()
         self.workflow_class = workflow_class
         self.deadline_s = deadline_s
         self.trace_path = Path(trace_path) if trace_path else None
@@ -193,14 +202,20 @@ class Workflow:
         return format_stage_table(self.summary())
 
     # -- running -------------------------------------------------------------------
+    def http_headers(self) -> dict[str, str]:
+        """Default headers of every request to the proxy (the API key, if any)."""
+        return bearer_headers(self._api_key)
+
     def cancel(self) -> bool:
         """Cancel the running run (from another thread): queued steps are dropped and
         running engine requests aborted. False when it has not started or has ended."""
         if self.run_id is None or self.status != "running":
             return False
         transport = self.transport if isinstance(self.transport, httpx.BaseTransport) else None
-        with httpx.Client(base_url=self.base_url, transport=transport, timeout=30) as c:
-            return bool(c.delete(f"/v1/workflows/{self.run_id}").json().get("cancelled"))
+        with httpx.Client(base_url=self.base_url, transport=transport, timeout=30,
+                          headers=self.http_headers()) as c:
+            r = c.delete(f"/v1/workflows/{self.run_id}")
+        return _cancelled(r)
 
     async def acancel(self) -> bool:
         """:meth:`cancel` for async code."""
@@ -209,9 +224,9 @@ class Workflow:
         transport = (self.transport if isinstance(self.transport, httpx.AsyncBaseTransport)
                      else None)
         async with httpx.AsyncClient(base_url=self.base_url, transport=transport,
-                                     timeout=30) as c:
+                                     timeout=30, headers=self.http_headers()) as c:
             r = await c.delete(f"/v1/workflows/{self.run_id}")
-            return bool(r.json().get("cancelled"))
+        return _cancelled(r)
 
     def _check_failed(self) -> None:
         if self.failures:
@@ -245,6 +260,15 @@ class Workflow:
 
         await run_async(self)
         self._check_failed()
+
+
+def _cancelled(r: httpx.Response) -> bool:
+    """The proxy's answer to a cancel; a refused key raises AuthenticationError."""
+    if r.status_code == 401:
+        from flowlift.sdk.client import _error_from
+
+        raise _error_from(r.status_code, r.content)
+    return bool(r.json().get("cancelled"))
 
 
 workflow = Workflow

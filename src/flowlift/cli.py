@@ -23,6 +23,13 @@ from pathlib import Path
 
 import httpx
 
+from flowlift.credentials import (
+    API_KEY_ENV,
+    CLI_HINT,
+    add_api_key_argument,
+    bearer_headers,
+    cli_key,
+)
 from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
 FAKE_MODEL_MB = 1024.0  # what a residency budget counts per model with --engine fake
@@ -143,9 +150,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _get(url: str) -> httpx.Response | None:
+def _get(url: str, headers: dict[str, str] | None = None) -> httpx.Response | None:
     try:
-        return httpx.get(url, timeout=2.0)
+        return httpx.get(url, timeout=2.0, headers=headers)
     except httpx.HTTPError:
         return None
 
@@ -197,6 +204,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if proc is not None:
             _wait_ready(base, proc, log_path, args.ready_timeout_s)
         env = {**os.environ, "FLOWLIFT_BASE_URL": base}
+        if args.api_key:  # the script's SDK sends it (flowlift.credentials)
+            env[API_KEY_ENV] = args.api_key
         if not args.no_progress:  # the SDK's progress bar (flowlift.sdk.progress), stderr
             env.setdefault("FLOWLIFT_PROGRESS", "1")
         return subprocess.call([sys.executable, args.script, *args.script_args], env=env)
@@ -227,7 +236,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if not args.local:
         try:
             r = httpx.post(f"{args.base_url.rstrip('/')}/v1/workflows:compile", json=doc,
-                           timeout=120)
+                           timeout=120, headers=bearer_headers(cli_key(args)))
         except httpx.HTTPError:
             print(f"flowlift compile: no proxy at {args.base_url}; compiling locally with "
                   "default cost figures and an approximate tokenizer", file=sys.stderr)
@@ -236,6 +245,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 err = r.json().get("error", {})
                 for problem in err.get("problems") or [err.get("message", r.text)]:
                     print(f"flowlift compile: {problem}", file=sys.stderr)
+                if r.status_code == 401:
+                    print(f"flowlift compile: {CLI_HINT}, or compile with --local",
+                          file=sys.stderr)
                 return 1
             report = CompileReport.model_validate(r.json())
     if report is None:
@@ -331,7 +343,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"  {name:<{width}}  {source}; {state}")
     base = args.base_url.rstrip("/")
     ready = _get(f"{base}/readyz")
-    listed = _get(f"{base}/v1/models")
+    listed = _get(f"{base}/v1/models", bearer_headers(cli_key(args)))
     if ready is None or listed is None:
         print(f"no proxy answers at {base}")
         return 0
@@ -351,7 +363,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"  residency budget {residency['budget_mb']:.0f} MB; loaded now: "
               f"{', '.join(residency['resident']) or '(none)'}")
     if listed.status_code != 200:
-        print(f"  /v1/models answered {listed.status_code}")
+        print(f"  /v1/models answered {listed.status_code}"
+              + (f" ({CLI_HINT})" if listed.status_code == 401 else ""))
     return 0
 
 
@@ -461,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL", DEFAULT_BASE_URL))
+    add_api_key_argument(run)
     engine_opts(run)
     run.add_argument("--log-dir", default="runs", help="proxy log and traces (default runs/)")
     run.add_argument("--ready-timeout-s", type=float, default=900.0)
@@ -477,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL",
                                                             DEFAULT_BASE_URL),
                       help="ask this proxy (its tokenizers and measured cost models)")
+    add_api_key_argument(comp)
     comp.add_argument("--local", action="store_true", help="do not ask a proxy")
     comp.add_argument("--price", action="append", default=[], metavar="MODEL=PRICE",
                       help="local compiles: price per 1,000 tokens of MODEL (repeatable; "
@@ -499,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL",
                                                               DEFAULT_BASE_URL),
                         help="also ask this proxy what it serves")
+    add_api_key_argument(models)
     models.set_defaults(func=cmd_models)
 
     from flowlift.cli_trace import add_parser as add_trace

@@ -15,6 +15,7 @@ import sys
 
 import httpx
 
+from flowlift.credentials import CLI_HINT, add_api_key_argument, bearer_headers, cli_key
 from flowlift.tracing.timeline import report_deps
 from flowlift.tracing.waterfall import waterfall
 
@@ -29,7 +30,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     """Print the waterfall; 1 when the proxy does not know the run, 2 with no proxy."""
     base = args.base_url.rstrip("/")
     try:
-        r = httpx.get(f"{base}/v1/workflows/{args.run_id}", timeout=60)
+        r = httpx.get(f"{base}/v1/workflows/{args.run_id}", timeout=60,
+                      headers=bearer_headers(cli_key(args)))
     except httpx.HTTPError as exc:
         print(f"flowlift trace: no proxy answers at {base} ({type(exc).__name__})",
               file=sys.stderr)
@@ -42,6 +44,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return 1
     if r.status_code != 200:
         message = (doc.get("error") or {}).get("message") or f"HTTP {r.status_code}"
+        if r.status_code == 401:
+            message += f" ({CLI_HINT})"
         print(f"flowlift trace: {message}", file=sys.stderr)
         return 1
     if "trace" not in doc:
@@ -68,6 +72,7 @@ def add_parser(sub: argparse._SubParsersAction, default_base_url: str) -> None: 
     p.add_argument("run_id", help="the run's id (wf-...), as printed by the SDK (wf.run_id)")
     p.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL", default_base_url),
                    help="the proxy that ran it")
+    add_api_key_argument(p)
     p.add_argument("--width", type=int, default=None,
                    help="columns of the bar (default: fit the terminal; 60 when piped)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
