@@ -96,6 +96,17 @@ def test_a_regex_contract_that_does_not_compile_is_a_graph_error():
         Contract(regex="a", choices=("a",))
 
 
+@pytest.mark.parametrize(("pattern", "what"), [(r"(ab)\1", "a backreference"),
+                                               (r"(?=a)\w+", "look-ahead"),
+                                               (r"(?:(?!q).)*", "negative look-around")])
+def test_a_regex_decoding_cannot_follow_is_a_graph_error(pattern, what):
+    graph = Graph.model_validate({"nodes": [llm("a", "x", contract={"regex": pattern})]})
+    with pytest.raises(GraphError, match=what):
+        validate(graph)
+    validate(Graph.model_validate({"nodes": [llm("a", "x", contract={
+        "regex": r"[A-Z]{3}-\d{2,4}( \(urgent\))?"})]}))  # regular: fine
+
+
 def test_the_fake_engine_honours_a_regex_constraint():
     for pattern in (r"[A-Z]{3}-\d{2}", r"(yes|no)", r"\w+@\w+\.com", r"v\d+\.\d+"):
         text = default_responder(GenerationRequest(

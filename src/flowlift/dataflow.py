@@ -110,6 +110,12 @@ def _llm_problems(node: LLMNode, models: Collection[str] | None) -> list[str]:
             re.compile(regex)
         except re.error as exc:
             problems.append(f"node {node.id!r} has an invalid regex contract: {exc}")
+        else:
+            unsupported = _not_regular(regex)
+            if unsupported:
+                problems.append(f"node {node.id!r} has a regex contract with {unsupported}, "
+                                "which constrained decoding cannot follow (a regular "
+                                "expression only: no look-arounds or backreferences)")
     schema = node.contract.json_schema if node.contract else None
     if schema is not None:
         error = _schema_error(json.dumps(schema, sort_keys=True))
@@ -154,3 +160,25 @@ def validate(graph: Graph, models: Collection[str] | None = None) -> None:
         problems.append(f"dependency cycle: {' -> '.join(cycle)}")
     if problems:
         raise GraphError(problems)
+
+
+def _not_regular(pattern: str) -> str | None:
+    """What in ``pattern`` is beyond a regular language (look-arounds, backreferences:
+    what vLLM's grammar-based structured outputs reject), or ``None``."""
+    from re import _constants as c
+    from re import _parser  # the stdlib's own parse tree of the pattern
+
+    names = {c.ASSERT: "a look-ahead/look-behind", c.ASSERT_NOT: "a negative look-around",
+             c.GROUPREF: "a backreference", c.GROUPREF_EXISTS: "a conditional group"}
+    stack = [_parser.parse(pattern)]
+    while stack:
+        for op, arg in stack.pop():
+            if op in names:
+                return names[op]
+            for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if isinstance(item, _parser.SubPattern):
+                    stack.append(item)
+                elif isinstance(item, (list, tuple)):
+                    stack.extend(x for x in item if isinstance(x, _parser.SubPattern))
+    return None
+
