@@ -14,7 +14,7 @@ and when an OpenAI API request ends:
 ``flowlift_prompt_tokens_total``                counter (``model``)
 ``flowlift_cached_prompt_tokens_total``         counter: prompt tokens from the prefix cache
 ``flowlift_prefix_cache_hit_ratio``             gauge: cached / prompt tokens (``model``)
-``flowlift_step_retries_total``                 counter: attempts after the first
+``flowlift_step_retries_total``                 counter: attempts after the first on the same model
                                                 (``model``, ``reason``: the failed try's
                                                 outcome)
 ``flowlift_cascade_escalations_total``          counter (``from_model``, ``to_model``)
@@ -28,8 +28,8 @@ Read at scrape time (callbacks, nothing on the hot path): ``flowlift_queue_depth
 (``backend``).
 
 Retries and cascade escalations are read off each step's ``AttemptTrace`` records
-(:meth:`Metrics.record_attempts`): an attempt after the first is a retry; an attempt on
-another model than the one before it is an escalation. Code that escalates without
+(:meth:`Metrics.record_attempts`): an attempt after the first on the same model is a
+retry; an attempt on another model than the one before it is an escalation (not both). Code that escalates without
 recording an attempt calls :meth:`Metrics.cascade_escalated` itself.
 """
 
@@ -156,9 +156,10 @@ class Metrics:
     def record_attempts(self, attempts: Sequence[AttemptTrace]) -> None:
         """Retries and escalations of one step, from its attempts in order."""
         for before, after in itertools.pairwise(attempts):
-            self.retries.labels(after.model, before.outcome).inc()
-            if after.model != before.model:
+            if after.model != before.model:  # the next model of the cascade: not a retry
                 self.cascade_escalated(before.model, after.model)
+            else:
+                self.retries.labels(after.model, before.outcome).inc()
 
     def observe_run(self, trace: RunTrace, *, deadline_missed: bool = False) -> None:
         """Everything a finished run adds (its steps' latencies, tokens, attempts)."""
