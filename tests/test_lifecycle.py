@@ -374,3 +374,38 @@ def test_a_second_sigterm_cuts_the_grace_period_short(tmp_path):
                 for _ in lines:
                     pass
     assert waited < 8, f"exit took {waited:.1f} s after the second signal"
+
+
+@pytest.mark.parametrize("args", [
+    ("--max-concurrency", "0"), ("--max-body-mb", "-1"), ("--max-body-mb", "0"),
+    ("--max-body-mb", "lots"), ("--extra-model", ""), ("--batch-prefill-budget", "-1"),
+    ("--max-model-len", "0"), ("--max-model-len", "-4"), ("--block-size", "0"),
+    ("--speculative-ngram", "-2"), ("--fake-delay-s", "-1"), ("--max-runs", "0"),
+    ("--max-queue", "-1"), ("--max-sessions", "x"), ("--batch-cap-when-interactive", "-1")])
+def test_nonsense_serve_values_exit_2_with_a_readable_message(capsys, args):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--engine", "fake", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {args[0]}: " in err, err
+    assert ("must " in err or "is not a number" in err), err
+    assert "Traceback" not in err and "invalid _" not in err
+
+
+def test_serve_help_says_the_cpu_block_size_rule(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    assert "multiple of 32" in " ".join(capsys.readouterr().out.split())
+
+
+def test_trace_dir_must_be_a_directory_or_creatable(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert "not a directory" in _serve_fails(capsys, "--trace-dir", str(a_file))
+    assert "cannot create it" in _serve_fails(capsys, "--trace-dir", str(a_file / "sub"))
+
+
+def test_config_file_that_is_not_utf8_is_one_message(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe")
+    line = _serve_fails(capsys, "--config", str(bad))
+    assert "is not UTF-8" in line and str(bad) in line

@@ -133,3 +133,12 @@ def test_two_models_under_one_name_are_refused():
                                       "--extra-model", "a"])
     with pytest.raises(ConfigError, match="two models would be served as 'a'"):
         _engines(args)
+
+
+def test_models_reports_a_config_that_is_not_utf8(cache, tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe")
+    assert main(["models", "--config", str(bad), "--base-url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flowlift models: ") and "not UTF-8" in err
+    assert "Traceback" not in err
