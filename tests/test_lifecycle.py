@@ -409,3 +409,21 @@ def test_config_file_that_is_not_utf8_is_one_message(tmp_path, capsys):
     bad.write_bytes(b"\xff\xfe")
     line = _serve_fails(capsys, "--config", str(bad))
     assert "is not UTF-8" in line and str(bad) in line
+
+
+def test_run_checks_its_config_before_starting_a_proxy(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_get", lambda url: None)  # no proxy answers
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe")
+    rc = cli.main(["run", "--config", str(bad), "--log-dir", str(tmp_path), "script.py"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("flowlift run: ") and "not UTF-8" in err
+
+
+def test_run_says_a_running_proxy_ignores_its_engine_flags(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_get", lambda url: object())  # a proxy answers
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: 0)
+    assert cli.main(["run", "--config", "x.toml", "--engine", "fake", "script.py"]) == 0
+    err = capsys.readouterr().err
+    assert "already answers" in err and "--config --engine do not apply" in err
