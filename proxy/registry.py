@@ -21,7 +21,7 @@ from cachetools import TTLCache
 
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
-from flowlift.errors import Overloaded, RequestError, RunNotFound
+from flowlift.errors import Overloaded, RequestError
 from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.backends import Backends
@@ -64,14 +64,14 @@ class RunRegistry:
     def get(self, run_id: str) -> Run:
         run = self.active.get(run_id) or self.finished.get(run_id)
         if run is None:
-            raise RunNotFound(f"no workflow run {run_id!r} is active or recently finished",
-                              param="run_id")
+            raise RequestError(f"no workflow run {run_id!r} is active or recently finished",
+                               param="run_id")
         return run
 
     def stored(self, run_id: str) -> StoredRun:
         stored = self.store.load(run_id)
         if stored is None:
-            raise RunNotFound(f"no workflow run {run_id!r}", param="run_id")
+            raise RequestError(f"no workflow run {run_id!r}", param="run_id")
         return stored
 
     def start(self, graph: Graph, backends: Backends, costs: CostTracker,

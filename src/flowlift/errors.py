@@ -8,7 +8,6 @@
     │   ├── SemanticVariableError     a placeholder used as if it held a value
     │   ├── RequestError              malformed request (``param`` names the field)
     │   │   ├── PayloadTooLarge       body over the configured limit (HTTP 413)
-    │   │   ├── RunNotFound           no workflow run with that id (HTTP 404)
     │   │   └── ContextLengthExceeded prompt (+ max_tokens) past the model's context;
     │   │                             never retried on the same model
     │   ├── ModelNotFound             model name not served (HTTP 404)
@@ -99,13 +98,6 @@ class RequestError(UserError):
     """A malformed request; ``param`` names the offending field."""
 
     code = "invalid_request"
-
-
-class RunNotFound(RequestError):
-    """No workflow run with the id the path names (``param`` is ``run_id``)."""
-
-    status = 404
-    code = "run_not_found"
 
 
 class PayloadTooLarge(RequestError):
