@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp_sse import sse_response
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flowlift.compiler import Plan
 from flowlift.dataflow import validate
@@ -48,13 +48,6 @@ class ToolResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
     value: Any = None
     error: str | None = None
-
-    @model_validator(mode="after")
-    def _value_or_error(self) -> ToolResult:
-        if self.error is not None and "value" in self.model_fields_set:
-            raise ValueError("give either `value` (the tool's result) or `error` (why it "
-                             "failed), not both")
-        return self
 
 
 def parse_graph(data: Any, backends: Backends) -> Graph:

@@ -116,11 +116,6 @@ async def test_tool_step_pauses_branch_until_result_posted(client):
             assert data == {"step_id": "t", "name": "lookup", "args": ["echo: first"],
                             "kwargs": {"k": 2}}
             assert not any(e == "step.finished" and d["step_id"] == "b" for e, d in seen)
-            both = await client.post(f"/v1/workflows/{run_id}/steps/t/result",
-                                     json={"value": 1, "error": "boom"})
-            assert both.status == 400
-            err = (await both.json())["error"]
-            assert err["param"] == "body" and "not both" in err["message"]
             r = await client.post(f"/v1/workflows/{run_id}/steps/t/result",
                                   json={"value": {"hits": ["json", "csv"]}})
             assert r.status == 200
