@@ -73,6 +73,7 @@ async def read_body(request: web.Request) -> bytes:
 
     Raises:
         PayloadTooLarge: over the configured body limit (case B4: HTTP 413).
+        RequestError: a body its ``Content-Encoding`` cannot decode (HTTP 400).
     """
     try:
         return await request.read()
@@ -80,6 +81,11 @@ async def read_body(request: web.Request) -> bytes:
         limit = request.app[STATE].config.max_body_bytes
         raise PayloadTooLarge(f"request body over the limit of {limit} bytes; raise it with "
                               "`flowlift serve --max-body-mb`", param="body") from None
+    except web.RequestPayloadError:  # aiohttp's decoder: bad gzip/deflate/br data
+        encoding = request.headers.get("Content-Encoding", "")
+        raise RequestError(f"request body cannot be decoded as Content-Encoding "
+                           f"{encoding!r}: send it compressed that way, or send it "
+                           "uncompressed without the header", param="body") from None
 
 
 def parse_json(raw: bytes) -> Any:

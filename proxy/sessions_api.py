@@ -52,7 +52,7 @@ async def get_session(request: web.Request) -> web.Response:
     if session is None:
         err = RequestError(f"no session {session_id!r}: sessions are created by requests with "
                        "an `X-Flowlift-Session` header and expire after "
-                       f"{table.ttl_s if table else 0:.0f} s without a turn",
+                       f"{table.ttl_s if table is not None else 0:.0f} s without a turn",
                        param="session_id")
         err.status, err.code = 404, "session_not_found"
         raise err

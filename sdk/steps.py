@@ -17,6 +17,8 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
+from pydantic import ValidationError
+
 from flowlift.errors import UserError
 from flowlift.graph import Arg, Literal_, LLMNode, MessageTemplate, Params, Ref, Template
 from flowlift.sdk.contracts import OutputSpec, output_spec
@@ -151,7 +153,12 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
         UserError: for an unsupported ``output``, bad sampling values, an empty cascade,
             or a bad ``retries`` / ``min_confidence``.
     """
-    spec = output_spec(output)
+    try:
+        spec = output_spec(output)
+    except ValidationError as exc:  # e.g. Regex(""): an empty pattern
+        problem = exc.errors(include_url=False)[0]["msg"]
+        raise UserError(f"output={output!r}: {problem}; give a non-empty regex, a pydantic "
+                        "model, or None for text", param="output") from None
     cascade = None
     if model is not None and not isinstance(model, str):
         cascade = tuple(model)
@@ -159,11 +166,16 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
             raise UserError(f"model={model!r}: a cascade is a non-empty list of model "
                             "names", param="model")
         model = cascade[0]
-    if not 0 <= retries <= 10:
-        raise UserError(f"retries={retries}: must be 0 to 10", param="retries")
-    if min_confidence is not None and not 0 < min_confidence <= 1:
-        raise UserError(f"min_confidence={min_confidence}: must be in (0, 1]",
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 10:
+        raise UserError(f"retries={retries!r}: must be a whole number 0 to 10, e.g. retries=2",
+                        param="retries")
+    if min_confidence is not None and (isinstance(min_confidence, bool) or not isinstance(
+            min_confidence, int | float) or not 0 < min_confidence <= 1):
+        raise UserError(f"min_confidence={min_confidence!r}: must be a number in (0, 1]",
                         param="min_confidence")
+    if min_confidence is not None and cascade is None:
+        raise UserError(f"min_confidence={min_confidence!r} escalates to a larger model: it "
+                        "needs a cascade, model=[small, large]", param="min_confidence")
     try:
         params = Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                         stop=tuple(stop), seed=seed)

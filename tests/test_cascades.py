@@ -238,7 +238,7 @@ def test_flowlift_compile_prices_flag(tmp_path):
     assert "expected cost" in out.stdout and "with the last model alone (0.60x)" in out.stdout
     bad = subprocess.run([*cmd[:-1], "--price", "large", str(path)], capture_output=True,
                          text=True, timeout=60)
-    assert bad.returncode == 1 and "MODEL=PRICE" in bad.stderr
+    assert bad.returncode == 2 and "MODEL=PRICE" in bad.stderr  # argparse: exit 2
 
 
 async def test_prices_come_from_the_config_file(aiohttp_client):

@@ -105,3 +105,12 @@ def test_flowlift_run_shows_progress_on_stderr(proxy, tmp_path, flag):
         assert progress == []
     else:  # not a terminal: plain lines, the last one final
         assert progress and "12/12 done" in progress[-1] and "\r" not in out.stderr
+
+
+@pytest.mark.parametrize("width", ["0", "-5", "19", "wide"])
+def test_trace_width_has_a_sane_minimum(capsys, width):
+    with pytest.raises(SystemExit) as exc:
+        main(["trace", "wf-x", "--width", width, "--base-url", "http://127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --width" in err and ">= 20" in err
+    assert "Traceback" not in err

@@ -60,3 +60,21 @@ async def test_cli_compile_asks_the_proxy(client, tmp_path):
     base = str(client.make_url("")).rstrip("/")
     code, out, err = await asyncio.to_thread(_cli, "compile", "--base-url", base, str(path))
     assert code == 0 and "fake-model" in out and "no proxy" not in err
+
+
+def test_cli_compile_price_flag_is_checked(tmp_path, capsys):
+    import pytest
+
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(GRAPH))
+    for bad in ("m=abc", "=1", "m=-1", "m=nan", "m"):
+        with pytest.raises(SystemExit) as exc:
+            main(["compile", "--local", "--price", bad, str(path)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "argument --price" in err and "MODEL=PRICE" in err
+        assert "Traceback" not in err
+    code, out, err = _cli("compile", "--local", "--price", "nope=1", "--price",
+                          "default=0.5", str(path))
+    assert code == 0 and "critical path" in out
+    warnings = [ln for ln in err.splitlines() if "warning" in ln]
+    assert len(warnings) == 1 and "--price nope=1" in warnings[0] and "'nope'" in warnings[0]

@@ -405,3 +405,56 @@ async def test_a_proxy_whose_engine_fails_to_load_stops_with_the_reason():
     sock = bind("127.0.0.1", free_port())
     reason = await asyncio.wait_for(serve(app, sock, grace_s=1), timeout=20)
     assert reason is not None and "no common block size for 7" in reason
+
+
+@pytest.mark.parametrize("args", [
+    ("--max-concurrency", "0"), ("--max-body-mb", "-1"), ("--max-body-mb", "0"),
+    ("--max-body-mb", "lots"), ("--extra-model", ""), ("--batch-prefill-budget", "-1"),
+    ("--max-model-len", "0"), ("--max-model-len", "-4"), ("--block-size", "0"),
+    ("--speculative-ngram", "-2"), ("--fake-delay-s", "-1"), ("--max-runs", "0"),
+    ("--max-queue", "-1"), ("--max-sessions", "x"), ("--batch-cap-when-interactive", "-1")])
+def test_nonsense_serve_values_exit_2_with_a_readable_message(capsys, args):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--engine", "fake", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {args[0]}: " in err, err
+    assert ("must " in err or "is not a number" in err), err
+    assert "Traceback" not in err and "invalid _" not in err
+
+
+def test_serve_help_says_the_cpu_block_size_rule(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    assert "multiple of 32" in " ".join(capsys.readouterr().out.split())
+
+
+def test_trace_dir_must_be_a_directory_or_creatable(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert "not a directory" in _serve_fails(capsys, "--trace-dir", str(a_file))
+    assert "cannot create it" in _serve_fails(capsys, "--trace-dir", str(a_file / "sub"))
+
+
+def test_config_file_that_is_not_utf8_is_one_message(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe")
+    line = _serve_fails(capsys, "--config", str(bad))
+    assert "is not UTF-8" in line and str(bad) in line
+
+
+def test_run_checks_its_config_before_starting_a_proxy(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_get", lambda url: None)  # no proxy answers
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe")
+    rc = cli.main(["run", "--config", str(bad), "--log-dir", str(tmp_path), "script.py"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("flowlift run: ") and "not UTF-8" in err
+
+
+def test_run_says_a_running_proxy_ignores_its_engine_flags(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_get", lambda url: object())  # a proxy answers
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: 0)
+    assert cli.main(["run", "--config", "x.toml", "--engine", "fake", "script.py"]) == 0
+    err = capsys.readouterr().err
+    assert "already answers" in err and "--config --engine do not apply" in err

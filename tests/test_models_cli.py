@@ -140,7 +140,7 @@ def test_a_folder_without_config_json_and_a_budget_below_a_model_are_refused(tmp
     from flowlift.errors import ConfigError
 
     (tmp_path / "empty").mkdir()
-    with pytest.raises(EngineError, match="has no config.json"):
+    with pytest.raises(EngineError, match=r"has no config\.json"):
         models.resolve_model(str(tmp_path / "empty"))
     linked = tmp_path / "my-link"
     linked.symlink_to(_checkpoint(tmp_path / "target"))
@@ -148,3 +148,12 @@ def test_a_folder_without_config_json_and_a_budget_below_a_model_are_refused(tmp
     args = build_parser().parse_args(["serve", "--engine", "fake", "--memory-budget-mb", "100"])
     with pytest.raises(ConfigError, match="smaller than a model: fake-model"):
         _engines(args)
+
+
+def test_models_reports_a_config_that_is_not_utf8(cache, tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe")
+    assert main(["models", "--config", str(bad), "--base-url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flowlift models: ") and "not UTF-8" in err
+    assert "Traceback" not in err

@@ -158,3 +158,27 @@ async def test_official_openai_client(client):
         await oai.chat.completions.create(model="nope", messages=CHAT["messages"])
     models = await oai.models.list()
     assert models.data[0].id == "fake-model"
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+async def test_undecodable_compressed_body_is_400(client, encoding):
+    resp = await client.post("/v1/chat/completions", data=b"not compressed",
+                             headers={"Content-Encoding": encoding,
+                                      "Content-Type": "application/json"})
+    assert resp.status == 400
+    err = (await resp.json())["error"]
+    assert err["param"] == "body" and encoding in err["message"]
+
+
+async def test_compressed_bodies_are_decoded(client):
+    import gzip
+    import json
+
+    import brotli
+
+    raw = json.dumps({**CHAT, "max_tokens": 20}).encode()
+    for encoding, data in (("gzip", gzip.compress(raw)), ("br", brotli.compress(raw))):
+        resp = await client.post("/v1/chat/completions", data=data,
+                                 headers={"Content-Encoding": encoding,
+                                          "Content-Type": "application/json"})
+        assert resp.status == 200, encoding

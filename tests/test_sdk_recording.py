@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import pytest
@@ -150,3 +151,18 @@ def test_exception_in_block_ships_nothing():
         extract("doc")
         raise RuntimeError("boom")
     assert wf.status == "abandoned"
+
+
+@pytest.mark.parametrize(("kwargs", "param", "fix"), [
+    ({"retries": 1.5}, "retries", "whole number 0 to 10"),
+    ({"retries": "2"}, "retries", "whole number 0 to 10"),
+    ({"retries": True}, "retries", "whole number 0 to 10"),
+    ({"output": re.compile("")}, "output", "non-empty regex"),
+    ({"min_confidence": "high", "model": ["a", "b"]}, "min_confidence", "in (0, 1]"),
+    ({"min_confidence": 0.5}, "min_confidence", "model=[small, large]"),
+    ({"min_confidence": 0.5, "model": "a"}, "min_confidence", "model=[small, large]"),
+])
+def test_bad_step_options_are_user_errors_naming_the_parameter(kwargs, param, fix):
+    with pytest.raises(UserError) as exc:
+        step(**kwargs)
+    assert exc.value.param == param and fix in exc.value.message

@@ -183,6 +183,8 @@ async def test_unknown_session_is_404(aiohttp_client) -> None:
     assert r.status == 404
     err = (await r.json())["error"]
     assert err["code"] == "session_not_found" and err["param"] == "session_id"
+    ttl = client.app[SESSIONS].ttl_s  # the table is empty (falsy) but it has a TTL
+    assert f"expire after {ttl:.0f} s" in err["message"] and ttl > 0
 
 
 async def test_session_table_stays_bounded_through_the_proxy(aiohttp_client) -> None:

@@ -29,8 +29,9 @@ Read at scrape time (callbacks, nothing on the hot path): ``flowlift_queue_depth
 
 Retries and cascade escalations are read off each step's ``AttemptTrace`` records
 (:meth:`Metrics.record_attempts`): an attempt after the first on the same model is a
-retry; an attempt on another model than the one before it is an escalation (not both). Code that escalates without
-recording an attempt calls :meth:`Metrics.cascade_escalated` itself.
+retry; an attempt on another model than the one before it is an escalation (not both).
+Code that escalates without recording an attempt calls :meth:`Metrics.cascade_escalated`
+itself.
 """
 
 from __future__ import annotations

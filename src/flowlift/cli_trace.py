@@ -19,6 +19,19 @@ from flowlift.credentials import CLI_HINT, add_api_key_argument, bearer_headers,
 from flowlift.tracing.timeline import report_deps
 from flowlift.tracing.waterfall import waterfall
 
+MIN_WIDTH = 20  # columns of the bar; fewer leave no room for a stage
+
+
+def _width(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < MIN_WIDTH:
+        raise argparse.ArgumentTypeError(f"must be a whole number of columns >= {MIN_WIDTH}, "
+                                         f"not {text!r}")
+    return value
+
 
 def _use_color(choice: str) -> bool:
     if choice != "auto":
@@ -59,7 +72,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     report = doc.get("report") or {}
     width = args.width
     if width is None:
-        width = max(20, min(100, shutil.get_terminal_size((110, 24)).columns - 52)) \
+        width = max(MIN_WIDTH, min(100, shutil.get_terminal_size((110, 24)).columns - 52)) \
             if sys.stdout.isatty() else 60
     print(waterfall(doc["trace"], report_deps(report), report.get("critical_path", ()),
                     width=width, color=_use_color(args.color)))
@@ -73,8 +86,9 @@ def add_parser(sub: argparse._SubParsersAction, default_base_url: str) -> None: 
     p.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL", default_base_url),
                    help="the proxy that ran it")
     add_api_key_argument(p)
-    p.add_argument("--width", type=int, default=None,
-                   help="columns of the bar (default: fit the terminal; 60 when piped)")
+    p.add_argument("--width", type=_width, default=None,
+                   help=f"columns of the bar, at least {MIN_WIDTH} (default: fit the "
+                        "terminal; 60 when piped)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="ANSI colours (auto: only on a terminal)")
     p.set_defaults(func=cmd_trace)
