@@ -200,7 +200,9 @@ class VLLMEngine(Engine):
         # output handlers lazily, on the loop of the first request, when it is built
         # outside a running loop. No local name for the AsyncLLM: a frame was seen
         # referenced after the call returned, keeping the engine alive after close().
-        self._engine = await asyncio.to_thread(_build_engine, self.config)
+        built: list[Any] = []  # handed over in a list: no future keeps the engine alive
+        await asyncio.to_thread(lambda: built.append(_build_engine(self.config)))
+        self._engine = built.pop()
         self._tokenizer = self._engine.get_tokenizer()
         self.load_time_s = time.perf_counter() - started
 
