@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -413,24 +414,25 @@ def _positive(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
-    return value
+def _whole(at_least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``at_least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = at_least - 1
+        if value < at_least:
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number of at least {at_least}, not {text!r}")
+        return value
+
+    parse.__name__ = f"whole number >= {at_least}"
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, not {text!r}")
-    return value
+_positive_int = _whole(1)
+_count = _whole(0)
 
 
 def _name(text: str) -> str:
