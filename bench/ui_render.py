@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowlift.proxy.ui import timeline_body
+from flowlift.proxy.ui.pages import timeline_body
 from flowlift.tracing.recorder import AttemptTrace, RunTrace
 from flowlift.tracing.waterfall import waterfall
 

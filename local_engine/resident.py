@@ -1,6 +1,6 @@
 """One model under a residency manager, seen as an ordinary :class:`Engine`.
 
-The proxy dispatches to engines (:class:`flowlift.proxy.backends.Backends`); it should not
+The proxy dispatches to engines (:class:`flowlift.proxy.dispatch.backends.Backends`); it should not
 care whether a model is loaded. :class:`ResidentEngine` wraps one model of a
 :class:`~flowlift.local_engine.residency.ResidencyManager` (pydantic-ai's pattern: a model
 wrapped, not a concern woven into every call site):

@@ -5,9 +5,9 @@ are loaded ``/readyz`` answers 503 and model requests get 503 with ``Retry-After
 so a sidecar's readiness probe (and ``flowlift run``) can wait on it.
 
 Routes: ``/healthz``, ``/readyz``, the OpenAI-compatible API
-(:mod:`flowlift.proxy.openai_api`) and the workflow API (:mod:`flowlift.proxy.workflows`),
-a run's progress (:mod:`flowlift.proxy.progress_api`) and the pages under ``/ui``
-(:mod:`flowlift.proxy.ui`).
+(:mod:`flowlift.proxy.openai.routes`) and the workflow API (:mod:`flowlift.proxy.workflows.api`),
+a run's progress (:mod:`flowlift.proxy.workflows.progress`) and the pages under ``/ui``
+(:mod:`flowlift.proxy.ui.pages`).
 """
 
 from __future__ import annotations
@@ -24,25 +24,23 @@ from opentelemetry.sdk.trace import TracerProvider
 from flowlift.errors import AuthenticationError, ConfigError, EngineError
 from flowlift.local_engine.base import Engine
 from flowlift.local_engine.residency import ResidencyManager
-from flowlift.proxy import (
-    lifecycle,
-    openai_api,
-    progress_api,
-    sessions_api,
-    telemetry,
-    ui,
-    workflows,
-)
-from flowlift.proxy.backends import Backends
+from flowlift.proxy import lifecycle
 from flowlift.proxy.config import FileConfig
+from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.providers import Providers
+from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
-from flowlift.proxy.outcomes import StepOutcomes
-from flowlift.proxy.providers import Providers
-from flowlift.proxy.registry import RunRegistry
-from flowlift.proxy.sessions import SessionTable
+from flowlift.proxy.openai import routes as openai_api
+from flowlift.proxy.sessions import api as sessions_api
+from flowlift.proxy.sessions.table import SessionTable
 from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
-from flowlift.proxy.store import RunStore
-from flowlift.proxy.upstream_engine import UpstreamEngine
+from flowlift.proxy.telemetry import observer as telemetry
+from flowlift.proxy.ui import pages as ui
+from flowlift.proxy.workflows import api as workflows
+from flowlift.proxy.workflows import progress as progress_api
+from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.workflows.registry import RunRegistry
+from flowlift.proxy.workflows.store import RunStore
 
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models", "/v1/workflows:compile",
                          "/metrics"})

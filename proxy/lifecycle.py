@@ -37,9 +37,9 @@ from aiohttp import web
 
 from flowlift.errors import ShuttingDown
 from flowlift.proxy.http import Handler, error_response
-from flowlift.proxy.registry import RunRegistry
-from flowlift.proxy.runs import Run
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.workflows.registry import RunRegistry
+from flowlift.proxy.workflows.runs import Run
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.lifecycle")

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from flowlift.costs import CostTracker
-from flowlift.proxy.inferred import InferredWorkflows
+from flowlift.proxy.workflows.inferred import InferredWorkflows
 
 if TYPE_CHECKING:
     from flowlift.local_engine.residency import ResidencyManager
-    from flowlift.proxy.backends import Backends
-    from flowlift.proxy.providers import Providers
-    from flowlift.proxy.registry import RunRegistry
+    from flowlift.proxy.dispatch.backends import Backends
+    from flowlift.proxy.dispatch.providers import Providers
+    from flowlift.proxy.workflows.registry import RunRegistry
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The SDK side of the workflow protocol, sync and async.
 
-Protocol (proxy: ``flowlift.proxy.workflows``):
+Protocol (proxy: ``flowlift.proxy.workflows.api``):
 
 1. ``POST /v1/workflows`` with the graph; the answer is an SSE stream of events:
    ``run.started`` ``{run_id}``, ``step.finished`` ``{step_id, value}``,

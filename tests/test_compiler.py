@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from flowlift.compiler import CompileOptions, compile_graph, find_identical
 from flowlift.costs import CostModel, CostTracker
 from flowlift.graph import Graph
-from flowlift.proxy.backends import Backends
-from flowlift.proxy.runs import Run
+from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.workflows.runs import Run
 from flowlift.report import format_report
 from flowlift.testing import FakeEngine
 

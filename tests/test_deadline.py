@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from flowlift.graph import Graph
-from flowlift.proxy.backends import Backends
-from flowlift.proxy.deadline import DeadlineClock
-from flowlift.proxy.runs import Run
+from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.workflows.deadline import DeadlineClock
+from flowlift.proxy.workflows.runs import Run
 from flowlift.testing import FakeEngine
 
 

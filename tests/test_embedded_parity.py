@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 from flowlift.errors import EngineError, RequestError
 from flowlift.local_engine.base import Capabilities, GenerationRequest
 from flowlift.local_engine.vllm_engine import token_logprobs
-from flowlift.proxy import embedded
-from flowlift.proxy.backends import Backend
-from flowlift.proxy.embedded_tool_output import ToolOutputDecoder
-from flowlift.proxy.embedded_tools import ToolPlan
+from flowlift.proxy.dispatch.backends import Backend
+from flowlift.proxy.dispatch.scheduler import PrioritySlots
 from flowlift.proxy.http import openai_errors
-from flowlift.proxy.scheduler import PrioritySlots
+from flowlift.proxy.openai.chat_completion import serving as embedded
+from flowlift.proxy.openai.chat_completion.tool_output import ToolOutputDecoder
+from flowlift.proxy.openai.chat_completion.tools import ToolPlan
 from flowlift.testing import FakeEngine, parse_sse
 
 MODEL = "fake-model"

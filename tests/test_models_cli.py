@@ -117,7 +117,7 @@ def test_serve_flags_reach_the_engine_and_the_session_table(tmp_path):
 
 async def test_session_bounds_come_from_the_proxy_config():
     from flowlift.proxy import ProxyConfig, create_app
-    from flowlift.proxy.sessions import SESSIONS
+    from flowlift.proxy.sessions.table import SESSIONS
     from flowlift.testing import FakeEngine
 
     app = create_app({"m": FakeEngine(["m"])}, ProxyConfig(max_sessions=3, session_ttl_s=9.0))

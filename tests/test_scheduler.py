@@ -8,9 +8,9 @@ import pytest
 
 from flowlift.compiler import CompileOptions, compile_graph
 from flowlift.graph import Graph
-from flowlift.proxy.backends import Backends
-from flowlift.proxy.runs import Run
-from flowlift.proxy.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.workflows.runs import Run
 from flowlift.testing import FakeEngine
 
 

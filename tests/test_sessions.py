@@ -11,8 +11,8 @@ import pytest
 
 from flowlift.local_engine.base import GenerationChunk, GenerationRequest
 from flowlift.proxy import create_app
-from flowlift.proxy.sessions import SESSIONS, SessionTable
-from flowlift.proxy.sessions_api import setup
+from flowlift.proxy.sessions.api import setup
+from flowlift.proxy.sessions.table import SESSIONS, SessionTable
 from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, parse_sse
 

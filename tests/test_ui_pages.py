@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 
 from flowlift.proxy import ProxyConfig
 from flowlift.proxy.state import STATE
-from flowlift.proxy.ui import json_for_script
+from flowlift.proxy.ui.pages import json_for_script
 from flowlift.testing import parse_sse
 
 EVIL_ID = '<img src=x onerror="alert(1)">'

@@ -13,9 +13,9 @@ import pytest
 from flowlift.errors import ConfigError, RequestError
 from flowlift.proxy import create_app
 from flowlift.proxy.config import load_config, parse_config
-from flowlift.proxy.routing import Route, pick
+from flowlift.proxy.dispatch.routing import Route, pick
+from flowlift.proxy.dispatch.upstream import Health, forwarded_headers, retry_after_s
 from flowlift.proxy.state import STATE
-from flowlift.proxy.upstream import Health, forwarded_headers, retry_after_s
 from flowlift.testing import FakeEngine, parse_sse
 from tests.upstream_fake import FakeUpstream, chunk, sse_bytes, upstream_only_proxy
 
@@ -213,7 +213,7 @@ async def test_an_injected_httpx_transport_sees_the_upstream_request(monkeypatch
     import httpx
 
     from flowlift.proxy.config import UpstreamSpec
-    from flowlift.proxy.upstream import Upstream
+    from flowlift.proxy.dispatch.upstream import Upstream
 
     seen = []
 

@@ -2,7 +2,7 @@
 
 Pure functions over trace records (``RunTrace.records()``, the ``trace`` of
 ``GET /v1/workflows/{run_id}``, or the JSON-lines file); the proxy's page
-(:mod:`flowlift.proxy.ui`) and ``flowlift trace`` (:mod:`flowlift.tracing.waterfall`)
+(:mod:`flowlift.proxy.ui.pages`) and ``flowlift trace`` (:mod:`flowlift.tracing.waterfall`)
 draw what these compute.
 
 Segments of one step, in ms since the run started (see :mod:`flowlift.tracing.recorder`):

@@ -323,7 +323,7 @@ def _local_compile_options(args: argparse.Namespace):  # type: ignore[no-untyped
     if db.is_file():
         from dataclasses import replace
 
-        from flowlift.proxy.outcomes import StepOutcomes
+        from flowlift.proxy.workflows.outcomes import StepOutcomes
 
         opts = replace(opts, outcomes=StepOutcomes(db).counts)
     return opts

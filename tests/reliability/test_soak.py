@@ -27,9 +27,9 @@ from cachetools import TTLCache
 
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.config import parse_config
-from flowlift.proxy.inferred import InferredWorkflows
-from flowlift.proxy.sessions import SESSIONS, SessionTable
+from flowlift.proxy.sessions.table import SESSIONS, SessionTable
 from flowlift.proxy.state import STATE
+from flowlift.proxy.workflows.inferred import InferredWorkflows
 from flowlift.testing import FakeEngine
 from tests.reliability.faults import config_for, rss_mib, serve
 from tests.upstream_fake import FakeUpstream, chat_json, chunk, sse_bytes
@@ -158,7 +158,7 @@ async def test_every_table_is_bounded_under_unique_ids(aiohttp_server):
 
 
 def test_the_store_keeps_the_newest_finished_runs_and_every_running_one(tmp_path):
-    from flowlift.proxy.store import RunStore
+    from flowlift.proxy.workflows.store import RunStore
 
     store = RunStore(tmp_path / "s.sqlite")
     for i in range(30):

@@ -27,10 +27,10 @@ from flowlift.local_engine.base import (
     TokenLogprob,
     Usage,
 )
-from flowlift.proxy.attempts import Opened, open_answer
-from flowlift.proxy.providers import Providers
-from flowlift.proxy.routing import Route
-from flowlift.proxy.upstream import translate, unretryable
+from flowlift.proxy.dispatch.attempts import Opened, open_answer
+from flowlift.proxy.dispatch.providers import Providers
+from flowlift.proxy.dispatch.routing import Route
+from flowlift.proxy.dispatch.upstream import translate, unretryable
 from flowlift.tracing.spans import inject
 
 

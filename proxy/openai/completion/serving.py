@@ -23,10 +23,10 @@ from pydantic import Field, field_validator
 
 from flowlift.errors import RequestError
 from flowlift.local_engine.base import GenerationChunk, GenerationRequest, TokenLogprob, Usage
-from flowlift.proxy import embedded_generation as gen
-from flowlift.proxy.backends import Backend
-from flowlift.proxy.embedded_generation import OnOutput, SamplingFields, Unsupported
+from flowlift.proxy.dispatch.backends import Backend
 from flowlift.proxy.http import parse_model
+from flowlift.proxy.openai import generation as gen
+from flowlift.proxy.openai.generation import OnOutput, SamplingFields, Unsupported
 
 _UNSUPPORTED: Unsupported = {
     "suffix": (bool, "text insertion is not supported; put all the text in `prompt`"),

@@ -30,9 +30,9 @@ from flowlift.local_engine.base import (
     TokenLogprob,
     Usage,
 )
-from flowlift.proxy import request_tracing
-from flowlift.proxy.backends import Backend
-from flowlift.proxy.scheduler import Priority
+from flowlift.proxy.dispatch.backends import Backend
+from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.proxy")

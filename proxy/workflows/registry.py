@@ -24,11 +24,11 @@ from flowlift.costs import CostTracker
 from flowlift.errors import Overloaded, RequestError
 from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
-from flowlift.proxy.backends import Backends
-from flowlift.proxy.outcomes import StepOutcomes
-from flowlift.proxy.planning import plan
-from flowlift.proxy.runs import Run
-from flowlift.proxy.store import RunStore, StoredRun
+from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.workflows.planning import plan
+from flowlift.proxy.workflows.runs import Run
+from flowlift.proxy.workflows.store import RunStore, StoredRun
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
@@ -56,7 +56,7 @@ class RunRegistry:
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
-        self.telemetry: Any = None  # flowlift.proxy.telemetry.Telemetry (set by create_app)
+        self.telemetry: Any = None  # telemetry.observer.Telemetry (set by create_app)
         self.store_keep, self.store_ttl_s = store_keep, store_ttl_s
         self.max_active = max_active
         self.store.prune(older_than_s=store_ttl_s, keep=store_keep)

@@ -9,7 +9,7 @@ outside the machine).
 * ``GET /ui/compile`` -- paste a graph, see the compiler's report (the page calls
   ``POST /v1/workflows:compile``).
 
-Pages are self-contained: CSS and JS are package data (``ui_static/``) inlined into the
+Pages are self-contained: CSS and JS are package data (``static/``) inlined into the
 page, under a Content-Security-Policy that allows only this page's own scripts (a
 nonce) and requests back to this proxy. Every text from a graph or a run is escaped
 (:func:`html.escape`; JSON inside ``<script type="application/json">`` has ``<``, ``>``
@@ -29,9 +29,9 @@ from typing import Any
 from aiohttp import web
 
 from flowlift.errors import RequestError
-from flowlift.proxy import workflows
 from flowlift.proxy.state import STATE
-from flowlift.proxy.ui_svg import gantt_svg, legend_html
+from flowlift.proxy.ui.svg import gantt_svg, legend_html
+from flowlift.proxy.workflows import api as workflows
 from flowlift.tracing.summary import stage_summary
 from flowlift.tracing.timeline import (
     STAGE_LABELS,
@@ -48,8 +48,8 @@ ARROW = " \u2192 "
 
 @functools.cache
 def static(name: str) -> str:
-    """A file of ``ui_static/`` (package data)."""
-    return resources.files("flowlift.proxy").joinpath("ui_static", name).read_text("utf-8")
+    """A file of ``static/`` (package data)."""
+    return resources.files("flowlift.proxy.ui").joinpath("static", name).read_text("utf-8")
 
 
 def json_for_script(value: Any) -> str:
@@ -60,7 +60,7 @@ def json_for_script(value: Any) -> str:
 
 def page(title: str, body: str, *, scripts: tuple[str, ...] = (), init_js: str = "",
          status: int = 200, refresh_s: int | None = None) -> web.Response:
-    """A whole HTML page with the shared stylesheet, the given ``ui_static`` scripts and
+    """A whole HTML page with the shared stylesheet, the given ``static/`` scripts and
     then ``init_js`` (our own code, never data)."""
     nonce = secrets.token_urlsafe(16)
     js = "".join(f'<script nonce="{nonce}">{code}</script>'

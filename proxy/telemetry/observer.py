@@ -4,7 +4,7 @@
   current span is the run's ``invoke_workflow`` span (a child of the caller's
   ``traceparent``); :meth:`Telemetry.run_closed` ends it, emits its steps' spans from
   the trace (:mod:`flowlift.tracing.run_spans`) and feeds the metrics.
-* OpenAI API requests: the :mod:`flowlift.proxy.request_tracing` middleware.
+* OpenAI API requests: the :mod:`flowlift.proxy.telemetry.requests` middleware.
 * ``GET /metrics``: Prometheus' text format (:mod:`flowlift.tracing.metrics`).
 
 Spans are exported by a batch processor in the background (see
@@ -23,15 +23,15 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from flowlift.graph import LLMNode
-from flowlift.proxy import request_tracing
+from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.tracing import genai, spans
 from flowlift.tracing.logging import get_logger
 from flowlift.tracing.metrics import Metrics
 from flowlift.tracing.run_spans import RunSpans
 
 if TYPE_CHECKING:
-    from flowlift.proxy.runs import Run
     from flowlift.proxy.state import ProxyState
+    from flowlift.proxy.workflows.runs import Run
 
 log = get_logger("flowlift.tracing")
 

@@ -6,7 +6,7 @@ unchanged too: a plain answer as the upstream's bytes, a stream event by event a
 arrives (case S5), re-framed but byte-identical in its data, multibyte characters
 whole however the TCP writes split them (case S4).
 
-Attempts, retries and fallbacks are :mod:`flowlift.proxy.attempts`'. Here: the idle
+Attempts, retries and fallbacks are :mod:`flowlift.proxy.dispatch.attempts`'. Here: the idle
 timeout between stream events, and once bytes are out, a failure ends the stream with
 an in-band error event, never with a clean-looking finish of a truncated answer (S6).
 """
@@ -24,17 +24,17 @@ import orjson
 from aiohttp import web
 
 from flowlift.errors import RequestError, UpstreamError
-from flowlift.proxy import request_tracing
-from flowlift.proxy.attempts import Opened, open_answer
-from flowlift.proxy.inferred import render_message
-from flowlift.proxy.providers import Providers
-from flowlift.proxy.routing import Route
-from flowlift.proxy.sse_bytes import complete_prefix, data_fields, finished
-from flowlift.proxy.upstream import Upstream, forwarded_headers, translate
+from flowlift.proxy.dispatch.attempts import Opened, open_answer
+from flowlift.proxy.dispatch.providers import Providers
+from flowlift.proxy.dispatch.routing import Route
+from flowlift.proxy.dispatch.sse_bytes import complete_prefix, data_fields, finished
+from flowlift.proxy.dispatch.upstream import Upstream, forwarded_headers, translate
+from flowlift.proxy.telemetry import requests as request_tracing
+from flowlift.proxy.workflows.inferred import render_message
 from flowlift.tracing import get_logger
 from flowlift.tracing.spans import inject
 
-log = get_logger("flowlift.proxy.forward")
+log = get_logger("flowlift.proxy.dispatch.forward")
 OnOutput = Callable[[str, dict[str, Any] | None], None]
 EmbeddedCall = Callable[[str, Any], Awaitable[web.StreamResponse]]
 

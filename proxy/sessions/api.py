@@ -7,8 +7,8 @@ prompt plus answer), ``previous_answer_cached_tokens`` (how much of the previous
 the cache served: case W5) and the turn's ``reuse_ratio``. An unknown or expired id is
 a 404.
 
-:func:`setup` installs the route and the table (:class:`~flowlift.proxy.sessions.SessionTable`)
-on an app before it starts.
+:func:`setup` installs the route and the table
+(:class:`~flowlift.proxy.sessions.table.SessionTable`) on an app before it starts.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from flowlift.errors import RequestError
-from flowlift.proxy.sessions import SESSIONS, SessionTable
+from flowlift.proxy.sessions.table import SESSIONS, SessionTable
 
 __all__ = ["routes", "setup"]
 

@@ -2,7 +2,7 @@
 
 Every event gets the next sequence number (its SSE ``id``), so a client that lost its
 connection resumes with ``Last-Event-ID`` and misses nothing. An optional ``sink``
-persists each event as it is appended (see :mod:`flowlift.proxy.store`).
+persists each event as it is appended (see :mod:`flowlift.proxy.workflows.store`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """OpenAI-compatible requests served by the embedded engine: ``POST /v1/chat/completions``
-(here), ``POST /v1/completions`` (:mod:`flowlift.proxy.embedded_completions`, re-exported
+(here), ``POST /v1/completions`` (:mod:`flowlift.proxy.openai.completion.serving`, re-exported
 as :func:`completions`) and ``POST /v1/embeddings`` (:func:`embeddings`: refused, the
-embedded engine is generative). :mod:`flowlift.proxy.openai_api` routes a request here
+embedded engine is generative). :mod:`flowlift.proxy.openai.routes` routes a request here
 when its model is served in process.
 
 Shapes follow OpenAI's published API description (``shared/specs/openai-openapi.yaml``):
@@ -12,7 +12,7 @@ Cached prompt tokens are reported in ``usage.prompt_tokens_details.cached_tokens
 Supported beyond plain chat: ``n`` (concurrent generations, seeds ``seed + i``; streamed
 chunks of the choices interleave, each with its ``index``), ``logprobs`` /
 ``top_logprobs`` (0-20, ``choices[].logprobs.content[]``), tools
-(:mod:`flowlift.proxy.embedded_tools`: when streamed, each tool call is buffered and
+(:mod:`flowlift.proxy.openai.chat_completion.tools`: when streamed, each tool call is buffered and
 sent whole in one ``delta.tool_calls`` chunk, with ``index``, ``id``, ``type``, ``name``
 and ``arguments``, once its constrained JSON is complete; plain content streams as it
 is decoded), ``presence_penalty`` / ``frequency_penalty`` / ``logit_bias``.
@@ -40,9 +40,20 @@ from flowlift.local_engine.base import (
     TokenLogprob,
     Usage,
 )
-from flowlift.proxy.backends import Backend
-from flowlift.proxy.embedded_completions import completions
-from flowlift.proxy.embedded_generation import (
+from flowlift.proxy.dispatch.backends import Backend
+from flowlift.proxy.http import parse_model
+from flowlift.proxy.openai.chat_completion.tool_output import ToolOutputDecoder, tool_calls_text
+from flowlift.proxy.openai.chat_completion.tools import (
+    Message,
+    Tool,
+    ToolChoice,
+    ToolPlan,
+    check_schema,
+    engine_messages,
+    plan_tools,
+)
+from flowlift.proxy.openai.completion.serving import completions
+from flowlift.proxy.openai.generation import (
     OnOutput,
     SamplingFields,
     Timing,
@@ -55,18 +66,7 @@ from flowlift.proxy.embedded_generation import (
     total_usage,
     usage_json,
 )
-from flowlift.proxy.embedded_tool_output import ToolOutputDecoder, tool_calls_text
-from flowlift.proxy.embedded_tools import (
-    Message,
-    Tool,
-    ToolChoice,
-    ToolPlan,
-    check_schema,
-    engine_messages,
-    plan_tools,
-)
-from flowlift.proxy.http import parse_model
-from flowlift.proxy.sessions import observe
+from flowlift.proxy.sessions.table import observe
 
 __all__ = ["ChatCompletionRequest", "chat_completions", "completions", "embeddings"]
 

@@ -5,7 +5,7 @@ N+1, turn N's prompt plus the model's answer plus something new (a tool result, 
 next question). Kept on one engine, the engine's prefix cache serves all of that but
 the new part (case W5). The table records, per session, the backend it is served by
 and, per turn, the prompt, completion and cached prompt tokens from the engine's usage,
-so the reuse can be checked (``GET /v1/sessions/{id}``, :mod:`flowlift.proxy.sessions_api`).
+so the reuse can be checked (``GET /v1/sessions/{id}``, :mod:`flowlift.proxy.sessions.api`).
 
 Bounded on both axes: at most ``max_sessions`` sessions (least recently used go first)
 that expire ``ttl_s`` after their last turn, and the latest ``max_turns`` turns per

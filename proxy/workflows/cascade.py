@@ -18,7 +18,7 @@ A backend that sends no logprobs gives no confidence: the floor cannot apply the
 and the attempt's trace says so (its ``error`` note), rather than passing silently.
 
 Transport failures (timeouts, 5xx, 429, a broken stream) are *not* retried here: the
-proxy's :mod:`flowlift.proxy.attempts` is the one layer that retries them, and an
+proxy's :mod:`flowlift.proxy.dispatch.attempts` is the one layer that retries them, and an
 engine error that comes out of it fails the step (no second layer, case T3; a route's
 ``fallbacks`` are the place for another backend). The last model's output is kept
 whatever its confidence; its contract failure is the step's :class:`ContractError`
@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from flowlift.errors import ContentRefused, ContextLengthExceeded, ContractError, FlowliftError
 from flowlift.graph import LLMNode
 from flowlift.local_engine.base import ChatMessage, TokenLogprob
-from flowlift.proxy.contracts import check_output, feedback
+from flowlift.proxy.workflows.contracts import check_output, feedback
 from flowlift.tracing import AttemptTrace, get_logger
 
 log = get_logger("flowlift.cascade")

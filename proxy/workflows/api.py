@@ -1,7 +1,7 @@
 """The workflow API.
 
 * ``POST /v1/workflows`` -- a graph in, an SSE stream of run events out (see
-  :mod:`flowlift.proxy.runs`); each event's SSE ``id`` is its number in the run's log.
+  :mod:`flowlift.proxy.workflows.runs`); each event's SSE ``id`` is its number in the run's log.
   An invalid graph is rejected whole before anything runs: HTTP 400, OpenAI error
   shape, ``error.problems`` lists every problem.
 * ``GET /v1/workflows/{run_id}/events`` -- the same stream again, from the event after
@@ -33,12 +33,12 @@ from flowlift.compiler import Plan
 from flowlift.dataflow import validate
 from flowlift.errors import FlowliftError, GraphError, RequestError
 from flowlift.graph import Graph
-from flowlift.proxy.backends import Backends
-from flowlift.proxy.events import FINAL, Event
+from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
-from flowlift.proxy.planning import plan
-from flowlift.proxy.runs import Run
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.workflows.events import FINAL, Event
+from flowlift.proxy.workflows.planning import plan
+from flowlift.proxy.workflows.runs import Run
 from flowlift.tracing.spans import extract
 
 routes = web.RouteTableDef()

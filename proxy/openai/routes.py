@@ -1,15 +1,15 @@
 """The OpenAI-compatible API: ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``, ``/v1/responses`` and ``GET /v1/models``.
 
-Each request goes to its model's :class:`~flowlift.proxy.routing.Route`: the embedded
-engine (:mod:`flowlift.proxy.embedded`) or upstream providers
-(:mod:`flowlift.proxy.forward`). Shapes follow OpenAI's published API description
+Each request goes to its model's :class:`~flowlift.proxy.dispatch.routing.Route`: the embedded
+engine (:mod:`flowlift.proxy.openai.chat_completion.serving`) or upstream providers
+(:mod:`flowlift.proxy.dispatch.forward`). Shapes follow OpenAI's published API description
 (``shared/specs/openai-openapi.yaml``).
 
 A request that names a workflow (``X-Flowlift-Workflow`` / ``X-Flowlift-Step`` headers
 or ``metadata.flowlift_workflow``) joins it: it sticks to one replica by the workflow
 id, its log lines carry the id, and its prompt and answer feed the workflow's inferred
-graph (:mod:`flowlift.proxy.inferred`, shown by ``GET /v1/workflows/{id}``).
+graph (:mod:`flowlift.proxy.workflows.inferred`, shown by ``GET /v1/workflows/{id}``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import structlog
 from aiohttp import web
 
 from flowlift.errors import ModelNotFound, RequestError
-from flowlift.proxy import embedded, request_tracing
-from flowlift.proxy.backends import Backend
-from flowlift.proxy.forward import OnOutput, forward
+from flowlift.proxy.dispatch.backends import Backend
+from flowlift.proxy.dispatch.forward import OnOutput, forward
 from flowlift.proxy.http import json_object, read_body
-from flowlift.proxy.inferred import workflow_from
+from flowlift.proxy.openai.chat_completion import serving as embedded
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.telemetry import requests as request_tracing
+from flowlift.proxy.workflows.inferred import workflow_from
 
 routes = web.RouteTableDef()
 _SESSION_ID = re.compile(r"[\x21-\x7e]{1,128}")

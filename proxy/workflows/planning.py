@@ -14,8 +14,8 @@ from flowlift.compiler import (
 )
 from flowlift.costs import CostModel, CostTracker
 from flowlift.graph import Graph
-from flowlift.proxy.backends import Backends
-from flowlift.proxy.outcomes import StepOutcomes
+from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.workflows.outcomes import StepOutcomes
 
 
 def compile_options(backends: Backends, costs: CostTracker,

@@ -29,14 +29,14 @@ from tenacity import (
 )
 
 from flowlift.errors import Overloaded, UpstreamError
-from flowlift.proxy.backends import Backend
-from flowlift.proxy.providers import Providers
-from flowlift.proxy.routing import Route
-from flowlift.proxy.sse_bytes import complete_prefix
-from flowlift.proxy.upstream import Upstream, error_from, translate
+from flowlift.proxy.dispatch.backends import Backend
+from flowlift.proxy.dispatch.providers import Providers
+from flowlift.proxy.dispatch.routing import Route
+from flowlift.proxy.dispatch.sse_bytes import complete_prefix
+from flowlift.proxy.dispatch.upstream import Upstream, error_from, translate
 from flowlift.tracing import get_logger
 
-log = get_logger("flowlift.proxy.attempts")
+log = get_logger("flowlift.proxy.dispatch.attempts")
 _BACKOFF = wait_random_exponential(multiplier=0.25, max=8.0)
 BodyFor = Callable[[Upstream], bytes]
 Stream = Literal[False, "bytes", "events"]

@@ -1,7 +1,7 @@
 """Learned failure rates per (step name, model), persisted next to the run store.
 
 Every llm step reports, for each model it tried, whether that model delivered the
-output and how many attempts it took (:func:`flowlift.proxy.cascade.run_step`). The
+output and how many attempts it took (:func:`flowlift.proxy.workflows.cascade.run_step`). The
 counts live in one small SQLite table in the state database (``--state-db``), so they
 survive restarts and the compiler's cascade estimate
 (:mod:`flowlift.escalation`) gets better with every run::

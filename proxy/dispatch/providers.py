@@ -12,10 +12,10 @@ import time
 import httpx
 
 from flowlift.errors import ConfigError, ModelNotFound, Overloaded
-from flowlift.proxy.backends import Backend, Backends
 from flowlift.proxy.config import EmbeddedSpec, FileConfig
-from flowlift.proxy.routing import Route, has_untried, pick
-from flowlift.proxy.upstream import Upstream
+from flowlift.proxy.dispatch.backends import Backend, Backends
+from flowlift.proxy.dispatch.routing import Route, has_untried, pick
+from flowlift.proxy.dispatch.upstream import Upstream
 
 
 class Providers:

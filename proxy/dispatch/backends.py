@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from flowlift.errors import ModelNotFound
 from flowlift.local_engine.base import Engine
-from flowlift.proxy.scheduler import PrioritySlots
+from flowlift.proxy.dispatch.scheduler import PrioritySlots
 
 
 @dataclass(slots=True)
@@ -35,7 +35,7 @@ class Backends:
         fcfs: first come, first served everywhere (no priorities, no reserved slots, no
             prefix-grouped dispatch): the baseline of the scheduling benchmarks.
         batch_prefill_budget, batch_cap_when_interactive: see
-            :class:`~flowlift.proxy.scheduler.PrioritySlots`.
+            :class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`.
         aliases: extra names (e.g. ``"default"``) -> served model name.
     """
 

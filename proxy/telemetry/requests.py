@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from flowlift.local_engine.base import Engine, GenerationChunk
-from flowlift.proxy.sse_bytes import data_fields, finished
+from flowlift.proxy.dispatch.sse_bytes import data_fields, finished
 from flowlift.tracing import genai
 from flowlift.tracing.logging import get_logger
 from flowlift.tracing.spans import extract

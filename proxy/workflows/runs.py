@@ -41,13 +41,13 @@ from flowlift.local_engine.base import (
     OutputConstraint,
     SamplingOptions,
 )
-from flowlift.proxy.backends import Backends
-from flowlift.proxy.cascade import Generated, run_step
-from flowlift.proxy.deadline import DeadlineClock
-from flowlift.proxy.events import EventLog
-from flowlift.proxy.outcomes import StepOutcomes
-from flowlift.proxy.scheduler import Priority
-from flowlift.proxy.store import StoredRun
+from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.workflows.cascade import Generated, run_step
+from flowlift.proxy.workflows.deadline import DeadlineClock
+from flowlift.proxy.workflows.events import EventLog
+from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.workflows.store import StoredRun
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
 
 log = get_logger("flowlift.runs")
@@ -95,7 +95,7 @@ class Run:
         self._done = {n.id: asyncio.Event() for n in graph.nodes}
         self._tool_results: dict[str, asyncio.Future[Any]] = {}
         self.task: asyncio.Task[None] | None = None
-        self.telemetry: Any = None  # flowlift.proxy.telemetry.Telemetry, set by the registry
+        self.telemetry: Any = None  # telemetry.observer.Telemetry, set by the registry
         self.trace_parent: Any = None  # the caller's W3C trace context
         self.deadline_missed = False
         for node in graph.nodes:
@@ -288,7 +288,7 @@ class Run:
         return [ChatMessage(t.role, self._render(t.content)) for t in templates]
 
     async def _llm(self, node: LLMNode) -> Any:
-        """Contract check, retries and cascade (:mod:`flowlift.proxy.cascade`) over
+        """Contract check, retries and cascade (:mod:`flowlift.proxy.workflows.cascade`) over
         :meth:`_attempt`, one generation each."""
         messages = self._messages(node.messages)
         record = None if self.outcomes is None else self.outcomes.record

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import EngineError
-from flowlift.proxy.events import Event
+from flowlift.proxy.workflows.events import Event
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, graph TEXT NOT NULL,

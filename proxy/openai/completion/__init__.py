@@ -1,0 +1,2 @@
+"""``POST /v1/completions`` (legacy text completions) on the embedded engine.
+"""
