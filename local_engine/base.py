@@ -18,7 +18,7 @@ Shapes:
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -185,10 +185,11 @@ class Engine(abc.ABC):
         """Release the engine's processes and memory."""
 
     @abc.abstractmethod
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream the generation of ``request``.
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
+        """Stream the generation of ``request`` (an async generator, as ``async def``
+        with ``yield`` makes one).
 
-        Closing the iterator early (``aclose()``) aborts the request in the engine.
+        Closing the generator early (``aclose()``) aborts the request in the engine.
         """
 
     @abc.abstractmethod

@@ -162,7 +162,7 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
         gguf.parent, dtype=getattr(torch, dtype), **kwargs)
     # The weights are already dequantized; drop the GGUF quantizer marker so that
     # save_pretrained accepts the model and vLLM does not look for a GGUF quantization.
-    model.hf_quantizer = None  # type: ignore[assignment]
+    model.hf_quantizer = None
     for attr in ("is_quantized", "quantization_method"):
         with contextlib.suppress(AttributeError):
             delattr(model, attr)
@@ -229,7 +229,8 @@ def _from_hub(repo_id: str, download: Callable[..., str] | None) -> Path:
     if (target / "config.json").is_file():
         return target
     if download is None:
-        from huggingface_hub import snapshot_download as download
+        from huggingface_hub import snapshot_download
+        download = snapshot_download
     try:
         got = Path(download(repo_id=repo_id, local_dir=str(target)))
     except Exception as exc:

@@ -17,7 +17,7 @@ request waits for a load is inside its engine time (prefill in a run's trace).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from flowlift.local_engine.base import Engine, GenerationChunk, GenerationRequest
 from flowlift.local_engine.residency import ResidencyManager
@@ -51,14 +51,14 @@ class ResidentEngine(Engine):
     async def close(self) -> None:
         await self.manager.unload(self.model)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         async with self.manager.use(self.model) as engine:
             stream = engine.generate(request)
             try:
                 async for chunk in stream:
                     yield chunk
             finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()
 
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)

@@ -23,10 +23,10 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from flowlift.errors import (
     ContextLengthExceeded,
@@ -266,7 +266,7 @@ class VLLMEngine(Engine):
             logprobs=s.logprobs, logit_bias=dict(s.logit_bias) or None,
             output_kind=RequestOutputKind.DELTA)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream ``request``: one chunk of new text per engine step, then a last chunk
         with ``finish_reason`` (``"stop"``, ``"length"``, or ``"abort"`` after
         :meth:`abort`) and ``usage`` (token counts; ``cached_tokens`` = prompt tokens
@@ -392,7 +392,15 @@ def _build_engine(cfg: VLLMConfig) -> Any:
                           f"{type(exc).__name__}: {exc}") from exc
 
 
-def check_platform(platform: Any = None) -> None:
+class Platform(Protocol):
+    """What :func:`check_platform` asks of vLLM's ``current_platform``."""
+
+    def is_unspecified(self) -> bool:
+        """True when vLLM found neither a device it supports nor its CPU build."""
+        ...
+
+
+def check_platform(platform: Platform | None = None) -> None:
     """Fail with what to do when the installed vLLM can run here neither on a GPU nor on
     the CPU (the CUDA build on a machine without a GPU, say), instead of vLLM's error
     from deep inside the engine start.
@@ -404,7 +412,8 @@ def check_platform(platform: Any = None) -> None:
         EngineError: the platform is unspecified.
     """
     if platform is None:
-        from vllm.platforms import current_platform as platform
+        from vllm.platforms import current_platform
+        platform = current_platform
     if platform.is_unspecified():
         raise EngineError(
             "the installed vLLM finds neither a usable GPU nor its CPU build here. On a "

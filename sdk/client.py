@@ -194,7 +194,7 @@ class _Session:
         if now - self.lost_at > self.wf.reconnect_s:
             raise ProxyUnavailable(self.wf.base_url, f"lost the event stream of run "
                                    f"{self.wf.run_id} for {self.wf.reconnect_s:.0f} s")
-        return min(0.25 * 2 ** min(int(now - self.lost_at), 4), 2.0)
+        return min(0.25 * 2.0 ** min(int(now - self.lost_at), 4), 2.0)
 
 
 def _tool_result(fn: Any, call: ToolCall) -> dict[str, Any]:

@@ -66,6 +66,11 @@ class SemanticVariable:
     """
 
     __slots__ = ("_fields", "_workflow", "path", "step_id")
+    # set once in __init__ through object.__setattr__ (__setattr__ refuses assignment)
+    _workflow: Workflow
+    step_id: str
+    path: tuple[str, ...]
+    _fields: frozenset[str] | None
 
     def __init__(self, workflow: Workflow, step_id: str, path: tuple[str, ...] = (),
                  fields: frozenset[str] | None = frozenset()) -> None:

@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from flowlift.credentials import bearer_headers, default_api_key
 from flowlift.errors import SemanticVariableError, StepFailed, UserError, WorkflowFailed
-from flowlift.graph import Arg, Graph, InputNode, Node, ToolNode, project
+from flowlift.graph import Arg, Graph, InputNode, Node, Ref, ToolNode, project
 from flowlift.sdk.variables import SemanticVariable
 from flowlift.tracing.summary import format_stage_table, stage_summary
 
@@ -176,9 +176,8 @@ class Workflow:
         assert isinstance(node, ToolNode)
 
         def convert(wire: Arg, value: Any) -> Any:
-            ref = getattr(wire, "ref", None)
-            if ref and not wire.path and ref in self._parsers:  # type: ignore[union-attr]
-                return self._parsers[ref](value)
+            if isinstance(wire, Ref) and not wire.path and wire.ref in self._parsers:
+                return self._parsers[wire.ref](value)
             return value
 
         py_args = [convert(w, v) for w, v in zip(node.args, args, strict=True)]

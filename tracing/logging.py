@@ -17,7 +17,7 @@ import re
 import sys
 from collections.abc import Iterable, Iterator, MutableMapping
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import Any, TextIO
 
 import structlog
 from opentelemetry import trace
@@ -75,7 +75,7 @@ def add_trace_ids(logger: Any, method: str,
 
 
 def configure_logging(level: str = "info", json: bool = True, *,
-                      secrets: Iterable[str] = (), file: IO[str] | None = None,
+                      secrets: Iterable[str] = (), file: TextIO | None = None,
                       cache_loggers: bool = True) -> None:
     """Configure structlog once for the process (the proxy calls this at start).
 
@@ -87,8 +87,9 @@ def configure_logging(level: str = "info", json: bool = True, *,
         cache_loggers: structlog's ``cache_logger_on_first_use`` (tests that configure
             logging more than once turn it off).
     """
-    renderer: Any = (structlog.processors.JSONRenderer() if json
-                     else structlog.dev.ConsoleRenderer(colors=False))
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer() if json
+        else structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

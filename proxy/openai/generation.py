@@ -169,7 +169,7 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
                             traced.chunk(index, chunk)
                         await queue.put((index, chunk))
                 finally:
-                    await stream.aclose()  # type: ignore[attr-defined]
+                    await stream.aclose()
             await queue.put((index, _DONE))
         except Exception as exc:  # handed to the consumer, raised there
             await queue.put((index, exc))

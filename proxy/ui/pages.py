@@ -24,7 +24,7 @@ import json
 import secrets
 from html import escape
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -172,7 +172,8 @@ _RENDER_REPORT = ("window.flowliftRenderReport(document.getElementById('report')
 async def workflow_page(request: web.Request) -> web.Response:
     run_id = request.match_info["run_id"]
     try:
-        resp = await workflows.get_run(request)
+        # aiohttp's route decorator types every handler as returning StreamResponse
+        resp = cast(web.Response, await workflows.get_run(request))
     except RequestError as exc:
         return page("flowlift: no such run", '<section class="notfound"><h2>No such run</h2>'
                     f"<p>{escape(exc.message)}.</p><p>Runs are kept in the proxy's state "
@@ -192,8 +193,9 @@ async def workflow_page(request: web.Request) -> web.Response:
                 refresh_s=2 if doc.get("status") == "running" else None)
 
 
-def example_graph(model: str) -> dict[str, Any]:
-    """The compile page's starting graph: two steps from one input, a third over both."""
+def example_graph(model: str | None) -> dict[str, Any]:
+    """The compile page's starting graph: two steps from one input, a third over both,
+    on ``model`` (``None`` while the proxy serves none: the steps then name no model)."""
     def llm(step_id: str, max_tokens: int, *parts: dict[str, str]) -> dict[str, Any]:
         return {"kind": "llm", "id": step_id, "model": model, "params": {
             "max_tokens": max_tokens}, "messages": [{"role": "user", "content": list(parts)}]}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -66,17 +67,19 @@ def parse_graph(data: Any, backends: Backends) -> Graph:
     return graph
 
 
-async def _send(request: web.Request, events: Any, run: Run | None) -> web.StreamResponse:
+async def _send(request: web.Request, events: AsyncIterator[Event],
+                run: Run | None) -> web.StreamResponse:
     async with sse_response(request, sep="\n", allow_all_methods=True) as resp:
         async for seq, name, data in events:
             if name == FINAL and run is not None:  # trace on disk before the client hears
-                await asyncio.wait([run.task])  # type: ignore[list-item]
+                if run.task is not None:  # a run that logs events has been started
+                    await asyncio.wait([run.task])
                 request.app[STATE].runs.retire(run)
             await resp.send(json.dumps(data), id=str(seq), event=name)
     return resp
 
 
-async def _replay(events: list[Event], after: int):  # type: ignore[no-untyped-def]
+async def _replay(events: list[Event], after: int) -> AsyncIterator[Event]:
     for event in events:
         if event[0] > after:
             yield event

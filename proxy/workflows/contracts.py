@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, TypedDict
 
 import jsonschema
 
 from flowlift.errors import ContractError
 from flowlift.graph import Contract
 from flowlift.local_engine.base import ChatMessage
+
+
+class _Where(TypedDict):
+    """Where a check failed, as :func:`_fail` takes it."""
+
+    step_id: str | None
+    model: str | None
+    attempt: int | None
 
 
 def _fail(what: str, errors: list[str], *, step_id: str | None, model: str | None,
@@ -41,7 +49,7 @@ def check_output(contract: Contract | None, text: str, *, step_id: str | None = 
         ContractError: naming the step, the model, the attempt and listing every
             validation error.
     """
-    where = {"step_id": step_id, "model": model, "attempt": attempt}
+    where: _Where = {"step_id": step_id, "model": model, "attempt": attempt}
     if contract is None:
         return text
     if contract.choices is not None:

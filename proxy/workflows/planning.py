@@ -38,7 +38,8 @@ def compile_options(backends: Backends, costs: CostTracker,
             backends.resolve(name)[1].engine.capabilities.structured_outputs
 
     priced = dict(prices or {})
-    return CompileOptions(default_model=backends.default_model, tokenize=tokenize,
+    # no engine served yet: "" is what Backends.canonical makes of a missing name too
+    return CompileOptions(default_model=backends.default_model or "", tokenize=tokenize,
                           costs=cost, enforces=enforces,
                           max_concurrency=sum(b.max_concurrency for b in backends.backends),
                           outcomes=outcomes.counts if outcomes is not None else no_outcomes,

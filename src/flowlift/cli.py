@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -33,10 +34,16 @@ from flowlift.credentials import (
 )
 from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
+if TYPE_CHECKING:  # imported where used: `flowlift --help` loads neither vLLM nor the proxy
+    from flowlift.compiler import CompileOptions
+    from flowlift.graph import Graph
+    from flowlift.local_engine.base import Engine
+    from flowlift.local_engine.residency import ResidencyManager
+
 FAKE_MODEL_MB = 1024.0  # what a residency budget counts per model with --engine fake
 
 
-def _add(sized: dict[str, tuple[object, float]], name: str, engine: object,
+def _add(sized: dict[str, tuple[Engine, float]], name: str, engine: Engine,
          memory_mb: float) -> None:
     from flowlift.errors import ConfigError
 
@@ -47,13 +54,13 @@ def _add(sized: dict[str, tuple[object, float]], name: str, engine: object,
     sized[name] = (engine, memory_mb)
 
 
-def _engines(args: argparse.Namespace) -> tuple[dict[str, object], object | None]:
+def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyManager | None]:
     """The embedded engines of ``flowlift serve`` and, with ``--memory-budget-mb``, the
     residency manager they share (then each engine is a ResidentEngine)."""
     if args.engine == "none":
         return {}, None
     extra = list(getattr(args, "extra_model", None) or ())
-    sized: dict[str, tuple[object, float]] = {}
+    sized: dict[str, tuple[Engine, float]] = {}
     if args.engine == "fake":
         from flowlift.testing import FakeEngine
 
@@ -88,9 +95,9 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, object], object | None
     from flowlift.local_engine.residency import ManagedModel, ResidencyManager
     from flowlift.local_engine.resident import managed_engines
 
-    manager = ResidencyManager({name: ManagedModel(engine, mb)  # type: ignore[arg-type]
+    manager = ResidencyManager({name: ManagedModel(engine, mb)
                                 for name, (engine, mb) in sized.items()}, budget)
-    return managed_engines(manager), manager  # type: ignore[return-value]
+    return managed_engines(manager), manager
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -140,8 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         engines, residency = _engines(args)
-        app = create_app(engines, config, file_config=file_config,  # type: ignore[arg-type]
-                         residency=residency)  # type: ignore[arg-type]
+        app = create_app(engines, config, file_config=file_config, residency=residency)
     except (ConfigError, EngineError) as exc:  # EngineError: --state-db, --model unusable
         sock.close()
         print(f"flowlift serve: {exc.message}", file=sys.stderr)
@@ -285,7 +291,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warn_unused_prices(graph, prices: list[str], default_model: str) -> None:  # type: ignore[no-untyped-def]
+def _warn_unused_prices(graph: Graph, prices: list[str], default_model: str) -> None:
     """A warning line on stderr for each ``--price`` of a model no step of ``graph`` uses."""
     from flowlift.graph import LLMNode
 
@@ -299,7 +305,7 @@ def _warn_unused_prices(graph, prices: list[str], default_model: str) -> None:  
                   file=sys.stderr)
 
 
-def _local_compile_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _local_compile_options(args: argparse.Namespace) -> CompileOptions:
     """Prices from ``--price MODEL=PRICE``; failure rates from the state database.
 
     Raises:
@@ -358,9 +364,8 @@ def _model_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     if args.config:
         cfg = load_config(args.config)
         for name, route in cfg.models.items():
-            kinds = ["embedded" if isinstance(cfg.backends[b], EmbeddedSpec)
-                     else f"upstream {b} ({cfg.backends[b].base_url})"  # type: ignore[union-attr]
-                     for b in route.backends]
+            kinds = ["embedded" if isinstance(spec := cfg.backends[b], EmbeddedSpec)
+                     else f"upstream {b} ({spec.base_url})" for b in route.backends]
             rows.append((name, ", ".join(kinds), "configured"))
     return rows
 

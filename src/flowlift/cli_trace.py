@@ -79,7 +79,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction, default_base_url: str) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+               default_base_url: str) -> None:
     """Register ``flowlift trace`` on the CLI's subcommands."""
     p = sub.add_parser("trace", help="a run's waterfall: where its time went, by stage")
     p.add_argument("run_id", help="the run's id (wf-...), as printed by the SDK (wf.run_id)")

@@ -310,9 +310,9 @@ def _cascade(node: LLMNode, opts: CompileOptions, uncached: float, prompt: float
             failure_rates=[round(counts[0].failure_rate, 4)],
             observed=[counts[0].items], expected_ms=round(counts[0].attempts_per_item * ms[0],
                                                           1), last_only_ms=round(ms[0], 1))
-    prices = [opts.price(m) for m in models]
-    priced = all(p is not None for p in prices)
-    per_attempt = [(prompt + out) / 1000.0 * p for p in prices] if priced else []  # type: ignore[operator]
+    prices = [p for p in map(opts.price, models) if p is not None]
+    priced = len(prices) == len(models)
+    per_attempt = [(prompt + out) / 1000.0 * p for p in prices] if priced else []
     last = counts[-1].attempts_per_item
     return CascadeReport(
         step_id=node.id, step=step, models=models,
@@ -391,8 +391,8 @@ def _report(graph: Graph, opts: CompileOptions, order: list[str],
     residency, switches = _residency(order, model_of, start, cost)
     deadline_ms = graph.deadline_s * 1000 if graph.deadline_s else None
     used = {model_of[n] for n in model_of} | {
-        m or opts.default_model for n in model_of if isinstance(nodes[n], LLMNode)
-        for m in nodes[n].models()}  # type: ignore[union-attr]
+        m or opts.default_model for node in map(nodes.__getitem__, model_of)
+        if isinstance(node, LLMNode) for m in node.models()}
     return CompileReport(
         name=graph.name, workflow_class=graph.workflow_class, steps=len(order),
         levels=1 + max(depth.values(), default=-1),

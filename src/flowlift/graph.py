@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -38,7 +38,7 @@ from pydantic import (
     model_validator,
 )
 
-GRAPH_VERSION = "1"
+GRAPH_VERSION: Final = "1"
 
 
 class _Model(BaseModel):

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +258,7 @@ class FakeEngine(Engine):
         self._seen[words] = None
         return best
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the responder's text in ``chunk_chars`` pieces (one fake token per chunk
         when logprobs are asked for); tokens are whitespace-separated words."""
         if request.model not in self._models:
