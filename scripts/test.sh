@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# README command 2: install the test dependencies and run the whole suite, including the
-# integration tests on the real vLLM engine (one engine start per session).
+# README command 2: install the test dependencies, check the types (scripts/typecheck.sh),
+# and run the whole suite, including the integration tests on the real vLLM engine (one
+# engine start per session).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
+bash scripts/typecheck.sh  # the typing gate: any mypy error stops here, before the tests
 export FLOWLIFT_REQUIRE_ENGINE=1
 export FLOWLIFT_REQUIRE_CHROMIUM=1  # the page tests (tests/test_ui_chromium.py) must run
 exec .venv/bin/python -m pytest "$@"
