@@ -146,8 +146,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     tel = telemetry.Telemetry.for_proxy(tracer_provider, config.trace_dir, backends, providers,
                                         active_runs=lambda: len(runs.active))
     runs = RunRegistry(store, config.trace_dir, detached_timeout_s=config.detached_timeout_s,
-                       outcomes=outcomes, max_active=config.max_runs)
-    runs.telemetry = tel
+                       outcomes=outcomes, max_active=config.max_runs, observer=tel)
     # The whole middleware stack, outermost first.
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
         tel.request_middleware(),  # a span per OpenAI request (refused ones too), metrics

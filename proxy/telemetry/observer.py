@@ -103,7 +103,7 @@ class Telemetry:
         """The context to run ``run``'s task in (its span current), or None on failure."""
         try:
             models = {n.id: n.model for n in run.graph.nodes if isinstance(n, LLMNode)}
-            run_spans = RunSpans(self.tracer, run.trace, getattr(run, "trace_parent", None),
+            run_spans = RunSpans(self.tracer, run.trace, run.trace_parent,
                                  self.provider_of, models)
             self._runs[run.run_id] = run_spans
             return run_spans.task_context()
@@ -115,7 +115,7 @@ class Telemetry:
         """Count the run in the metrics; end its span and emit its steps' spans in a
         worker thread (the trace is final now), so the run's last event is not held up
         by building them (~0.2 ms a step, ``bench/tracing_overhead.py``)."""
-        missed = bool(getattr(run, "deadline_missed", False))
+        missed = run.deadline_missed
         try:
             self.metrics.observe_run(run.trace, deadline_missed=missed)
         except Exception:
