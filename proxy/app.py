@@ -24,7 +24,7 @@ from flowlift.errors import ConfigError
 from flowlift.local_engine.base import Engine
 from flowlift.local_engine.residency import ResidencyManager
 from flowlift.proxy import lifecycle
-from flowlift.proxy.config import FileConfig
+from flowlift.proxy.config import FileConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.providers import Providers
 from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
@@ -106,8 +106,11 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
 
     Args:
         engines: served model name -> engine (the first is the default model).
-        config: proxy settings.
-        file_config: upstream providers and model routes (:mod:`flowlift.proxy.config`).
+        config: the proxy's settings, already merged (:func:`flowlift.proxy.config.settings`:
+            flags over the file's ``[server]`` over defaults); None: the file's over the
+            defaults.
+        file_config: upstream providers and model routes (:mod:`flowlift.proxy.config`);
+            its ``[server]`` section is read only when ``config`` is None.
         transport: httpx transport for every upstream (tests); None: the network.
         residency: the manager behind the :class:`~flowlift.local_engine.resident.ResidentEngine`
             engines among ``engines`` (several models in one memory budget); the proxy
@@ -119,7 +122,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     Returns:
         An ``aiohttp.web.Application``; engines start when the app starts.
     """
-    config = config or ProxyConfig()
+    config = config or settings({}, file_config)
     backends = Backends(engines, max_concurrency=config.max_concurrency,
                         fcfs=config.scheduling == "fcfs",
                         batch_prefill_budget=config.batch_prefill_budget,
