@@ -13,7 +13,6 @@ a run's progress (:mod:`flowlift.proxy.workflows.progress`) and the pages under 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import Mapping
 
@@ -21,15 +20,16 @@ import httpx
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from flowlift.errors import AuthenticationError, ConfigError, EngineError
+from flowlift.errors import ConfigError
 from flowlift.local_engine.base import Engine
 from flowlift.local_engine.residency import ResidencyManager
 from flowlift.proxy import lifecycle
-from flowlift.proxy.config import FileConfig
+from flowlift.proxy.config import FileConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.providers import Providers
 from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
-from flowlift.proxy.http import Handler, error_response, log, openai_errors
+from flowlift.proxy.http import log, openai_errors
+from flowlift.proxy.middleware import readiness_gate, require_key
 from flowlift.proxy.openai import routes as openai_api
 from flowlift.proxy.sessions import api as sessions_api
 from flowlift.proxy.sessions.table import SessionTable
@@ -41,34 +41,6 @@ from flowlift.proxy.workflows import progress as progress_api
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.store import RunStore
-
-_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/models", "/v1/workflows:compile",
-                         "/metrics"})
-_UNAUTHENTICATED = frozenset({"/healthz", "/readyz", "/metrics"})
-
-
-@web.middleware
-async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Optional proxy API keys: ``Authorization: Bearer <key>`` on every API path."""
-    keys = request.app[STATE].config.api_keys
-    if keys and request.path not in _UNAUTHENTICATED:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not any(
-                hmac.compare_digest(token.encode(), k.encode()) for k in keys):
-            raise AuthenticationError("missing or invalid API key: send the proxy's key as "
-                                      "`Authorization: Bearer <key>`", param="Authorization")
-    return await handler(request)
-
-
-@web.middleware
-async def require_ready(request: web.Request, handler: Handler) -> web.StreamResponse:
-    state: ProxyState = request.app[STATE]
-    if state.ready.is_set() or request.path in _OPEN_PATHS:
-        return await handler(request)
-    why = state.load_error or "the engine is still loading"
-    return error_response(EngineError(f"not ready: {why}"),
-                          headers={"Retry-After": "5"})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -134,8 +106,11 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
 
     Args:
         engines: served model name -> engine (the first is the default model).
-        config: proxy settings.
-        file_config: upstream providers and model routes (:mod:`flowlift.proxy.config`).
+        config: the proxy's settings, already merged (:func:`flowlift.proxy.config.settings`:
+            flags over the file's ``[server]`` over defaults); None: the file's over the
+            defaults.
+        file_config: upstream providers and model routes (:mod:`flowlift.proxy.config`);
+            its ``[server]`` section is read only when ``config`` is None.
         transport: httpx transport for every upstream (tests); None: the network.
         residency: the manager behind the :class:`~flowlift.local_engine.resident.ResidentEngine`
             engines among ``engines`` (several models in one memory budget); the proxy
@@ -147,9 +122,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     Returns:
         An ``aiohttp.web.Application``; engines start when the app starts.
     """
-    config = config or ProxyConfig()
-    app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[openai_errors, require_key, require_ready])
+    config = config or settings({}, file_config)
     backends = Backends(engines, max_concurrency=config.max_concurrency,
                         fcfs=config.scheduling == "fcfs",
                         batch_prefill_budget=config.batch_prefill_budget,
@@ -170,18 +143,25 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")
     state_path = config.state_path or ":memory:"
-    app[STATE] = ProxyState(
-        backends=backends,
-        providers=providers,
-        runs=RunRegistry(RunStore(state_path), config.trace_dir,
-                         detached_timeout_s=config.detached_timeout_s,
-                         outcomes=StepOutcomes(state_path,
-                                               default_model=backends.default_model),
-                         max_active=config.max_runs),
-        config=config, residency=residency,
-        prices=file_config.prices() if file_config else {})
+    store = RunStore(state_path)  # (raises on an unusable --state-db: before any exporter)
+    outcomes = StepOutcomes(state_path, default_model=backends.default_model)
+    # spans and metrics (the run count is read at scrape time, once `runs` exists)
+    tel = telemetry.Telemetry.for_proxy(tracer_provider, config.trace_dir, backends, providers,
+                                        active_runs=lambda: len(runs.active))
+    runs = RunRegistry(store, config.trace_dir, detached_timeout_s=config.detached_timeout_s,
+                       outcomes=outcomes, max_active=config.max_runs, observer=tel)
+    # The whole middleware stack, outermost first.
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
+        tel.request_middleware(),  # a span per OpenAI request (refused ones too), metrics
+        openai_errors,  # every failure leaves in the OpenAI error shape
+        require_key,  # API keys, when configured
+        readiness_gate,  # 503 while loading or draining; counts requests in flight
+    ])
+    app[STATE] = ProxyState(backends=backends, providers=providers, runs=runs, config=config,
+                            residency=residency,
+                            prices=file_config.prices() if file_config else {})
+    app[lifecycle.DRAIN] = lifecycle.Drain()  # the SIGTERM drain (lifecycle.drain)
     if residency is not None:
-        runs = app[STATE].runs
         residency.lookahead = lambda: runs.lookahead(backends.canonical)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -192,7 +172,6 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                                          ttl_s=config.session_ttl_s))
     progress_api.setup(app)  # step counts of a run (the SDK's progress bar)
     ui.setup(app)  # /ui/workflows/{run_id} (timeline) and /ui/compile
-    telemetry.setup(app, app[STATE], tracer_provider)  # spans, /metrics
-    lifecycle.setup(app)  # readiness and the SIGTERM drain (new work refused while draining)
+    telemetry.setup(app, tel)  # /metrics, flushed at shutdown
     app.cleanup_ctx.append(_lifecycle)
     return app

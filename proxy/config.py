@@ -1,10 +1,13 @@
-"""The proxy's config file: which backends exist and which models they serve.
+"""The proxy's settings: :class:`ProxyConfig`, merged by :func:`settings` from the
+command line's flags, over the config file's ``[server]`` section, over the defaults.
 
-A TOML file (``flowlift serve --config flowlift.toml``)::
+The config file also says which backends exist and which models they serve. A TOML
+file (``flowlift serve --config flowlift.toml``)::
 
     [server]
     api_keys_env = "FLOWLIFT_API_KEYS"   # comma-separated proxy keys; unset: no auth
-    max_queue = 256                      # waiting requests per engine before 429 (--max-queue)
+    max_queue = 256                      # waiting requests per engine before 429
+                                         # (the --max-queue flag, when given, wins)
 
     [backends.local]
     kind = "embedded"                    # the in-process engine (--engine / --model)
@@ -37,8 +40,10 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import httpx
 from pydantic import (
@@ -53,6 +58,42 @@ from pydantic import (
 from flowlift.errors import ConfigError
 
 EMBEDDED = "embedded"
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Settings of one proxy (:func:`settings` merges them from flags, file and defaults).
+
+    Attributes:
+        max_concurrency: engine requests in flight per backend.
+        max_body_bytes: request bodies above this get HTTP 413.
+        trace_dir: where each finished run's trace is written (JSON lines), or None.
+        state_path: SQLite file of durable runs; None keeps runs in memory only.
+        detached_timeout_s: a run nobody listens to for this long is cancelled.
+        scheduling: ``"priority"`` (class, critical path, slack; prefix-grouped
+            dispatch) or ``"fcfs"`` (the baseline).
+        batch_prefill_budget: prompt tokens of batch work in prefill at once.
+        batch_cap_when_interactive: batch slots while interactive work runs (None: half).
+        api_keys: keys clients must send as ``Authorization: Bearer``; empty: no auth.
+        max_queue: OpenAI requests waiting per engine before the proxy answers 429.
+        max_sessions, session_ttl_s: bounds of the ``X-Flowlift-Session`` table (sessions
+            kept; seconds a session lives after its last turn).
+        max_runs: workflow runs active at once before ``POST /v1/workflows`` answers 429.
+    """
+
+    max_concurrency: int = 16
+    max_body_bytes: int = 32 * 1024 * 1024
+    trace_dir: Path | None = None
+    state_path: Path | None = None
+    detached_timeout_s: float = 300.0
+    scheduling: str = "priority"
+    batch_prefill_budget: int = 1024
+    batch_cap_when_interactive: int | None = None
+    api_keys: frozenset[str] = frozenset()
+    max_queue: int = 256
+    max_sessions: int = 10_000
+    session_ttl_s: float = 1800.0
+    max_runs: int = 4096
 
 
 class _Strict(BaseModel):
@@ -133,6 +174,15 @@ class FileConfig(_Strict):
         return {name: spec.price_per_1k_tokens for name, spec in self.models.items()
                 if spec.price_per_1k_tokens is not None}
 
+    def server_settings(self) -> dict[str, Any]:
+        """The :class:`ProxyConfig` fields the ``[server]`` section sets (only those)."""
+        out: dict[str, Any] = {}
+        if self.server.api_keys_env:
+            out["api_keys"] = self.proxy_keys()
+        if self.server.max_queue is not None:
+            out["max_queue"] = self.server.max_queue
+        return out
+
     def proxy_keys(self) -> frozenset[str]:
         """The proxy API keys clients must present (empty: no auth)."""
         if not self.server.api_keys_env:
@@ -196,3 +246,27 @@ def parse_config(data: dict, *, source: str = "config") -> FileConfig:
         raise ConfigError(f"{source}: " + "; ".join(missing),
                           param=missing[0].split(":")[0])
     return config
+
+
+def settings(flags: Mapping[str, Any], file: FileConfig | None = None) -> ProxyConfig:
+    """The proxy's settings: each field from the command line when its flag was given,
+    else from the config file's ``[server]`` section when the file sets it, else
+    :class:`ProxyConfig`'s default.
+
+    Args:
+        flags: :class:`ProxyConfig` field -> value, holding only the flags given on the
+            command line (a flag left out does not override the file).
+        file: the parsed config file, or None.
+
+    Returns:
+        The merged settings.
+
+    Raises:
+        ConfigError: a key of ``flags`` names no :class:`ProxyConfig` field.
+    """
+    known = {f.name for f in fields(ProxyConfig)}
+    unknown = sorted(set(flags) - known)
+    if unknown:
+        raise ConfigError(f"not a proxy setting: {', '.join(unknown)}", param=unknown[0])
+    merged = file.server_settings() if file is not None else {}
+    return ProxyConfig(**{**merged, **flags})

@@ -8,9 +8,10 @@
 
   1. stop accepting new work: ``/readyz`` turns 503, and a request that would start
      work (a workflow, a chat/completion/embedding/response) gets 503 with
-     ``Retry-After`` (OpenAI error shape, code ``shutting_down``). The listener stays
-     open, so what is already under way can finish: a run's ``@tool`` results are still
-     taken and its event stream can still be followed.
+     ``Retry-After`` (OpenAI error shape, code ``shutting_down``; the gate is
+     :func:`flowlift.proxy.middleware.readiness_gate`, reading the app's :class:`Drain`).
+     The listener stays open, so what is already under way can finish: a run's
+     ``@tool`` results are still taken and its event stream can still be followed.
   2. wait up to ``grace_s`` for in-flight requests and running workflow runs to end;
   3. suspend the runs still going (their event log is already on disk: the run's
      state), so a proxy started on the same ``--state-db`` resumes them and the SDK
@@ -35,21 +36,12 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from flowlift.errors import ShuttingDown
-from flowlift.proxy.http import Handler, error_response
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.runs import Run
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.lifecycle")
-
-# POSTs that start work; everything else (status, event streams of running runs, tool
-# results, cancels, model lists, compile reports) is still served while draining.
-_NEW_WORK = frozenset({"/v1/workflows", "/v1/chat/completions", "/v1/completions",
-                       "/v1/embeddings", "/v1/responses"})
-_PROBES = frozenset({"/healthz", "/readyz"})
-RETRY_AFTER_S = 5.0
 
 
 @dataclass(slots=True)
@@ -76,38 +68,6 @@ class Drain:
 DRAIN: web.AppKey[Drain] = web.AppKey("flowlift.drain", Drain)
 
 
-def _follows_running_run(request: web.Request, runs: RunRegistry) -> bool:
-    parts = request.path.split("/")  # ["", "v1", "workflows", run_id, "events"]
-    return len(parts) == 5 and parts[4] == "events" and parts[3] in runs.active
-
-
-def _refused(request: web.Request, state: ProxyState) -> bool:
-    """While draining: does this request start work (or wait on a run that will not
-    run here any more)?"""
-    if request.method == "POST" and request.path in _NEW_WORK:
-        return True
-    if request.method == "GET" and request.path.endswith("/events"):
-        return not _follows_running_run(request, state.runs)
-    return False
-
-
-@web.middleware
-async def drain_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Counts requests in flight; while draining, refuses new work with 503."""
-    if request.path in _PROBES:
-        return await handler(request)
-    drain = request.app[DRAIN]
-    if drain.draining and _refused(request, request.app[STATE]):
-        return error_response(ShuttingDown(
-            "the proxy is shutting down and takes no new work; retry (another replica, or "
-            "this one after its restart)", retry_after_s=RETRY_AFTER_S))
-    drain.in_flight += 1
-    try:
-        return await handler(request)
-    finally:
-        drain.in_flight -= 1
-
-
 def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
     """Why the proxy should get no traffic now, or None when it is ready."""
     if drain.draining:
@@ -120,12 +80,6 @@ def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
     if problem:
         return f"the run store is not usable: {problem}"
     return None
-
-
-def setup(app: web.Application) -> None:
-    """Install the drain gate (after the app's other middlewares)."""
-    app[DRAIN] = Drain()
-    app.middlewares.append(drain_gate)
 
 
 def _busy(runs: RunRegistry) -> list[Run]:

@@ -1,16 +1,17 @@
-"""The proxy's settings and shared state (``app[STATE]``; no module globals)."""
+"""The proxy's shared state (``app[STATE]``; no module globals). Its settings,
+:class:`~flowlift.proxy.config.ProxyConfig`, are importable from here too."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from flowlift.costs import CostTracker
+from flowlift.proxy.config import ProxyConfig
 from flowlift.proxy.workflows.inferred import InferredWorkflows
 
 if TYPE_CHECKING:
@@ -18,42 +19,6 @@ if TYPE_CHECKING:
     from flowlift.proxy.dispatch.backends import Backends
     from flowlift.proxy.dispatch.providers import Providers
     from flowlift.proxy.workflows.registry import RunRegistry
-
-
-@dataclass(frozen=True, slots=True)
-class ProxyConfig:
-    """Settings of one proxy.
-
-    Attributes:
-        max_concurrency: engine requests in flight per backend.
-        max_body_bytes: request bodies above this get HTTP 413.
-        trace_dir: where each finished run's trace is written (JSON lines), or None.
-        state_path: SQLite file of durable runs; None keeps runs in memory only.
-        detached_timeout_s: a run nobody listens to for this long is cancelled.
-        scheduling: ``"priority"`` (class, critical path, slack; prefix-grouped
-            dispatch) or ``"fcfs"`` (the baseline).
-        batch_prefill_budget: prompt tokens of batch work in prefill at once.
-        batch_cap_when_interactive: batch slots while interactive work runs (None: half).
-        api_keys: keys clients must send as ``Authorization: Bearer``; empty: no auth.
-        max_queue: OpenAI requests waiting per engine before the proxy answers 429.
-        max_sessions, session_ttl_s: bounds of the ``X-Flowlift-Session`` table (sessions
-            kept; seconds a session lives after its last turn).
-        max_runs: workflow runs active at once before ``POST /v1/workflows`` answers 429.
-    """
-
-    max_concurrency: int = 16
-    max_body_bytes: int = 32 * 1024 * 1024
-    trace_dir: Path | None = None
-    state_path: Path | None = None
-    detached_timeout_s: float = 300.0
-    scheduling: str = "priority"
-    batch_prefill_budget: int = 1024
-    batch_cap_when_interactive: int | None = None
-    api_keys: frozenset[str] = frozenset()
-    max_queue: int = 256
-    max_sessions: int = 10_000
-    session_ttl_s: float = 1800.0
-    max_runs: int = 4096
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ from flowlift.proxy.dispatch.providers import Providers
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.sse_bytes import complete_prefix, data_fields, finished
 from flowlift.proxy.dispatch.upstream import Upstream, forwarded_headers, translate
+from flowlift.proxy.openai import chunks
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.proxy.workflows.inferred import render_message
 from flowlift.tracing import get_logger
@@ -140,13 +141,13 @@ def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
 
 
 def _observe_plain(doc: dict[str, Any], on_output: OnOutput) -> None:
+    answer = chunks.parse(doc)
+    choice = answer.choice(0)
     try:
-        choice = (doc.get("choices") or [{}])[0]
-        message = choice.get("message")
-        text = (render_message(message)[1] if isinstance(message, dict)
-                else choice.get("text") or "")
-        on_output(text, doc.get("usage"))
-    except (AttributeError, IndexError, TypeError):
+        text = ("" if choice is None else render_message(choice.message)[1]
+                if choice.message is not None else choice.text)
+        on_output(text, None if answer.usage_json is None else dict(answer.usage_json))
+    except (AttributeError, IndexError, TypeError):  # e.g. tool_calls that are no list
         log.info("unreadable_upstream_answer", keys=sorted(doc)[:8])
 
 
@@ -159,18 +160,12 @@ class _Collect:
 
     def add(self, events: bytes) -> None:
         for data in data_fields(events):
-            try:
-                doc = orjson.loads(data)
-            except orjson.JSONDecodeError:
+            chunk = chunks.parse_event(data)
+            if chunk is None:
                 continue  # [DONE]
-            if not isinstance(doc, dict):
-                continue
-            if doc.get("usage"):
-                self.usage = doc["usage"]
-            for choice in doc.get("choices") or ():
-                if choice.get("index", 0) == 0:
-                    delta = choice.get("delta") or {}
-                    self.parts.append(delta.get("content") or choice.get("text") or "")
+            if chunk.usage_json is not None:
+                self.usage = dict(chunk.usage_json)
+            self.parts.extend(c.text for c in chunk.choices if c.index == 0)
 
 
 async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | None,

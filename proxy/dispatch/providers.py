@@ -25,15 +25,16 @@ class Providers:
         embedded: the in-process engines (may serve no model when every model is upstream).
         config: the parsed config file, or None (embedded models only).
         transport: httpx transport for every upstream (tests); None: the network.
-        max_queue: requests waiting per embedded backend before the proxy answers 429.
+        max_queue: requests waiting per embedded backend before the proxy answers 429
+            (the merged setting, :attr:`ProxyConfig.max_queue`; the file's is not read here).
     """
 
     def __init__(self, embedded: Backends | None, config: FileConfig | None = None, *,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 max_queue: int | None = None) -> None:
+                 max_queue: int = 256) -> None:
         self.embedded = embedded
         self.config = config
-        self.max_queue = (config.server.max_queue if config else None) or max_queue or 256
+        self.max_queue = max_queue
         self.upstreams: dict[str, Upstream] = {}
         self._embedded_names: dict[str, Backend] = {}
         self.routes: dict[str, Route] = {}

@@ -31,6 +31,7 @@ from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.providers import Providers
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.upstream import translate, unretryable
+from flowlift.proxy.openai import chunks
 from flowlift.tracing.spans import inject
 
 
@@ -70,43 +71,23 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
     return body
 
 
-def _usage(doc: dict[str, Any]) -> Usage:
-    details = doc.get("prompt_tokens_details") or {}
-    return Usage(prompt_tokens=doc.get("prompt_tokens") or 0,
-                 completion_tokens=doc.get("completion_tokens") or 0,
-                 cached_tokens=details.get("cached_tokens") or 0)
-
-
-def _token_logprobs(choice: dict[str, Any]) -> tuple[TokenLogprob, ...]:
-    """OpenAI's ``choices[].logprobs.content`` as :class:`TokenLogprob` entries."""
-    entries = (choice.get("logprobs") or {}).get("content") or ()
-    return tuple(TokenLogprob(e.get("token", ""), float(e.get("logprob", 0.0)), tuple(
-        (t.get("token", ""), float(t.get("logprob", 0.0))) for t in e.get("top_logprobs") or ()))
-        for e in entries if isinstance(e, dict))
-
-
 def _read_event(data: str, backend: str
                 ) -> tuple[str, str | None, Usage | None, tuple[TokenLogprob, ...]]:
     """(text of choice 0, finish_reason, usage, token logprobs) of one
-    chat.completion.chunk.
+    chat.completion.chunk (read by :func:`flowlift.proxy.openai.chunks.parse_event`).
 
     Raises:
-        EngineError: an in-band error event, or an event that is not JSON.
+        EngineError: an in-band error event, or an event that is not a JSON object.
     """
-    try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        raise EngineError(f"backend {backend!r} sent a stream event that is not JSON") \
-            from None
-    if "error" in doc:
-        raise EngineError(f"backend {backend!r}: {(doc['error'] or {}).get('message')}")
-    text, finish, logprobs = "", None, ()
-    for choice in doc.get("choices") or ():
-        if choice.get("index", 0) == 0:
-            text = (choice.get("delta") or {}).get("content") or ""
-            finish = choice.get("finish_reason")
-            logprobs = _token_logprobs(choice)
-    return text, finish, _usage(doc["usage"]) if doc.get("usage") else None, logprobs
+    chunk = chunks.parse_event(data)
+    if chunk is None:
+        raise EngineError(f"backend {backend!r} sent a stream event that is not JSON")
+    if chunk.error is not None:
+        raise EngineError(f"backend {backend!r}: {chunk.error or 'an error without a message'}")
+    first = chunk.choice(0)
+    if first is None:
+        return "", None, chunk.usage, ()
+    return first.text, first.finish_reason, chunk.usage, first.logprobs
 
 
 class UpstreamEngine(Engine):

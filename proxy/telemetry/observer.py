@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
@@ -30,7 +32,8 @@ from flowlift.tracing.metrics import Metrics
 from flowlift.tracing.run_spans import RunSpans
 
 if TYPE_CHECKING:
-    from flowlift.proxy.state import ProxyState
+    from flowlift.proxy.dispatch.backends import Backends
+    from flowlift.proxy.dispatch.providers import Providers
     from flowlift.proxy.workflows.runs import Run
 
 log = get_logger("flowlift.tracing")
@@ -42,35 +45,56 @@ class Telemetry:
     Args:
         provider: the proxy's tracer provider
             (:func:`~flowlift.tracing.spans.proxy_tracer_provider`).
-        state: the proxy's state (backends, runs, upstreams: read by the metrics at scrape
-            time).
+        backends, providers: the proxy's backends and upstreams (read by the metrics at
+            scrape time, and to name a model's provider on its spans).
+        active_runs: the number of workflow runs active now (read at scrape time).
         owned: the provider is this proxy's own (shut down with it); False for one it
             shares (a :func:`~flowlift.tracing.spans.capture_spans` provider): only flushed.
     """
 
-    def __init__(self, provider: TracerProvider, state: ProxyState, *,
-                 owned: bool = True) -> None:
+    def __init__(self, provider: TracerProvider, backends: Backends, providers: Providers,
+                 active_runs: Callable[[], int], *, owned: bool = True) -> None:
         self.provider, self.owned = provider, owned
         self.tracer = provider.get_tracer("flowlift.proxy")
-        self.state = state
+        self.backends, self.providers = backends, providers
         self.metrics = Metrics(queue_depth=self._queue_depth,
-                               active_workflows=lambda: len(state.runs.active),
+                               active_workflows=active_runs,
                                upstream_in_flight=self._in_flight)
         self._runs: dict[str, RunSpans] = {}
 
+    @classmethod
+    def for_proxy(cls, provider: TracerProvider | None, trace_dir: Path | None,
+                  backends: Backends, providers: Providers,
+                  active_runs: Callable[[], int]) -> Telemetry:
+        """The telemetry of one proxy app.
+
+        Args:
+            provider: a tracer provider to use (not shut down with the app); None: the
+                proxy's own (:func:`~flowlift.tracing.spans.proxy_tracer_provider`, JSON
+                lines under ``trace_dir`` unless OTLP is configured).
+        """
+        owned = provider is None and not spans.capturing()
+        provider = provider or spans.proxy_tracer_provider(trace_dir)
+        return cls(provider, backends, providers, active_runs, owned=owned)
+
+    def request_middleware(self) -> Any:
+        """The aiohttp middleware giving each OpenAI API request its span and feeding the
+        metrics (:func:`flowlift.proxy.telemetry.requests.middleware`)."""
+        return request_tracing.middleware(self.tracer, self.observe_request)
+
     def _queue_depth(self) -> list[tuple[str, str, int]]:
         out = []
-        for backend in self.state.backends.backends:
+        for backend in self.backends.backends:
             for cls, n in backend.slots.queued_by_class().items():
                 out.append((backend.name, cls, n))
         return out
 
     def _in_flight(self) -> list[tuple[str, int]]:
-        return [(name, up.health.in_flight) for name, up in self.state.providers.upstreams.items()]
+        return [(name, up.health.in_flight) for name, up in self.providers.upstreams.items()]
 
     def provider_of(self, model: str | None) -> str:
         try:
-            return genai.provider_name(self.state.backends.resolve(model)[1].engine)
+            return genai.provider_name(self.backends.resolve(model)[1].engine)
         except Exception:
             return "vllm"
 
@@ -79,7 +103,7 @@ class Telemetry:
         """The context to run ``run``'s task in (its span current), or None on failure."""
         try:
             models = {n.id: n.model for n in run.graph.nodes if isinstance(n, LLMNode)}
-            run_spans = RunSpans(self.tracer, run.trace, getattr(run, "trace_parent", None),
+            run_spans = RunSpans(self.tracer, run.trace, run.trace_parent,
                                  self.provider_of, models)
             self._runs[run.run_id] = run_spans
             return run_spans.task_context()
@@ -91,7 +115,7 @@ class Telemetry:
         """Count the run in the metrics; end its span and emit its steps' spans in a
         worker thread (the trace is final now), so the run's last event is not held up
         by building them (~0.2 ms a step, ``bench/tracing_overhead.py``)."""
-        missed = bool(getattr(run, "deadline_missed", False))
+        missed = run.deadline_missed
         try:
             self.metrics.observe_run(run.trace, deadline_missed=missed)
         except Exception:
@@ -141,26 +165,13 @@ async def metrics_handler(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def setup(app: web.Application, state: ProxyState,
-          provider: TracerProvider | None = None) -> Telemetry:
-    """Install tracing and metrics on ``app``: the request middleware (outermost), the
-    ``/metrics`` route, run hooks on the registry, and a flush at shutdown.
-
-    Args:
-        provider: a tracer provider to use (not shut down with the app); None: the
-            proxy's own (:func:`~flowlift.tracing.spans.proxy_tracer_provider`).
-    """
-    owned = provider is None and not spans.capturing()
-    provider = provider or spans.proxy_tracer_provider(state.config.trace_dir)
-    telemetry = Telemetry(provider, state, owned=owned)
+def setup(app: web.Application, telemetry: Telemetry) -> None:
+    """Serve ``telemetry`` on ``app``: ``app[TELEMETRY]``, the ``/metrics`` route, and a
+    flush at shutdown. (Its request middleware is in the app factory's middleware list:
+    :meth:`Telemetry.request_middleware`.)"""
     app[TELEMETRY] = telemetry
-    state.runs.telemetry = telemetry
-    app.middlewares.insert(0, request_tracing.middleware(telemetry.tracer,
-                                                         telemetry.observe_request))
     app.router.add_get("/metrics", metrics_handler)
 
     async def flush(_: web.Application) -> None:
         await telemetry.shutdown()
     app.on_cleanup.append(flush)
-    return telemetry
-

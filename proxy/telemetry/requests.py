@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import orjson
 from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -33,6 +32,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from flowlift.local_engine.base import Engine, GenerationChunk
 from flowlift.proxy.dispatch.sse_bytes import data_fields, finished
+from flowlift.proxy.openai import chunks
 from flowlift.tracing import genai
 from flowlift.tracing.logging import get_logger
 from flowlift.tracing.spans import extract
@@ -120,7 +120,7 @@ class RequestTrace:
             self.span.set_attributes({genai.PROVIDER: "openai", "flowlift.backend": backend})
             if doc is not None:
                 self.done = True
-                self._read_doc(doc)
+                self._note(chunks.parse(doc))
 
     def sse(self, events: bytes) -> None:
         """Whole events of a forwarded upstream stream. Parsed only where they may hold
@@ -134,17 +134,19 @@ class RequestTrace:
             self.done = self.done or finished(events)
             if first or _MAY_HOLD.search(events):
                 for data in data_fields(events):
-                    if data.startswith("{"):
-                        self._read_doc(orjson.loads(data))
+                    chunk = chunks.parse_event(data) if data.startswith("{") else None
+                    if chunk is not None:
+                        self._note(chunk)
 
-    def _read_doc(self, doc: dict[str, Any]) -> None:
-        if isinstance(doc.get("model"), str):
-            self.response_model = doc["model"]
-        if isinstance(doc.get("usage"), dict):
-            self.upstream_usage = doc["usage"]
-        for choice in doc.get("choices") or ():
-            if isinstance(choice, dict) and choice.get("finish_reason"):
-                self.finish[int(choice.get("index") or 0)] = choice["finish_reason"]
+    def _note(self, chunk: chunks.Chunk) -> None:
+        """The model, usage and finish reasons of an upstream's event or answer."""
+        if chunk.model is not None:
+            self.response_model = chunk.model
+        if chunk.usage_json is not None:
+            self.upstream_usage = dict(chunk.usage_json)
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                self.finish[choice.index] = choice.finish_reason
 
     # -- the end ------------------------------------------------------------------------
     def usage_numbers(self) -> tuple[int | None, int | None, int | None, bool]:

@@ -15,9 +15,9 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from cachetools import TTLCache
+from opentelemetry.context import Context
 
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
@@ -25,6 +25,7 @@ from flowlift.errors import Overloaded, RequestError
 from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
@@ -49,14 +50,15 @@ class RunRegistry:
                  keep: int = 1024, ttl_s: float = 3600.0,
                  detached_timeout_s: float = 300.0,
                  outcomes: StepOutcomes | None = None, store_keep: int = 10_000,
-                 store_ttl_s: float = 7 * 24 * 3600, max_active: int = 4096) -> None:
+                 store_ttl_s: float = 7 * 24 * 3600, max_active: int = 4096,
+                 observer: RunObserver = NO_OBSERVER) -> None:
         self.store = store or RunStore(":memory:")
         self.outcomes = outcomes or StepOutcomes(":memory:")
         self.active: dict[str, Run] = {}
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
-        self.telemetry: Any = None  # telemetry.observer.Telemetry (set by create_app)
+        self.observer = observer
         self.store_keep, self.store_ttl_s = store_keep, store_ttl_s
         self.max_active = max_active
         self.store.prune(older_than_s=store_ttl_s, keep=store_keep)
@@ -75,7 +77,7 @@ class RunRegistry:
         return stored
 
     def start(self, graph: Graph, backends: Backends, costs: CostTracker,
-              run_plan: Plan, *, parent: Any = None) -> Run:
+              run_plan: Plan, *, parent: Context | None = None) -> Run:
         """Create, persist and start a run of a validated, compiled graph (``parent``:
         the caller's OpenTelemetry context, from its ``traceparent``).
 
@@ -96,9 +98,8 @@ class RunRegistry:
             raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
                                "fresh one", param="id")
         run = Run(graph, backends, run_plan, costs, sink=self.store.append,
-                  outcomes=self.outcomes)
+                  outcomes=self.outcomes, observer=self.observer, trace_parent=parent)
         self.store.create(run.run_id, graph.to_wire())
-        run.trace_parent = parent
         self._activate(run)
         return run
 
@@ -109,7 +110,7 @@ class RunRegistry:
             graph = Graph.model_validate(stored.graph)
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
                       run_id=stored.run_id, sink=self.store.append, restored=stored,
-                      outcomes=self.outcomes)
+                      outcomes=self.outcomes, observer=self.observer)
             self._activate(run)
             resumed.append(run)
             log.info("run_resumed", workflow_id=run.run_id, done=len(run.outputs),
@@ -118,7 +119,6 @@ class RunRegistry:
 
     def _activate(self, run: Run) -> None:
         self.active[run.run_id] = run
-        run.telemetry = self.telemetry
         run.detached_since = time.monotonic()
         run.start().add_done_callback(lambda _: self.retire(run))
 

@@ -20,6 +20,8 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+from opentelemetry.context import Context
+
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
 from flowlift.dataflow import dependencies
@@ -46,6 +48,7 @@ from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.workflows.cascade import Generated, run_step
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import EventLog
+from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.store import StoredRun
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
@@ -73,7 +76,9 @@ class Run:
                  costs: CostTracker | None = None, *, run_id: str | None = None,
                  sink: Callable[[str, int, str, dict[str, Any]], None] | None = None,
                  restored: StoredRun | None = None,
-                 outcomes: StepOutcomes | None = None) -> None:
+                 outcomes: StepOutcomes | None = None,
+                 observer: RunObserver = NO_OBSERVER,
+                 trace_parent: Context | None = None) -> None:
         self.graph = graph
         self.outcomes = outcomes
         self.backends = backends
@@ -95,8 +100,8 @@ class Run:
         self._done = {n.id: asyncio.Event() for n in graph.nodes}
         self._tool_results: dict[str, asyncio.Future[Any]] = {}
         self.task: asyncio.Task[None] | None = None
-        self.telemetry: Any = None  # telemetry.observer.Telemetry, set by the registry
-        self.trace_parent: Any = None  # the caller's W3C trace context
+        self.observer = observer
+        self.trace_parent = trace_parent
         self.deadline_missed = False
         for node in graph.nodes:
             model = node.model if isinstance(node, LLMNode) else None
@@ -110,7 +115,7 @@ class Run:
         return self.trace.status != "running"
 
     def start(self) -> asyncio.Task[None]:
-        ctx = self.telemetry.run_started(self) if self.telemetry is not None else None
+        ctx = self.observer.run_started(self)
         self.task = asyncio.create_task(self._execute(), name=f"run {self.run_id}",
                                         context=ctx)
         return self.task
@@ -194,8 +199,7 @@ class Run:
 
     def _close(self, status: str) -> None:
         self.trace.finish(status)
-        if self.telemetry is not None:  # spans and metrics; never raises
-            self.telemetry.run_closed(self)
+        self.observer.run_closed(self)  # spans and metrics; never raises
         self._emit(("run.finished", {
             "run_id": self.run_id, "status": status, "failures": self.failures,
             "trace": self.trace.records()}))

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -100,16 +100,38 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
     return managed_engines(manager), manager
 
 
+def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The proxy settings (:class:`~flowlift.proxy.config.ProxyConfig` field -> value) the
+    ``flowlift serve`` command line gave: a flag left out (None) is left out here, so the
+    config file's value, else the default, stands (:func:`flowlift.proxy.config.settings`).
+    ``--max-concurrency`` and ``--state-db`` (default: the cache folder's) always count.
+    """
+    from flowlift.local_engine.models import cache_dir
+
+    state_db = Path(args.state_db) if args.state_db else cache_dir() / "state.sqlite"
+    given = {"max_concurrency": args.max_concurrency,
+             "max_body_bytes": (None if args.max_body_mb is None
+                                else int(args.max_body_mb * 1024 * 1024)),
+             "trace_dir": Path(args.trace_dir) if args.trace_dir else None,
+             "scheduling": args.scheduling, "batch_prefill_budget": args.batch_prefill_budget,
+             "batch_cap_when_interactive": args.batch_cap_when_interactive,
+             "max_queue": args.max_queue, "max_sessions": args.max_sessions,
+             "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs}
+    flags = {name: value for name, value in given.items() if value is not None}
+    flags["state_path"] = None if args.state_db == ":memory:" else state_db
+    return flags
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from flowlift.proxy import ProxyConfig, create_app
+    from flowlift.proxy import create_app
+    from flowlift.proxy.config import settings
     from flowlift.proxy.lifecycle import bind, serve
     from flowlift.tracing import configure_logging
 
     configure_logging(args.log_level)
     from flowlift.errors import ConfigError, EngineError
-    from flowlift.local_engine.models import cache_dir
     from flowlift.proxy.config import EmbeddedSpec, load_config
 
     try:
@@ -128,17 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"flowlift serve: {problem}", file=sys.stderr)
         return 2
-    state_db = Path(args.state_db) if args.state_db else cache_dir() / "state.sqlite"
-    config = ProxyConfig(max_concurrency=args.max_concurrency,
-                         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                         trace_dir=Path(args.trace_dir) if args.trace_dir else None,
-                         state_path=None if args.state_db == ":memory:" else state_db,
-                         scheduling=args.scheduling,
-                         batch_prefill_budget=args.batch_prefill_budget,
-                         batch_cap_when_interactive=args.batch_cap_when_interactive,
-                         api_keys=file_config.proxy_keys() if file_config else frozenset(),
-                         max_queue=args.max_queue, max_sessions=args.max_sessions,
-                         session_ttl_s=args.session_ttl_s, max_runs=args.max_runs)
+    config = settings(serve_flags(args), file_config)  # flags > file > defaults
     try:
         sock = bind(args.host, args.port)  # before any model is prepared or loaded
     except OSError as exc:  # the port is taken, the host is not ours...
@@ -510,11 +522,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine_opts(serve)
     serve.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
     serve.add_argument("--max-model-len", type=_positive_int, default=4096)
-    serve.add_argument("--max-body-mb", type=_positive, default=32.0)
-    serve.add_argument("--max-queue", type=_positive_int, default=256,
+    serve.add_argument("--max-body-mb", type=_positive, default=None,
+                       help="request bodies above this get HTTP 413 (default 32)")
+    serve.add_argument("--max-queue", type=_positive_int, default=None,
                        help="OpenAI requests waiting per engine before answering 429 "
-                            "with Retry-After (default 256)")
-    serve.add_argument("--max-runs", type=_positive_int, default=4096,
+                            "with Retry-After (default: the config file's [server] "
+                            "max_queue, else 256)")
+    serve.add_argument("--max-runs", type=_positive_int, default=None,
                        help="workflow runs active at once before POST /v1/workflows answers "
                             "429 with Retry-After (default 4096)")
     serve.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
@@ -529,9 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--state-db", default=None,
                        help="SQLite file of durable runs (default "
                             "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none)")
-    serve.add_argument("--scheduling", choices=("priority", "fcfs"), default="priority",
-                       help="dispatch order (fcfs: the baseline, for benchmarks)")
-    serve.add_argument("--batch-prefill-budget", type=_positive_int, default=1024,
+    serve.add_argument("--scheduling", choices=("priority", "fcfs"), default=None,
+                       help="dispatch order (default priority; fcfs: the baseline, for "
+                            "benchmarks)")
+    serve.add_argument("--batch-prefill-budget", type=_positive_int, default=None,
                        help="prompt tokens of batch work in prefill at once (default 1024; "
                             "raise it on a GPU)")
     serve.add_argument("--batch-cap-when-interactive", type=_count, default=None,
@@ -553,10 +568,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV-cache block size in tokens (default: vLLM's, 128 on CPU; "
                             "vLLM's CPU build needs a multiple of 32); smaller blocks keep "
                             "more of a session's previous answer cached")
-    serve.add_argument("--max-sessions", type=_positive_int, default=10_000,
+    serve.add_argument("--max-sessions", type=_positive_int, default=None,
                        help="X-Flowlift-Session sessions kept (least recently used go "
                             "first; default 10000)")
-    serve.add_argument("--session-ttl-s", type=_positive, default=1800.0,
+    serve.add_argument("--session-ttl-s", type=_positive, default=None,
                        help="seconds a session is kept after its last turn (default 1800)")
     serve.add_argument("--fake-delay-s", type=_seconds, default=0.01,
                        help="with --engine fake: seconds per streamed chunk")

@@ -1,0 +1,97 @@
+"""The proxy's own middlewares, and the path sets they treat apart.
+
+:func:`flowlift.proxy.app.create_app` stacks them in one list, outermost first
+(``web.Application(middlewares=...)``): request tracing
+(:mod:`flowlift.proxy.telemetry.requests`), :func:`~flowlift.proxy.http.openai_errors`,
+:func:`require_key`, :func:`readiness_gate`.
+
+The paths each one lets through are declared here, once:
+
+* :data:`PROBES` -- ``/healthz`` and ``/readyz``: never gated, never counted in flight.
+* :data:`UNAUTHENTICATED` -- the probes and ``/metrics``: no API key asked.
+* :data:`SERVED_WHILE_LOADING` -- what answers before the engines are loaded (or after
+  they failed to load): the unauthenticated paths, the model list and the compile report.
+* :data:`STARTS_WORK` -- POSTs that start work: refused while the proxy drains.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from flowlift.errors import AuthenticationError, EngineError, ShuttingDown
+from flowlift.proxy.http import Handler, error_response
+from flowlift.proxy.lifecycle import DRAIN
+from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.workflows.registry import RunRegistry
+
+PROBES = frozenset({"/healthz", "/readyz"})
+UNAUTHENTICATED = PROBES | {"/metrics"}
+SERVED_WHILE_LOADING = UNAUTHENTICATED | {"/v1/models", "/v1/workflows:compile"}
+STARTS_WORK = frozenset({"/v1/workflows", "/v1/chat/completions", "/v1/completions",
+                         "/v1/embeddings", "/v1/responses"})
+RETRY_AFTER_S = 5
+"""``Retry-After`` (seconds) of a request refused while loading or draining."""
+
+
+@web.middleware
+async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Optional proxy API keys: ``Authorization: Bearer <key>`` on every path but
+    :data:`UNAUTHENTICATED`.
+
+    Raises:
+        AuthenticationError: keys are configured and the request has none of them (401).
+    """
+    keys = request.app[STATE].config.api_keys
+    if keys and request.path not in UNAUTHENTICATED:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not any(
+                hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+            raise AuthenticationError("missing or invalid API key: send the proxy's key as "
+                                      "`Authorization: Bearer <key>`", param="Authorization")
+    return await handler(request)
+
+
+def _follows_running_run(request: web.Request, runs: RunRegistry) -> bool:
+    parts = request.path.split("/")  # ["", "v1", "workflows", run_id, "events"]
+    return len(parts) == 5 and parts[4] == "events" and parts[3] in runs.active
+
+
+def _refused_while_draining(request: web.Request, state: ProxyState) -> bool:
+    """Does this request start work (or wait on a run that will not run here any more)?
+
+    Everything else -- status, event streams of running runs, tool results, cancels,
+    model lists, compile reports -- is still served while draining.
+    """
+    if request.method == "POST" and request.path in STARTS_WORK:
+        return True
+    if request.method == "GET" and request.path.endswith("/events"):
+        return not _follows_running_run(request, state.runs)
+    return False
+
+
+@web.middleware
+async def readiness_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one readiness gate: 503 with ``Retry-After`` while the engines load (or after
+    they failed to load) except on :data:`SERVED_WHILE_LOADING`, and, while the proxy
+    drains (:mod:`flowlift.proxy.lifecycle`), on new work; counts requests in flight
+    (probes not counted) for the drain."""
+    if request.path in PROBES:
+        return await handler(request)
+    state: ProxyState = request.app[STATE]
+    if not state.ready.is_set() and request.path not in SERVED_WHILE_LOADING:
+        why = state.load_error or "the engine is still loading"
+        return error_response(EngineError(f"not ready: {why}"),
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
+    drain = request.app[DRAIN]
+    if drain.draining and _refused_while_draining(request, state):
+        return error_response(ShuttingDown(
+            "the proxy is shutting down and takes no new work; retry (another replica, or "
+            "this one after its restart)", retry_after_s=RETRY_AFTER_S))
+    drain.in_flight += 1
+    try:
+        return await handler(request)
+    finally:
+        drain.in_flight -= 1

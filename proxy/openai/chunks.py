@@ -1,0 +1,178 @@
+"""Reading what an OpenAI-compatible upstream answers: one ``chat.completion.chunk`` or
+``text_completion`` stream event, or one whole (non-streamed) answer, as a
+:class:`Chunk`.
+
+Pure: no I/O, and nothing here raises on an odd shape -- a field that is missing or of
+the wrong type reads as absent (a choice that is not an object, or whose ``index`` is not
+a whole number, is left out). What the fields mean is OpenAI's:
+
+* each choice's text is ``delta.content`` (a chat stream), ``message.content`` (a whole
+  chat answer) or ``text`` (completions), whichever is a string; a missing ``index``
+  is 0;
+* ``usage`` comes in the last event of a stream asked with ``include_usage`` (with
+  ``choices: []``), or in a whole answer;
+* an in-band ``error`` (an event an upstream sends instead of a chunk) is kept as its
+  message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from flowlift.local_engine.base import TokenLogprob, Usage
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkChoice:
+    """One entry of ``choices``.
+
+    Attributes:
+        index: the choice's ``index`` (0 when missing).
+        text: its new text ("" when none).
+        finish_reason: why it ended (``"stop"``, ``"length"``...), or None.
+        logprobs: ``logprobs.content`` as :class:`TokenLogprob` entries (natural logs).
+        message: a whole chat answer's ``message`` object as sent (tool calls
+            included), or None.
+    """
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    message: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """What one event (or whole answer) holds.
+
+    Attributes:
+        choices: its choices, in the order sent.
+        model: the ``model`` it names, or None.
+        usage: its token counts (missing counts are 0), or None when it has no usage.
+        usage_json: the ``usage`` object as sent (for records that keep it whole), or None.
+        error: the message of an in-band ``error`` ("" when it has none), or None when the
+            event is no error.
+    """
+
+    choices: tuple[ChunkChoice, ...] = ()
+    model: str | None = None
+    usage: Usage | None = None
+    usage_json: Mapping[str, Any] | None = None
+    error: str | None = None
+
+    def choice(self, index: int = 0) -> ChunkChoice | None:
+        """The (first) choice with this ``index``, or None."""
+        return next((c for c in self.choices if c.index == index), None)
+
+
+def parse(doc: Mapping[str, Any]) -> Chunk:
+    """Read one parsed event or whole answer (see the module for the fields).
+
+    Args:
+        doc: the event's (or answer's) JSON object.
+
+    Returns:
+        The :class:`Chunk`; never raises on an odd shape.
+    """
+    raw_usage = doc.get("usage")
+    usage_json = raw_usage if isinstance(raw_usage, Mapping) and raw_usage else None
+    model = doc.get("model")
+    raw_choices = doc.get("choices")
+    choices = tuple(c for c in (_choice(entry) for entry in raw_choices)
+                    if c is not None) if isinstance(raw_choices, list) else ()
+    return Chunk(choices=choices, model=model if isinstance(model, str) else None,
+                 usage=None if usage_json is None else _usage(usage_json),
+                 usage_json=usage_json,
+                 error=_error(doc["error"]) if "error" in doc else None)
+
+
+def parse_event(data: str | bytes) -> Chunk | None:
+    """Read one stream event's ``data``.
+
+    Returns:
+        Its :class:`Chunk`, or None when ``data`` is not a JSON object (``[DONE]``, a
+        cut or garbled event).
+    """
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return parse(doc) if isinstance(doc, dict) else None
+
+
+def _whole(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _usage(doc: Mapping[str, Any]) -> Usage:
+    details = doc.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return Usage(prompt_tokens=_whole(doc.get("prompt_tokens")) or 0,
+                 completion_tokens=_whole(doc.get("completion_tokens")) or 0,
+                 cached_tokens=_whole(cached) or 0)
+
+
+def _error(value: object) -> str:
+    if isinstance(value, Mapping):
+        message = value.get("message")
+        return message if isinstance(message, str) else ""
+    return value if isinstance(value, str) else ""
+
+
+def _text(choice: Mapping[str, Any]) -> str:
+    for holder in (choice.get("delta"), choice.get("message")):
+        if isinstance(holder, Mapping) and isinstance(holder.get("content"), str):
+            return str(holder["content"])
+    text = choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def _choice(entry: object) -> ChunkChoice | None:
+    if not isinstance(entry, Mapping):
+        return None
+    index = 0 if entry.get("index") is None else _whole(entry.get("index"))
+    if index is None:
+        return None
+    finish = entry.get("finish_reason")
+    message = entry.get("message")
+    return ChunkChoice(index=index, text=_text(entry),
+                       finish_reason=finish if isinstance(finish, str) and finish else None,
+                       logprobs=token_logprobs(entry),
+                       message=message if isinstance(message, Mapping) else None)
+
+
+def token_logprobs(choice: Mapping[str, Any]) -> tuple[TokenLogprob, ...]:
+    """A choice's ``logprobs.content`` as :class:`TokenLogprob` entries; an entry without
+    a numeric ``logprob`` is left out (a missing ``token`` reads as "")."""
+    logprobs = choice.get("logprobs")
+    entries = logprobs.get("content") if isinstance(logprobs, Mapping) else None
+    out = []
+    for entry in entries if isinstance(entries, list) else ():
+        pair = _pair(entry)
+        if pair is None:
+            continue
+        top = entry.get("top_logprobs")
+        alternatives = tuple(p for p in (_pair(t) for t in top) if p is not None) \
+            if isinstance(top, list) else ()
+        out.append(TokenLogprob(pair[0], pair[1], alternatives))
+    return tuple(out)
+
+
+def _pair(entry: object) -> tuple[str, float] | None:
+    if not isinstance(entry, Mapping):
+        return None
+    token, logprob = entry.get("token", ""), _number(entry.get("logprob", 0.0))
+    if logprob is None:
+        return None
+    return (token if isinstance(token, str) else "", logprob)
