@@ -24,7 +24,7 @@ from flowlift.errors import ConfigError
 from flowlift.local_engine.base import Engine
 from flowlift.local_engine.residency import ResidencyManager
 from flowlift.proxy import lifecycle
-from flowlift.proxy.config import FileConfig, settings
+from flowlift.proxy.config import FileConfig, ProxyConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.providers import Providers
 from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
@@ -33,7 +33,7 @@ from flowlift.proxy.middleware import readiness_gate, require_key
 from flowlift.proxy.openai import routes as openai_api
 from flowlift.proxy.sessions import api as sessions_api
 from flowlift.proxy.sessions.table import SessionTable
-from flowlift.proxy.state import STATE, ProxyConfig, ProxyState
+from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.telemetry import observer as telemetry
 from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows

@@ -224,7 +224,7 @@ def load_config(path: str | Path) -> FileConfig:
     return parse_config(data, source=str(path))
 
 
-def parse_config(data: dict, *, source: str = "config") -> FileConfig:
+def parse_config(data: dict[str, Any], *, source: str = "config") -> FileConfig:
     """:func:`load_config` for an already-parsed mapping."""
     try:
         config = FileConfig.model_validate(data)

@@ -32,6 +32,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from flowlift.local_engine.base import Engine, GenerationChunk
 from flowlift.proxy.dispatch.sse_bytes import data_fields, finished
+from flowlift.proxy.http import Handler
 from flowlift.proxy.openai import chunks
 from flowlift.tracing import genai
 from flowlift.tracing.logging import get_logger
@@ -161,11 +162,11 @@ class RequestTrace:
         prompt = cached = completion = 0
         partial = unknown = False
         for index, pieces in self.texts.items():
-            u = self.usage.get(index)
-            if u is not None:
-                completion += u.completion_tokens
+            counted = self.usage.get(index)
+            if counted is not None:
+                completion += counted.completion_tokens
                 if index == 0:
-                    prompt, cached = u.prompt_tokens, u.cached_tokens
+                    prompt, cached = counted.prompt_tokens, counted.cached_tokens
                 continue
             partial = True  # cut short: count what was generated with the engine's tokenizer
             counted = (self.engine.count_tokens(self.engine_model or "", "".join(pieces))
@@ -239,7 +240,7 @@ def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
         observe: ``observe(request_trace)`` after each request (metrics), or None.
     """
     @web.middleware
-    async def trace_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+    async def trace_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
         operation = TRACED_PATHS.get(request.path)
         if operation is None or request.method != "POST":
             return await handler(request)
