@@ -27,8 +27,6 @@ from flowlift.local_engine.residency import ResidencyManager
 from flowlift.proxy import lifecycle
 from flowlift.proxy.config import FileConfig
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.providers import Providers
-from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
 from flowlift.proxy.http import Handler, error_response, log, openai_errors
 from flowlift.proxy.openai import routes as openai_api
 from flowlift.proxy.sessions import api as sessions_api
@@ -120,7 +118,7 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         run.suspend()  # persisted runs resume when the proxy starts again
     for engine in state.backends.engines:
         await engine.close()
-    await state.providers.aclose()
+    await state.backends.aclose()
     state.runs.store.close()
     state.runs.outcomes.close()
 
@@ -153,26 +151,14 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     backends = Backends(engines, max_concurrency=config.max_concurrency,
                         fcfs=config.scheduling == "fcfs",
                         batch_prefill_budget=config.batch_prefill_budget,
-                        batch_cap_when_interactive=config.batch_cap_when_interactive)
-    providers = Providers(backends, file_config, transport=transport,
-                          max_queue=config.max_queue)
-    for model, route in providers.routes.items():
-        if model in backends.models:
-            continue
-        local = [providers.embedded_backend(n) for n in route.backends]
-        if all(local):
-            backends.alias(model, local[0][0])  # type: ignore[index]
-        else:
-            backends.add(model, UpstreamEngine(providers, route),
-                         max_concurrency=sum(providers.upstreams[n].spec.max_connections
-                                             for n in route.backends if n in providers.upstreams))
+                        batch_cap_when_interactive=config.batch_cap_when_interactive,
+                        config=file_config, transport=transport, max_queue=config.max_queue)
     if not backends.models:
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")
     state_path = config.state_path or ":memory:"
     app[STATE] = ProxyState(
         backends=backends,
-        providers=providers,
         runs=RunRegistry(RunStore(state_path), config.trace_dir,
                          detached_timeout_s=config.detached_timeout_s,
                          outcomes=StepOutcomes(state_path,

@@ -16,7 +16,6 @@ from flowlift.proxy.workflows.inferred import InferredWorkflows
 if TYPE_CHECKING:
     from flowlift.local_engine.residency import ResidencyManager
     from flowlift.proxy.dispatch.backends import Backends
-    from flowlift.proxy.dispatch.providers import Providers
     from flowlift.proxy.workflows.registry import RunRegistry
 
 
@@ -59,7 +58,7 @@ class ProxyConfig:
 @dataclass(slots=True)
 class ProxyState:
     backends: Backends
-    providers: Providers
+    """Every backend (embedded and upstream), each model's route, aliases."""
     runs: RunRegistry
     config: ProxyConfig
     costs: CostTracker = field(default_factory=CostTracker)

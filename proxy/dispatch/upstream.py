@@ -123,6 +123,39 @@ class Health:
             until = max(until, now + max(self.cooldown_s, retry_after or 0.0))
         self.cooled_until = max(self.cooled_until, until)
 
+    def call(self) -> Call:
+        """Count one request in; the returned :class:`Call` counts it out and records
+        its outcome (the only code that touches these counters)."""
+        self.in_flight += 1
+        return Call(self)
+
+
+@dataclass(slots=True)
+class Call:
+    """One request in flight on an upstream (from :meth:`Health.call`).
+
+    :meth:`succeeded` or :meth:`failed` records the outcome as soon as it is known (a
+    client that reads the end of an answer finds the health already updated);
+    :meth:`close` counts the request out, once, whatever happened (cancelled included).
+    """
+
+    health: Health
+    closed: bool = False
+
+    def succeeded(self) -> None:
+        """The answer went through whole: the circuit closes."""
+        self.health.success()
+
+    def failed(self, *, status: int | None = None, retry_after_s: float | None = None) -> None:
+        """The backend failed this request (``status`` and ``Retry-After`` when it said)."""
+        self.health.failure(time.monotonic(), status=status, retry_after=retry_after_s)
+
+    def close(self) -> None:
+        """Count the request out (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self.health.in_flight -= 1
+
 
 class Upstream:
     """One OpenAI-compatible upstream with its connection pool.

@@ -66,7 +66,7 @@ class Telemetry:
         return out
 
     def _in_flight(self) -> list[tuple[str, int]]:
-        return [(name, up.health.in_flight) for name, up in self.state.providers.upstreams.items()]
+        return [(name, up.health.in_flight) for name, up in self.state.backends.upstreams.items()]
 
     def provider_of(self, model: str | None) -> str:
         try:
