@@ -32,7 +32,9 @@ class Proxy:
     """A proxy with a FakeEngine and a MockTransport upstream; records, for every
     generation the engine starts, the embedded slots it found in use."""
 
-    def __init__(self, *, delay_s: float = 0.0, capacity: int = 2) -> None:
+    def __init__(self, *, delay_s: float = 0.0, capacity: int = 2,
+                 upstream_up: bool = False) -> None:
+        self.upstream_up = upstream_up
         self.seen: list[tuple[str, int, int]] = []  # (request id, in_use, batch_in_use)
         self.acquired: list[Priority] = []
         self.engine = FakeEngine(["fake-model"], delay_s=delay_s, responder=self._respond)
@@ -55,7 +57,13 @@ class Proxy:
 
     def _upstream(self, request: httpx.Request) -> httpx.Response:
         self.upstream_requests.append(request)
-        return _upstream_down(request)
+        if not self.upstream_up:
+            return _upstream_down(request)
+        events = [{"choices": [{"index": 0, "delta": {"content": "from upstream"}}]},
+                  {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+        body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+        return httpx.Response(200, content=body + b"data: [DONE]\n\n",
+                              headers={"content-type": "text/event-stream"})
 
 
 def _graph(model: str, n: int, workflow_class: str = "interactive") -> dict:
@@ -123,3 +131,40 @@ async def test_a_drop_in_request_on_a_mixed_route_takes_the_embedded_slots(aioht
     assert body["choices"][0]["message"]["content"].startswith("word")
     assert len(proxy.seen) == 1 and proxy.seen[0][1] == 1
     assert len(proxy.acquired) == 1 and proxy.slots.in_use == 0
+
+
+async def test_a_healthy_upstream_replica_takes_the_step_through_the_route_pool(
+        aiohttp_client):
+    proxy = Proxy(upstream_up=True)
+    client = await aiohttp_client(proxy.app)
+    state = proxy.app[STATE]
+    await state.ready.wait()
+    pool = state.backends.pool(state.backends.route("up-first"))
+    assert pool is not None
+    acquired: list[Priority] = []
+    acquire = pool.slots.acquire
+
+    async def spy(priority: Priority, prefill_tokens: int = 0) -> None:
+        acquired.append(priority)
+        await acquire(priority, prefill_tokens)
+    pool.slots.acquire = spy  # type: ignore[method-assign]
+    events = parse_sse(await (await client.post("/v1/workflows",
+                                                json=_graph("up-first", 2))).text())
+    values = {d["step_id"]: d["value"] for e, d in events if e == "step.finished"}
+    assert values == {"s0": "from upstream", "s1": "from upstream"}
+    assert len(acquired) == 2 and not proxy.acquired and not proxy.seen
+    assert pool.slots.in_use == 0 and state.backends.upstreams["up"].health.in_flight == 0
+
+
+def test_an_upstream_call_is_counted_in_and_out_once_and_records_its_outcome():
+    from flowlift.proxy.dispatch.upstream import Health
+
+    health = Health(failures_to_cool=2, cooldown_s=10)
+    call = health.call()
+    assert health.in_flight == 1
+    call.failed(status=502)
+    call.close()
+    call.close()
+    assert health.in_flight == 0 and health.consecutive_failures == 1
+    health.call().succeeded()
+    assert health.consecutive_failures == 0 and health.in_flight == 1

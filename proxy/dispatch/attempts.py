@@ -73,7 +73,7 @@ class Opened:
         try:
             for it in (self.events, self.chunks):
                 if it is not None:
-                    await it.aclose()  # type: ignore[attr-defined]
+                    await it.aclose()  # type: ignore[union-attr]
             await self.response.aclose()
         finally:
             self.call.close()
@@ -257,16 +257,14 @@ class _Attempts:
                                     self.headers, stream=self.stream,
                                     budget_s=self.route.total_timeout_s
                                     - (time.monotonic() - self.t0))
-        except UpstreamError as exc:
-            self.last = exc
-            call.close()
-            if exc.retryable:
-                call.failed(status=exc.status, retry_after_s=exc.retry_after_s)
-            log.info("upstream_attempt_failed", backend=upstream.name, status=exc.status,
-                     retryable=exc.retryable, attempt=number)
-            raise
-        except BaseException:  # cancelled (its run or its client went away): counted out,
-            call.close()  # or the backend would fill up and look busy
+        except BaseException as exc:  # cancelled too (its run or its client went away):
+            call.close()  # counted out, or the backend would fill up and look busy
+            if isinstance(exc, UpstreamError):
+                self.last = exc
+                if exc.retryable:
+                    call.failed(status=exc.status, retry_after_s=exc.retry_after_s)
+                log.info("upstream_attempt_failed", backend=upstream.name, status=exc.status,
+                         retryable=exc.retryable, attempt=number)
             raise
         opened.slot = slot
         return opened

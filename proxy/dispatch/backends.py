@@ -14,6 +14,7 @@ providers, replicas, fallbacks and aliases of the embedded model.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -82,8 +83,9 @@ class Backends:
                  config: FileConfig | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
                  max_queue: int | None = None) -> None:
-        self._slot_args = {"fcfs": fcfs, "batch_prefill_budget": batch_prefill_budget,
-                           "batch_cap_when_interactive": batch_cap_when_interactive}
+        self._new_slots = functools.partial(
+            PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
+            batch_cap_when_interactive=batch_cap_when_interactive)
         self._max_concurrency = max_concurrency
         self._per_engine: dict[int, Backend] = {}
         self._by_model: dict[str, Backend] = {}
@@ -121,7 +123,7 @@ class Backends:
         backend = self._per_engine.get(id(engine))
         if backend is None:
             backend = Backend(f"engine-{len(self._per_engine)}", engine,
-                              PrioritySlots(capacity, **self._slot_args), capacity)
+                              self._new_slots(capacity), capacity)
             self._per_engine[id(engine)] = backend
             self.backends.append(backend)
             self.engines.append(engine)
@@ -132,10 +134,10 @@ class Backends:
             if not isinstance(spec, EmbeddedSpec):
                 self.upstreams[name] = Upstream(name, spec, config.upstream_key(name),
                                                 transport=transport)
-        for model, spec in config.models.items():
-            route = Route(model, self._names(config, spec.backends, model),
-                          self._names(config, spec.fallbacks, model), spec.total_timeout_s,
-                          spec.max_attempts)
+        for model, model_spec in config.models.items():
+            route = Route(model, self._names(config, model_spec.backends, model),
+                          self._names(config, model_spec.fallbacks, model),
+                          model_spec.total_timeout_s, model_spec.max_attempts)
             self.routes[model] = route
             upstreams = [self.upstreams[n] for n in route.backends if n in self.upstreams]
             if upstreams:

@@ -60,7 +60,7 @@ class StepDispatcher:
                 :class:`~flowlift.errors.EngineError` once every attempt failed).
         """
         route = self.backends.route(request.model)
-        target = self._embedded_only(route)
+        target: Local | Opened | None = self._embedded_only(route)
         if target is None:
             target = await open_chat(self.backends, route, request,
                                      admit=self._admit(route, priority, prefill_tokens,

@@ -105,7 +105,8 @@ def _read_event(data: str, backend: str
             from None
     if "error" in doc:
         raise EngineError(f"backend {backend!r}: {(doc['error'] or {}).get('message')}")
-    text, finish, logprobs = "", None, ()
+    text, finish = "", None
+    logprobs: tuple[TokenLogprob, ...] = ()
     for choice in doc.get("choices") or ():
         if choice.get("index", 0) == 0:
             text = (choice.get("delta") or {}).get("content") or ""
@@ -180,6 +181,7 @@ class UpstreamEngine(Engine):
         rid = request_id
         self._open[rid] = opened
         finish: str | None = None
+        failure: str | None = None
         usage = Usage()
         try:
             async for chunk in self._read(opened):
@@ -188,10 +190,7 @@ class UpstreamEngine(Engine):
                 else:
                     finish, usage = chunk
         except (TimeoutError, httpx.HTTPError) as exc:
-            if rid not in self._aborted:
-                opened.call.failed()
-                raise EngineError(str(translate(exc, opened.upstream.name,
-                                                stage="mid-stream"))) from None
+            failure = str(translate(exc, opened.upstream.name, stage="mid-stream"))
         finally:
             self._open.pop(rid, None)
             await opened.release()
@@ -199,10 +198,11 @@ class UpstreamEngine(Engine):
             self._aborted.discard(rid)
             yield GenerationChunk("", finish_reason="abort", usage=usage)
             return
-        if finish is None:
+        if failure is None and finish is None:
+            failure = f"backend {opened.upstream.name!r} ended the stream before it finished"
+        if failure is not None:
             opened.call.failed()
-            raise EngineError(f"backend {opened.upstream.name!r} ended the stream before it "
-                              "finished")
+            raise EngineError(failure)
         opened.call.succeeded()
         if finish == "content_filter":
             raise ContentRefused(f"model {self.route.model!r}: the answer was cut by the "
