@@ -157,7 +157,7 @@ async def test_a_healthy_upstream_replica_takes_the_step_through_the_route_pool(
 
 
 def test_an_upstream_call_is_counted_in_and_out_once_and_records_its_outcome():
-    from flowlift.proxy.dispatch.upstream import Health
+    from flowlift.proxy.dispatch.health import Health
 
     health = Health(failures_to_cool=2, cooldown_s=10)
     call = health.call()

@@ -29,10 +29,11 @@ from tenacity import (
 )
 
 from flowlift.errors import Overloaded, UpstreamError
+from flowlift.proxy.dispatch.health import Call
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
 from flowlift.proxy.dispatch.sse_bytes import complete_prefix
-from flowlift.proxy.dispatch.upstream import Call, Upstream, error_from, translate
+from flowlift.proxy.dispatch.upstream import Upstream, error_from, translate
 from flowlift.tracing import get_logger
 
 if TYPE_CHECKING:
