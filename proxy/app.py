@@ -26,8 +26,6 @@ from flowlift.local_engine.residency import ResidencyManager
 from flowlift.proxy import lifecycle
 from flowlift.proxy.config import FileConfig, ProxyConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.providers import Providers
-from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
 from flowlift.proxy.http import log, openai_errors
 from flowlift.proxy.middleware import readiness_gate, require_key
 from flowlift.proxy.openai import routes as openai_api
@@ -92,7 +90,7 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         run.suspend()  # persisted runs resume when the proxy starts again
     for engine in state.backends.engines:
         await engine.close()
-    await state.providers.aclose()
+    await state.backends.aclose()
     state.runs.store.close()
     state.runs.outcomes.close()
 
@@ -126,19 +124,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     backends = Backends(engines, max_concurrency=config.max_concurrency,
                         fcfs=config.scheduling == "fcfs",
                         batch_prefill_budget=config.batch_prefill_budget,
-                        batch_cap_when_interactive=config.batch_cap_when_interactive)
-    providers = Providers(backends, file_config, transport=transport,
-                          max_queue=config.max_queue)
-    for model, route in providers.routes.items():
-        if model in backends.models:
-            continue
-        local = [providers.embedded_backend(n) for n in route.backends]
-        if all(local):
-            backends.alias(model, local[0][0])  # type: ignore[index]
-        else:
-            backends.add(model, UpstreamEngine(providers, route),
-                         max_concurrency=sum(providers.upstreams[n].spec.max_connections
-                                             for n in route.backends if n in providers.upstreams))
+                        batch_cap_when_interactive=config.batch_cap_when_interactive,
+                        config=file_config, transport=transport, max_queue=config.max_queue)
     if not backends.models:
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")
@@ -146,7 +133,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     store = RunStore(state_path)  # (raises on an unusable --state-db: before any exporter)
     outcomes = StepOutcomes(state_path, default_model=backends.default_model)
     # spans and metrics (the run count is read at scrape time, once `runs` exists)
-    tel = telemetry.Telemetry.for_proxy(tracer_provider, config.trace_dir, backends, providers,
+    tel = telemetry.Telemetry.for_proxy(tracer_provider, config.trace_dir, backends,
                                         active_runs=lambda: len(runs.active))
     runs = RunRegistry(store, config.trace_dir, detached_timeout_s=config.detached_timeout_s,
                        outcomes=outcomes, max_active=config.max_runs, observer=tel)
@@ -157,7 +144,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         require_key,  # API keys, when configured
         readiness_gate,  # 503 while loading or draining; counts requests in flight
     ])
-    app[STATE] = ProxyState(backends=backends, providers=providers, runs=runs, config=config,
+    app[STATE] = ProxyState(backends=backends, runs=runs, config=config,
                             residency=residency,
                             prices=file_config.prices() if file_config else {})
     app[lifecycle.DRAIN] = lifecycle.Drain()  # the SIGTERM drain (lifecycle.drain)

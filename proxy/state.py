@@ -17,14 +17,13 @@ from flowlift.proxy.workflows.inferred import InferredWorkflows
 if TYPE_CHECKING:
     from flowlift.local_engine.residency import ResidencyManager
     from flowlift.proxy.dispatch.backends import Backends
-    from flowlift.proxy.dispatch.providers import Providers
     from flowlift.proxy.workflows.registry import RunRegistry
 
 
 @dataclass(slots=True)
 class ProxyState:
     backends: Backends
-    providers: Providers
+    """Every backend (embedded and upstream), each model's route, aliases."""
     runs: RunRegistry
     config: ProxyConfig
     costs: CostTracker = field(default_factory=CostTracker)

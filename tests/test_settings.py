@@ -65,6 +65,6 @@ def test_a_flag_that_is_no_setting_is_refused():
 def test_the_app_reads_only_the_merged_settings():
     engines = {"m": FakeEngine(["m"])}
     from_file = create_app(engines, file_config=FILE)  # no settings: the file's, else defaults
-    assert from_file[STATE].providers.max_queue == from_file[STATE].config.max_queue == 3
+    assert from_file[STATE].backends.max_queue == from_file[STATE].config.max_queue == 3
     flagged = create_app(engines, settings({"max_queue": 7}, FILE), file_config=FILE)
-    assert flagged[STATE].providers.max_queue == 7
+    assert flagged[STATE].backends.max_queue == 7

@@ -131,7 +131,7 @@ def test_config_file_round_trip(tmp_path, monkeypatch):
     config = load_config(path)
     assert config.proxy_keys() == {"secret"} and config.upstream_key("up") == "secret"
     app = create_app({"fake-model": FakeEngine(["fake-model"])}, file_config=config)
-    route = app[STATE].providers.route("small")
+    route = app[STATE].backends.route("small")
     assert route.replicas == ("embedded:fake-model",) and route.fallbacks == ("up",)
 
 

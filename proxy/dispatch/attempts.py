@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 import orjson
@@ -29,16 +29,23 @@ from tenacity import (
 )
 
 from flowlift.errors import Overloaded, UpstreamError
-from flowlift.proxy.dispatch.backends import Backend
-from flowlift.proxy.dispatch.providers import Providers
+from flowlift.proxy.dispatch.health import Call
 from flowlift.proxy.dispatch.routing import Route
+from flowlift.proxy.dispatch.scheduler import Slot
 from flowlift.proxy.dispatch.sse_bytes import complete_prefix
 from flowlift.proxy.dispatch.upstream import Upstream, error_from, translate
 from flowlift.tracing import get_logger
 
+if TYPE_CHECKING:
+    from flowlift.proxy.dispatch.backends import Backends, Local
+
 log = get_logger("flowlift.proxy.dispatch.attempts")
 _BACKOFF = wait_random_exponential(multiplier=0.25, max=8.0)
 BodyFor = Callable[[Upstream], bytes]
+Admit = Callable[[], Awaitable[Slot]]
+"""Waits for a slot of the route's upstream pool and returns it, granted, before each
+upstream attempt (workflow steps wait there in priority order); None: no pool
+(drop-in requests)."""
 Stream = Literal[False, "bytes", "events"]
 """How an answer is read: whole (False), as raw bytes cut at event boundaries
 (forwarding), or as parsed server-sent events (upstream-backed workflow steps)."""
@@ -46,9 +53,11 @@ Stream = Literal[False, "bytes", "events"]
 
 @dataclass(slots=True)
 class Opened:
-    """A successful attempt, not yet delivered. The caller must :meth:`release` it."""
+    """A successful attempt, not yet delivered. The caller must :meth:`release` it and
+    records its outcome on ``call`` (:class:`~flowlift.proxy.dispatch.upstream.Call`)."""
 
     upstream: Upstream
+    call: Call
     response: httpx.Response
     body: bytes | None = None  # plain answers,
     doc: dict[str, Any] | None = None  # and the JSON object they hold (parsed once)
@@ -57,16 +66,20 @@ class Opened:
     head: bytes = b""  # streams forwarded as bytes: the whole events received so far,
     tail: bytes = b""  # the start of the next one,
     chunks: AsyncIterator[bytes] | None = None  # and the rest as it arrives
+    slot: Slot | None = None  # the pool slot it holds (see Admit)
 
     async def release(self) -> None:
-        """Close the upstream response and count the request out of the backend."""
+        """Close the upstream response, count the request out of the backend and give
+        its pool slot back."""
         try:
             for it in (self.events, self.chunks):
                 if it is not None:
-                    await it.aclose()  # type: ignore[attr-defined]
+                    await it.aclose()  # type: ignore[union-attr]
             await self.response.aclose()
         finally:
-            self.upstream.health.in_flight -= 1
+            self.call.close()
+            if self.slot is not None:
+                self.slot.release()
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -77,19 +90,19 @@ class _Wait:
     """Fail over at once while an untried backend is available; else honour the
     upstream's ``Retry-After``; else jittered exponential backoff."""
 
-    def __init__(self, providers: Providers, route: Route, tried: set[str]) -> None:
-        self.providers, self.route, self.tried = providers, route, tried
+    def __init__(self, backends: Backends, route: Route, tried: set[str]) -> None:
+        self.backends, self.route, self.tried = backends, route, tried
 
     def __call__(self, state: RetryCallState) -> float:
-        if self.providers.untried(self.route, self.tried):
+        if self.backends.untried(self.route, self.tried):
             return 0.0
         exc = state.outcome.exception() if state.outcome else None
         after = getattr(exc, "retry_after_s", None)
         return float(after) if after is not None else _BACKOFF(state)
 
 
-async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str, str], *,
-                   stream: Stream, budget_s: float) -> Opened:
+async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
+                   headers: dict[str, str], *, stream: Stream, budget_s: float) -> Opened:
     spec = upstream.spec
     response: httpx.Response | None = None
     stage = "before answering"
@@ -101,10 +114,10 @@ async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str
                 raise await error_from(response, upstream.name)
             if not stream:
                 stage = "while sending its answer"
-                return _whole(upstream, response, await response.aread())
+                return _whole(upstream, call, response, await response.aread())
             stage = "before its first stream event"
-            opened = await (_first_bytes if stream == "bytes" else _first_event)(upstream,
-                                                                                 response)
+            first = _first_bytes if stream == "bytes" else _first_event
+            opened = await first(upstream, call, response)
             if opened is None:
                 raise UpstreamError(f"backend {upstream.name!r} ended the stream before any "
                                     "event", status=502, backend=upstream.name)
@@ -119,7 +132,7 @@ async def _attempt(upstream: Upstream, path: str, body: bytes, headers: dict[str
         raise
 
 
-def _whole(upstream: Upstream, response: httpx.Response, body: bytes) -> Opened:
+def _whole(upstream: Upstream, call: Call, response: httpx.Response, body: bytes) -> Opened:
     """A whole answer, checked: a 200 that is not a JSON object, or a 1xx/204/3xx, is
     the upstream's fault (a retryable 502), never passed on to break the client."""
     if response.status_code == 200:
@@ -128,7 +141,7 @@ def _whole(upstream: Upstream, response: httpx.Response, body: bytes) -> Opened:
         except orjson.JSONDecodeError:
             doc = None
         if isinstance(doc, dict):
-            return Opened(upstream, response, body=body, doc=doc)
+            return Opened(upstream, call, response, body=body, doc=doc)
         problem = "an answer that is not a JSON object"
     else:
         problem = f"HTTP {response.status_code}, which is no answer to a POST"
@@ -136,27 +149,30 @@ def _whole(upstream: Upstream, response: httpx.Response, body: bytes) -> Opened:
                         backend=upstream.name)
 
 
-async def _first_event(upstream: Upstream, response: httpx.Response) -> Opened | None:
+async def _first_event(upstream: Upstream, call: Call,
+                       response: httpx.Response) -> Opened | None:
     events = EventSource(response).aiter_sse()
     first = await anext(events, None)
-    return None if first is None else Opened(upstream, response, events=events, first=first)
+    return None if first is None else Opened(upstream, call, response, events=events,
+                                             first=first)
 
 
-async def _first_bytes(upstream: Upstream, response: httpx.Response) -> Opened | None:
+async def _first_bytes(upstream: Upstream, call: Call,
+                       response: httpx.Response) -> Opened | None:
     chunks = response.aiter_raw()
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
         end = complete_prefix(buffer)
         if end:
-            return Opened(upstream, response, head=buffer[:end], tail=buffer[end:],
+            return Opened(upstream, call, response, head=buffer[:end], tail=buffer[end:],
                           chunks=chunks)
     return None
 
 
-async def open_answer(providers: Providers, route: Route, *, path: str, body_for: BodyFor,
-                      headers: dict[str, str], stream: Stream,
-                      affinity: str | None = None) -> Opened | tuple[str, Backend]:
+async def open_answer(backends: Backends, route: Route, *, path: str, body_for: BodyFor,
+                      headers: dict[str, str], stream: Stream, affinity: str | None = None,
+                      admit: Admit | None = None) -> Opened | Local:
     """Try the route's backends until one answers.
 
     Args:
@@ -166,16 +182,18 @@ async def open_answer(providers: Providers, route: Route, *, path: str, body_for
         stream: how to read the answer (:data:`Stream`); a stream's first event must
             arrive within the first-token timeout, a whole answer within the budget.
         affinity: workflow or session id for replica affinity.
+        admit: the pool slot each upstream attempt waits for (:data:`Admit`); the
+            opened answer holds it until released.
 
     Returns:
-        The opened answer, or ``(served_model, backend)`` when the route picked an
-        embedded backend (the caller runs it there).
+        The opened answer, or :class:`~flowlift.proxy.dispatch.backends.Local` when the
+        route picked an embedded backend (the caller runs it there, through its slots).
 
     Raises:
         Overloaded: nothing can take the request now (429/503 with ``Retry-After``).
         UpstreamError: every attempt failed (the last one's error).
     """
-    attempts = _Attempts(providers, route, path, body_for, headers, stream, affinity)
+    attempts = _Attempts(backends, route, path, body_for, headers, stream, affinity, admit)
     try:  # the common case, without the retry machinery's overhead
         return await attempts.once(1)
     except UpstreamError as exc:
@@ -185,7 +203,7 @@ async def open_answer(providers: Providers, route: Route, *, path: str, body_for
     retrying = AsyncRetrying(
         stop=stop_after_attempt(route.max_attempts)
         | stop_before_delay(route.total_timeout_s - (time.monotonic() - attempts.t0)),
-        wait=_Wait(providers, route, attempts.tried), retry=retry_if_exception(_retryable),
+        wait=_Wait(backends, route, attempts.tried), retry=retry_if_exception(_retryable),
         reraise=True)
     async for attempt in retrying:
         with attempt:
@@ -199,42 +217,55 @@ async def open_answer(providers: Providers, route: Route, *, path: str, body_for
 class _Attempts:
     """The state of one request's attempts: backends tried, the last failure, the clock."""
 
-    def __init__(self, providers: Providers, route: Route, path: str, body_for: BodyFor,
-                 headers: dict[str, str], stream: Stream, affinity: str | None) -> None:
-        self.providers, self.route, self.path = providers, route, path
+    def __init__(self, backends: Backends, route: Route, path: str, body_for: BodyFor,
+                 headers: dict[str, str], stream: Stream, affinity: str | None,
+                 admit: Admit | None) -> None:
+        self.backends, self.route, self.path = backends, route, path
         self.body_for, self.headers, self.stream = body_for, headers, stream
-        self.affinity = affinity
+        self.affinity, self.admit = affinity, admit
         self.tried: set[str] = set()
         self.last: UpstreamError | None = None
         self.t0 = time.monotonic()
 
-    async def once(self, number: int) -> Opened | tuple[str, Backend]:
+    async def once(self, number: int) -> Opened | Local:
         try:
-            name = self.providers.choose(self.route, self.affinity, self.tried)
+            name = self.backends.choose(self.route, self.affinity, self.tried)
         except Overloaded:
             if self.last is None:
                 raise
             self.last.retryable = False  # this request's own failure says more than "cooling"
             raise self.last from None
         self.tried.add(name)
-        local = self.providers.embedded_backend(name)
+        local = self.backends.local(name)
         if local is not None:
             return local
-        upstream = self.providers.upstreams[name]
-        upstream.health.in_flight += 1
+        slot = None
+        if self.admit is not None:
+            waiting = time.monotonic()
+            slot = await self.admit()
+            self.t0 += time.monotonic() - waiting  # queued in the pool: not the budget's
         try:
-            return await _attempt(upstream, self.path, self.body_for(upstream), self.headers,
-                                  stream=self.stream, budget_s=self.route.total_timeout_s
-                                  - (time.monotonic() - self.t0))
-        except UpstreamError as exc:
-            self.last = exc
-            upstream.health.in_flight -= 1
-            if exc.retryable:
-                upstream.health.failure(time.monotonic(), status=exc.status,
-                                        retry_after=exc.retry_after_s)
-            log.info("upstream_attempt_failed", backend=name, status=exc.status,
-                     retryable=exc.retryable, attempt=number)
+            return await self._send(self.backends.upstreams[name], number, slot)
+        except BaseException:
+            if slot is not None:
+                slot.release()
             raise
-        except BaseException:  # cancelled (its run or its client went away): counted out,
-            upstream.health.in_flight -= 1  # or the backend would fill up and look busy
+
+    async def _send(self, upstream: Upstream, number: int, slot: Slot | None) -> Opened:
+        call = upstream.health.call()
+        try:
+            opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
+                                    self.headers, stream=self.stream,
+                                    budget_s=self.route.total_timeout_s
+                                    - (time.monotonic() - self.t0))
+        except BaseException as exc:  # cancelled too (its run or its client went away):
+            call.close()  # counted out, or the backend would fill up and look busy
+            if isinstance(exc, UpstreamError):
+                self.last = exc
+                if exc.retryable:
+                    call.failed(status=exc.status, retry_after_s=exc.retry_after_s)
+                log.info("upstream_attempt_failed", backend=upstream.name, status=exc.status,
+                         retryable=exc.retryable, attempt=number)
             raise
+        opened.slot = slot
+        return opened

@@ -1,22 +1,42 @@
-"""Which engine serves which model, with a per-backend concurrency limit.
+"""The one registry of backends: every embedded engine and upstream provider the proxy
+can send a model request to, each model's :class:`~flowlift.proxy.dispatch.routing.Route`,
+aliases and the default model.
 
-The limit keeps the engine's batch full without letting requests pile up inside it
-where flowlift can no longer order them; waiting happens in flowlift's queue, where
-it is measured (queue time in the trace).
+Each embedded engine has one pool of priority slots (however many names it serves); the
+upstream backends of a route share one pool sized to their connection limits. A pool
+keeps the backend's batch full without letting requests pile up inside it where
+flowlift can no longer order them; waiting happens in flowlift's queue, where it is
+measured (queue time in the trace).
+
+Models served only by the embedded engine need no config; a config file adds upstream
+providers, replicas, fallbacks and aliases of the embedded model.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from flowlift.errors import ModelNotFound
+import httpx
+
+from flowlift.errors import ConfigError, ModelNotFound, Overloaded
 from flowlift.local_engine.base import Engine
+from flowlift.proxy.config import EmbeddedSpec, FileConfig
+from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
+from flowlift.proxy.dispatch.upstream import Upstream
+from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
+
+EMBEDDED = "embedded:"
+"""Prefix of an embedded backend's name in routes (``embedded:<served model>``)."""
 
 
 @dataclass(slots=True)
 class Backend:
+    """An engine with its pool of slots: an embedded engine, or a route's upstreams."""
+
     name: str
     engine: Engine
     slots: PrioritySlots
@@ -26,61 +46,141 @@ class Backend:
     reach the slot queue, so a simultaneous burst cannot slip past ``max_queue``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Local:
+    """A route's choice of an embedded backend: run ``model`` on ``backend``, through
+    its slots."""
+
+    model: str
+    backend: Backend
+
+
 class Backends:
-    """Model name -> backend. The first model listed is the default.
+    """Model name -> route and backend; backend name -> embedded backend or upstream.
+    The first embedded model is the default.
 
     Args:
-        engines: model name -> engine serving it (one engine may serve several names).
-        max_concurrency: requests in flight per engine.
+        engines: model name -> embedded engine serving it (one engine may serve several
+            names; may be empty when every model is upstream).
+        max_concurrency: requests in flight per embedded engine.
+        aliases: extra names (e.g. ``"default"``) -> served model name.
         fcfs: first come, first served everywhere (no priorities, no reserved slots, no
             prefix-grouped dispatch): the baseline of the scheduling benchmarks.
         batch_prefill_budget, batch_cap_when_interactive: see
             :class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`.
-        aliases: extra names (e.g. ``"default"``) -> served model name.
+        config: the parsed config file (upstreams, routes, aliases), or None.
+        transport: httpx transport for every upstream (tests); None: the network.
+        max_queue: requests waiting per embedded backend before the proxy answers 429.
+
+    Raises:
+        ConfigError: a route names the embedded engine and ``engines`` is empty.
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, max_concurrency: int = 16,
                  aliases: Mapping[str, str] | None = None, fcfs: bool = False,
                  batch_prefill_budget: int = 1024,
-                 batch_cap_when_interactive: int | None = None) -> None:
-        self._slot_args = {"fcfs": fcfs, "batch_prefill_budget": batch_prefill_budget,
-                           "batch_cap_when_interactive": batch_cap_when_interactive}
+                 batch_cap_when_interactive: int | None = None,
+                 config: FileConfig | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 max_queue: int | None = None) -> None:
+        self._new_slots = functools.partial(
+            PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
+            batch_cap_when_interactive=batch_cap_when_interactive)
         self._max_concurrency = max_concurrency
         self._per_engine: dict[int, Backend] = {}
         self._by_model: dict[str, Backend] = {}
+        self._embedded: dict[str, Backend] = {}  # "embedded:<model>" -> backend
+        self._pools: dict[str, Backend] = {}  # model -> the pool of its route's upstreams
         self.fcfs = fcfs
         self.default_model: str | None = None
         self._aliases: dict[str, str] = dict(aliases or {})
         self.backends: list[Backend] = []
         self.engines: list[Engine] = []
+        self.config = config
+        self.max_queue = (config.server.max_queue if config else None) or max_queue or 256
+        self.upstreams: dict[str, Upstream] = {}
+        self.routes: dict[str, Route] = {}
         for model, engine in engines.items():
             self.add(model, engine)
+        if config is not None:
+            self._configure(config, transport)
 
-    def add(self, model: str, engine: Engine, *, max_concurrency: int | None = None) -> None:
-        """Serve ``model`` with ``engine`` (one slot pool per engine, however many names)."""
-        backend = self._per_engine.get(id(engine))
-        if backend is None:
-            capacity = max_concurrency or self._max_concurrency
-            backend = Backend(f"engine-{len(self._per_engine)}", engine,
-                              PrioritySlots(capacity, **self._slot_args), capacity)
-            self._per_engine[id(engine)] = backend
-            self.backends.append(backend)
-            self.engines.append(engine)
+    # -- construction ----------------------------------------------------------------
+    def add(self, model: str, engine: Engine) -> None:
+        """Serve ``model`` with the embedded ``engine`` (one slot pool per engine)."""
+        backend = self._backend(engine, self._max_concurrency)
+        self._embedded[EMBEDDED + model] = backend
+        self.routes[model] = Route(model, (EMBEDDED + model,))
+        self._serve(model, backend)
+
+    def _serve(self, model: str, backend: Backend) -> None:
         self._by_model[model] = backend
         if self.default_model is None:
             self.default_model = model
             self._aliases.setdefault("default", model)
 
+    def _backend(self, engine: Engine, capacity: int) -> Backend:
+        backend = self._per_engine.get(id(engine))
+        if backend is None:
+            backend = Backend(f"engine-{len(self._per_engine)}", engine,
+                              self._new_slots(capacity), capacity)
+            self._per_engine[id(engine)] = backend
+            self.backends.append(backend)
+            self.engines.append(engine)
+        return backend
+
+    def _configure(self, config: FileConfig, transport: httpx.AsyncBaseTransport | None) -> None:
+        for name, spec in config.backends.items():
+            if not isinstance(spec, EmbeddedSpec):
+                self.upstreams[name] = Upstream(name, spec, config.upstream_key(name),
+                                                transport=transport)
+        for model, model_spec in config.models.items():
+            route = Route(model, self._names(config, model_spec.backends, model),
+                          self._names(config, model_spec.fallbacks, model),
+                          model_spec.total_timeout_s, model_spec.max_attempts)
+            self.routes[model] = route
+            upstreams = [self.upstreams[n] for n in route.backends if n in self.upstreams]
+            if upstreams:
+                capacity = sum(up.spec.max_connections for up in upstreams)
+                self._pools[model] = self._backend(UpstreamEngine(self, route), capacity)
+                if model not in self._by_model:
+                    self._serve(model, self._pools[model])
+            elif model not in self._by_model:
+                self.alias(model, route.backends[0].removeprefix(EMBEDDED))
+
+    def _names(self, config: FileConfig, names: list[str], model: str) -> tuple[str, ...]:
+        out = []
+        for n in names:
+            if not isinstance(config.backends[n], EmbeddedSpec):
+                out.append(n)
+            elif not self._embedded:
+                raise ConfigError(f"models.{model}: backend {n!r} is the embedded engine, "
+                                  "but this proxy runs without one (--engine none)",
+                                  param=f"models.{model}")
+            else:
+                out.append(EMBEDDED + str(self.default_model))
+        return tuple(out)
+
     def alias(self, name: str, model: str) -> None:
         """Let ``name`` stand for the served ``model``."""
         self._aliases[name] = model
 
+    # -- names -----------------------------------------------------------------------
     @property
     def models(self) -> list[str]:
+        """Models served by a backend (embedded or upstream), aliases excluded."""
         return list(self._by_model)
 
+    def known(self) -> set[str]:
+        """Every name a request may use: served models and aliases."""
+        return set(self._by_model) | set(self._aliases)
+
+    def canonical(self, model: str | None) -> str:
+        """The served name behind ``model`` (aliases resolved); unknown names unchanged."""
+        return self._aliases.get(model or "default", model or self.default_model or "")
+
     def resolve(self, model: str | None) -> tuple[str, Backend]:
-        """The served model name and its backend.
+        """The served model name and its backend (a route with upstreams: their pool).
 
         Raises:
             ModelNotFound: for a name that is neither served nor an alias.
@@ -90,9 +190,69 @@ class Backends:
             raise ModelNotFound(str(model), self.models)
         return name, self._by_model[name]
 
-    def canonical(self, model: str | None) -> str:
-        """The served name behind ``model`` (aliases resolved); unknown names unchanged."""
-        return self._aliases.get(model or "default", model or self.default_model or "")
+    def route(self, model: object) -> Route:
+        """The route of ``model`` (``"default"`` and embedded aliases resolved).
 
-    def known(self) -> set[str]:
-        return set(self._by_model) | set(self._aliases)
+        Raises:
+            ModelNotFound: a name that nothing serves.
+        """
+        if isinstance(model, str) and model in self.routes:
+            return self.routes[model]
+        name = self.canonical(model if isinstance(model, str) else None)
+        if name in self.routes:
+            return self.routes[name]
+        raise ModelNotFound(str(model), list(self.routes))
+
+    def pool(self, route: Route) -> Backend | None:
+        """The slot pool of ``route``'s upstream backends (None: it has none)."""
+        return self._pools.get(route.model)
+
+    def local(self, name: str) -> Local | None:
+        """The embedded backend behind backend ``name``, or None for an upstream."""
+        backend = self._embedded.get(name)
+        return None if backend is None else Local(name.removeprefix(EMBEDDED), backend)
+
+    # -- routing ---------------------------------------------------------------------
+    def available(self, name: str, now: float | None = None) -> bool:
+        up = self.upstreams.get(name)
+        if up is not None:
+            return up.health.available(time.monotonic() if now is None else now)
+        backend = self._embedded[name]
+        return (backend.slots.queued < self.max_queue
+                and backend.admitted < backend.max_concurrency + self.max_queue)
+
+    def load(self, name: str) -> int:
+        up = self.upstreams.get(name)
+        if up is not None:
+            return up.health.in_flight
+        slots = self._embedded[name].slots
+        return slots.in_use + slots.queued
+
+    def choose(self, route: Route, affinity: str | None, tried: set[str]) -> str:
+        """The backend for the next attempt.
+
+        Raises:
+            Overloaded: nothing can take it now: 503 with ``Retry-After`` until the
+                first cool-down ends, or 429 when the proxy's own queues are full.
+        """
+        now = time.monotonic()
+        name = pick(route, available=lambda n: self.available(n, now), load=self.load,
+                    affinity=affinity, tried=tried)
+        if name is not None:
+            return name
+        cooling = [self.upstreams[n].health.cooled_until - now for n in route.backends
+                   if n in self.upstreams and self.upstreams[n].health.cooling(now)]
+        if cooling and len(cooling) == len(route.backends):
+            raise Overloaded(f"every backend of model {route.model!r} is cooling down after "
+                             "failures", retry_after_s=min(cooling), status=503)
+        raise Overloaded(f"model {route.model!r} is at capacity (queue or connection limit "
+                         "reached); retry shortly", retry_after_s=1.0, status=429)
+
+    def untried(self, route: Route, tried: set[str]) -> bool:
+        now = time.monotonic()
+        return has_untried(route, available=lambda n: self.available(n, now), tried=tried)
+
+    async def aclose(self) -> None:
+        """Close every upstream's connection pool (the engines close on their own)."""
+        for up in self.upstreams.values():
+            await up.aclose()

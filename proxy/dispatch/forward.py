@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,7 +24,7 @@ from aiohttp import web
 
 from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.dispatch.attempts import Opened, open_answer
-from flowlift.proxy.dispatch.providers import Providers
+from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.sse_bytes import complete_prefix, data_fields, finished
 from flowlift.proxy.dispatch.upstream import Upstream, forwarded_headers, translate
@@ -37,7 +36,7 @@ from flowlift.tracing.spans import inject
 
 log = get_logger("flowlift.proxy.dispatch.forward")
 OnOutput = Callable[[str, dict[str, Any] | None], None]
-EmbeddedCall = Callable[[str, Any], Awaitable[web.StreamResponse]]
+EmbeddedCall = Callable[[Local], Awaitable[web.StreamResponse]]
 
 
 def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str) -> bytes:
@@ -47,8 +46,7 @@ def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str) 
     return orjson.dumps({**data, "model": target})
 
 
-
-async def forward(request: web.Request, *, providers: Providers, route: Route, path: str,
+async def forward(request: web.Request, *, backends: Backends, route: Route, path: str,
                   raw: bytes, data: dict[str, Any], affinity: str | None = None,
                   embedded: EmbeddedCall | None = None,
                   on_output: OnOutput | None = None) -> web.StreamResponse:
@@ -59,8 +57,8 @@ async def forward(request: web.Request, *, providers: Providers, route: Route, p
             ``/responses``), appended to each backend's ``base_url``.
         raw, data: the client's body as bytes and parsed.
         affinity: workflow or session id for replica affinity.
-        embedded: answers on an embedded backend (``(served_model, backend)``); None
-            when the endpoint has no embedded implementation.
+        embedded: answers on the embedded backend the route chose (it takes the
+            backend's slots); None when the endpoint has no embedded implementation.
         on_output: called once with the first choice's text and the usage when a whole
             answer went through (inferred workflows use it).
 
@@ -73,19 +71,19 @@ async def forward(request: web.Request, *, providers: Providers, route: Route, p
     inject(headers)  # the proxy's own span (a child of the caller's) is the upstream's parent
     try:
         opened = await open_answer(
-            providers, route, path=path, headers=headers,
+            backends, route, path=path, headers=headers,
             body_for=lambda up: _body_for(up, raw, data, route.model),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity)
     except UpstreamError as exc:
         return upstream_error_response(exc)
-    if isinstance(opened, tuple):
+    if isinstance(opened, Local):
         if embedded is None:
             raise RequestError(f"{path} is not served by the embedded engine; configure an "
                                f"upstream backend for model {route.model!r}", param="model")
-        backend = opened[1]
+        backend = opened.backend
         backend.admitted += 1  # no await since the route chose it: no burst slips through
         try:
-            return await embedded(*opened)
+            return await embedded(opened)
         finally:
             backend.admitted -= 1
     traced = request_tracing.current()
@@ -131,7 +129,7 @@ def upstream_error_response(exc: UpstreamError) -> web.Response:
 
 
 def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
-    opened.upstream.health.success()
+    opened.call.succeeded()
     body = opened.body or b""
     if on_output is not None and opened.doc is not None:
         _observe_plain(opened.doc, on_output)
@@ -213,9 +211,9 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
         except (TimeoutError, httpx.HTTPError) as exc:
             failure = str(translate(exc, upstream.name, stage="mid-stream"))
         if not done:
-            await _cut_short(resp, upstream, failure)
+            await _cut_short(resp, opened, failure)
         else:
-            upstream.health.success()
+            opened.call.succeeded()
             if collect is not None and on_output is not None:
                 on_output("".join(collect.parts), collect.usage)
         await resp.write_eof()
@@ -224,12 +222,13 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
     return resp
 
 
-async def _cut_short(resp: web.StreamResponse, upstream: Upstream, failure: str | None) -> None:
+async def _cut_short(resp: web.StreamResponse, opened: Opened, failure: str | None) -> None:
     """End a stream that stopped before its end marker with an in-band error event."""
+    upstream = opened.upstream
     failure = failure or (f"backend {upstream.name!r} closed the stream before it finished "
                           "(no finish_reason, no [DONE])")
     err = UpstreamError(failure + "; the answer above is incomplete", status=502,
                         backend=upstream.name)
     await resp.write(b"data: " + orjson.dumps(err.to_openai()) + b"\n\n")
-    upstream.health.failure(time.monotonic())
+    opened.call.failed()
     log.warning("stream_cut_short", backend=upstream.name, reason=failure)

@@ -204,10 +204,18 @@ class Slot:
             self._slots.prefilled(self._priority, self._tokens)
             self._tokens = 0
 
-    async def __aenter__(self) -> Slot:
+    async def acquire(self) -> None:
+        """Wait for the slot (cancelling the wait leaks nothing)."""
         await self._slots.acquire(self._priority, self._tokens)
+
+    def release(self) -> None:
+        """Give the slot back; call it once per granted :meth:`acquire`."""
+        self._slots.release(self._priority, self._tokens)
+        self._tokens = 0
+
+    async def __aenter__(self) -> Slot:
+        await self.acquire()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self._slots.release(self._priority, self._tokens)
-        self._tokens = 0
+        self.release()

@@ -1,5 +1,6 @@
-"""Upstream OpenAI-compatible providers: pooled httpx clients, health and cool-down,
-``Retry-After`` parsing, and which client headers may travel upstream.
+"""Upstream OpenAI-compatible providers: pooled httpx clients (their health and cool-down
+are :mod:`flowlift.proxy.dispatch.health`'s), ``Retry-After`` parsing, and which client
+headers may travel upstream.
 
 httpx is the only place upstream errors come from; :func:`translate` turns them into
 :class:`~flowlift.errors.UpstreamError` in this one place.
@@ -11,7 +12,6 @@ import json
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
@@ -26,6 +26,8 @@ from flowlift.errors import (
     UpstreamError,
 )
 from flowlift.proxy.config import UpstreamSpec
+from flowlift.proxy.dispatch.health import Call as Call
+from flowlift.proxy.dispatch.health import Health as Health
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529})
 """Upstream answers another attempt may fix (OpenAI's client retries the same set)."""
@@ -85,43 +87,6 @@ def retry_after_s(headers: Mapping[str, str], *, now: float | None = None) -> fl
         when = when.replace(tzinfo=UTC)
     now_dt = datetime.fromtimestamp(time.time() if now is None else now, tz=UTC)
     return max((when - now_dt).total_seconds(), 0.0)
-
-
-@dataclass(slots=True)
-class Health:
-    """Circuit state of one backend: consecutive failures, cool-down, requests in flight.
-
-    ``failures_to_cool`` consecutive failures cool the backend for ``cooldown_s`` (or
-    the upstream's ``Retry-After`` when longer); a 429 with ``Retry-After`` cools it at
-    once for that long. One success closes the circuit again.
-    """
-
-    failures_to_cool: int = 3
-    cooldown_s: float = 30.0
-    consecutive_failures: int = 0
-    cooled_until: float = 0.0
-    in_flight: int = 0
-    max_in_flight: int = 64
-
-    def available(self, now: float) -> bool:
-        return now >= self.cooled_until and self.in_flight < self.max_in_flight
-
-    def cooling(self, now: float) -> bool:
-        return now < self.cooled_until
-
-    def success(self) -> None:
-        self.consecutive_failures = 0
-        self.cooled_until = 0.0
-
-    def failure(self, now: float, *, status: int | None = None,
-                retry_after: float | None = None) -> None:
-        self.consecutive_failures += 1
-        until = 0.0
-        if status == 429 and retry_after is not None:
-            until = now + retry_after
-        if self.consecutive_failures >= self.failures_to_cool:
-            until = max(until, now + max(self.cooldown_s, retry_after or 0.0))
-        self.cooled_until = max(self.cooled_until, until)
 
 
 class Upstream:

@@ -1,19 +1,22 @@
-"""An :class:`~flowlift.local_engine.base.Engine` over a route of upstream providers, so
-workflow steps on upstream models run through the same scheduler, deadline and trace
+"""An :class:`~flowlift.local_engine.base.Engine` over the upstream providers of a route,
+so workflow steps on upstream models run through the same scheduler, deadline and trace
 as steps on the embedded engine.
 
-Each generation is one streamed ``/chat/completions`` request with the same retries,
-fallbacks and replica affinity as drop-in traffic; the workflow's run id is the affinity
-key, so every step of one run lands on one replica while it is healthy (its prefix
-cache stays warm there), and all of them share the upstream's pooled connections.
+Each generation is one streamed ``/chat/completions`` request (:func:`open_chat`) with
+the same retries, fallbacks and replica affinity as drop-in traffic; the workflow's run
+id is the affinity key, so every step of one run lands on one replica while it is
+healthy (its prefix cache stays warm there), and all of them share the upstream's
+pooled connections. Where a route also has the embedded engine, the choice between them
+is the :class:`~flowlift.proxy.dispatch.steps.StepDispatcher`'s, above this engine: it
+opens the answer with :func:`open_chat` and reads it with :meth:`UpstreamEngine.read`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -27,12 +30,14 @@ from flowlift.local_engine.base import (
     TokenLogprob,
     Usage,
 )
-from flowlift.proxy.dispatch.attempts import Opened, open_answer
-from flowlift.proxy.dispatch.providers import Providers
+from flowlift.proxy.dispatch.attempts import Admit, Opened, open_answer
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.upstream import translate, unretryable
 from flowlift.proxy.openai import chunks
 from flowlift.tracing.spans import inject
+
+if TYPE_CHECKING:
+    from flowlift.proxy.dispatch.backends import Backends, Local
 
 
 def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
@@ -90,8 +95,32 @@ def _read_event(data: str, backend: str
     return first.text, first.finish_reason, chunk.usage, first.logprobs
 
 
+async def open_chat(backends: Backends, route: Route, request: GenerationRequest, *,
+                    admit: Admit | None = None) -> Opened | Local:
+    """Open ``request`` as a streamed chat completion on ``route`` (affinity: its
+    ``session_id``), or return the embedded backend the route chose instead.
+
+    Raises:
+        ContextLengthExceeded, ContentRefused: an upstream's answer no retry can change.
+        EngineError: every attempt failed.
+        Overloaded: nothing can take the request now.
+    """
+    body = chat_body(request, route.model)
+    headers: dict[str, str] = {}
+    inject(headers)  # the workflow run's span: the upstream request joins its trace
+    try:
+        return await open_answer(
+            backends, route, path="/chat/completions",
+            body_for=lambda up: orjson.dumps({**body, "model": up.upstream_model(route.model)}),
+            headers=headers, stream="events", affinity=request.session_id, admit=admit)
+    except UpstreamError as exc:
+        raise unretryable(exc, route.model) or EngineError(
+            f"model {route.model!r}: {exc.message}") from None
+
+
 class UpstreamEngine(Engine):
-    """Serves ``route.model`` from the route's upstream backends.
+    """Serves ``route.model`` from the route's upstream backends (its embedded ones, if
+    any, are left to the dispatcher above the engines).
 
     Constrained outputs are asked for with ``response_format: json_schema``; a label set
     or a regex becomes an instruction (upstreams have no portable choice or regex
@@ -100,9 +129,12 @@ class UpstreamEngine(Engine):
 
     capabilities = Capabilities(structured_outputs=True, abort=True)
 
-    def __init__(self, providers: Providers, route: Route) -> None:
-        self.providers = providers
+    def __init__(self, backends: Backends, route: Route) -> None:
+        self.backends = backends
         self.route = route
+        self._upstream = dataclasses.replace(
+            route, replicas=tuple(n for n in route.replicas if n in backends.upstreams),
+            fallbacks=tuple(n for n in route.fallbacks if n in backends.upstreams))
         self._open: dict[str, Opened] = {}  # request id -> its upstream stream
         self._aborted: set[str] = set()
 
@@ -111,26 +143,25 @@ class UpstreamEngine(Engine):
         return (self.route.model,)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        body = chat_body(request, self.route.model)
-        headers: dict[str, str] = {}
-        inject(headers)  # the workflow run's span: the upstream request joins its trace
-        try:
-            opened = await open_answer(
-                self.providers, self.route, path="/chat/completions",
-                body_for=lambda up: orjson.dumps({**body,
-                                                  "model": up.upstream_model(self.route.model)}),
-                headers=headers, stream="events", affinity=request.session_id)
-        except UpstreamError as exc:
-            raise unretryable(exc, self.route.model) or EngineError(
-                f"model {self.route.model!r}: {exc.message}") from None
-        if isinstance(opened, tuple):
-            _, backend = opened
-            async for chunk in backend.engine.generate(request):
-                yield chunk
-            return
-        rid = request.request_id
+        opened = await open_chat(self.backends, self._upstream, request)
+        if not isinstance(opened, Opened):  # never: this route lists upstreams only
+            raise AssertionError(f"route {self.route.model!r} chose {opened!r}")
+        async for chunk in self.read(opened, request.request_id):
+            yield chunk
+
+    async def read(self, opened: Opened, request_id: str,
+                   ) -> AsyncGenerator[GenerationChunk, None]:
+        """The chunks of an answer :func:`open_chat` opened (tracked under
+        ``request_id`` for :meth:`abort`); the answer is released on every exit.
+
+        Raises:
+            EngineError: the stream failed or ended before its finish reason.
+            ContentRefused: the provider's content filter cut the answer.
+        """
+        rid = request_id
         self._open[rid] = opened
         finish: str | None = None
+        failure: str | None = None
         usage = Usage()
         try:
             async for chunk in self._read(opened):
@@ -139,10 +170,7 @@ class UpstreamEngine(Engine):
                 else:
                     finish, usage = chunk
         except (TimeoutError, httpx.HTTPError) as exc:
-            if rid not in self._aborted:
-                opened.upstream.health.failure(time.monotonic())
-                raise EngineError(str(translate(exc, opened.upstream.name,
-                                                stage="mid-stream"))) from None
+            failure = str(translate(exc, opened.upstream.name, stage="mid-stream"))
         finally:
             self._open.pop(rid, None)
             await opened.release()
@@ -150,11 +178,12 @@ class UpstreamEngine(Engine):
             self._aborted.discard(rid)
             yield GenerationChunk("", finish_reason="abort", usage=usage)
             return
-        if finish is None:
-            opened.upstream.health.failure(time.monotonic())
-            raise EngineError(f"backend {opened.upstream.name!r} ended the stream before it "
-                              "finished")
-        opened.upstream.health.success()
+        if failure is None and finish is None:
+            failure = f"backend {opened.upstream.name!r} ended the stream before it finished"
+        if failure is not None:
+            opened.call.failed()
+            raise EngineError(failure)
+        opened.call.succeeded()
         if finish == "content_filter":
             raise ContentRefused(f"model {self.route.model!r}: the answer was cut by the "
                                  "provider's content filter")

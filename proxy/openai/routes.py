@@ -24,7 +24,7 @@ import structlog
 from aiohttp import web
 
 from flowlift.errors import ModelNotFound, RequestError
-from flowlift.proxy.dispatch.backends import Backend
+from flowlift.proxy.dispatch.backends import Local
 from flowlift.proxy.dispatch.forward import OnOutput, forward
 from flowlift.proxy.http import json_object, read_body
 from flowlift.proxy.openai.chat_completion import serving as embedded
@@ -57,7 +57,7 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
     state = request.app[STATE]
     raw = await read_body(request)
     data = json_object(raw)
-    route = state.providers.route(data["model"])
+    route = state.backends.route(data["model"])
     if not isinstance(data.get("stream", False), bool | None):
         raise RequestError("`stream` must be true or false", param="stream")
     session = request.headers.get("x-flowlift-session")
@@ -80,12 +80,12 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
     if traced is not None:
         traced.request(route.model, joined, data.get("stream") is True)
 
-    async def local(model: str, backend: Backend) -> web.StreamResponse:
+    async def local(target: Local) -> web.StreamResponse:
         assert handler is not None
         kwargs: dict[str, Any] = {} if on_output is None else {"on_output": on_output}
-        return await handler(request, data, model, backend, **kwargs)
+        return await handler(request, data, target.model, target.backend, **kwargs)
 
-    return await forward(request, providers=state.providers, route=route, path=path,
+    return await forward(request, backends=state.backends, route=route, path=path,
                          raw=raw, data=data, affinity=affinity,
                          embedded=local if handler is not None else None,
                          on_output=on_output)
@@ -117,7 +117,7 @@ async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     created = int(state.started_at)
     data = [{"id": m, "object": "model", "created": created, "owned_by": "flowlift"}
-            for m in state.providers.models]
+            for m in state.backends.routes]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -130,7 +130,7 @@ async def get_model(request: web.Request) -> web.Response:
     """
     state = request.app[STATE]
     name = request.match_info["model"]
-    if name not in state.providers.models:
-        raise ModelNotFound(name, state.providers.models)
+    if name not in state.backends.routes:
+        raise ModelNotFound(name, list(state.backends.routes))
     return web.json_response({"id": name, "object": "model", "created": int(state.started_at),
                               "owned_by": "flowlift"})

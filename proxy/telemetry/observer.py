@@ -33,7 +33,6 @@ from flowlift.tracing.run_spans import RunSpans
 
 if TYPE_CHECKING:
     from flowlift.proxy.dispatch.backends import Backends
-    from flowlift.proxy.dispatch.providers import Providers
     from flowlift.proxy.workflows.runs import Run
 
 log = get_logger("flowlift.tracing")
@@ -45,18 +44,18 @@ class Telemetry:
     Args:
         provider: the proxy's tracer provider
             (:func:`~flowlift.tracing.spans.proxy_tracer_provider`).
-        backends, providers: the proxy's backends and upstreams (read by the metrics at
+        backends: the proxy's backends and upstreams (read by the metrics at
             scrape time, and to name a model's provider on its spans).
         active_runs: the number of workflow runs active now (read at scrape time).
         owned: the provider is this proxy's own (shut down with it); False for one it
             shares (a :func:`~flowlift.tracing.spans.capture_spans` provider): only flushed.
     """
 
-    def __init__(self, provider: TracerProvider, backends: Backends, providers: Providers,
+    def __init__(self, provider: TracerProvider, backends: Backends,
                  active_runs: Callable[[], int], *, owned: bool = True) -> None:
         self.provider, self.owned = provider, owned
         self.tracer = provider.get_tracer("flowlift.proxy")
-        self.backends, self.providers = backends, providers
+        self.backends = backends
         self.metrics = Metrics(queue_depth=self._queue_depth,
                                active_workflows=active_runs,
                                upstream_in_flight=self._in_flight)
@@ -64,7 +63,7 @@ class Telemetry:
 
     @classmethod
     def for_proxy(cls, provider: TracerProvider | None, trace_dir: Path | None,
-                  backends: Backends, providers: Providers,
+                  backends: Backends,
                   active_runs: Callable[[], int]) -> Telemetry:
         """The telemetry of one proxy app.
 
@@ -75,7 +74,7 @@ class Telemetry:
         """
         owned = provider is None and not spans.capturing()
         provider = provider or spans.proxy_tracer_provider(trace_dir)
-        return cls(provider, backends, providers, active_runs, owned=owned)
+        return cls(provider, backends, active_runs, owned=owned)
 
     def request_middleware(self) -> Any:
         """The aiohttp middleware giving each OpenAI API request its span and feeding the
@@ -90,7 +89,7 @@ class Telemetry:
         return out
 
     def _in_flight(self) -> list[tuple[str, int]]:
-        return [(name, up.health.in_flight) for name, up in self.providers.upstreams.items()]
+        return [(name, up.health.in_flight) for name, up in self.backends.upstreams.items()]
 
     def provider_of(self, model: str | None) -> str:
         try:

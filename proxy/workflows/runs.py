@@ -14,7 +14,7 @@ finished outputs and failures in place and runs only what is left.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import functools
 import secrets
 from collections.abc import Callable
@@ -45,6 +45,8 @@ from flowlift.local_engine.base import (
 )
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.steps import StepDispatcher
+from flowlift.proxy.workflows.books import AttemptBooks
 from flowlift.proxy.workflows.cascade import Generated, run_step
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import EventLog
@@ -301,16 +303,48 @@ class Run:
         self.trace.step(node.id).model = self.backends.canonical(model)
         return value
 
+    @functools.cached_property
+    def _dispatcher(self) -> StepDispatcher:
+        return StepDispatcher(self.backends)
+
     async def _attempt(self, node: LLMNode, want: str | None,
                        messages: list[ChatMessage], *, logprobs: bool) -> Generated:
-        """One generation of ``node`` on model ``want``; every try is an
+        """One generation of ``node`` on model ``want``, where its route sends it
+        (:class:`~flowlift.proxy.dispatch.steps.StepDispatcher`); every try is an
         :class:`AttemptTrace` in the step's ``attempts``."""
-        model, backend = self.backends.resolve(want)
+        model, _ = self.backends.resolve(want)
+        st = self.trace.step(node.id)
+        st.model = model
+        number = len(st.attempts) + 1
+        if number == 1:
+            await self._await_warm(node.id)
+        priority = self._priority(node.id)
+        request = self._request(node, model, messages, number, logprobs=logprobs,
+                                priority=priority)
+        books = AttemptBooks(self.trace, node.id, number, want or model)
+        tokens = int(self.plan.uncached_tokens.get(node.id, 0)) if self.plan else 0
+        try:
+            async with contextlib.aclosing(self._dispatcher.generate(
+                    request, priority=priority, prefill_tokens=tokens,
+                    started=books.started)) as chunks:
+                async for chunk in chunks:
+                    if books.chunk(chunk):
+                        self._warmed(node.id)
+        except BaseException as exc:
+            books.failed(exc)
+            raise
+        finally:
+            self._warmed(node.id)
+        attempt = books.finished()
+        self._observe(model, attempt)
+        return Generated(books.text, attempt, books.logprobs)
+
+    def _request(self, node: LLMNode, model: str, messages: list[ChatMessage], number: int,
+                 *, logprobs: bool, priority: Priority) -> GenerationRequest:
+        """The engine request of try ``number`` of ``node`` (affinity: the run id)."""
         p = node.params
         contract = node.contract
-        st = self.trace.step(node.id)
-        number = len(st.attempts) + 1
-        request = GenerationRequest(
+        return GenerationRequest(
             request_id=f"{self.run_id}:{node.id}" + (f":{number}" if number > 1 else ""),
             model=model, messages=messages,
             sampling=SamplingOptions(max_tokens=p.max_tokens, temperature=p.temperature,
@@ -319,57 +353,8 @@ class Run:
             constraint=(OutputConstraint(json_schema=contract.json_schema,
                                          choices=contract.choices, regex=contract.regex)
                         if contract else None),
-            session_id=self.run_id)
-        st.model = model
-        pieces: list[str] = []
-        tokens_lp: list[Any] = []
-        if number == 1:
-            await self._await_warm(node.id)
-        priority = self._priority(node.id)
-        attempt: AttemptTrace | None = None
-        try:
-            tokens = int(self.plan.uncached_tokens.get(node.id, 0)) if self.plan else 0
-            async with backend.slots.slot(priority, tokens) as slot:
-                if st.started_ms is None:
-                    self.trace.mark(node.id, "started", status="running")
-                attempt = AttemptTrace(number, want or model, self.trace.now_ms())
-                st.attempts.append(attempt)
-                engine_priority = 0 if self.backends.fcfs else priority.engine_priority()
-                stream = backend.engine.generate(
-                    dataclasses.replace(request, priority=engine_priority))
-                try:
-                    async for chunk in stream:
-                        if chunk.text and attempt.first_token_ms is None:
-                            attempt.first_token_ms = self.trace.now_ms()
-                            if st.first_token_ms is None:
-                                self.trace.mark(node.id, "first_token")
-                            slot.prefilled()
-                            self._warmed(node.id)
-                        pieces.append(chunk.text)
-                        tokens_lp.extend(chunk.logprobs or ())
-                        attempt.finish_reason = chunk.finish_reason or attempt.finish_reason
-                        if chunk.usage is not None:
-                            attempt.prompt_tokens = chunk.usage.prompt_tokens
-                            attempt.completion_tokens = chunk.usage.completion_tokens
-                            attempt.cached_tokens = chunk.usage.cached_tokens
-                finally:
-                    await stream.aclose()  # type: ignore[attr-defined]
-        except BaseException as exc:
-            if attempt is not None:
-                attempt.finished_ms, attempt.outcome = self.trace.now_ms(), "error"
-                attempt.error = getattr(exc, "message", None) or type(exc).__name__
-            raise
-        finally:
-            self._warmed(node.id)
-        if st.first_token_ms is None:
-            self.trace.mark(node.id, "first_token")
-        self.trace.mark(node.id, "generated")
-        assert attempt is not None  # set before the stream opened; errors raised above
-        for field in ("prompt_tokens", "completion_tokens", "cached_tokens"):
-            setattr(st, field, sum(getattr(a, field) for a in st.attempts))
-        attempt.finished_ms = self.trace.now_ms()
-        self._observe(model, attempt)
-        return Generated("".join(pieces), attempt, tokens_lp)
+            session_id=self.run_id,
+            priority=0 if self.backends.fcfs else priority.engine_priority())
 
     def _observe(self, model: str, at: AttemptTrace) -> None:
         if self.costs is None or at.first_token_ms is None or at.finished_ms is None:

@@ -254,7 +254,7 @@ async def test_a_cancelled_run_gives_its_upstream_slot_back(aiohttp_client):
     async with BlackHole() as hole:
         client = await proxy_client(aiohttp_client, config_for(
             {"hole": {"backends": ["h"]}}, {"h": hole.url}, max_connections=2))
-        health = client.app[STATE].providers.upstreams["h"].health
+        health = client.app[STATE].backends.upstreams["h"].health
         graph = {"nodes": [{"kind": "llm", "id": "a", "model": "hole", "messages": [
             {"role": "user", "content": [{"text": "hi"}]}]}]}
         for n in range(4):
@@ -324,7 +324,7 @@ async def test_a_client_gone_mid_stream_frees_its_upstream_connection_and_engine
     engine = FakeEngine(["fake-model"], delay_s=0.1)
     client = await proxy_client(aiohttp_client, config_for({"up": {"backends": ["b0"]}},
                                                            {"b0": url}), engine=engine)
-    health = client.app[STATE].providers.upstreams["b0"].health
+    health = client.app[STATE].backends.upstreams["b0"].health
     for model in ("up", "fake-model"):
         async with aiohttp.ClientSession() as s:
             resp = await s.post(client.make_url("/v1/chat/completions"), json={

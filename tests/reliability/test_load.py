@@ -126,7 +126,7 @@ async def test_500_concurrent_chat_streams_through_the_proxy(aiohttp_server, cap
             gc.collect()
             figures.append((model, before, rss_mib(), took))
             assert counts == {"ok": STREAMS}, (model, counts)
-    assert app[STATE].providers.upstreams["b0"].health.in_flight == 0
+    assert app[STATE].backends.upstreams["b0"].health.in_flight == 0
     with capsys.disabled():
         print("\n500 streams: " + "; ".join(f"{m} {t:.1f} s RSS {b:.0f} -> {a:.0f} MiB"
                                             for m, b, a, t in figures))
@@ -156,7 +156,7 @@ async def test_over_capacity_sheds_with_retry_after_never_a_crash_or_a_hang(aioh
         # and once the burst is over, full service again
         counts, _ = await burst([run_stream(s, base, "up") for _ in range(16)], 30)
         assert counts == {"ok": 16}
-    assert app[STATE].providers.upstreams["b0"].health.in_flight == 0
+    assert app[STATE].backends.upstreams["b0"].health.in_flight == 0
 
 
 @pytest.mark.timeout(120)

@@ -171,7 +171,7 @@ async def test_a_url_as_model_or_base_url_in_the_body_calls_nothing_else(guarded
 
 
 def fake_host(client: Any) -> str:
-    up = client.app[STATE].providers.upstreams["b0"]
+    up = client.app[STATE].backends.upstreams["b0"]
     return up.request("/x", b"", {}).headers["host"]
 
 

@@ -133,7 +133,7 @@ def assert_bounded(app: Any) -> None:
     assert len(app[SESSIONS]) <= BOUND
     assert len(state.inferred) <= BOUND
     assert len(state.runs.finished) <= BOUND
-    assert len(state.costs.snapshot()) <= len(state.providers.models)
+    assert len(state.costs.snapshot()) <= len(state.backends.routes)
     assert stored_runs(app) <= BOUND + len(state.runs.active)
 
 

@@ -1,0 +1,119 @@
+"""Where one generation of a workflow step runs, decided once, above the engines.
+
+The step's model has a :class:`~flowlift.proxy.dispatch.routing.Route`. A route with
+embedded backends only runs on the embedded engine. Otherwise the route's rules choose
+(replica affinity by the run id, least load, fallbacks, retries with ``Retry-After``;
+:func:`~flowlift.proxy.dispatch.attempts.open_answer`): an upstream attempt first waits
+for a slot of the route's upstream pool, and a choice of the embedded engine -- a
+replica, or the fallback after upstream failures -- takes the embedded backend's
+priority slots like every other request there (class caps, prefill budget). Either way
+the step's priority orders the wait, and the engine or upstream stream is closed on
+every exit, cancellation included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator, Callable
+
+from flowlift.local_engine.base import GenerationChunk, GenerationRequest
+from flowlift.proxy.dispatch.attempts import Admit, Opened
+from flowlift.proxy.dispatch.backends import Backends, Local
+from flowlift.proxy.dispatch.routing import Route
+from flowlift.proxy.dispatch.scheduler import Priority, Slot
+from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine, open_chat
+
+
+def _nothing() -> None:
+    return None
+
+
+class StepDispatcher:
+    """Runs workflow generations on their model's route.
+
+    Args:
+        backends: the proxy's registry of backends and routes.
+    """
+
+    def __init__(self, backends: Backends) -> None:
+        self.backends = backends
+
+    async def generate(self, request: GenerationRequest, *, priority: Priority,
+                       prefill_tokens: int = 0,
+                       started: Callable[[], None] = _nothing,
+                       ) -> AsyncGenerator[GenerationChunk, None]:
+        """The chunks of ``request`` (``model``: a served name; affinity: its
+        ``session_id``) from the backend its route chooses. Use it inside
+        ``contextlib.aclosing``.
+
+        Args:
+            priority: the order of the wait for a slot.
+            prefill_tokens: the prompt tokens it will prefill (the batch prefill budget).
+            started: called when a slot is granted (again if an upstream attempt
+                failed before any output and the next backend grants one).
+
+        Raises:
+            ModelNotFound: no route for the model.
+            Overloaded: no backend of the route can take it now.
+            FlowliftError: the engine's or the upstream's failure (an
+                :class:`~flowlift.errors.EngineError` once every attempt failed).
+        """
+        route = self.backends.route(request.model)
+        target: Local | Opened | None = self._embedded_only(route)
+        if target is None:
+            target = await open_chat(self.backends, route, request,
+                                     admit=self._admit(route, priority, prefill_tokens,
+                                                       started))
+        if isinstance(target, Local):
+            chunks = self._local(target, request, priority, prefill_tokens, started)
+        else:
+            chunks = self._upstream(target, route, request)
+        async with contextlib.aclosing(chunks) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    def _embedded_only(self, route: Route) -> Local | None:
+        """The embedded backend of a route that has nothing else (no choice to make)."""
+        locals_ = [self.backends.local(name) for name in route.backends]
+        return locals_[0] if locals_ and all(locals_) else None
+
+    def _admit(self, route: Route, priority: Priority, prefill_tokens: int,
+               started: Callable[[], None]) -> Admit | None:
+        pool = self.backends.pool(route)
+        if pool is None:
+            return None
+
+        async def admit() -> Slot:
+            slot = pool.slots.slot(priority, prefill_tokens)
+            await slot.acquire()
+            started()
+            return slot
+        return admit
+
+    @staticmethod
+    async def _local(target: Local, request: GenerationRequest, priority: Priority,
+                     prefill_tokens: int, started: Callable[[], None],
+                     ) -> AsyncGenerator[GenerationChunk, None]:
+        backend = target.backend
+        async with backend.slots.slot(priority, prefill_tokens) as slot:
+            started()
+            stream = backend.engine.generate(dataclasses.replace(request, model=target.model))
+            async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
+                async for chunk in chunks:
+                    if chunk.text:
+                        slot.prefilled()
+                    yield chunk
+
+    async def _upstream(self, opened: Opened, route: Route, request: GenerationRequest,
+                        ) -> AsyncGenerator[GenerationChunk, None]:
+        pool = self.backends.pool(route)
+        engine = None if pool is None else pool.engine
+        if not isinstance(engine, UpstreamEngine):  # never: a route with upstreams has one
+            await opened.release()
+            raise AssertionError(f"route {route.model!r} has no upstream pool")
+        async with contextlib.aclosing(engine.read(opened, request.request_id)) as chunks:
+            async for chunk in chunks:
+                if chunk.text and opened.slot is not None:
+                    opened.slot.prefilled()
+                yield chunk

@@ -1,0 +1,75 @@
+"""The books of one generation of a workflow step: its trace marks, text, tokens and
+logprobs, kept as the generation runs (no I/O; the dispatch is elsewhere)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowlift.local_engine.base import GenerationChunk
+from flowlift.tracing import AttemptTrace, RunTrace
+
+
+class AttemptBooks:
+    """Keeps one try of step ``step_id`` in ``trace``.
+
+    Args:
+        trace: the run's trace.
+        step_id: the step.
+        number: the try's number among the step's attempts (1 first).
+        model: the name the step asked for (the trace's ``AttemptTrace.model``).
+    """
+
+    def __init__(self, trace: RunTrace, step_id: str, number: int, model: str) -> None:
+        self.trace, self.step_id, self.number, self.model = trace, step_id, number, model
+        self.step = trace.step(step_id)
+        self.attempt: AttemptTrace | None = None
+        self.pieces: list[str] = []
+        self.logprobs: list[Any] = []
+
+    def started(self) -> None:
+        """A slot was granted: the try starts (once, even if it moves to another backend)."""
+        if self.attempt is not None:
+            return
+        if self.step.started_ms is None:
+            self.trace.mark(self.step_id, "started", status="running")
+        self.attempt = AttemptTrace(self.number, self.model, self.trace.now_ms())
+        self.step.attempts.append(self.attempt)
+
+    def chunk(self, chunk: GenerationChunk) -> bool:
+        """Book one chunk; True when it holds the try's first token."""
+        attempt = self.attempt
+        assert attempt is not None  # the dispatcher grants a slot before any chunk
+        first = bool(chunk.text) and attempt.first_token_ms is None
+        if first:
+            attempt.first_token_ms = self.trace.now_ms()
+            if self.step.first_token_ms is None:
+                self.trace.mark(self.step_id, "first_token")
+        self.pieces.append(chunk.text)
+        self.logprobs.extend(chunk.logprobs or ())
+        attempt.finish_reason = chunk.finish_reason or attempt.finish_reason
+        if chunk.usage is not None:
+            attempt.prompt_tokens = chunk.usage.prompt_tokens
+            attempt.completion_tokens = chunk.usage.completion_tokens
+            attempt.cached_tokens = chunk.usage.cached_tokens
+        return first
+
+    def failed(self, exc: BaseException) -> None:
+        """The try ended with ``exc`` (nothing to book when no slot was granted)."""
+        if self.attempt is not None:
+            self.attempt.finished_ms, self.attempt.outcome = self.trace.now_ms(), "error"
+            self.attempt.error = getattr(exc, "message", None) or type(exc).__name__
+
+    def finished(self) -> AttemptTrace:
+        """The try generated its whole answer: the step's marks and token sums."""
+        assert self.attempt is not None  # set before the first chunk; errors raise first
+        if self.step.first_token_ms is None:
+            self.trace.mark(self.step_id, "first_token")
+        self.trace.mark(self.step_id, "generated")
+        for field in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+            setattr(self.step, field, sum(getattr(a, field) for a in self.step.attempts))
+        self.attempt.finished_ms = self.trace.now_ms()
+        return self.attempt
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
