@@ -82,7 +82,7 @@ class Backends:
                  batch_cap_when_interactive: int | None = None,
                  config: FileConfig | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 max_queue: int | None = None) -> None:
+                 max_queue: int = 256) -> None:
         self._new_slots = functools.partial(
             PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
             batch_cap_when_interactive=batch_cap_when_interactive)
@@ -97,7 +97,7 @@ class Backends:
         self.backends: list[Backend] = []
         self.engines: list[Engine] = []
         self.config = config
-        self.max_queue = (config.server.max_queue if config else None) or max_queue or 256
+        self.max_queue = max_queue  # merged by flowlift.proxy.config.settings (flag > file)
         self.upstreams: dict[str, Upstream] = {}
         self.routes: dict[str, Route] = {}
         for model, engine in engines.items():

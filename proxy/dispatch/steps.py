@@ -99,7 +99,7 @@ class StepDispatcher:
         async with backend.slots.slot(priority, prefill_tokens) as slot:
             started()
             stream = backend.engine.generate(dataclasses.replace(request, model=target.model))
-            async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
+            async with contextlib.aclosing(stream) as chunks:
                 async for chunk in chunks:
                     if chunk.text:
                         slot.prefilled()

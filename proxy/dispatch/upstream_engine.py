@@ -142,7 +142,8 @@ class UpstreamEngine(Engine):
     def model_names(self) -> Sequence[str]:
         return (self.route.model,)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest
+                       ) -> AsyncGenerator[GenerationChunk, None]:
         opened = await open_chat(self.backends, self._upstream, request)
         if not isinstance(opened, Opened):  # never: this route lists upstreams only
             raise AssertionError(f"route {self.route.model!r} chose {opened!r}")

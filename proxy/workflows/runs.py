@@ -162,8 +162,9 @@ class Run:
                     {"run_id": self.run_id, "steps": [n.id for n in self.graph.nodes]}))
         with bind_run(workflow_id=self.run_id):
             tasks = [asyncio.create_task(self._node(n)) for n in self.graph.nodes]
-            work = asyncio.gather(*tasks)
-            watch = asyncio.ensure_future(self.clock.expired() if self.clock else work)
+            work: asyncio.Future[Any] = asyncio.gather(*tasks)
+            watch: asyncio.Future[Any] = asyncio.ensure_future(
+                self.clock.expired() if self.clock else work)
             try:
                 await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
                 if not work.done():
