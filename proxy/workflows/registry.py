@@ -5,7 +5,8 @@
   restart): finished steps keep their outputs and are not run again. A resumed run is
   parked until its client reconnects, so orphans never take engine capacity.
 * ``sweep`` cancels runs that nobody has listened to for ``detached_timeout_s`` (their
-  client went away and did not come back), so orphans do not wait forever.
+  client went away and did not come back), so orphans do not wait forever; an open run
+  whose app vanished before closing it goes the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from flowlift.errors import Overloaded, RequestError
 from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.workflows.open_runs import stored_graph
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
@@ -103,10 +105,11 @@ class RunRegistry:
         return run
 
     def resume_all(self, backends: Backends, costs: CostTracker) -> list[Run]:
-        """Restart every unfinished run in the store."""
+        """Restart every unfinished run in the store (an open run with the nodes
+        appended to it, still open unless it was closed)."""
         resumed = []
         for stored in self.store.unfinished():
-            graph = Graph.model_validate(stored.graph)
+            graph = stored_graph(stored)
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
                       run_id=stored.run_id, sink=self.store.append, restored=stored,
                       outcomes=self.outcomes)
