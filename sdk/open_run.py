@@ -113,7 +113,7 @@ class _Backoff:
             why = (f"{type(exc).__name__}: {exc}" if exc is not None else
                    f"it answered {response.status_code if response else '?'}")
             raise ProxyUnavailable(self.wf.base_url, f"run {self.wf.run_id}: {why}")
-        return min(0.25 * 2 ** min(int(now - self.since), 4), 2.0)
+        return min(0.25 * 2.0 ** min(int(now - self.since), 4), 2.0)
 
 
 def _ok(response: httpx.Response | None) -> bool:
@@ -209,6 +209,10 @@ class SyncOpenRun:
         try:
             self.flush([])
             self._post(f"/v1/workflows/{self.wf.run_id}/close", {})
+        except BaseException as exc:  # the run cannot end well: cancel it, stop following
+            self.abandon(exc)
+            raise
+        try:
             assert self.thread is not None
             self.thread.join()
             self._check_error()
@@ -332,6 +336,10 @@ class AsyncOpenRun:
         try:
             await self.flush([])
             await self._post(f"/v1/workflows/{self.wf.run_id}/close", {})
+        except BaseException as exc:  # the run cannot end well: cancel it, stop following
+            await self.abandon(exc)
+            raise
+        try:
             assert self.task is not None
             await self.task
             _require_finished(self.wf)

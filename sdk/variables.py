@@ -73,6 +73,10 @@ class SemanticVariable:
     """
 
     __slots__ = ("_fields", "_workflow", "path", "step_id")
+    step_id: str
+    path: tuple[str, ...]
+    _workflow: Workflow
+    _fields: frozenset[str] | None
 
     def __init__(self, workflow: Workflow, step_id: str, path: tuple[str, ...] = (),
                  fields: frozenset[str] | None = frozenset()) -> None:

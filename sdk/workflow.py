@@ -168,6 +168,8 @@ class Workflow:
             StepFailed, GraphError, RunClosed, ProxyUnavailable: see
                 :mod:`flowlift.sdk.open_run`.
         """
+        from flowlift.sdk.open_run import SyncOpenRun
+
         if self._readable_now(var):
             return var.value
         if self._mode == "async":
@@ -175,8 +177,6 @@ class Workflow:
                             "var`: `var.get()` would block the event loop the run's "
                             "events arrive on", param="get")
         if self._open is None:
-            from flowlift.sdk.open_run import SyncOpenRun
-
             self._open = SyncOpenRun(self)
         assert isinstance(self._open, SyncOpenRun)
         return self._open.read(var)
@@ -191,14 +191,14 @@ class Workflow:
             StepFailed, GraphError, RunClosed, ProxyUnavailable: see
                 :mod:`flowlift.sdk.open_run`.
         """
+        from flowlift.sdk.open_run import AsyncOpenRun
+
         if self._readable_now(var):
             return var.value
         if self._mode == "sync":
             raise UserError("`await var` needs `async with workflow(...)`; inside `with "
                             "workflow(...)` read a value with `var.get()`", param="await")
         if self._open is None:
-            from flowlift.sdk.open_run import AsyncOpenRun
-
             self._open = AsyncOpenRun(self)
         assert isinstance(self._open, AsyncOpenRun)
         return await self._open.read(var)

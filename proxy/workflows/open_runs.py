@@ -188,9 +188,9 @@ class Growth:
     def check_open(self, run_id: str, finished: bool) -> None:
         """Raises RunClosed unless the run still takes nodes."""
         if finished or self.closed:
-            why = ("has finished" if finished else "is closed (its block ended)"
-                   if self.open else "was submitted whole (post it with \"open\": true "
-                   "to append steps)")
+            why = ("was submitted whole (post it with \"open\": true to append steps)"
+                   if not self.open else "has finished" if finished
+                   else "is closed (its block ended)")
             raise RunClosed(f"run {run_id} takes no more steps: it {why}", param="run_id")
 
     async def settled(self, tasks: list[asyncio.Task[None]]) -> None:
