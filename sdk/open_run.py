@@ -25,7 +25,9 @@ connection or a restarting proxy (5xx, 429) is sent again for ``reconnect_s`` se
 the proxy skips nodes it already holds, so a re-sent flush appends nothing twice.
 
 Errors raised by a read:
-    GraphError: the proxy rejected the new steps (every problem listed); the run goes on.
+    GraphError: the proxy rejected the steps of this flush (every problem listed); the
+        run goes on without them: they count as failed steps (reading one raises
+        StepFailed, the block's end WorkflowFailed).
     RunClosed: the run ended already (cancelled, deadline passed).
     StepFailed: the step read (or one it depends on) failed.
     ProxyUnavailable: the proxy could not be reached for ``reconnect_s`` seconds.
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from flowlift.errors import ProxyUnavailable, RunError
+from flowlift.errors import GraphError, ProxyUnavailable, RunError
 from flowlift.sdk import progress
 from flowlift.sdk.client import (
     _FINAL,
@@ -88,6 +90,13 @@ class _Flushes:
                 "awaited": awaited}, len(nodes)
 
     def sent(self, count: int) -> None:
+        self.shipped += count
+
+    def rejected(self, count: int, error: GraphError) -> None:
+        """The proxy refused the next ``count`` steps: they fail here (reading one raises
+        StepFailed; the block's end, WorkflowFailed) and are never sent again."""
+        for node in self.wf.nodes[self.shipped:self.shipped + count]:
+            self.wf.record_failure(node.id, f"rejected by the proxy: {error.message}")
         self.shipped += count
 
 
@@ -185,7 +194,11 @@ class SyncOpenRun:
                 return
             body, count = self.flushes.next(awaited)
             if body is not None:
-                self._post(f"/v1/workflows/{self.wf.run_id}/nodes", body)
+                try:
+                    self._post(f"/v1/workflows/{self.wf.run_id}/nodes", body)
+                except GraphError as exc:
+                    self.flushes.rejected(count, exc)
+                    raise
                 self.flushes.sent(count)
 
     def _post(self, url: str, body: dict[str, Any]) -> None:
@@ -312,7 +325,11 @@ class AsyncOpenRun:
                 return
             body, count = self.flushes.next(awaited)
             if body is not None:
-                await self._post(f"/v1/workflows/{self.wf.run_id}/nodes", body)
+                try:
+                    await self._post(f"/v1/workflows/{self.wf.run_id}/nodes", body)
+                except GraphError as exc:
+                    self.flushes.rejected(count, exc)
+                    raise
                 self.flushes.sent(count)
 
     async def _post(self, url: str, body: dict[str, Any]) -> None:

@@ -14,7 +14,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flowlift import GraphError, SemanticVariableError, UserError, step, tool, workflow
+from flowlift import (
+    GraphError,
+    SemanticVariableError,
+    StepFailed,
+    UserError,
+    WorkflowFailed,
+    step,
+    tool,
+    workflow,
+)
 from flowlift.compiler import CompileOptions, compile_graph
 from flowlift.costs import CostTracker
 from flowlift.errors import RunClosed
@@ -211,18 +220,21 @@ def test_misuse_says_await_it_first():
 
 
 async def test_rejected_flush_lists_every_problem_and_the_run_goes_on(client):
-    async with workflow("bad", base_url=_base(client)) as wf:
-        first = await think("fine")
-        bad = unserved(first)
-        again = unserved(bad)
-        with pytest.raises(GraphError) as info:
-            await again
-        assert len(info.value.problems) == 2  # both unknown-model steps named
-        run = client.server.app[STATE].runs.get(wf.run_id)
-        assert not run.finished and run.outputs == {"think_1": first}
-        wf.nodes[1:] = []  # the app drops what the proxy refused and goes on
-        assert await think("after") == "echo: Think: after"
-    assert wf.status == "succeeded"
+    with pytest.raises(WorkflowFailed) as failed:
+        async with workflow("bad", base_url=_base(client)) as wf:
+            first = await think("fine")
+            bad = unserved(first)
+            again = unserved(bad)
+            with pytest.raises(GraphError) as info:
+                await again
+            assert len(info.value.problems) == 2  # both unknown-model steps named
+            run = client.server.app[STATE].runs.get(wf.run_id)
+            assert not run.finished and run.outputs == {"think_1": first}
+            assert await think("after") == "echo: Think: after"  # the run goes on
+    assert set(failed.value.failures) == {"unserved_1", "unserved_2"}
+    assert wf.status == "succeeded"  # the run itself: every step it took succeeded
+    with pytest.raises(StepFailed, match="rejected by the proxy"):
+        _ = bad.value
 
 
 # -- the wire: append, validate, close ------------------------------------------------

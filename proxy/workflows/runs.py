@@ -9,6 +9,10 @@ Events (``Run.log``, numbered) drive the SSE stream of ``POST /v1/workflows``:
 ``run.started`` (or ``run.resumed``), ``step.finished``, ``step.failed``,
 ``tool.wanted``, ``run.finished``. A run restored from the store starts with its
 finished outputs and failures in place and runs only what is left.
+
+An open run (a graph posted with ``"open": true``) also takes nodes while it runs
+(``nodes.appended``) and finishes only once closed (``run.closed``): see
+:mod:`flowlift.proxy.workflows.open_runs`.
 """
 
 from __future__ import annotations
