@@ -29,8 +29,9 @@ from flowlift.costs import CostTracker
 from flowlift.errors import RunClosed
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.state import STATE
-from flowlift.proxy.workflows.open_runs import grown
+from flowlift.proxy.workflows.open_runs import Growth, grown, stable_plan, stored_graph
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.runs import Run
 from flowlift.proxy.workflows.store import RunStore
@@ -412,3 +413,47 @@ def test_report_of_an_open_graph_is_marked_open():
     assert compile_graph(graph, CompileOptions(default_model="m")).report.open is True
     closed = Graph.model_validate({"nodes": [_llm("a", "x")]})
     assert compile_graph(closed, CompileOptions(default_model="m")).report.open is False
+
+
+def test_an_awaited_step_drags_what_it_waits_for_onto_the_critical_path():
+    growth = Growth(True)
+    deps = {"a": frozenset(), "b": frozenset({"a"}), "c": frozenset({"b"}),
+            "lead": frozenset(), "x": frozenset()}
+    marked = growth.blocking(["c"], deps, finished=lambda s: s == "a",
+                             warmer=lambda s: "lead" if s == "c" else None)
+    assert sorted(marked) == ["b", "c", "lead"]  # not the finished input, not a bystander
+    assert growth.blocking(["c"], deps, lambda s: False, lambda s: None) == []
+    base = Priority.of("batch", remaining_ms=5.0)
+    assert growth.priority("c", base) < Priority.of("interactive", remaining_ms=1e6)
+    assert growth.priority("x", base) == base
+
+
+def test_a_resumed_open_run_is_rebuilt_from_its_log():
+    store = RunStore(":memory:")
+    store.create("wf-grow", {"open": True, "nodes": [_llm("a", "x")]})
+    store.append("wf-grow", 1, "run.started", {"run_id": "wf-grow"})
+    store.append("wf-grow", 2, "nodes.appended", {"nodes": [_llm("b", {"ref": "a"})],
+                                                  "awaited": ["b"]})
+    stored = store.load("wf-grow")
+    graph = stored_graph(stored)
+    assert [n.id for n in graph.nodes] == ["a", "b"] and graph.open
+    growth = Growth(graph.open, stored.events)
+    assert not growth.closed and growth.awaited == {"b"}
+    store.append("wf-grow", 3, "run.closed", {"steps": 2})
+    assert Growth(True, store.load("wf-grow").events).closed
+
+
+def test_prefix_groups_keep_their_numbers_when_the_plan_is_recompiled():
+    opts = CompileOptions(default_model="m")
+    preamble = "You are a careful assistant. Answer in one short sentence, please. " * 3
+    first = Graph.model_validate({"open": True, "nodes": [
+        _llm("p1", preamble + "one"), _llm("p2", preamble + "two")]})
+    old = compile_graph(first, opts)
+    bigger = grown(first, Graph.model_validate({"nodes": [
+        _llm("q1", "Another shared preamble that is long enough to be a group. " * 3 + "a"),
+        _llm("q2", "Another shared preamble that is long enough to be a group. " * 3 + "b"),
+        _llm("p3", preamble + "three")]}).nodes)
+    new = stable_plan(old, compile_graph(bigger, opts))
+    assert new.prefix_group["p1"] == new.prefix_group["p3"] == old.prefix_group["p1"]
+    assert new.prefix_group["q1"] == new.prefix_group["q2"] != new.prefix_group["p1"]
+    assert new.group_leader[new.prefix_group["p1"]] in {"p1", "p2", "p3"}
