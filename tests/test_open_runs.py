@@ -20,6 +20,7 @@ from flowlift import (
     SemanticVariableError,
     StepFailed,
     UserError,
+    Workflow,
     WorkflowFailed,
     step,
     tool,
@@ -157,7 +158,7 @@ async def test_no_read_in_the_block_is_one_post_as_before(client):
     async with workflow("whole", base_url=_base(client), transport=spy) as wf:
         think(think("x"))
     assert [p for p, _ in spy.posts()] == ["/v1/workflows"]
-    assert "open" in spy.posts()[0][1] and spy.posts()[0][1]["open"] is False
+    assert "open" not in spy.posts()[0][1]  # the wire document of a whole graph, as before
     assert wf.status == "succeeded"
 
 
@@ -237,6 +238,31 @@ async def test_rejected_flush_lists_every_problem_and_the_run_goes_on(client):
     assert wf.status == "succeeded"  # the run itself: every step it took succeeded
     with pytest.raises(StepFailed, match="rejected by the proxy"):
         _ = bad.value
+
+
+async def test_a_block_that_raises_cancels_its_open_run(client, engine):
+    engine.delay_s = 0.02
+    runs = client.server.app[STATE].runs
+    with pytest.raises(KeyError):
+        async with workflow("oops", base_url=_base(client)) as wf:
+            await think("x")
+            think("a long answer that is still being written")
+            await asyncio.sleep(0)
+            raise KeyError("the app's own bug")
+    run = runs.get(wf.run_id)
+    await asyncio.wait_for(asyncio.wait([run.task]), 10)
+    assert run.trace.status == "cancelled" and wf.status in ("cancelled", "abandoned")
+
+    def sync() -> Workflow:
+        with pytest.raises(KeyError), workflow("oops", base_url=_base(client)) as swf:
+            think("y").get()
+            raise KeyError("again")
+        return swf
+
+    swf = await asyncio.to_thread(sync)
+    run = runs.get(swf.run_id)
+    await asyncio.wait_for(asyncio.wait([run.task]), 10)
+    assert run.trace.status == "cancelled"
 
 
 # -- the wire: append, validate, close ------------------------------------------------

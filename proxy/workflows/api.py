@@ -196,7 +196,7 @@ def _stored_graph(stored: StoredRun) -> Graph | dict[str, Any]:
     parse: the report is then left out)."""
     try:
         return open_runs.stored_graph(stored)
-    except ValueError:
+    except (ValueError, KeyError):
         return stored.graph
 
 

@@ -207,11 +207,12 @@ class Run:
         return asyncio.ensure_future(self.growth.settled(tasks))
 
     def append(self, nodes: Sequence[Node], plan: Plan | None,
-               awaited: Iterable[str] = ()) -> None:
+               awaited: Sequence[str] = ()) -> None:
         """Add validated nodes to this open run (see
         :func:`flowlift.proxy.workflows.open_runs.append`): logged as ``nodes.appended``,
-        started at once (inputs already finished count as ready), ``plan`` recompiled
-        over the grown graph.
+        started at once (inputs already finished count as ready). ``plan``: compiled
+        over the grown graph (None: keep the current one); ``awaited``: steps the app
+        is blocked on (:meth:`mark_awaited`).
 
         Raises:
             RunClosed: the run is closed or finished.

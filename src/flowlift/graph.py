@@ -207,8 +207,10 @@ class Graph(_Model):
         return {n.id: n for n in self.nodes}
 
     def to_wire(self) -> dict[str, Any]:
-        """The JSON-ready document (``class`` spelled as on the wire)."""
-        return self.model_dump(mode="json", by_alias=True)
+        """The JSON-ready document (``class`` spelled as on the wire; ``open`` only when
+        true, so a whole graph reads as it did before open runs existed)."""
+        return self.model_dump(mode="json", by_alias=True,
+                               exclude=None if self.open else {"open"})
 
 
 def node_refs(node: LLMNode | ToolNode | InputNode) -> Iterator[Ref]:
