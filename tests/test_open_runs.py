@@ -153,6 +153,21 @@ async def test_one_request_per_flush_and_values_parsed(client):
     assert [n["id"] for n in last["nodes"]] == ["think_6"] and last["awaited"] == []
 
 
+async def test_reads_gathered_together_share_one_run(client, engine):
+    engine.delay_s = 0.01
+    spy = AsyncSpy()
+    async with workflow("gather", base_url=_base(client), transport=spy) as wf:
+        a, b = think("left"), think("right")
+        left, right = await asyncio.gather(a, b)  # two reads at once: one run
+        both = think(f"{left} + {right}")
+    assert (left, right) == ("echo: Think: left", "echo: Think: right")
+    assert both.value == "echo: Think: echo: Think: left + echo: Think: right"
+    posts = spy.posts()
+    assert [p.rsplit("/", 1)[-1] for p, _ in posts] == ["workflows", "nodes", "nodes", "close"]
+    assert posts[1][1] == {"nodes": [], "awaited": ["think_2"]}  # only the second read's mark
+    assert wf.status == "succeeded" and len({r.session_id for r in engine.requests}) == 1
+
+
 async def test_no_read_in_the_block_is_one_post_as_before(client):
     spy = AsyncSpy()
     async with workflow("whole", base_url=_base(client), transport=spy) as wf:
