@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import json
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from flowlift.errors import (
     GraphError,
     ProxyUnavailable,
     RequestError,
+    RunClosed,
     RunError,
 )
 from flowlift.sdk import progress
@@ -89,6 +91,8 @@ def _error_from(response_status: int, body: bytes) -> FlowliftError:
         return RunError(f"proxy answered HTTP {response_status}: {body[:500]!r}")
     if err.get("code") == "invalid_graph":
         return GraphError(err.get("problems") or [err.get("message", "")])
+    if err.get("code") == "run_closed":
+        return RunClosed(err.get("message", ""), param=err.get("param"))
     if 400 <= response_status < 500:
         return RequestError(err.get("message", ""), param=err.get("param"))
     return RunError(f"proxy error ({response_status}): {err.get('message')}")
@@ -112,6 +116,13 @@ class _Session:
     trace_headers: dict[str, str] = field(default_factory=dict)  # W3C traceparent
     refused: tuple[int, str, float | None] | None = None
     """The proxy's last 429/503 to the graph itself: status, message, Retry-After (s)."""
+    first_body: dict[str, Any] | None = None
+    """What to post first instead of the whole graph (an open run's first flush:
+    :mod:`flowlift.sdk.open_run`)."""
+    on_event: Callable[[], None] | None = None
+    """Called after each event is handled (an open run's readers wait on it)."""
+    stopped: bool = False
+    """Set to stop following the run (an open run abandoned by its block)."""
 
     def admit(self, status: int, headers: Any, body: Any) -> bool:
         """True for a 200 stream; False to wait and try again (a 5xx or 429, e.g. the
@@ -144,8 +155,8 @@ class _Session:
 
     def request(self) -> tuple[str, str, dict[str, Any]]:
         if self.wf.run_id is None:
-            return "POST", "/v1/workflows", {"json": self.wf.graph().to_wire(),
-                                             "headers": self.trace_headers}
+            body = self.first_body if self.first_body is not None else self.wf.graph().to_wire()
+            return "POST", "/v1/workflows", {"json": body, "headers": self.trace_headers}
         headers = {"Last-Event-ID": self.last_id} if self.last_id else {}
         return "GET", f"/v1/workflows/{self.wf.run_id}/events", {
             "headers": {**self.trace_headers, **headers}}
@@ -159,6 +170,8 @@ class _Session:
             self.last_id = sse.id
         self.lost_at = None
         call = _handle(self.wf, sse)
+        if self.on_event is not None:
+            self.on_event()
         if call is None:
             return None
         if call.step_id in self.results:
@@ -174,7 +187,7 @@ class _Session:
 
     @property
     def done(self) -> bool:
-        return self.wf.status in _FINAL
+        return self.wf.status in _FINAL or self.stopped
 
     def lost(self, exc: Exception | None) -> float:
         """Seconds to wait before reconnecting; raises when giving up."""
@@ -223,9 +236,10 @@ def run_sync(wf: Workflow) -> None:
         _run_sync(wf, trace_headers, current_context())
 
 
-def _run_sync(wf: Workflow, trace_headers: dict[str, str], ctx: Any) -> None:
+def _run_sync(wf: Workflow, trace_headers: dict[str, str], ctx: Any,
+              sess: _Session | None = None) -> None:
     transport = wf.transport if isinstance(wf.transport, httpx.BaseTransport) else None
-    sess = _Session(wf, trace_headers=trace_headers)
+    sess = sess or _Session(wf, trace_headers=trace_headers)
     with httpx.Client(base_url=wf.base_url, transport=transport, timeout=_TIMEOUT,
                       headers=wf.http_headers()) as client, \
             ThreadPoolExecutor(max_workers=wf.tool_workers) as pool, \
@@ -256,8 +270,7 @@ def _run_sync(wf: Workflow, trace_headers: dict[str, str], ctx: Any) -> None:
                     if sess.admit(resp.status_code, resp.headers, resp.read):
                         for step_id in sess.pending_results():
                             dispatch(step_id)
-                        for sse in source.iter_sse():
-                            dispatch(sess.handle(sse))
+                        _follow(source, sess, dispatch)
             except httpx.TransportError as exc:
                 time.sleep(sess.lost(exc))
                 continue
@@ -266,12 +279,21 @@ def _run_sync(wf: Workflow, trace_headers: dict[str, str], ctx: Any) -> None:
     _require_finished(wf)
 
 
+def _follow(source: Any, sess: _Session, dispatch: Callable[[Any], None]) -> None:
+    """Handle one event stream's events until it ends (or the session is stopped)."""
+    for sse in source.iter_sse():
+        dispatch(sess.handle(sse))
+        if sess.stopped:
+            return
+
+
 class _AsyncDriver:
     """The async side of the protocol: one event stream, tool calls as tasks."""
 
     def __init__(self, wf: Workflow, client: httpx.AsyncClient,
-                 trace_headers: dict[str, str] | None = None) -> None:
-        self.sess = _Session(wf, trace_headers=trace_headers or {})
+                 trace_headers: dict[str, str] | None = None,
+                 sess: _Session | None = None) -> None:
+        self.sess = sess or _Session(wf, trace_headers=trace_headers or {})
         self.client = client
         self.pending: set[asyncio.Task[None]] = set()
 

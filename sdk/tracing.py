@@ -34,31 +34,61 @@ def _tracer() -> trace.Tracer:
 def workflow_span(wf: Workflow) -> Iterator[dict[str, str]]:
     """Run the block in the workflow's ``invoke_workflow`` span; yields the trace
     headers to send with the graph (empty when nothing records)."""
-    span = _tracer().start_span(f"invoke_workflow {wf.name}", kind=SpanKind.CLIENT,
-                                attributes={genai.OPERATION: "invoke_workflow",
-                                            genai.WORKFLOW_NAME: wf.name,
-                                            "flowlift.workflow.class": wf.workflow_class,
-                                            "flowlift.workflow.steps": len(wf.nodes)})
+    span = _start_workflow_span(wf, None)
     token = otel_context.attach(trace.set_span_in_context(span))
     headers: dict[str, str] = {}
+    error: BaseException | None = None
     try:
         inject(headers)
         yield headers
     except BaseException as exc:
-        span.set_attribute(genai.ERROR_TYPE, type(exc).__name__)
-        span.set_status(Status(StatusCode.ERROR, str(exc)))
+        error = exc
         raise
     finally:
         otel_context.detach(token)
-        with contextlib.suppress(Exception):
-            if wf.run_id is not None:
-                span.set_attribute(genai.WORKFLOW_ID, wf.run_id)
-            span.set_attribute("flowlift.workflow.status", wf.status)
-            if wf.failures:
-                span.set_attribute("flowlift.workflow.failed_steps", len(wf.failures))
-                span.set_attribute(genai.ERROR_TYPE, "step_failed")
-                span.set_status(Status(StatusCode.ERROR, f"{len(wf.failures)} steps failed"))
-        span.end()
+        _end_workflow_span(wf, span, error)
+
+
+class OpenWorkflowSpan:
+    """The ``invoke_workflow`` span of an open run (:mod:`flowlift.sdk.open_run`): it
+    starts at the block's first read and ends when the block exits. Never attached to
+    the app's context (reads may happen in any task or thread): :attr:`context` is the
+    parent of the run's ``@tool`` spans, :attr:`headers` go with every request."""
+
+    def __init__(self, wf: Workflow) -> None:
+        self._wf = wf
+        self.span = _start_workflow_span(wf, otel_context.get_current())
+        self.context = trace.set_span_in_context(self.span)
+        self.headers: dict[str, str] = {}
+        inject(self.headers, self.context)
+
+    def end(self, exc: BaseException | None = None) -> None:
+        _end_workflow_span(self._wf, self.span, exc)
+
+
+def _start_workflow_span(wf: Workflow, parent: otel_context.Context | None) -> trace.Span:
+    return _tracer().start_span(f"invoke_workflow {wf.name}", context=parent,
+                                kind=SpanKind.CLIENT,
+                                attributes={genai.OPERATION: "invoke_workflow",
+                                            genai.WORKFLOW_NAME: wf.name,
+                                            "flowlift.workflow.class": wf.workflow_class,
+                                            "flowlift.workflow.steps": len(wf.nodes)})
+
+
+def _end_workflow_span(wf: Workflow, span: trace.Span, exc: BaseException | None) -> None:
+    """Record the run's outcome (``exc``: what the block raised) and end the span."""
+    with contextlib.suppress(Exception):
+        if exc is not None:
+            span.set_attribute(genai.ERROR_TYPE, type(exc).__name__)
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
+        if wf.run_id is not None:
+            span.set_attribute(genai.WORKFLOW_ID, wf.run_id)
+        span.set_attribute("flowlift.workflow.status", wf.status)
+        if wf.failures:
+            span.set_attribute("flowlift.workflow.failed_steps", len(wf.failures))
+            span.set_attribute(genai.ERROR_TYPE, "step_failed")
+            span.set_status(Status(StatusCode.ERROR, f"{len(wf.failures)} steps failed"))
+    span.end()
 
 
 def current_context() -> otel_context.Context:

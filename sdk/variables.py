@@ -3,8 +3,11 @@
 Inside a workflow, calling a step returns a :class:`SemanticVariable`. Formatting one
 into a string (f-strings, ``str()``, ``format()``) writes a *marker*; the step's prompt
 is then split at the markers into literal text and references, which become the
-graph's edges (Parrot, Lin et al., OSDI'24). Any other use -- truth tests, ``len()``,
-arithmetic, comparison, iteration -- raises :class:`SemanticVariableError` with the fix.
+graph's edges (Parrot, Lin et al., OSDI'24). Reading the value -- ``await var`` in
+``async with workflow(...)``, ``var.get()`` in ``with workflow(...)`` -- waits for the
+step (the run grows: :mod:`flowlift.sdk.open_run`). Any other use -- truth tests,
+``len()``, arithmetic, comparison, iteration -- raises :class:`SemanticVariableError`
+with the fix.
 
 Markers carry a per-workflow random nonce, so user text can never be mistaken for one.
 """
@@ -12,6 +15,7 @@ Markers carry a per-workflow random nonce, so user text can never be mistaken fo
 from __future__ import annotations
 
 import re
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from flowlift.errors import SemanticVariableError
@@ -23,9 +27,10 @@ if TYPE_CHECKING:
 _MARKER = re.compile(r"\{\{flowlift:([0-9a-f]{12}):([^:{}]+):([^{}]*)\}\}")
 
 _HOW = ("A Semantic Variable is a placeholder for the output of step {sid!r}, which is not "
-        "known until the workflow runs. Use it inside an f-string of a later step's prompt, "
-        "pass it to a @step or @tool, or read `.value` after the `with workflow(...)` block. "
-        "To branch on it, move that logic into a @tool step.")
+        "known until that step runs. To branch on it, await it (or `var.get()` in a sync "
+        "`with workflow(...)` block) first: that waits for the step and returns its value. "
+        "Otherwise use it inside an f-string of a later step's prompt, pass it to a @step "
+        "or @tool, or read `.value` after the `with workflow(...)` block.")
 
 
 def marker(nonce: str, node_id: str, path: tuple[str, ...] = ()) -> str:
@@ -62,7 +67,9 @@ class SemanticVariable:
 
     After the workflow finishes, :attr:`value` holds the output (the parsed pydantic
     model for steps with an ``output=`` model, a label for ``Literal`` outputs, text
-    otherwise).
+    otherwise). Inside the block, ``await var`` (async) or :meth:`get` (sync) waits for
+    it. ``get`` is a method, so a structured output's field named ``get`` is not a
+    projection.
     """
 
     __slots__ = ("_fields", "_workflow", "path", "step_id")
@@ -115,17 +122,40 @@ class SemanticVariable:
 
     @property
     def value(self) -> Any:
-        """The step's output once the workflow has run.
+        """The step's output once it is known (after the workflow ran, or once read);
+        never waits.
 
         Raises:
-            SemanticVariableError: before the workflow ran.
+            SemanticVariableError: not known yet.
             StepFailed: when the step (or one it depends on) failed.
         """
         if not self._workflow.has_output(self.step_id):
             raise SemanticVariableError(
-                f"the output of step {self.step_id!r} is not known yet: the workflow has "
-                "not finished. " + _HOW.format(sid=self.step_id))
+                f"the output of step {self.step_id!r} is not known yet (`.value` never "
+                "waits). " + _HOW.format(sid=self.step_id))
         return self._workflow.value_of(self.step_id, self.path)
+
+    def get(self) -> Any:
+        """Wait for the value (the sync spelling of ``await var``).
+
+        Inside ``with workflow(...)``: ships every step recorded so far that the proxy
+        has not seen (the first read starts the run), waits for this step, and returns
+        its output parsed like :attr:`value`; steps recorded afterwards join the same
+        run. After the workflow ran: :attr:`value`.
+
+        Raises:
+            UserError: inside ``async with workflow(...)`` (``await var`` there), or in a
+                ``submit=False`` workflow.
+            SemanticVariableError: outside the block, before the run.
+            StepFailed: the step (or one it depends on) failed.
+            GraphError, RunClosed, ProxyUnavailable: the steps shipped with this read
+                were rejected, the run has ended, or the proxy is gone.
+        """
+        return self._workflow.wait_for(self)
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        """``await var``: :meth:`get` for ``async with workflow(...)`` blocks."""
+        return self._workflow.await_value(self).__await__()
 
     # -- everything else is a mistake -----------------------------------------
     def _misuse(self, what: str) -> NoReturn:
@@ -177,6 +207,3 @@ class SemanticVariable:
 
     def __float__(self) -> float:
         self._misuse("float()")
-
-    def __await__(self) -> NoReturn:
-        self._misuse("await inside the workflow block")

@@ -11,6 +11,10 @@ On exit the graph goes to the proxy (``POST /v1/workflows``), which runs every n
 soon as its inputs are known and streams events back; ``@tool`` steps run here, in the
 app, when the proxy asks. ``async with`` works the same inside an event loop.
 
+Reading a value inside the block -- ``var.get()`` in ``with``, ``await var`` in
+``async with`` -- starts the run with what is recorded so far and waits for that value;
+steps recorded afterwards join the same run (an open run: :mod:`flowlift.sdk.open_run`).
+
 Errors on exit:
     GraphError / RequestError: the proxy rejected the graph (nothing ran).
     ProxyUnavailable: no proxy at ``base_url``.
@@ -39,6 +43,7 @@ from flowlift.sdk.variables import SemanticVariable
 from flowlift.tracing.summary import format_stage_table, stage_summary
 
 if TYPE_CHECKING:
+    from flowlift.sdk.open_run import AsyncOpenRun, SyncOpenRun
     from flowlift.sdk.steps import Tool
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8470"
@@ -113,6 +118,8 @@ class Workflow:
         self.status = "recording"
         self.trace: list[dict[str, Any]] = []
         self._token: contextvars.Token[Workflow | None] | None = None
+        self._mode: Literal["sync", "async"] | None = None  # set while the block runs
+        self._open: SyncOpenRun | AsyncOpenRun | None = None  # after a read in the block
 
     # -- recording ---------------------------------------------------------------
     def new_id(self, name: str) -> str:
@@ -122,7 +129,7 @@ class Workflow:
 
     def add_node(self, node: Node, *, parse: Callable[[Any], Any] | None = None,
                  fields: frozenset[str] | None = frozenset()) -> SemanticVariable:
-        if self.status != "recording":
+        if self.status != "recording" and not self._growing:
             raise UserError(f"workflow {self.name!r} is already {self.status}; record steps "
                             "inside its `with` block")
         self.nodes.append(node)
@@ -144,6 +151,72 @@ class Workflow:
         """The recorded graph in wire form."""
         return Graph(name=self.name, workflow_class=self.workflow_class,
                      deadline_s=self.deadline_s, metadata=self.metadata, nodes=tuple(self.nodes))
+
+    @property
+    def _growing(self) -> bool:
+        """Inside the block of an open run: steps still join it."""
+        return self._open is not None and self._mode is not None
+
+    # -- reading inside the block (open runs) -----------------------------------------
+    def wait_for(self, var: SemanticVariable) -> Any:
+        """``var.get()``: in a ``with workflow(...)`` block, ship the steps recorded so
+        far and wait for ``var``'s value; after the run, its value.
+
+        Raises:
+            UserError: inside ``async with`` (use ``await var``), or ``submit=False``.
+            SemanticVariableError: outside the block, before the run.
+            StepFailed, GraphError, RunClosed, ProxyUnavailable: see
+                :mod:`flowlift.sdk.open_run`.
+        """
+        from flowlift.sdk.open_run import SyncOpenRun
+
+        if self._readable_now(var):
+            return var.value
+        if self._mode == "async":
+            raise UserError("inside `async with workflow(...)` read a value with `await "
+                            "var`: `var.get()` would block the event loop the run's "
+                            "events arrive on", param="get")
+        if self._open is None:
+            self._open = SyncOpenRun(self)
+        assert isinstance(self._open, SyncOpenRun)
+        return self._open.read(var)
+
+    async def await_value(self, var: SemanticVariable) -> Any:
+        """``await var``: in an ``async with workflow(...)`` block, ship the steps
+        recorded so far and wait for ``var``'s value; after the run, its value.
+
+        Raises:
+            UserError: inside a sync ``with`` (use ``var.get()``), or ``submit=False``.
+            SemanticVariableError: outside the block, before the run.
+            StepFailed, GraphError, RunClosed, ProxyUnavailable: see
+                :mod:`flowlift.sdk.open_run`.
+        """
+        from flowlift.sdk.open_run import AsyncOpenRun
+
+        if self._readable_now(var):
+            return var.value
+        if self._mode == "sync":
+            raise UserError("`await var` needs `async with workflow(...)`; inside `with "
+                            "workflow(...)` read a value with `var.get()`", param="await")
+        if self._open is None:
+            self._open = AsyncOpenRun(self)
+        assert isinstance(self._open, AsyncOpenRun)
+        return await self._open.read(var)
+
+    def _readable_now(self, var: SemanticVariable) -> bool:
+        """True when ``var`` is read without a run (outside the block); raises where
+        no value can come."""
+        if self._mode is None:
+            if var.ready:
+                return True
+            raise SemanticVariableError(
+                f"the output of step {var.step_id!r} is not known: workflow {self.name!r} "
+                f"is {self.status}. Read values inside its block (`await var` or "
+                "`var.get()`), or with `.value` after it ran")
+        if not self.submit:
+            raise UserError(f"workflow {self.name!r} only records (submit=False): nothing "
+                            "runs, so no value can be read", param="submit")
+        return False
 
     # -- results -------------------------------------------------------------------
     def has_output(self, step_id: str) -> bool:
@@ -227,17 +300,34 @@ class Workflow:
             r = await c.delete(f"/v1/workflows/{self.run_id}")
         return _cancelled(r)
 
+    def _abandoned(self) -> None:
+        if self.status not in ("succeeded", "failed", "cancelled"):
+            self.status = "abandoned"
+
     def _check_failed(self) -> None:
         if self.failures:
             raise WorkflowFailed(self.run_id or "?", self.failures)
 
     def __enter__(self) -> Workflow:
         self._token = _current.set(self)
+        self._mode = "sync"
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         assert self._token is not None
         _current.reset(self._token)
+        self._mode = None
+        if self._open is not None:
+            from flowlift.sdk.open_run import SyncOpenRun
+
+            assert isinstance(self._open, SyncOpenRun)
+            if exc_type is not None:
+                self._open.abandon(exc)
+                self._abandoned()
+                return
+            self._open.finish()
+            self._check_failed()
+            return
         if exc_type is not None or not self.submit:
             self.status = "abandoned" if exc_type is not None else "recorded"
             return
@@ -247,11 +337,25 @@ class Workflow:
         self._check_failed()
 
     async def __aenter__(self) -> Workflow:
-        return self.__enter__()
+        self.__enter__()
+        self._mode = "async"
+        return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         assert self._token is not None
         _current.reset(self._token)
+        self._mode = None
+        if self._open is not None:
+            from flowlift.sdk.open_run import AsyncOpenRun
+
+            assert isinstance(self._open, AsyncOpenRun)
+            if exc_type is not None:
+                await self._open.abandon(exc)
+                self._abandoned()
+                return
+            await self._open.finish()
+            self._check_failed()
+            return
         if exc_type is not None or not self.submit:
             self.status = "abandoned" if exc_type is not None else "recorded"
             return

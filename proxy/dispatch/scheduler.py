@@ -62,6 +62,8 @@ class _Waiter:
     future: asyncio.Future[None] = field(compare=False)
     priority: Priority = field(compare=False)
     prefill_tokens: int = field(default=0, compare=False)
+    task: asyncio.Task[object] | None = field(default=None, compare=False)
+    """The task waiting (what :meth:`PrioritySlots.promote` finds it by)."""
 
 
 class PrioritySlots:
@@ -134,26 +136,51 @@ class PrioritySlots:
             self.batch_in_use += 1
             self.batch_prefill += tokens
 
-    async def acquire(self, priority: Priority, prefill_tokens: int = 0) -> None:
+    async def acquire(self, priority: Priority, prefill_tokens: int = 0) -> Priority:
         """Wait for a slot. Cancelling the wait gives nothing up and leaks nothing.
 
         Grants happen in a callback after the current loop iteration, so steps that
         become ready together are ordered by priority, not by who asked first.
+
+        Returns:
+            The priority the slot was granted at: ``priority``, or the one given to
+            :meth:`promote` while waiting (release the slot with this one).
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         key = Priority() if self.fcfs else priority
-        heapq.heappush(self._heap, _Waiter(key, next(self._seq), fut, priority,
-                                           prefill_tokens))
+        waiter = _Waiter(key, next(self._seq), fut, priority, prefill_tokens,
+                         asyncio.current_task())
+        heapq.heappush(self._heap, waiter)
         if not self._grant_pending:
             self._grant_pending = True
             loop.call_soon(self._grant)
         try:
             await fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release(priority, prefill_tokens)  # granted just as we were cancelled
+            if fut.done() and not fut.cancelled():  # granted just as we were cancelled
+                self.release(waiter.priority, prefill_tokens)
             raise
+        return waiter.priority
+
+    def promote(self, task: asyncio.Task[object], priority: Priority) -> bool:
+        """Give the waiting request of ``task`` a new priority (an open run's step the
+        app now waits for: :mod:`flowlift.proxy.workflows.open_runs`). Its place in the
+        queue follows at once; a request already granted is left alone.
+
+        Returns:
+            True when ``task`` was waiting here.
+        """
+        for w in self._heap:
+            if w.task is task and not w.future.done():
+                w.priority = priority
+                w.key = Priority() if self.fcfs else priority
+                heapq.heapify(self._heap)
+                if not self._grant_pending:
+                    self._grant_pending = True
+                    asyncio.get_running_loop().call_soon(self._grant)
+                return True
+        return False
 
     def prefilled(self, priority: Priority, prefill_tokens: int) -> None:
         """A granted request produced its first token: its prompt left the budget."""
@@ -199,6 +226,12 @@ class Slot:
         self._slots, self._priority = slots, priority
         self._tokens = max(int(prefill_tokens), 0)
 
+    @property
+    def priority(self) -> Priority:
+        """The priority the slot was (or will be) granted at: a queued request promoted
+        while it waited (:meth:`PrioritySlots.promote`) holds the promoted one."""
+        return self._priority
+
     def prefilled(self) -> None:
         if self._tokens:
             self._slots.prefilled(self._priority, self._tokens)
@@ -206,7 +239,7 @@ class Slot:
 
     async def acquire(self) -> None:
         """Wait for the slot (cancelling the wait leaks nothing)."""
-        await self._slots.acquire(self._priority, self._tokens)
+        self._priority = await self._slots.acquire(self._priority, self._tokens)
 
     def release(self) -> None:
         """Give the slot back; call it once per granted :meth:`acquire`."""

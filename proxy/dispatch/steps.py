@@ -91,14 +91,18 @@ class StepDispatcher:
             return slot
         return admit
 
-    @staticmethod
-    async def _local(target: Local, request: GenerationRequest, priority: Priority,
+    async def _local(self, target: Local, request: GenerationRequest, priority: Priority,
                      prefill_tokens: int, started: Callable[[], None],
                      ) -> AsyncGenerator[GenerationChunk, None]:
         backend = target.backend
         async with backend.slots.slot(priority, prefill_tokens) as slot:
             started()
-            stream = backend.engine.generate(dataclasses.replace(request, model=target.model))
+            # the engine's own queue order follows the priority granted (a step the app
+            # began to await while it queued was promoted: runs.Run.mark_awaited)
+            engine_priority = (request.priority if self.backends.fcfs
+                               else slot.priority.engine_priority())
+            stream = backend.engine.generate(dataclasses.replace(
+                request, model=target.model, priority=engine_priority))
             async with contextlib.aclosing(stream) as chunks:
                 async for chunk in chunks:
                     if chunk.text:

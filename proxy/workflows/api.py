@@ -9,6 +9,10 @@
   proxy that restarted, loses nothing.
 * ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` -- a ``@tool`` step's result,
   ``{"value": ...}`` or ``{"error": "..."}``.
+* ``POST /v1/workflows/{run_id}/nodes`` -- append ``{"nodes": [...], "awaited": [...]}``
+  to an open run (a graph posted with ``"open": true``; ``"awaited"`` may go with it
+  too); ``POST /v1/workflows/{run_id}/close`` -- no more nodes
+  (:mod:`flowlift.proxy.workflows.open_runs`).
 * ``GET /v1/workflows/{run_id}`` -- status, outputs and failures (and the trace, once
   finished) of a run, and ``report``: the compiler's report of its graph.
 * ``DELETE /v1/workflows/{run_id}`` -- cancel a run (queued steps dropped, engine
@@ -37,9 +41,11 @@ from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.workflows import open_runs
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
+from flowlift.proxy.workflows.store import StoredRun
 from flowlift.tracing.spans import extract
 
 routes = web.RouteTableDef()
@@ -88,11 +94,15 @@ async def _replay(events: list[Event], after: int) -> AsyncIterator[Event]:
 @routes.post("/v1/workflows")
 async def start_workflow(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    graph = parse_graph(await read_json(request), state.backends)
+    data = await read_json(request)
+    awaited = data.pop("awaited", None) if isinstance(data, dict) else None
+    graph = parse_graph(data, state.backends)
+    awaited = open_runs.awaited_ids(graph, awaited)
     run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs,
                                      state.runs.outcomes, state.prices)
     run = state.runs.start(graph, state.backends, state.costs, run_plan,
                            parent=extract(request.headers))
+    run.mark_awaited(awaited)
     log.info("run_started", workflow_id=run.run_id, name=graph.name, steps=len(graph.nodes))
     return await _send(request, run.log.follow(0), run)
 
@@ -129,6 +139,31 @@ async def tool_result(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
+@routes.post("/v1/workflows/{run_id}/nodes")
+async def append_nodes(request: web.Request) -> web.Response:
+    """Append nodes to an open run (:func:`open_runs.append`)."""
+    state = request.app[STATE]
+    run = state.runs.get(request.match_info["run_id"])
+
+    def compile_graph(graph: Graph) -> Plan:
+        return plan(graph, state.backends, state.costs, state.runs.outcomes, state.prices)
+
+    answer = await open_runs.append(run, await read_json(request), state.backends.known(),
+                                    compile_graph)
+    log.info("run_grown", workflow_id=run.run_id, appended=len(answer["appended"]),
+             steps=answer["steps"])
+    return web.json_response(answer)
+
+
+@routes.post("/v1/workflows/{run_id}/close")
+async def close_run(request: web.Request) -> web.Response:
+    """No more nodes for an open run; it finishes once every node is done."""
+    run = request.app[STATE].runs.get(request.match_info["run_id"])
+    run.close_input()
+    return web.json_response({"run_id": run.run_id, "closed": True,
+                              "status": run.trace.status})
+
+
 @routes.get("/v1/workflows/{run_id}")
 async def get_run(request: web.Request) -> web.Response:
     """A submitted run (status, outputs, trace), or a workflow inferred from OpenAI
@@ -146,6 +181,7 @@ async def get_run(request: web.Request) -> web.Response:
             return web.json_response(described)
     if run is not None:
         return web.json_response({"run_id": run.run_id, "status": run.trace.status,
+                                  "open": not run.growth.closed,
                                   "outputs": run.outputs, "failures": run.failures,
                                   "trace": run.trace.records(),
                                   "report": await _run_report(state, run.graph, run.plan)})
@@ -154,7 +190,17 @@ async def get_run(request: web.Request) -> web.Response:
     return web.json_response({"run_id": run_id, "status": stored.status,
                               "outputs": stored.outputs(), "failures": stored.failures(),
                               "trace": final.get("trace", []),
-                              "report": await _run_report(state, stored.graph, None)})
+                              "report": await _run_report(state, _stored_graph(stored),
+                                                          None)})
+
+
+def _stored_graph(stored: StoredRun) -> Graph | dict[str, Any]:
+    """A stored run's graph with its appended nodes (the raw document if it does not
+    parse: the report is then left out)."""
+    try:
+        return open_runs.stored_graph(stored)
+    except (ValueError, KeyError):
+        return stored.graph
 
 
 async def _run_report(state: ProxyState, graph: Graph | dict[str, Any],

@@ -5,7 +5,8 @@
   restart): finished steps keep their outputs and are not run again. A resumed run is
   parked until its client reconnects, so orphans never take engine capacity.
 * ``sweep`` cancels runs that nobody has listened to for ``detached_timeout_s`` (their
-  client went away and did not come back), so orphans do not wait forever.
+  client went away and did not come back), so orphans do not wait forever; an open run
+  whose app vanished before closing it goes the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
+from flowlift.proxy.workflows.open_runs import stored_graph
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
@@ -104,10 +106,11 @@ class RunRegistry:
         return run
 
     def resume_all(self, backends: Backends, costs: CostTracker) -> list[Run]:
-        """Restart every unfinished run in the store."""
+        """Restart every unfinished run in the store (an open run with the nodes
+        appended to it, still open unless it was closed)."""
         resumed = []
         for stored in self.store.unfinished():
-            graph = Graph.model_validate(stored.graph)
+            graph = stored_graph(stored)
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
                       run_id=stored.run_id, sink=self.store.append, restored=stored,
                       outcomes=self.outcomes, observer=self.observer)

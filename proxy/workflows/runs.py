@@ -9,15 +9,21 @@ Events (``Run.log``, numbered) drive the SSE stream of ``POST /v1/workflows``:
 ``run.started`` (or ``run.resumed``), ``step.finished``, ``step.failed``,
 ``tool.wanted``, ``run.finished``. A run restored from the store starts with its
 finished outputs and failures in place and runs only what is left.
+
+An open run (a graph posted with ``"open": true``) also takes nodes while it runs
+(``nodes.appended``) and finishes only once closed (``run.closed``): see
+:mod:`flowlift.proxy.workflows.open_runs`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from opentelemetry.context import Context
@@ -31,6 +37,7 @@ from flowlift.graph import (
     InputNode,
     LLMNode,
     MessageTemplate,
+    Node,
     Ref,
     Template,
     ToolNode,
@@ -51,6 +58,7 @@ from flowlift.proxy.workflows.cascade import Generated, run_step
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import EventLog
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
+from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.store import StoredRun
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
@@ -101,6 +109,10 @@ class Run:
         self._deps = dependencies(graph)
         self._done = {n.id: asyncio.Event() for n in graph.nodes}
         self._tool_results: dict[str, asyncio.Future[Any]] = {}
+        self.growth = Growth(graph.open, restored.events if restored else ())
+        self._tasks: list[asyncio.Task[None]] | None = None  # the node tasks, once started
+        self._node_tasks: dict[str, asyncio.Task[None]] = {}
+        self._context: contextvars.Context | None = None  # where node tasks run
         self.task: asyncio.Task[None] | None = None
         self.observer = observer
         self.trace_parent = trace_parent
@@ -161,8 +173,8 @@ class Run:
         self._emit(("run.resumed" if self.resumed else "run.started",
                     {"run_id": self.run_id, "steps": [n.id for n in self.graph.nodes]}))
         with bind_run(workflow_id=self.run_id):
-            tasks = [asyncio.create_task(self._node(n)) for n in self.graph.nodes]
-            work: asyncio.Future[Any] = asyncio.gather(*tasks)
+            tasks = self._spawn(self.graph.nodes)
+            work: asyncio.Future[Any] = self._work(tasks)
             watch: asyncio.Future[Any] = asyncio.ensure_future(
                 self.clock.expired() if self.clock else work)
             try:
@@ -183,6 +195,82 @@ class Run:
                 work.cancel()  # its children's cancellation is no news: not logged as lost
                 work.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._close("failed" if self.failures else "succeeded")
+
+    # -- open runs (flowlift.proxy.workflows.open_runs) ---------------------------
+    def _spawn(self, nodes: Iterable[Node]) -> list[asyncio.Task[None]]:
+        """Start a task per node (in the run's own context); all of them, appended ones
+        too, are in the list returned."""
+        if self._tasks is None:
+            self._tasks, self._context = [], contextvars.copy_context()
+        assert self._context is not None
+        for node in nodes:
+            task = asyncio.create_task(self._node(node), context=self._context.copy())
+            self._tasks.append(task)
+            self._node_tasks[node.id] = task
+        return self._tasks
+
+    def _work(self, tasks: list[asyncio.Task[None]]) -> asyncio.Future[Any]:
+        """Done when every node is: at once for a whole graph, after close for an open one."""
+        if self.growth.closed:
+            return asyncio.gather(*tasks)
+        return asyncio.ensure_future(self.growth.settled(tasks))
+
+    def append(self, nodes: Sequence[Node], plan: Plan | None,
+               awaited: Sequence[str] = ()) -> None:
+        """Add validated nodes to this open run (see
+        :func:`flowlift.proxy.workflows.open_runs.append`): logged as ``nodes.appended``,
+        started at once (inputs already finished count as ready). ``plan``: compiled
+        over the grown graph (None: keep the current one); ``awaited``: steps the app
+        is blocked on (:meth:`mark_awaited`).
+
+        Raises:
+            RunClosed: the run is closed or finished.
+        """
+        self.growth.check_open(self.run_id, self.finished)
+        if nodes:
+            self.graph = self.graph.model_copy(update={"nodes": (*self.graph.nodes, *nodes)})
+            self._deps = dependencies(self.graph)
+            for node in nodes:
+                self._done[node.id] = asyncio.Event()
+                model = node.model if isinstance(node, LLMNode) else None
+                self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
+            self.plan = plan or self.plan
+            self._emit((APPENDED, {
+                "nodes": [n.model_dump(mode="json", by_alias=True) for n in nodes],
+                "awaited": list(awaited)}))
+            if self._tasks is not None:  # else a resumed run, parked: all start together
+                self._spawn(nodes)
+            self.growth.changed.set()
+        self.mark_awaited(awaited)
+
+    def mark_awaited(self, step_ids: Iterable[str]) -> None:
+        """The app is blocked on ``step_ids``: they (and what they wait for) get
+        interactive continuation priority, also where they already wait for a slot."""
+        def warmer(step_id: str) -> str | None:
+            group = self.plan.prefix_group.get(step_id) if self.plan else None
+            return None if group is None else self._warmer.get(group)
+
+        promoted = self.growth.blocking(
+            step_ids, self._deps, lambda s: s in self.outputs or s in self.failures, warmer)
+        for step_id in promoted:
+            task = self._node_tasks.get(step_id)
+            if task is not None and not task.done():
+                for backend in self.backends.backends:
+                    backend.slots.promote(task, self._priority(step_id))
+
+    def close_input(self) -> bool:
+        """No more nodes: the run finishes once every node is done (``run.closed``).
+        True when this call closed it; closing again, or a finished or whole run, is a
+        no-op."""
+        if self.growth.closed or self.finished:
+            return False
+        self.growth.closed = True
+        self._emit((CLOSED, {"steps": len(self.graph.nodes)}))
+        if self.plan is not None:
+            self.plan = dataclasses.replace(
+                self.plan, report=self.plan.report.model_copy(update={"open": False}))
+        self.growth.changed.set()
+        return True
 
     def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str) -> None:
         for task in tasks:
@@ -263,7 +351,8 @@ class Run:
     def _priority(self, step_id: str) -> Priority:
         remaining = self.plan.tail_ms.get(step_id, 0.0) if self.plan else 0.0
         slack = None if self.clock is None else self.clock.left_s() * 1000.0 - remaining
-        return Priority.of(self.graph.workflow_class, remaining, slack)
+        return self.growth.priority(step_id, Priority.of(self.graph.workflow_class,
+                                                         remaining, slack))
 
     async def _await_warm(self, step_id: str) -> None:
         """Siblings sharing a prompt prefix: the first ready one goes; the rest wait until

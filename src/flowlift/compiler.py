@@ -290,7 +290,8 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     report = _report(graph, opts, order, deps, nodes, merged, model_of, groups, leader,
                      cost, tail, start, prompt_tok, out_tok, path, group_of, level_list)
     report = report.model_copy(update={"cascades": cascades,
-                                       "cascade_totals": cascade_totals(cascades)})
+                                       "cascade_totals": cascade_totals(cascades),
+                                       "open": graph.open})
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
                 prefix_group=group_of, group_leader=leader, report=report)
 

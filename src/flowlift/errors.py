@@ -12,6 +12,8 @@
     │   │                             never retried on the same model
     │   ├── ModelNotFound             model name not served (HTTP 404)
     │   ├── AuthenticationError       missing or wrong proxy API key (HTTP 401)
+    │   ├── RunClosed                 steps appended to a run that is closed or finished
+    │   │                             (HTTP 409)
     │   └── ConfigError               the proxy's config file or flags are wrong
     └── RunError                      something failed while running
         ├── EngineError               the inference engine failed or is not loaded
@@ -126,6 +128,15 @@ class ModelNotFound(UserError):
 class AuthenticationError(UserError):
     status = 401
     code = "invalid_api_key"
+
+
+class RunClosed(UserError):
+    """Steps appended to a workflow run that no longer takes steps: it was closed (its
+    ``with workflow(...)`` block ended), it finished (cancelled, deadline passed), or it
+    was submitted whole (not open). HTTP 409."""
+
+    status = 409
+    code = "run_closed"
 
 
 class ConfigError(UserError):

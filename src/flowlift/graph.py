@@ -188,6 +188,9 @@ class Graph(_Model):
         name: a human name for traces and reports.
         workflow_class: ``interactive`` (latency first) or ``batch``; JSON key ``class``.
         deadline_s: one deadline for the whole run, seconds from submission.
+        open: the graph is what is known so far of a run that grows: more nodes may be
+            appended (``POST /v1/workflows/{run_id}/nodes``) until the run is closed
+            (``POST .../close``); the run finishes only once closed.
     """
 
     version: Literal["1"] = GRAPH_VERSION
@@ -197,14 +200,17 @@ class Graph(_Model):
                                                             alias="class")
     deadline_s: float | None = Field(default=None, gt=0)
     metadata: dict[str, Any] = {}
+    open: bool = False
     nodes: tuple[Node, ...] = Field(min_length=1)
 
     def node_map(self) -> dict[str, LLMNode | ToolNode | InputNode]:
         return {n.id: n for n in self.nodes}
 
     def to_wire(self) -> dict[str, Any]:
-        """The JSON-ready document (``class`` spelled as on the wire)."""
-        return self.model_dump(mode="json", by_alias=True)
+        """The JSON-ready document (``class`` spelled as on the wire; ``open`` only when
+        true, so a whole graph reads as it did before open runs existed)."""
+        return self.model_dump(mode="json", by_alias=True,
+                               exclude=None if self.open else {"open"})
 
 
 def node_refs(node: LLMNode | ToolNode | InputNode) -> Iterator[Ref]:

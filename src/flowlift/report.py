@@ -98,6 +98,8 @@ class CompileReport(_Report):
     nodes: list[NodeReport]
     cascades: list[CascadeReport] = []
     cascade_totals: dict[str, float] = {}
+    open: bool = False
+    """The graph is a run still growing: the report covers the steps known so far."""
 
 
 def _s(ms: float) -> str:
@@ -134,7 +136,7 @@ def _cascade_lines(r: CompileReport) -> list[str]:
 def format_report(r: CompileReport, max_rows: int = 40) -> str:
     """A readable terminal summary of a compile report."""
     lines = [f"workflow {r.name!r} ({r.workflow_class}): {r.steps} steps in {r.levels} "
-             "parallel levels",
+             "parallel levels" + (" (open run: the steps known so far)" if r.open else ""),
              f"critical path: {_s(r.critical_path_ms)} over {len(r.critical_path)} steps "
              f"({' -> '.join(r.critical_path[:8])}{' ...' if len(r.critical_path) > 8 else ''})",
              f"total work {_s(r.total_work_ms)}; lower bound with the configured concurrency "
