@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowlift.local_engine.base import GenerationChunk
+from flowlift.local_engine.base import GenerationChunk, ToolCall
 from flowlift.tracing import AttemptTrace, RunTrace
 
 
@@ -25,6 +25,7 @@ class AttemptBooks:
         self.attempt: AttemptTrace | None = None
         self.pieces: list[str] = []
         self.logprobs: list[Any] = []
+        self.tool_calls: tuple[ToolCall, ...] | None = None
 
     def started(self) -> None:
         """A slot was granted: the try starts (once, even if it moves to another backend)."""
@@ -47,6 +48,7 @@ class AttemptBooks:
         self.pieces.append(chunk.text)
         self.logprobs.extend(chunk.logprobs or ())
         attempt.finish_reason = chunk.finish_reason or attempt.finish_reason
+        self.tool_calls = chunk.tool_calls or self.tool_calls
         if chunk.usage is not None:
             attempt.prompt_tokens = chunk.usage.prompt_tokens
             attempt.completion_tokens = chunk.usage.completion_tokens
