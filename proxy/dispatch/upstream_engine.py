@@ -220,7 +220,7 @@ class UpstreamEngine(Engine):
             if choice is not None:
                 finish = choice.finish_reason or finish
                 calls.add(choice.tool_calls)
-                if choice.text or choice.logprobs:
+                if choice.text or choice.logprobs or choice.tool_calls:  # calls: no text
                     yield GenerationChunk(choice.text, logprobs=choice.logprobs or None)
             async with asyncio.timeout(idle_s):  # not around the yield: the consumer's
                 event = await anext(opened.events, None)  # type: ignore[arg-type]

@@ -40,8 +40,8 @@ class ChunkChoice:
         logprobs: ``logprobs.content`` as :class:`TokenLogprob` entries (natural logs).
         message: a whole chat answer's ``message`` object as sent (tool calls
             included), or None.
-        tool_calls: the entries of ``delta.tool_calls`` (or of a whole answer's
-            ``message.tool_calls``) that are objects, as sent.
+        tool_calls: the entries of a stream event's ``delta.tool_calls`` that are
+            objects, as sent (a whole answer's are in ``message``).
     """
 
     index: int
@@ -160,11 +160,9 @@ def _choice(entry: object) -> ChunkChoice | None:
 
 
 def _tool_calls(choice: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
-    for holder in (choice.get("delta"), choice.get("message")):
-        calls = holder.get("tool_calls") if isinstance(holder, Mapping) else None
-        if isinstance(calls, list):
-            return tuple(c for c in calls if isinstance(c, Mapping))
-    return ()
+    delta = choice.get("delta")
+    calls = delta.get("tool_calls") if isinstance(delta, Mapping) else None
+    return tuple(c for c in calls if isinstance(c, Mapping)) if isinstance(calls, list) else ()
 
 
 class ToolCallPieces:

@@ -40,7 +40,10 @@ class AttemptBooks:
         """Book one chunk; True when it holds the try's first token."""
         attempt = self.attempt
         assert attempt is not None  # the dispatcher grants a slot before any chunk
-        first = bool(chunk.text) and attempt.first_token_ms is None
+        # any chunk before the last means tokens came (a tool call's JSON may show no
+        # text until it is whole)
+        first = (bool(chunk.text) or chunk.finish_reason is None) \
+            and attempt.first_token_ms is None
         if first:
             attempt.first_token_ms = self.trace.now_ms()
             if self.step.first_token_ms is None:
