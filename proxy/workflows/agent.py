@@ -177,10 +177,13 @@ class AgentLoop:
     async def _run_calls(self, calls: Sequence[ToolCall]) -> list[str]:
         """The result texts of one turn's calls, in order (valid ones run concurrently
         in the app)."""
+        st = self.trace.step(self.node.id)
+        st.status = "waiting_tool"
         tasks = [asyncio.ensure_future(self._call(c)) for c in calls]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
+            st.status = "running"
             for task in tasks:
                 task.cancel()
 
