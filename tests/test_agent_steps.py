@@ -390,3 +390,49 @@ def test_a_graph_without_tools_keeps_its_old_wire_form():
 def test_bad_agent_settings_are_user_errors(kwargs, match):
     with pytest.raises(UserError, match=match):
         step(**kwargs)(lambda q: q)
+
+
+async def test_sync_workflows_and_eager_calls_run_agent_steps_too(client, engine,
+                                                                 monkeypatch):
+    @tool
+    def double(n: int) -> int:
+        """Double a number."""
+        CALLED.append(("double", n))
+        return 2 * n
+
+    @step(tools=[double])
+    def doubler(q):
+        return q
+
+    scripted(engine, tool_calls_text(("double", {"n": 21})), "42",
+             tool_calls_text(("double", {"n": 1})), "2")
+
+    def run() -> str:
+        with workflow("sync-agent", base_url=base_url(client)):
+            out = doubler("twice 21")
+        return out.value
+
+    assert await asyncio.to_thread(run) == "42"
+    assert CALLED == [("double", 21)]
+    monkeypatch.setenv("FLOWLIFT_BASE_URL", base_url(client))
+    assert await asyncio.to_thread(doubler, "twice 1") == "2"
+
+
+def test_the_app_gets_arguments_validated_into_the_annotated_types():
+    from pydantic import BaseModel
+
+    from flowlift.sdk.agents import agent_tools
+
+    class Point(BaseModel):
+        x: int
+        y: int
+
+    @tool
+    def norm(p: Point, scale: float = 1.0) -> float:
+        """Manhattan norm."""
+        assert isinstance(p, Point)
+        return (abs(p.x) + abs(p.y)) * scale
+
+    callables, (spec,) = agent_tools([norm], "step")
+    assert spec.parameters["properties"]["p"] == {"$ref": "#/$defs/Point"}
+    assert callables["norm"].fn(p={"x": 3, "y": -4}, scale=2) == 14.0
