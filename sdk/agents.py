@@ -44,8 +44,8 @@ def tool_spec(tool: Tool[Any, Any]) -> ToolSpec:
         schema = TypeAdapter(cast(Any, fn)).json_schema()  # a function: its arguments
     except (PydanticSchemaGenerationError, TypeError, NameError) as exc:
         raise UserError(f"tool {tool.name!r}: its arguments have no JSON Schema ({exc}); "
-                        "annotate them with JSON-able types or pydantic models",
-                        param="tools") from None
+                        "annotate them with JSON-able types or pydantic models defined "
+                        "at module level", param="tools") from None
     try:
         return ToolSpec(name=tool.name, description=inspect.getdoc(fn) or "",
                         parameters=schema)

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import httpx
 import pytest
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from flowlift import StepFailed, UserError, WorkflowFailed, step, tool, workflow
 from flowlift.costs import CostTracker
@@ -22,7 +22,7 @@ from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.state import STATE
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.store import RunStore
-from flowlift.sdk.agents import tool_spec
+from flowlift.sdk.agents import agent_tools, tool_spec
 from flowlift.testing import FakeEngine, capture_spans, tool_calls_text
 from flowlift.tracing.timeline import segments
 
@@ -418,15 +418,12 @@ async def test_sync_workflows_and_eager_calls_run_agent_steps_too(client, engine
     assert await asyncio.to_thread(doubler, "twice 1") == "2"
 
 
+class Point(BaseModel):
+    x: int
+    y: int
+
+
 def test_the_app_gets_arguments_validated_into_the_annotated_types():
-    from pydantic import BaseModel
-
-    from flowlift.sdk.agents import agent_tools
-
-    class Point(BaseModel):
-        x: int
-        y: int
-
     @tool
     def norm(p: Point, scale: float = 1.0) -> float:
         """Manhattan norm."""
