@@ -29,6 +29,8 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from flowlift.errors import RequestError
+
 Role = Literal["system", "user", "assistant", "tool"]
 
 
@@ -138,6 +140,22 @@ class GenerationRequest:
     session_id: str | None = None
     prompt: str | None = None
     tools: tuple[ToolDef, ...] = ()
+
+
+def require_plain(request: GenerationRequest) -> None:
+    """For engines that do not take tools themselves (the embedded ones: the proxy's
+    dispatcher turns tools into constrained JSON before they get the request).
+
+    Raises:
+        RequestError: the request offers ``tools`` or carries tool calls or results
+            (``param="tools"``).
+    """
+    if request.tools or any(m.tool_calls or m.tool_call_id is not None
+                            for m in request.messages):
+        raise RequestError("this engine takes no tools, tool calls or tool results: send "
+                           "the request through the proxy's StepDispatcher, which turns "
+                           "them into constrained JSON (flowlift.proxy.dispatch.tool_turns)",
+                           param="tools")
 
 
 @dataclass(frozen=True, slots=True)

@@ -433,3 +433,15 @@ def test_the_app_gets_arguments_validated_into_the_annotated_types():
     callables, (spec,) = agent_tools([norm], "step")
     assert spec.parameters["properties"]["p"] == {"$ref": "#/$defs/Point"}
     assert callables["norm"].fn(p={"x": 3, "y": -4}, scale=2) == 14.0
+
+
+async def test_the_embedded_engines_take_tools_only_as_constrained_json():
+    from flowlift.errors import RequestError
+    from flowlift.local_engine.base import ChatMessage, ToolDef
+
+    engine = FakeEngine(["m"])
+    for request in (GenerationRequest("r1", "m", [ChatMessage("user", "hi")],
+                                      tools=(ToolDef("search"),)),
+                    GenerationRequest("r2", "m", [ChatMessage("tool", "x", tool_call_id="c")])):
+        with pytest.raises(RequestError, match="StepDispatcher"):
+            await anext(engine.generate(request))

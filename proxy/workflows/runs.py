@@ -7,8 +7,10 @@ of it; everything else still runs and every finished output is kept.
 
 Events (``Run.log``, numbered) drive the SSE stream of ``POST /v1/workflows``:
 ``run.started`` (or ``run.resumed``), ``step.finished``, ``step.failed``,
-``tool.wanted``, ``run.finished``. A run restored from the store starts with its
-finished outputs and failures in place and runs only what is left.
+``tool.wanted``, ``run.finished``; an agent step (an llm step with ``tools``) adds
+``agent.turn`` and ``tool.result`` (:mod:`flowlift.proxy.workflows.agent`). A run
+restored from the store starts with its finished outputs and failures in place and
+runs only what is left.
 """
 
 from __future__ import annotations

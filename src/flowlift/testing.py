@@ -42,6 +42,7 @@ from flowlift.local_engine.base import (
     GenerationRequest,
     TokenLogprob,
     Usage,
+    require_plain,
 )
 from flowlift.tracing.spans import CapturedSpans as CapturedSpans  # re-exported
 from flowlift.tracing.spans import capture_spans as capture_spans
@@ -273,6 +274,7 @@ class FakeEngine(Engine):
         when logprobs are asked for); tokens are whitespace-separated words."""
         if request.model not in self._models:
             raise EngineError(f"fake engine does not serve {request.model!r}")
+        require_plain(request)  # like the embedded engine: tools arrive as constrained JSON
         self.requests.append(request)
         if self.fail_with is not None and not self.fail_after_chunks:
             raise self.fail_with
