@@ -151,10 +151,11 @@ class AgentLoop:
                                               [c.id, c.name, c.arguments] for c in calls]})
             if k == self.node.max_turns:
                 break
-            convo.append(ChatMessage("assistant", out.text, tool_calls=calls))
             results = await self._run_calls(calls)
-            convo += [ChatMessage("tool", text, tool_call_id=c.id)
-                      for c, text in zip(calls, results, strict=True)]
+            # a new list each turn: the request of an earlier turn keeps its messages
+            convo = [*convo, ChatMessage("assistant", out.text, tool_calls=calls),
+                     *(ChatMessage("tool", text, tool_call_id=c.id)
+                       for c, text in zip(calls, results, strict=True))]
         raise StepFailed(self.node.id, f"no answer after {self.node.max_turns} turns "
                          f"(max_turns={self.node.max_turns}): every turn called tools; the "
                          f"last tool asked for was {last_tool!r}")

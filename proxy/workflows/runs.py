@@ -354,8 +354,7 @@ class Run:
         return Generated(books.text, attempt, books.logprobs, books.tool_calls)
 
     def _request(self, node: LLMNode, model: str, messages: Sequence[ChatMessage],
-                 number: int,
-                 *, logprobs: bool, priority: Priority) -> GenerationRequest:
+                 number: int, *, logprobs: bool, priority: Priority) -> GenerationRequest:
         """The engine request of try ``number`` of ``node`` (affinity: the run id)."""
         p = node.params
         contract = node.contract
