@@ -13,6 +13,13 @@ Shapes:
     last chunk has ``finish_reason`` set and ``usage`` filled (prompt, completion and
     cached prompt tokens). A request is either chat ``messages`` (the engine applies the
     model's chat template) or a raw ``prompt`` (sent as it is, for legacy completions).
+
+Tools (agent steps): a request may offer ``tools`` (:class:`ToolDef`); an answer that
+calls them ends with a chunk whose ``tool_calls`` holds the calls, and the conversation
+carries them on (assistant messages with ``tool_calls``, ``tool`` messages with
+``tool_call_id``). Engines themselves need not know tools: above them, the proxy's
+:class:`~flowlift.proxy.dispatch.steps.StepDispatcher` turns tools into constrained JSON
+for the embedded engine, and upstream providers get OpenAI ``tools``.
 """
 
 from __future__ import annotations
@@ -22,15 +29,46 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from flowlift.errors import RequestError
+
 Role = Literal["system", "user", "assistant", "tool"]
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call a model asked for: ``arguments`` is its JSON text (OpenAI's shape), as
+    the model wrote it (not necessarily valid JSON)."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDef:
+    """A function the model may call: ``parameters`` is a JSON Schema of its arguments."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object",
+                                                                "properties": {}})
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
-    """One chat message with plain-text content."""
+    """One chat message with plain-text content.
+
+    Attributes:
+        role: ``system``, ``user``, ``assistant`` or ``tool``.
+        content: its text ("" for an assistant turn that only calls tools).
+        tool_calls: the calls of an assistant turn.
+        tool_call_id: the call a ``tool`` message answers.
+    """
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +128,7 @@ class GenerationRequest:
         session_id: hint that this request continues an earlier one (prefix reuse).
         prompt: raw prompt text used instead of ``messages``, with no chat template
             (the tokenizer's usual special tokens, e.g. a BOS, are still added).
+        tools: functions the model may call instead of answering (see the module).
     """
 
     request_id: str
@@ -100,6 +139,23 @@ class GenerationRequest:
     priority: int = 0
     session_id: str | None = None
     prompt: str | None = None
+    tools: tuple[ToolDef, ...] = ()
+
+
+def require_plain(request: GenerationRequest) -> None:
+    """For engines that do not take tools themselves (the embedded ones: the proxy's
+    dispatcher turns tools into constrained JSON before they get the request).
+
+    Raises:
+        RequestError: the request offers ``tools`` or carries tool calls or results
+            (``param="tools"``).
+    """
+    if request.tools or any(m.tool_calls or m.tool_call_id is not None
+                            for m in request.messages):
+        raise RequestError("this engine takes no tools, tool calls or tool results: send "
+                           "the request through the proxy's StepDispatcher, which turns "
+                           "them into constrained JSON (flowlift.proxy.dispatch.tool_turns)",
+                           param="tools")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,13 +195,16 @@ class GenerationChunk:
 
     ``finish_reason`` (``"stop"``, ``"length"``, or ``"abort"`` after :meth:`Engine.abort`)
     and ``usage`` are set on the last chunk. ``logprobs`` (only when the request asked
-    for them) has one entry per token generated since the last chunk.
+    for them) has one entry per token generated since the last chunk. ``tool_calls``
+    (last chunk only, with ``finish_reason="tool_calls"``): the calls of an answer to a
+    request with ``tools``.
     """
 
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from flowlift.local_engine.base import (
     GenerationRequest,
     TokenLogprob,
     Usage,
+    require_plain,
 )
 from flowlift.local_engine.models import cache_dir, resolve_model
 
@@ -285,6 +286,7 @@ class VLLMEngine(Engine):
         engine = self._require_engine()
         if request.model not in self.model_names:
             raise ModelNotFound(request.model, self.model_names)
+        require_plain(request)
         prompt_ids = self._prompt_ids(request)
         params = self._sampling_params(request)
         k = request.sampling.logprobs

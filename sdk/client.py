@@ -5,8 +5,10 @@ Protocol (proxy: ``flowlift.proxy.workflows.api``):
 1. ``POST /v1/workflows`` with the graph; the answer is an SSE stream of events:
    ``run.started`` ``{run_id}``, ``step.finished`` ``{step_id, value}``,
    ``step.failed`` ``{step_id, error}``, ``tool.wanted`` ``{step_id, name, args, kwargs}``,
-   ``run.finished`` ``{run_id, status, failures, trace}``.
-2. For each ``tool.wanted`` the SDK runs the ``@tool`` function and posts
+   ``run.finished`` ``{run_id, status, failures, trace}``. (Other events, e.g. an agent
+   step's ``agent.turn`` and ``tool.result``, are the proxy's own records.)
+2. For each ``tool.wanted`` (an agent step's tool call: with ``agent_step``, and a call id
+   as ``step_id``) the SDK runs the ``@tool`` function and posts
    ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` with ``{"value": ...}`` or
    ``{"error": "..."}``.
 
@@ -40,6 +42,7 @@ from flowlift.errors import (
     RunError,
 )
 from flowlift.sdk import progress
+from flowlift.sdk.agents import wanted_call
 from flowlift.sdk.tracing import current_context, tool_span, workflow_span
 from flowlift.sdk.workflow import Workflow
 
@@ -67,6 +70,8 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
         wf.record_output(data["step_id"], data["value"])
     elif sse.event == "step.failed":
         wf.record_failure(data["step_id"], data["error"])
+    elif sse.event == "tool.wanted" and "agent_step" in data:
+        return ToolCall(data["step_id"], [], wanted_call(wf, data))
     elif sse.event == "tool.wanted":
         args, kwargs = wf.tool_arguments(data["step_id"], data["args"], data["kwargs"])
         return ToolCall(data["step_id"], args, kwargs)

@@ -8,6 +8,10 @@ at once through the proxy and returns the value.
 A ``@tool`` function is client-run Python: inside a workflow the proxy pauses that
 branch, the SDK calls the function with the resolved arguments and posts the result.
 Outside a workflow it is a plain call.
+
+``@step(tools=[search, calculator], max_turns=8)`` is an agent step: its model may call
+those tools, and the proxy loops until the model answers without calling any
+(:mod:`flowlift.sdk.agents`, :mod:`flowlift.proxy.workflows.agent`).
 """
 
 from __future__ import annotations
@@ -15,12 +19,22 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
 
 from pydantic import ValidationError
 
 from flowlift.errors import UserError
-from flowlift.graph import Arg, Literal_, LLMNode, MessageTemplate, Params, Ref, Template
+from flowlift.graph import (
+    Arg,
+    Literal_,
+    LLMNode,
+    MessageTemplate,
+    Params,
+    Ref,
+    Template,
+    ToolSpec,
+)
+from flowlift.sdk.agents import agent_tools
 from flowlift.sdk.contracts import OutputSpec, output_spec
 from flowlift.sdk.variables import SemanticVariable, split_markers
 from flowlift.sdk.workflow import Workflow, current_workflow
@@ -73,7 +87,9 @@ class Step(Generic[P]):
 
     def __init__(self, fn: Callable[P, Any], *, model: str | None, spec: OutputSpec,
                  params: Params, name: str | None, cascade: tuple[str, ...] | None = None,
-                 retries: int = 0, min_confidence: float | None = None) -> None:
+                 retries: int = 0, min_confidence: float | None = None,
+                 tools: Sequence[Tool[Any, Any]] = (), max_turns: int = 10,
+                 tool_errors: Literal["return", "raise"] = "return") -> None:
         self.fn = fn
         self.model = model
         self.cascade = cascade
@@ -82,6 +98,11 @@ class Step(Generic[P]):
         self.spec = spec
         self.params = params
         self.name = name or fn.__name__
+        self.max_turns, self.tool_errors = max_turns, tool_errors
+        self._tools: dict[str, Tool[Any, Any]] = {}
+        self.tool_specs: tuple[ToolSpec, ...] | None = None
+        if tools:
+            self._tools, self.tool_specs = agent_tools(tools, self.name)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
@@ -95,7 +116,11 @@ class Step(Generic[P]):
         node = LLMNode(id=wf.new_id(self.name), name=self.name, model=self.model,
                        messages=_messages(prompt, wf, self.name), params=self.params,
                        contract=self.spec.contract, retries=self.retries,
-                       cascade=self.cascade, min_confidence=self.min_confidence)
+                       cascade=self.cascade, min_confidence=self.min_confidence,
+                       tools=self.tool_specs, max_turns=self.max_turns,
+                       tool_errors=self.tool_errors)
+        if self._tools:
+            wf.agent_tools[node.id] = self._tools
         return wf.add_node(node, parse=self.spec.parse, fields=self.spec.fields)
 
 
@@ -122,7 +147,9 @@ def step(fn: Callable[P, Any], /) -> Step[P]: ...
 def step(*, model: str | Sequence[str] | None = None, output: Any = None,
          max_tokens: int | None = 256, temperature: float = 0.0, top_p: float = 1.0,
          stop: Sequence[str] = (), seed: int | None = None, name: str | None = None,
-         retries: int = 0, min_confidence: float | None = None
+         retries: int = 0, min_confidence: float | None = None,
+         tools: Sequence[Tool[Any, Any]] = (), max_turns: int = 10,
+         tool_errors: Literal["return", "raise"] = "return"
          ) -> Callable[[Callable[P, Any]], Step[P]]: ...
 
 
@@ -130,7 +157,8 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
          output: Any = None, max_tokens: int | None = 256, temperature: float = 0.0,
          top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
          name: str | None = None, retries: int = 0,
-         min_confidence: float | None = None) -> Any:
+         min_confidence: float | None = None, tools: Sequence[Tool[Any, Any]] = (),
+         max_turns: int = 10, tool_errors: Literal["return", "raise"] = "return") -> Any:
     """Mark a function that returns a prompt as an LLM step.
 
     Args:
@@ -148,10 +176,22 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
             contract; the validation errors are fed back to the model (0 to 10).
         min_confidence: in (0, 1]: escalate outputs whose geometric-mean token
             probability is lower (only with a cascade; needs engine logprobs).
+        tools: ``@tool`` functions the model may call (an agent step): the proxy loops
+            -- model turn, the app runs the calls (concurrently, deadline clock paused),
+            results back into the conversation -- until the model answers without
+            calls; that answer is the step's output, checked against ``output``. A call
+            of an unknown tool or with arguments that do not fit the function's
+            signature gets the error as its result and the loop goes on.
+        max_turns: model turns an agent step may take (1 to 200); a turn that still
+            calls tools at the limit fails the step (``StepFailed`` naming the turns
+            and the last tool asked for).
+        tool_errors: a tool that raises: ``"return"`` its error text to the model, or
+            ``"raise"``: fail the step naming the tool and its error.
 
     Raises:
         UserError: for an unsupported ``output``, bad sampling values, an empty cascade,
-            or a bad ``retries`` / ``min_confidence``.
+            a bad ``retries`` / ``min_confidence``, or bad ``tools`` / ``max_turns`` /
+            ``tool_errors``.
     """
     try:
         spec = output_spec(output)
@@ -182,11 +222,25 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
     except ValueError as exc:
         raise UserError(f"bad sampling parameters: {exc}", param="params") from None
 
+    _check_agent(max_turns, tool_errors)
+
     def wrap(f: Callable[P, Any]) -> Step[P]:
         return Step(f, model=model, spec=spec, params=params, name=name, cascade=cascade,
-                    retries=retries, min_confidence=min_confidence)
+                    retries=retries, min_confidence=min_confidence, tools=tools,
+                    max_turns=max_turns, tool_errors=tool_errors)
 
     return wrap(fn) if fn is not None else wrap
+
+
+def _check_agent(max_turns: Any, tool_errors: Any) -> None:
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) \
+            or not 1 <= max_turns <= 200:
+        raise UserError(f"max_turns={max_turns!r}: must be a whole number 1 to 200",
+                        param="max_turns")
+    if tool_errors not in ("return", "raise"):
+        raise UserError(f"tool_errors={tool_errors!r}: must be \"return\" (the error goes "
+                        "back to the model) or \"raise\" (the step fails)",
+                        param="tool_errors")
 
 
 def tool(fn: Callable[P, R] | None = None, /, *, name: str | None = None) -> Any:

@@ -110,6 +110,7 @@ class Workflow:
         self.nonce = secrets.token_hex(6)
         self.nodes: list[Node] = []
         self.tools: dict[str, Tool[Any, Any]] = {}
+        self.agent_tools: dict[str, dict[str, Tool[Any, Any]]] = {}  # agent step -> tools
         self._parsers: dict[str, Callable[[Any], Any]] = {}
         self._counts: dict[str, int] = {}
         self._outputs: dict[str, Any] = {}

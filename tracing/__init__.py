@@ -11,7 +11,7 @@ run as spans), :mod:`flowlift.tracing.metrics` (Prometheus), :mod:`flowlift.trac
 """
 
 from flowlift.tracing.logging import bind_run, configure_logging, get_logger
-from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace
+from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace, ToolCallTrace
 from flowlift.tracing.spans import capture_spans, configure_tracing
 from flowlift.tracing.summary import STAGES, format_stage_table, stage_summary
 
@@ -20,6 +20,7 @@ __all__ = [
     "AttemptTrace",
     "RunTrace",
     "StepTrace",
+    "ToolCallTrace",
     "bind_run",
     "capture_spans",
     "configure_logging",

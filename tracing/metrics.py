@@ -157,6 +157,8 @@ class Metrics:
     def record_attempts(self, attempts: Sequence[AttemptTrace]) -> None:
         """Retries and escalations of one step, from its attempts in order."""
         for before, after in itertools.pairwise(attempts):
+            if before.outcome == "tool_calls":  # an agent step's next turn: no retry
+                continue
             if after.model != before.model:  # the next model of the cascade: not a retry
                 self.cascade_escalated(before.model, after.model)
             else:

@@ -13,6 +13,10 @@ An llm step also keeps one :class:`AttemptTrace` per try (``attempts``): a retry
 contract failure or a step of a model cascade is its own attempt, with its own model,
 instants, tokens and outcome, so retries show as children of the step.
 
+An agent step (an llm step with tools) keeps one :class:`AttemptTrace` per model turn
+(``turn`` set; a turn that asked for tools has outcome ``tool_calls``) and one
+:class:`ToolCallTrace` per call its model asked for (``tool_calls``).
+
 Client-run (``@tool``) steps use ``ready_ms`` (wanted) and ``finished_ms`` (result
 arrived); their whole span is tool wait. The JSON-lines form (:meth:`RunTrace.records`)
 is one ``run`` record followed by one ``step`` record per step.
@@ -30,6 +34,7 @@ class AttemptTrace:
     """One try of an llm step, times in ms since the run started.
 
     ``outcome``: ``running`` until it ends, then ``ok`` (output accepted),
+    ``tool_calls`` (an agent step's turn that called tools: the loop went on),
     ``contract_failed`` (output rejected by the step's contract), ``low_confidence``
     (valid, but under the step's ``min_confidence``: escalated along its cascade), or
     ``error`` (the engine or upstream failed). ``error`` holds the reason for the last
@@ -37,6 +42,7 @@ class AttemptTrace:
     the step asked for logprobs. ``model``: the name the step asked for (a cascade's
     ``small``/``large``; the served name when the step named none). ``finish_reason``:
     the engine's (``stop``, ``length``, ``abort``...), when the generation ended.
+    ``turn``: an agent step's model turn (1 first, counted over the whole step).
     """
 
     attempt: int
@@ -51,6 +57,37 @@ class AttemptTrace:
     error: str | None = None
     confidence: float | None = None
     finish_reason: str | None = None
+    turn: int | None = None
+
+
+@dataclass(slots=True)
+class ToolCallTrace:
+    """One tool call an agent step's model asked for, times in ms since the run started.
+
+    ``call_id``: ``<step id>:call_<n>`` (what the app posts the result to); ``turn``: the
+    model turn that asked; ``wanted_ms``/``finished_ms``: sent to the app / its result
+    arrived (equal for a call never sent). ``outcome``: ``running``, ``ok``, ``error``
+    (the tool raised), ``invalid`` (unknown tool or arguments that do not fit its
+    schema: the error went back to the model) or ``replayed`` (its result was in the
+    run's log: a resumed run does not ask again); ``error`` holds the reason.
+    """
+
+    call_id: str
+    name: str
+    turn: int
+    wanted_ms: float
+    finished_ms: float | None = None
+    outcome: str = "running"
+    error: str | None = None
+
+
+def _union_ms(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
 
 
 @dataclass(slots=True)
@@ -71,13 +108,15 @@ class StepTrace:
     error: str | None = None
     same_as: str | None = None  # an identical call whose output this step reused
     attempts: list[AttemptTrace] = field(default_factory=list)
+    tool_calls: list[ToolCallTrace] = field(default_factory=list)
 
     def durations_ms(self) -> dict[str, float]:
         """Time per stage in ms; stages that did not happen are absent.
 
         A step tried more than once (a contract retry, a cascade escalation) spends its
         earlier tries in ``retry`` (first try's start to the last try's start); prefill
-        and decode are the last try's, so they add up to the wall time of the step.
+        and decode are the last try's, so they add up to the wall time of the step. An
+        agent step's time with tool calls out is ``tool_wait`` (taken out of ``retry``).
         """
         out: dict[str, float] = {}
         if self.kind == "tool":
@@ -89,6 +128,11 @@ class StepTrace:
             last = self.attempts[-1]
             out["retry"] = max(0.0, last.started_ms - self.attempts[0].started_ms)
             started, first_token = last.started_ms, last.first_token_ms
+        if self.tool_calls:
+            out["tool_wait"] = _union_ms([(c.wanted_ms, c.finished_ms)
+                                          for c in self.tool_calls
+                                          if c.finished_ms is not None])
+            out["retry"] = max(0.0, out.get("retry", 0.0) - out["tool_wait"])
         pairs = (("queue", self.ready_ms, self.started_ms),
                  ("prefill", started, first_token),
                  ("decode", first_token, self.generated_ms),

@@ -17,7 +17,15 @@ instants the run measured as their start and end times -- nothing on the hot pat
         tool_wait
 
 A retried step has one ``attempt N`` child per try (a contract failure, an engine
-error, a cascade's next model), so retries show where their time went.
+error, a cascade's next model), so retries show where their time went. An agent step
+has one ``turn N`` child per model turn (with its prefill and decode) and one
+``execute_tool {name}`` child per tool call its model asked for (``tool_wait`` inside)::
+
+      chat SmolLM2 (step agent_1)
+        turn 1  (outcome tool_calls)
+        execute_tool search   (call agent_1:call_1)
+        execute_tool lookup   (call agent_1:call_2)
+        turn 2  (outcome ok)
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from flowlift.tracing import genai
-from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace
+from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace, ToolCallTrace
 
 ProviderOf = Callable[[str | None], str]
 _OUTCOME_ERROR = {"error": "engine_error", "contract_failed": "contract_failed"}
@@ -164,6 +172,8 @@ class RunSpans:
         for i, at in enumerate(st.attempts):
             last = i == len(st.attempts) - 1
             self._attempt(span, st, at, st.generated_ms if last else None)
+        for call in st.tool_calls:
+            self._tool_call(span, st, call)
         if st.attempts and st.attempts[-1].outcome != "error":
             self._child("validate", span, st.generated_ms, st.finished_ms,
                         self._ids(st, "validate"))
@@ -177,12 +187,15 @@ class RunSpans:
                                  **genai.usage_attributes(at.prompt_tokens,
                                                           at.completion_tokens,
                                                           at.cached_tokens)}
-        if at.attempt > 1:
+        if at.turn is not None:
+            attrs["flowlift.turn"] = at.turn
+        elif at.attempt > 1:
             attrs["flowlift.retry"] = True
         if at.finish_reason:
             attrs[genai.FINISH_REASONS] = (at.finish_reason,)
         end = at.finished_ms if at.finished_ms is not None else self.trace.now_ms()
-        span = self.tracer.start_span(f"attempt {at.attempt}",
+        name = f"attempt {at.attempt}" if at.turn is None else f"turn {at.turn}"
+        span = self.tracer.start_span(name,
                                       context=trace.set_span_in_context(step_span),
                                       start_time=_ns(self.trace, at.started_ms),
                                       attributes=attrs)
@@ -193,4 +206,21 @@ class RunSpans:
         if at.outcome in _OUTCOME_ERROR:
             span.set_attribute(genai.ERROR_TYPE, _OUTCOME_ERROR[at.outcome])
             span.set_status(Status(StatusCode.ERROR, at.error))
+        span.end(_ns(self.trace, end))
+
+    def _tool_call(self, step_span: Span, st: StepTrace, call: ToolCallTrace) -> None:
+        """An agent step's tool call: ``execute_tool {name}`` with its ``tool_wait``."""
+        end = call.finished_ms if call.finished_ms is not None else self.trace.now_ms()
+        attrs: dict[str, Any] = {**self._ids(st), genai.OPERATION: "execute_tool",
+                                 genai.TOOL_NAME: call.name, genai.TOOL_CALL_ID: call.call_id,
+                                 "flowlift.turn": call.turn,
+                                 "flowlift.tool.outcome": call.outcome}
+        span = self.tracer.start_span(f"execute_tool {call.name}",
+                                      context=trace.set_span_in_context(step_span),
+                                      start_time=_ns(self.trace, call.wanted_ms),
+                                      attributes=attrs)
+        self._child("tool_wait", span, call.wanted_ms, end, self._ids(st, "tool_wait"))
+        if call.outcome in ("error", "invalid"):
+            span.set_attribute(genai.ERROR_TYPE, f"tool_{call.outcome}")
+            span.set_status(Status(StatusCode.ERROR, call.error))
         span.end(_ns(self.trace, end))

@@ -15,6 +15,10 @@ Segments of one step, in ms since the run started (see :mod:`flowlift.tracing.re
   (to the output stored).
 * ``llm`` without attempts (an identical call served by another step's output, or a
   step failed while queued): ``queue``/``shared`` from ready to finished.
+* an agent step (``llm`` with ``tool_calls``): each model turn is its own ``prefill`` and
+  ``decode`` (noted ``turn N``; a turn that called tools is no failed try), and each tool
+  call a ``tool_wait`` segment from wanted to result (noted with the tool's name, turn
+  and outcome); the wait for the calls is not counted as ``queue``.
 
 The *measured critical path* is the chain of waits that set the run's wall time: start
 from the step that finished last and go back, each time to the input (a graph
@@ -65,6 +69,22 @@ def _seg(stage: str, start: float | None, end: float | None, **kw: Any) -> list[
     return [Segment(stage, start, end, **kw)]
 
 
+def _tool_segments(rec: Mapping[str, Any], turn: Any, now_ms: float
+                   ) -> tuple[list[Segment], float | None]:
+    """The ``tool_wait`` segments of the calls one agent turn asked for, and when the
+    last of them ended."""
+    out: list[Segment] = []
+    for c in rec.get("tool_calls") or []:
+        wanted = _f(c.get("wanted_ms"))
+        if c.get("turn") != turn or wanted is None:
+            continue
+        done = _f(c.get("finished_ms"))
+        out += _seg("tool_wait", wanted, now_ms if done is None else done,
+                    note=f"{c.get('name', '')} (turn {turn}): {c.get('outcome', '')}"
+                         + (f": {c['error']}" if c.get("error") else ""))
+    return out, max((s.end_ms for s in out), default=None)
+
+
 def _llm_segments(rec: Mapping[str, Any], now_ms: float) -> list[Segment]:
     ready, finished = _f(rec.get("ready_ms")), _f(rec.get("finished_ms"))
     end = finished if finished is not None else now_ms
@@ -74,26 +94,31 @@ def _llm_segments(rec: Mapping[str, Any], now_ms: float) -> list[Segment]:
         return _seg(stage, ready, end)
     out: list[Segment] = []
     t = ready
-    for a in attempts:
+    for k, a in enumerate(attempts):
         start = float(a["started_ms"])
         a_end = _f(a.get("finished_ms"))
         a_end = end if a_end is None else a_end
         out += _seg("queue", t, start)
-        if a.get("outcome") in ("ok", "running"):
+        n = int(a.get("attempt") or 0) or None
+        turn = a.get("turn")
+        note = "" if turn is None else f"turn {turn}"
+        if a.get("outcome") in ("ok", "running", "tool_calls"):
             first = _f(a.get("first_token_ms"))
-            gen = _f(rec.get("generated_ms"))
+            gen = _f(rec.get("generated_ms")) if k == len(attempts) - 1 else None
             gen = gen if gen is not None and gen >= start else None
             last = gen if gen is not None else a_end
-            n = int(a.get("attempt") or 0) or None
-            out += _seg("prefill", start, first if first is not None else last, attempt=n)
-            out += _seg("decode", first, last, attempt=n)
+            out += _seg("prefill", start, first if first is not None else last, attempt=n,
+                        note=note)
+            out += _seg("decode", first, last, attempt=n, note=note)
             if gen is not None:
                 out += _seg("validate", gen, a_end, attempt=n)
         else:
-            out += _seg("failed_try", start, a_end, attempt=int(a.get("attempt") or 0) or None,
+            out += _seg("failed_try", start, a_end, attempt=n,
                         note=f"{a.get('model', '')}: {a.get('outcome')}: "
                              f"{a.get('error') or ''}".strip(": "))
-        t = a_end
+        calls, calls_end = _tool_segments(rec, turn, now_ms) if turn is not None else ([], None)
+        out += calls
+        t = a_end if calls_end is None else max(a_end, calls_end)
     return out
 
 
@@ -120,6 +145,8 @@ def _instants(rec: Mapping[str, Any]) -> list[float]:
     vals = [_f(rec.get(k)) for k in keys]
     for a in rec.get("attempts") or []:
         vals += [_f(a.get(k)) for k in ("started_ms", "first_token_ms", "finished_ms")]
+    for c in rec.get("tool_calls") or []:
+        vals += [_f(c.get("wanted_ms")), _f(c.get("finished_ms"))]
     return [v for v in vals if v is not None]
 
 

@@ -8,7 +8,9 @@ for a slot of the route's upstream pool, and a choice of the embedded engine -- 
 replica, or the fallback after upstream failures -- takes the embedded backend's
 priority slots like every other request there (class caps, prefill budget). Either way
 the step's priority orders the wait, and the engine or upstream stream is closed on
-every exit, cancellation included.
+every exit, cancellation included. A request with ``tools`` (an agent step's turn) is
+turned into constrained JSON for the embedded engine (:mod:`.tool_turns`); upstreams
+get OpenAI ``tools``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from flowlift.proxy.dispatch.attempts import Admit, Opened
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Priority, Slot
+from flowlift.proxy.dispatch.tool_turns import ToolTurn
 from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine, open_chat
 
 
@@ -101,13 +104,15 @@ class StepDispatcher:
             # began to await while it queued was promoted: runs.Run.mark_awaited)
             engine_priority = (request.priority if self.backends.fcfs
                                else slot.priority.engine_priority())
+            turn = ToolTurn(request) if request.tools else None
+            plain = request if turn is None else turn.request
             stream = backend.engine.generate(dataclasses.replace(
-                request, model=target.model, priority=engine_priority))
+                plain, model=target.model, priority=engine_priority))
             async with contextlib.aclosing(stream) as chunks:
                 async for chunk in chunks:
                     if chunk.text:
                         slot.prefilled()
-                    yield chunk
+                    yield chunk if turn is None else turn.read(chunk)
 
     async def _upstream(self, opened: Opened, route: Route, request: GenerationRequest,
                         ) -> AsyncGenerator[GenerationChunk, None]:

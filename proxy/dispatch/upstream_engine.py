@@ -24,10 +24,11 @@ import orjson
 from flowlift.errors import ContentRefused, EngineError, RequestError, UpstreamError
 from flowlift.local_engine.base import (
     Capabilities,
+    ChatMessage,
     Engine,
     GenerationChunk,
     GenerationRequest,
-    TokenLogprob,
+    ToolCall,
     Usage,
 )
 from flowlift.proxy.dispatch.attempts import Admit, Opened, open_answer
@@ -40,13 +41,29 @@ if TYPE_CHECKING:
     from flowlift.proxy.dispatch.backends import Backends, Local
 
 
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """One OpenAI chat message (an assistant's ``tool_calls``, a tool result's id)."""
+    if m.tool_calls:
+        return {"role": m.role, "content": m.content or None, "tool_calls": [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]}
+    if m.tool_call_id is not None:
+        return {"role": m.role, "tool_call_id": m.tool_call_id, "content": m.content}
+    return {"role": m.role, "content": m.content}
+
+
 def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
-    """The OpenAI chat request for ``request`` (streamed, with usage)."""
+    """The OpenAI chat request for ``request`` (streamed, with usage; its ``tools`` as
+    OpenAI function tools)."""
     s = request.sampling
     body: dict[str, Any] = {
         "model": model, "stream": True, "stream_options": {"include_usage": True},
-        "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+        "messages": [_message(m) for m in request.messages],
         "temperature": s.temperature, "top_p": s.top_p}
+    if request.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, "description": t.description, "parameters": t.parameters}}
+            for t in request.tools]
     if s.max_tokens is not None:
         body["max_tokens"] = s.max_tokens
     for key, value in (("stop", list(s.stop)), ("seed", s.seed),
@@ -76,10 +93,9 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
     return body
 
 
-def _read_event(data: str, backend: str
-                ) -> tuple[str, str | None, Usage | None, tuple[TokenLogprob, ...]]:
-    """(text of choice 0, finish_reason, usage, token logprobs) of one
-    chat.completion.chunk (read by :func:`flowlift.proxy.openai.chunks.parse_event`).
+def _read_event(data: str, backend: str) -> tuple[chunks.ChunkChoice | None, Usage | None]:
+    """(choice 0, usage) of one chat.completion.chunk (read by
+    :func:`flowlift.proxy.openai.chunks.parse_event`).
 
     Raises:
         EngineError: an in-band error event, or an event that is not a JSON object.
@@ -89,10 +105,7 @@ def _read_event(data: str, backend: str
         raise EngineError(f"backend {backend!r} sent a stream event that is not JSON")
     if chunk.error is not None:
         raise EngineError(f"backend {backend!r}: {chunk.error or 'an error without a message'}")
-    first = chunk.choice(0)
-    if first is None:
-        return "", None, chunk.usage, ()
-    return first.text, first.finish_reason, chunk.usage, first.logprobs
+    return chunk.choice(0), chunk.usage
 
 
 async def open_chat(backends: Backends, route: Route, request: GenerationRequest, *,
@@ -164,12 +177,13 @@ class UpstreamEngine(Engine):
         finish: str | None = None
         failure: str | None = None
         usage = Usage()
+        calls: tuple[ToolCall, ...] | None = None
         try:
             async for chunk in self._read(opened):
                 if isinstance(chunk, GenerationChunk):
                     yield chunk
                 else:
-                    finish, usage = chunk
+                    finish, usage, calls = chunk
         except (TimeoutError, httpx.HTTPError) as exc:
             failure = str(translate(exc, opened.upstream.name, stage="mid-stream"))
         finally:
@@ -188,28 +202,33 @@ class UpstreamEngine(Engine):
         if finish == "content_filter":
             raise ContentRefused(f"model {self.route.model!r}: the answer was cut by the "
                                  "provider's content filter")
-        yield GenerationChunk("", finish_reason=finish, usage=usage)
+        yield GenerationChunk("", finish_reason=finish, usage=usage, tool_calls=calls)
 
     @staticmethod
-    async def _read(opened: Opened) -> AsyncIterator[GenerationChunk | tuple[str | None, Usage]]:
-        """Text chunks as they arrive, then ``(finish_reason, usage)``; the stream is read
-        to its end so the connection goes back to the pool."""
+    async def _read(opened: Opened) -> AsyncIterator[
+            GenerationChunk | tuple[str | None, Usage, tuple[ToolCall, ...] | None]]:
+        """Text chunks as they arrive, then ``(finish_reason, usage, tool calls)``; the
+        stream is read to its end so the connection goes back to the pool."""
         finish: str | None = None
         usage = Usage()
+        calls = chunks.ToolCallPieces()
         idle_s = opened.upstream.spec.idle_timeout_s
         event = opened.first
         while event is not None and event.data != "[DONE]":
-            text, finish_now, usage_now, lps = _read_event(event.data, opened.upstream.name)
-            finish, usage = finish_now or finish, usage_now or usage
-            if text or lps:
-                yield GenerationChunk(text, logprobs=lps or None)
+            choice, usage_now = _read_event(event.data, opened.upstream.name)
+            usage = usage_now or usage
+            if choice is not None:
+                finish = choice.finish_reason or finish
+                calls.add(choice.tool_calls)
+                if choice.text or choice.logprobs or choice.tool_calls:  # calls: no text
+                    yield GenerationChunk(choice.text, logprobs=choice.logprobs or None)
             async with asyncio.timeout(idle_s):  # not around the yield: the consumer's
                 event = await anext(opened.events, None)  # type: ignore[arg-type]
         if event is not None:
             async with asyncio.timeout(idle_s):
                 async for _ in opened.events:  # type: ignore[union-attr]
                     pass
-        yield finish, usage
+        yield finish, usage, calls.calls()
 
     def running(self) -> int:
         return len(self._open)

@@ -12,7 +12,10 @@ a whole number, is left out). What the fields mean is OpenAI's:
 * ``usage`` comes in the last event of a stream asked with ``include_usage`` (with
   ``choices: []``), or in a whole answer;
 * an in-band ``error`` (an event an upstream sends instead of a chunk) is kept as its
-  message.
+  message;
+* tool calls stream as pieces of ``delta.tool_calls`` (the first piece of a call has its
+  ``index``, ``id`` and ``function.name``, the next ones more of ``function.arguments``):
+  :class:`ToolCallPieces` joins them by ``index``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from flowlift.local_engine.base import TokenLogprob, Usage
+from flowlift.local_engine.base import TokenLogprob, ToolCall, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,8 @@ class ChunkChoice:
         logprobs: ``logprobs.content`` as :class:`TokenLogprob` entries (natural logs).
         message: a whole chat answer's ``message`` object as sent (tool calls
             included), or None.
+        tool_calls: the entries of a stream event's ``delta.tool_calls`` that are
+            objects, as sent (a whole answer's are in ``message``).
     """
 
     index: int
@@ -44,6 +49,7 @@ class ChunkChoice:
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     message: Mapping[str, Any] | None = None
+    tool_calls: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +155,46 @@ def _choice(entry: object) -> ChunkChoice | None:
     return ChunkChoice(index=index, text=_text(entry),
                        finish_reason=finish if isinstance(finish, str) and finish else None,
                        logprobs=token_logprobs(entry),
-                       message=message if isinstance(message, Mapping) else None)
+                       message=message if isinstance(message, Mapping) else None,
+                       tool_calls=_tool_calls(entry))
+
+
+def _tool_calls(choice: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
+    delta = choice.get("delta")
+    calls = delta.get("tool_calls") if isinstance(delta, Mapping) else None
+    return tuple(c for c in calls if isinstance(c, Mapping)) if isinstance(calls, list) else ()
+
+
+class ToolCallPieces:
+    """The tool calls of one streamed choice, joined from its ``delta.tool_calls``
+    pieces by ``index`` (a piece without one continues the last call)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, dict[str, str]] = {}
+
+    def add(self, pieces: tuple[Mapping[str, Any], ...]) -> None:
+        """Add one event's pieces."""
+        for piece in pieces:
+            index = _whole(piece.get("index"))
+            if index is None:
+                index = max(self._calls, default=0)
+            call = self._calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
+            fn = piece.get("function")
+            fn = fn if isinstance(fn, Mapping) else {}
+            if isinstance(piece.get("id"), str) and piece["id"]:
+                call["id"] = piece["id"]
+            if isinstance(fn.get("name"), str) and not call["name"]:
+                call["name"] = fn["name"]
+            if isinstance(fn.get("arguments"), str):
+                call["arguments"] += fn["arguments"]
+
+    def calls(self) -> tuple[ToolCall, ...] | None:
+        """The calls in ``index`` order (a missing id becomes ``call_<index>``), or None
+        when the answer had none."""
+        if not self._calls:
+            return None
+        return tuple(ToolCall(c["id"] or f"call_{i}", c["name"], c["arguments"] or "{}")
+                     for i, c in sorted(self._calls.items()))
 
 
 def token_logprobs(choice: Mapping[str, Any]) -> tuple[TokenLogprob, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowlift.local_engine.base import GenerationChunk
+from flowlift.local_engine.base import GenerationChunk, ToolCall
 from flowlift.tracing import AttemptTrace, RunTrace
 
 
@@ -25,6 +25,7 @@ class AttemptBooks:
         self.attempt: AttemptTrace | None = None
         self.pieces: list[str] = []
         self.logprobs: list[Any] = []
+        self.tool_calls: tuple[ToolCall, ...] | None = None
 
     def started(self) -> None:
         """A slot was granted: the try starts (once, even if it moves to another backend)."""
@@ -39,7 +40,10 @@ class AttemptBooks:
         """Book one chunk; True when it holds the try's first token."""
         attempt = self.attempt
         assert attempt is not None  # the dispatcher grants a slot before any chunk
-        first = bool(chunk.text) and attempt.first_token_ms is None
+        # any chunk before the last means tokens came (a tool call's JSON may show no
+        # text until it is whole)
+        first = (bool(chunk.text) or chunk.finish_reason is None) \
+            and attempt.first_token_ms is None
         if first:
             attempt.first_token_ms = self.trace.now_ms()
             if self.step.first_token_ms is None:
@@ -47,6 +51,7 @@ class AttemptBooks:
         self.pieces.append(chunk.text)
         self.logprobs.extend(chunk.logprobs or ())
         attempt.finish_reason = chunk.finish_reason or attempt.finish_reason
+        self.tool_calls = chunk.tool_calls or self.tool_calls
         if chunk.usage is not None:
             attempt.prompt_tokens = chunk.usage.prompt_tokens
             attempt.completion_tokens = chunk.usage.completion_tokens

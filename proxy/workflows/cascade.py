@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from flowlift.errors import ContentRefused, ContextLengthExceeded, ContractError, FlowliftError
 from flowlift.graph import LLMNode
-from flowlift.local_engine.base import ChatMessage, TokenLogprob
+from flowlift.local_engine.base import ChatMessage, TokenLogprob, ToolCall
 from flowlift.proxy.workflows.contracts import check_output, feedback
 from flowlift.tracing import AttemptTrace, get_logger
 
@@ -48,11 +48,13 @@ UNRETRYABLE = (ContextLengthExceeded, ContentRefused)
 
 @dataclass(slots=True)
 class Generated:
-    """One attempt's output: its text, token logprobs (when asked for) and its trace."""
+    """One attempt's output: its text, token logprobs (when asked for), its trace, and
+    the tool calls of an agent step's turn that called tools."""
 
     text: str
     trace: AttemptTrace
     logprobs: Sequence[TokenLogprob] = ()
+    tool_calls: tuple[ToolCall, ...] | None = None
 
 
 class Attempt(Protocol):

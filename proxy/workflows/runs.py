@@ -7,8 +7,10 @@ of it; everything else still runs and every finished output is kept.
 
 Events (``Run.log``, numbered) drive the SSE stream of ``POST /v1/workflows``:
 ``run.started`` (or ``run.resumed``), ``step.finished``, ``step.failed``,
-``tool.wanted``, ``run.finished``. A run restored from the store starts with its
-finished outputs and failures in place and runs only what is left.
+``tool.wanted``, ``run.finished``; an agent step (an llm step with ``tools``) adds
+``agent.turn`` and ``tool.result`` (:mod:`flowlift.proxy.workflows.agent`). A run
+restored from the store starts with its finished outputs and failures in place and
+runs only what is left.
 
 An open run (a graph posted with ``"open": true``) also takes nodes while it runs
 (``nodes.appended``) and finishes only once closed (``run.closed``): see
@@ -31,7 +33,7 @@ from opentelemetry.context import Context
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
 from flowlift.dataflow import dependencies
-from flowlift.errors import FlowliftError, RequestError, RunError
+from flowlift.errors import FlowliftError, RequestError, StepFailed
 from flowlift.graph import (
     Graph,
     InputNode,
@@ -49,12 +51,14 @@ from flowlift.local_engine.base import (
     GenerationRequest,
     OutputConstraint,
     SamplingOptions,
+    ToolDef,
 )
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
+from flowlift.proxy.workflows.agent import AgentLoop, ToolRaised
 from flowlift.proxy.workflows.books import AttemptBooks
-from flowlift.proxy.workflows.cascade import Generated, run_step
+from flowlift.proxy.workflows.cascade import Attempt, Generated, run_step
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import EventLog
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
@@ -156,7 +160,7 @@ class Run:
             raise RequestError(f"step {step_id!r} of run {self.run_id} is not waiting for a "
                                "tool result", param="step_id")
         if error is not None:
-            fut.set_exception(RunError(f"tool {step_id!r} raised: {error}"))
+            fut.set_exception(ToolRaised(step_id, error))
         else:
             fut.set_result(value)
 
@@ -328,8 +332,9 @@ class Run:
             except UpstreamFailed as exc:
                 self._failed(node.id, f"skipped: {exc}")
                 return
-            except FlowliftError as exc:
-                self._failed(node.id, exc.message)
+            except FlowliftError as exc:  # a StepFailed of this step: its cause says it all
+                self._failed(node.id, exc.cause if isinstance(exc, StepFailed)
+                             and exc.step_id == node.id else exc.message)
                 return
             except Exception as exc:  # one broken step must not take the run down
                 log.exception("step_error")
@@ -348,11 +353,11 @@ class Run:
         self.trace.step(step_id).same_as = rep
         return self.outputs[rep]
 
-    def _priority(self, step_id: str) -> Priority:
+    def _priority(self, step_id: str, workflow_class: str | None = None) -> Priority:
         remaining = self.plan.tail_ms.get(step_id, 0.0) if self.plan else 0.0
         slack = None if self.clock is None else self.clock.left_s() * 1000.0 - remaining
-        return self.growth.priority(step_id, Priority.of(self.graph.workflow_class,
-                                                         remaining, slack))
+        return self.growth.priority(step_id, Priority.of(
+            workflow_class or self.graph.workflow_class, remaining, slack))
 
     async def _await_warm(self, step_id: str) -> None:
         """Siblings sharing a prompt prefix: the first ready one goes; the rest wait until
@@ -388,8 +393,14 @@ class Run:
         :meth:`_attempt`, one generation each."""
         messages = self._messages(node.messages)
         record = None if self.outcomes is None else self.outcomes.record
-        value, model = await run_step(node, messages,
-                                      functools.partial(self._attempt, node), record)
+        one = functools.partial(self._attempt, node)
+        attempt: Attempt = one
+        if node.tools:  # an agent step: turns on the proxy (flowlift.proxy.workflows.agent)
+            attempt = AgentLoop(node, turn=one, trace=self.trace,
+                                continuation=lambda: self._priority(node.id, "interactive"),
+                                emit=self.log.emit, history=self.log.history(),
+                                waiting=self._tool_results, clock=self.clock)
+        value, model = await run_step(node, messages, attempt, record)
         self.trace.step(node.id).model = self.backends.canonical(model)
         return value
 
@@ -398,17 +409,19 @@ class Run:
         return StepDispatcher(self.backends)
 
     async def _attempt(self, node: LLMNode, want: str | None,
-                       messages: list[ChatMessage], *, logprobs: bool) -> Generated:
+                       messages: Sequence[ChatMessage], *, logprobs: bool,
+                       priority: Priority | None = None) -> Generated:
         """One generation of ``node`` on model ``want``, where its route sends it
-        (:class:`~flowlift.proxy.dispatch.steps.StepDispatcher`); every try is an
-        :class:`AttemptTrace` in the step's ``attempts``."""
+        (:class:`~flowlift.proxy.dispatch.steps.StepDispatcher`), at ``priority`` (default:
+        the step's own); every try (an agent step's turn) is an :class:`AttemptTrace` in
+        the step's ``attempts``."""
         model, _ = self.backends.resolve(want)
         st = self.trace.step(node.id)
         st.model = model
         number = len(st.attempts) + 1
         if number == 1:
             await self._await_warm(node.id)
-        priority = self._priority(node.id)
+        priority = priority or self._priority(node.id)
         request = self._request(node, model, messages, number, logprobs=logprobs,
                                 priority=priority)
         books = AttemptBooks(self.trace, node.id, number, want or model)
@@ -427,10 +440,10 @@ class Run:
             self._warmed(node.id)
         attempt = books.finished()
         self._observe(model, attempt)
-        return Generated(books.text, attempt, books.logprobs)
+        return Generated(books.text, attempt, books.logprobs, books.tool_calls)
 
-    def _request(self, node: LLMNode, model: str, messages: list[ChatMessage], number: int,
-                 *, logprobs: bool, priority: Priority) -> GenerationRequest:
+    def _request(self, node: LLMNode, model: str, messages: Sequence[ChatMessage],
+                 number: int, *, logprobs: bool, priority: Priority) -> GenerationRequest:
         """The engine request of try ``number`` of ``node`` (affinity: the run id)."""
         p = node.params
         contract = node.contract
@@ -444,7 +457,8 @@ class Run:
                                          choices=contract.choices, regex=contract.regex)
                         if contract else None),
             session_id=self.run_id,
-            priority=0 if self.backends.fcfs else priority.engine_priority())
+            priority=0 if self.backends.fcfs else priority.engine_priority(),
+            tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()))
 
     def _observe(self, model: str, at: AttemptTrace) -> None:
         if self.costs is None or at.first_token_ms is None or at.finished_ms is None:

@@ -136,7 +136,7 @@ def _canonical(node: Node, canon: dict[str, str]) -> str | None:
     if isinstance(node, InputNode):
         body: Any = {"input": node.value}
     elif isinstance(node, LLMNode):
-        if not _deterministic(node):
+        if not _deterministic(node) or node.tools:  # an agent step calls client-run tools
             return None
         body = {"model": node.model, "params": node.params.model_dump(mode="json"),
                 "policy": [node.cascade, node.retries, node.min_confidence],

@@ -18,6 +18,10 @@ JSON shape (version ``"1"``)::
         "params": {"max_tokens": 64, "temperature": 0.0},
         "contract": {"json_schema": {...}}, "retries": 1,
         "cascade": ["small", "large"], "min_confidence": 0.5},
+       {"kind": "llm", "id": "agent_1", "messages": [...],
+        "tools": [{"name": "search", "description": "Search the corpus.",
+                   "parameters": {"type": "object", "properties": {...}}}],
+        "max_turns": 8, "tool_errors": "return"},
        {"kind": "tool", "id": "lookup_1", "name": "lookup",
         "args": [{"ref": "extract_1", "path": ["name"]}], "kwargs": {"k": {"value": 3}}},
        {"kind": "input", "id": "input_1", "value": "..."}]}
@@ -29,6 +33,8 @@ import json
 from collections.abc import Iterator
 from typing import Annotated, Any, Final, Literal
 
+import jsonschema
+from jsonschema.exceptions import SchemaError
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -124,6 +130,25 @@ class Template(_Model):
 Arg = Ref | Template | Literal_
 
 
+class ToolSpec(_Model):
+    """A client-run ``@tool`` an agent step's model may call: ``parameters`` is the JSON
+    Schema (draft 2020-12) its arguments must satisfy."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}})
+
+    @model_validator(mode="after")
+    def _a_schema(self) -> ToolSpec:
+        try:
+            jsonschema.Draft202012Validator.check_schema(self.parameters)
+        except SchemaError as exc:
+            raise ValueError(f"tool {self.name!r}: parameters is not a JSON Schema: "
+                             f"{exc.message}") from None
+        return self
+
+
 class LLMNode(_Model):
     kind: Literal["llm"] = "llm"
     id: str = Field(min_length=1, max_length=200)
@@ -143,6 +168,16 @@ class LLMNode(_Model):
     """Confidence floor: the geometric mean of the output's token probabilities
     (``exp`` of the mean token logprob). Under it, the output escalates to the next model
     of the cascade; the last model's output is kept whatever its confidence."""
+    tools: tuple[ToolSpec, ...] | None = Field(default=None, min_length=1, max_length=128)
+    """An agent step: the model may call these client-run tools; the proxy loops (model
+    turn, the app runs the calls, results back into the conversation) until the model
+    answers without calls (:mod:`flowlift.proxy.workflows.agent`)."""
+    max_turns: int = Field(default=10, ge=1, le=200)
+    """Model turns an agent step may take; a turn that still calls tools at the limit
+    fails the step."""
+    tool_errors: Literal["return", "raise"] = "return"
+    """A tool that raises: its error text goes back to the model (``return``), or the
+    step fails (``raise``)."""
 
     @model_validator(mode="after")
     def _cascade_head(self) -> LLMNode:
@@ -150,11 +185,16 @@ class LLMNode(_Model):
                 and self.model != self.cascade[0]:
             raise ValueError(f"model {self.model!r} must be the cascade's first model "
                              f"{self.cascade[0]!r} (or omitted)")
+        names = [t.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be unique, got {names}")
         return self
 
     @model_serializer(mode="wrap")
     def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _drop(handler(self), {"retries": 0, "cascade": None, "min_confidence": None})
+        return _drop(handler(self), {"retries": 0, "cascade": None, "min_confidence": None,
+                                     "tools": None, "max_turns": 10,
+                                     "tool_errors": "return"})
 
     def models(self) -> tuple[str | None, ...]:
         """The models this step may run on, in order (``None``: the default model)."""

@@ -3,7 +3,8 @@
 :class:`FakeEngine` implements :class:`flowlift.local_engine.base.Engine` without a
 model: deterministic outputs, streamed in chunks, honouring structured-output
 constraints and raw prompts, with deterministic logprobs and a simulated prefix cache
-so cached-token accounting can be tested.
+so cached-token accounting can be tested. Its ``responder`` scripts the answers; for a
+model that calls tools (an agent step) it returns :func:`tool_calls_text`.
 
 :func:`capture_spans` records flowlift's OpenTelemetry spans in memory while it is
 active (like ``structlog.testing.capture_logs``); ``CapturedSpans.named("chat m")``,
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from flowlift.local_engine.base import (
     GenerationRequest,
     TokenLogprob,
     Usage,
+    require_plain,
 )
 from flowlift.tracing.spans import CapturedSpans as CapturedSpans  # re-exported
 from flowlift.tracing.spans import capture_spans as capture_spans
@@ -162,6 +164,15 @@ def default_responder(request: GenerationRequest) -> str:
     return f"echo: {last}"
 
 
+def tool_calls_text(*calls: tuple[str, Mapping[str, Any]]) -> str:
+    """What the embedded engine generates to call tools: the constrained JSON of an
+    answer that calls ``(name, arguments)`` in order (see
+    :mod:`flowlift.proxy.openai.chat_completion.tools`). A responder returns it to script
+    a model that calls tools (e.g. an agent step's turn); a plain string is an answer.
+    """
+    return json.dumps({"tool_calls": [{"name": n, "arguments": dict(a)} for n, a in calls]})
+
+
 def fake_tokens(text: str) -> list[str]:
     """The fake tokenization: each word with the whitespace before it (the pieces join
     back into ``text``; trailing whitespace stays on the last piece)."""
@@ -263,6 +274,7 @@ class FakeEngine(Engine):
         when logprobs are asked for); tokens are whitespace-separated words."""
         if request.model not in self._models:
             raise EngineError(f"fake engine does not serve {request.model!r}")
+        require_plain(request)  # like the embedded engine: tools arrive as constrained JSON
         self.requests.append(request)
         if self.fail_with is not None and not self.fail_after_chunks:
             raise self.fail_with

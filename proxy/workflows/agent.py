@@ -1,0 +1,230 @@
+"""Agent steps: an llm step with ``tools`` loops on the proxy, turn by turn.
+
+One model turn (the step's conversation, its tools offered) -> if the answer calls
+tools, each call is checked (:func:`check_call`: a tool of the step, arguments that fit
+its JSON Schema); a valid call goes to the app as a ``tool.wanted`` event with its own
+id (``<step id>:call_<n>``, so the calls of one turn run concurrently there) and the
+deadline clock stops while any call is out; a bad call's error text is its result, as
+OpenAI's agents do. Every result joins the same conversation as a ``tool`` message, in
+the order of the calls, and the next turn goes -- same replica (affinity: the run id),
+same prefix (only the new messages are prefilled), at interactive continuation
+priority. The loop ends when the model answers without calls: that answer is the
+step's output, checked by its contract as usual
+(:func:`~flowlift.proxy.workflows.cascade.run_step` wraps the whole loop). It fails
+with :class:`~flowlift.errors.StepFailed` when ``max_turns`` turns still called tools,
+or, with ``tool_errors="raise"``, when a tool raised.
+
+Durability: a turn that called tools is an ``agent.turn`` event in the run's log, and
+each call's result a ``tool.result`` event. A resumed run replays them in order (turns
+are numbered over the whole step) instead of generating again or asking the app
+again; only what the log does not hold is asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import jsonschema
+
+from flowlift.errors import RunError, StepFailed
+from flowlift.graph import LLMNode, ToolSpec, render_value
+from flowlift.local_engine.base import ChatMessage, ToolCall
+from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.workflows.cascade import Generated
+from flowlift.proxy.workflows.deadline import DeadlineClock
+from flowlift.proxy.workflows.events import Event
+from flowlift.tracing import AttemptTrace, RunTrace, ToolCallTrace
+
+
+class ToolRaised(RunError):
+    """The app's ``@tool`` raised; ``error`` is its text (``"ValueError: ..."``)."""
+
+    def __init__(self, step_id: str, error: str) -> None:
+        super().__init__(f"tool {step_id!r} raised: {error}")
+        self.error = error
+
+
+class Turn(Protocol):
+    """One generation of the step on ``model`` at ``priority``."""
+
+    def __call__(self, model: str | None, messages: Sequence[ChatMessage], *,
+                 logprobs: bool, priority: Priority | None) -> Awaitable[Generated]: ...
+
+
+def check_call(call: ToolCall, tools: Sequence[ToolSpec]) -> dict[str, Any] | str:
+    """The arguments of a call the step allows, or the error text for the model.
+
+    Returns:
+        The parsed arguments (a JSON object that fits the tool's ``parameters``), or a
+        string starting ``error:`` naming what is wrong (unknown tool, arguments that
+        are not a JSON object, every schema violation with its path).
+    """
+    spec = next((t for t in tools if t.name == call.name), None)
+    if spec is None:
+        names = ", ".join(t.name for t in tools)
+        return f"error: there is no tool {call.name!r}; the tools are: {names}"
+    try:
+        args = json.loads(call.arguments or "{}")
+    except ValueError as exc:
+        return f"error: the arguments of {call.name} are not JSON ({exc}); send a JSON object"
+    if not isinstance(args, dict):
+        return f"error: the arguments of {call.name} must be a JSON object, not {args!r}"
+    problems = sorted(jsonschema.Draft202012Validator(spec.parameters).iter_errors(args),
+                      key=lambda e: list(map(str, e.absolute_path)))
+    if problems:
+        lines = "; ".join(f"{'/'.join(map(str, e.absolute_path)) or '(arguments)'}: "
+                          f"{e.message}" for e in problems)
+        return f"error: bad arguments for {call.name}: {lines}"
+    return args
+
+
+def logged(history: Iterable[Event], step_id: str
+           ) -> tuple[dict[int, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """``(turn -> agent.turn data, call id -> tool.result data)`` of one step in a log."""
+    turns: dict[int, dict[str, Any]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    for _, name, data in history:
+        if name == "agent.turn" and data.get("step_id") == step_id:
+            turns[int(data["turn"])] = data
+        elif name == "tool.result" and str(data.get("step_id", "")).startswith(f"{step_id}:"):
+            results[data["step_id"]] = data
+    return turns, results
+
+
+class AgentLoop:
+    """The turns of one agent step; an
+    :class:`~flowlift.proxy.workflows.cascade.Attempt` (a retry or the next model of a
+    cascade runs the loop again from the given messages).
+
+    Args:
+        node: the step (``node.tools`` set).
+        turn: one generation of it.
+        continuation: the priority of turns after the first (interactive).
+        trace: the run's trace.
+        emit: appends an event to the run's log.
+        history: the log so far (a resumed run's turns and results are replayed).
+        waiting: call id -> the future the app's result resolves (the run's
+            client-run results, :meth:`Run.deliver_tool_result`).
+        clock: the run's deadline clock (paused while calls are out), if any.
+    """
+
+    def __init__(self, node: LLMNode, *, turn: Turn, continuation: Callable[[], Priority],
+                 trace: RunTrace, emit: Callable[[str, dict[str, Any]], object],
+                 history: Iterable[Event], waiting: dict[str, asyncio.Future[Any]],
+                 clock: DeadlineClock | None) -> None:
+        self.node, self._turn, self._continuation = node, turn, continuation
+        self.trace, self._emit, self._waiting, self._clock = trace, emit, waiting, clock
+        self.tools = node.tools or ()
+        self._turns, self._results = logged(history, node.id)
+        self.turns = 0  # over the whole step (retries and cascade included)
+        self.calls = 0
+
+    async def __call__(self, model: str | None, messages: Sequence[ChatMessage], *,
+                       logprobs: bool) -> Generated:
+        """Run the loop from ``messages``; the answer without tool calls.
+
+        Raises:
+            StepFailed: ``max_turns`` turns still called tools; a tool raised under
+                ``tool_errors="raise"``.
+            FlowliftError: a turn's generation failed.
+        """
+        convo = list(messages)
+        last_tool = ""
+        for k in range(1, self.node.max_turns + 1):
+            self.turns += 1
+            priority = self._continuation() if k > 1 else None
+            out = self._replay(model) or await self._turn(model, convo, logprobs=logprobs,
+                                                          priority=priority)
+            out.trace.turn = self.turns
+            if not out.tool_calls:
+                return out
+            out.trace.outcome = "tool_calls"
+            calls = out.tool_calls
+            last_tool = calls[-1].name
+            if self.turns not in self._turns:
+                self._emit("agent.turn", {"step_id": self.node.id, "turn": self.turns,
+                                          "content": out.text, "tool_calls": [
+                                              [c.id, c.name, c.arguments] for c in calls]})
+            if k == self.node.max_turns:
+                break
+            results = await self._run_calls(calls)
+            # a new list each turn: the request of an earlier turn keeps its messages
+            convo = [*convo, ChatMessage("assistant", out.text, tool_calls=calls),
+                     *(ChatMessage("tool", text, tool_call_id=c.id)
+                       for c, text in zip(calls, results, strict=True))]
+        raise StepFailed(self.node.id, f"no answer after {self.node.max_turns} turns "
+                         f"(max_turns={self.node.max_turns}): every turn called tools; the "
+                         f"last tool asked for was {last_tool!r}")
+
+    def _replay(self, model: str | None) -> Generated | None:
+        """A turn the run's log already holds (a resumed run), as a generation."""
+        data = self._turns.get(self.turns)
+        if data is None:
+            return None
+        st = self.trace.step(self.node.id)
+        if st.started_ms is None:
+            self.trace.mark(self.node.id, "started", status="running")
+        now = self.trace.now_ms()
+        at = AttemptTrace(len(st.attempts) + 1, model or st.model or "", now, now, now,
+                          error="replayed from the run's log")
+        st.attempts.append(at)
+        calls = tuple(ToolCall(*c) for c in data["tool_calls"])
+        return Generated(data.get("content") or "", at, tool_calls=calls)
+
+    async def _run_calls(self, calls: Sequence[ToolCall]) -> list[str]:
+        """The result texts of one turn's calls, in order (valid ones run concurrently
+        in the app)."""
+        st = self.trace.step(self.node.id)
+        st.status = "waiting_tool"
+        tasks = [asyncio.ensure_future(self._call(c)) for c in calls]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            st.status = "running"
+            for task in tasks:
+                task.cancel()
+
+    async def _call(self, call: ToolCall) -> str:
+        self.calls += 1
+        call_id = f"{self.node.id}:call_{self.calls}"
+        ct = ToolCallTrace(call_id, call.name, self.turns, self.trace.now_ms())
+        self.trace.step(self.node.id).tool_calls.append(ct)
+        args = check_call(call, self.tools)
+        if isinstance(args, str):
+            ct.finished_ms, ct.outcome, ct.error = ct.wanted_ms, "invalid", args
+            return args
+        logged_result = self._results.get(call_id)
+        if logged_result is not None:
+            ct.finished_ms, ct.outcome = ct.wanted_ms, "replayed"
+            error = logged_result.get("error")
+            return self._text(call, ct, logged_result.get("value"), error)
+        try:
+            value, error = await self._ask(call_id, call.name, args), None
+        except ToolRaised as exc:
+            value, error = None, exc.error
+        ct.finished_ms = self.trace.now_ms()
+        self._emit("tool.result", {"step_id": call_id, "value": value} if error is None
+                   else {"step_id": call_id, "error": error})
+        ct.outcome = "ok" if error is None else "error"
+        return self._text(call, ct, value, error)
+
+    def _text(self, call: ToolCall, ct: ToolCallTrace, value: Any, error: str | None) -> str:
+        if error is None:
+            return render_value(value)
+        ct.error = error
+        if self.node.tool_errors == "raise":
+            raise StepFailed(self.node.id, f"tool {call.name!r} raised: {error}")
+        return f"error: {error}"
+
+    async def _ask(self, call_id: str, name: str, args: dict[str, Any]) -> Any:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = fut
+        self._emit("tool.wanted", {"step_id": call_id, "name": name, "args": [],
+                                   "kwargs": args, "agent_step": self.node.id})
+        paused = self._clock.paused() if self._clock else contextlib.nullcontext()
+        async with paused:  # the app has the ball: the deadline clock stops
+            return await fut
