@@ -9,8 +9,14 @@
   proxy that restarted, loses nothing.
 * ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` -- a ``@tool`` step's result,
   ``{"value": ...}`` or ``{"error": "..."}``.
+* ``GET /v1/workflows`` -- runs, newest first, from the run store (so runs finished
+  before a restart too), in OpenAI's list shape ``{"object": "list", "data": [...],
+  "first_id", "last_id", "has_more"}``; ``?state=`` (running, succeeded, failed,
+  cancelled), ``?name=`` (the graph's name), ``?limit=`` (1-100, default 20), ``?after=``
+  (the last id of the previous page), ``?since=`` (epoch s).
 * ``GET /v1/workflows/{run_id}`` -- status, outputs and failures (and the trace, once
-  finished) of a run, and ``report``: the compiler's report of its graph.
+  finished) of a run, ``prompts`` (step id -> the messages its model received) and
+  ``report``: the compiler's report of its graph.
 * ``DELETE /v1/workflows/{run_id}`` -- cancel a run (queued steps dropped, engine
   requests aborted).
 * ``POST /v1/workflows:compile`` -- the compiler's report.
@@ -39,6 +45,7 @@ from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.planning import plan
+from flowlift.proxy.workflows.replay import trace_records
 from flowlift.proxy.workflows.runs import Run
 from flowlift.tracing.spans import extract
 
@@ -97,6 +104,36 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
     return await _send(request, run.log.follow(0), run)
 
 
+MAX_PAGE = 100
+
+
+def _list_params(query: Any) -> dict[str, Any]:
+    """``GET /v1/workflows``'s query, checked.
+
+    Raises:
+        RequestError: a ``limit`` that is not 1-100, a ``since`` that is not a number.
+    """
+    raw_limit = query.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
+        raise RequestError(f"limit must be a whole number from 1 to {MAX_PAGE}", param="limit")
+    try:
+        since = float(query["since"]) if "since" in query else None
+    except ValueError:
+        raise RequestError("since must be a time in epoch seconds", param="since") from None
+    return {"status": query.get("state"), "name": query.get("name"), "limit": int(raw_limit),
+            "after": query.get("after"), "since": since}
+
+
+@routes.get("/v1/workflows")
+async def list_runs(request: web.Request) -> web.Response:
+    """Runs in the store, newest first (see the module docstring for the query)."""
+    runs, more = request.app[STATE].runs.store.list(**_list_params(request.query))
+    data = [r.to_json() for r in runs]
+    return web.json_response({"object": "list", "data": data,
+                              "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+
 @routes.get("/v1/workflows/{run_id}/events")
 async def follow_workflow(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
@@ -145,15 +182,17 @@ async def get_run(request: web.Request) -> web.Response:
         if described is not None:
             return web.json_response(described)
     if run is not None:
-        return web.json_response({"run_id": run.run_id, "status": run.trace.status,
+        return web.json_response({"run_id": run.run_id, "name": run.graph.name,
+                                  "status": run.trace.status,
                                   "outputs": run.outputs, "failures": run.failures,
-                                  "trace": run.trace.records(),
+                                  "trace": run.trace.records(), "prompts": run.prompts,
                                   "report": await _run_report(state, run.graph, run.plan)})
     stored = runs.stored(run_id)
-    final = next((d for _, n, d in stored.events if n == FINAL), {})
-    return web.json_response({"run_id": run_id, "status": stored.status,
+    return web.json_response({"run_id": run_id, "name": stored.graph.get("name"),
+                              "status": stored.status,
                               "outputs": stored.outputs(), "failures": stored.failures(),
-                              "trace": final.get("trace", []),
+                              "trace": trace_records(run_id, stored.graph, stored.events),
+                              "prompts": stored.prompts(),
                               "report": await _run_report(state, stored.graph, None)})
 
 

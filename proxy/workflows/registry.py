@@ -38,6 +38,22 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 run's trace file under ``trace_dir`` (``../x`` or ``/tmp/x`` would write outside it)."""
 
 
+def log_end(run: Run) -> None:
+    """One log line as a run ends: ``run_finished`` (succeeded or cancelled),
+    ``run_failed`` (naming its failed steps) or ``run_deadline_missed``."""
+    event = ("run_deadline_missed" if run.deadline_missed
+             else "run_failed" if run.trace.status == "failed" else "run_finished")
+    wall_s = None if run.trace.finished_ms is None else round(run.trace.finished_ms / 1000, 3)
+    fields = {"workflow_id": run.run_id, "name": run.graph.name, "status": run.trace.status,
+              "wall_s": wall_s, "steps": len(run.graph.nodes), "failed": len(run.failures)}
+    if run.failures:
+        fields["failed_steps"] = sorted(run.failures)[:10]
+    if run.trace.status == "failed" or run.deadline_missed:
+        log.warning(event, **fields)
+    else:
+        log.info(event, **fields)
+
+
 class RunRegistry:
     """Active runs, plus finished ones for ``ttl_s`` (bounded, so unique ids never grow it).
 
@@ -127,6 +143,7 @@ class RunRegistry:
         if self.active.pop(run.run_id, None) is None:
             return
         self.finished[run.run_id] = run
+        log_end(run)
         if self.trace_dir is not None and _RUN_ID.fullmatch(run.run_id):  # (older stores)
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             path = self.trace_dir / f"{run.run_id}.jsonl"
