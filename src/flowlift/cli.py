@@ -10,6 +10,8 @@
 * ``flowlift models`` -- the configured models, where each comes from (PyPI-shipped
   file, local folder, hub id, upstream) and its state; what a running proxy serves.
 * ``flowlift trace RUN_ID`` -- a run's waterfall by stage (:mod:`flowlift.cli_trace`).
+* ``flowlift runs``, ``show RUN_ID``, ``cancel RUN_ID``, ``export RUN_ID`` -- find, read,
+  cancel and export runs (:mod:`flowlift.cli_runs`).
 """
 
 from __future__ import annotations
@@ -626,9 +628,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_argument(models)
     models.set_defaults(func=cmd_models)
 
+    from flowlift.cli_runs import add_parsers as add_run_commands
     from flowlift.cli_trace import add_parser as add_trace
 
     add_trace(sub, DEFAULT_BASE_URL)
+    add_run_commands(sub, DEFAULT_BASE_URL)
     return parser
 
 
