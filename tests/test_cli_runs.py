@@ -93,7 +93,7 @@ def test_cli_runs_show_export(served, capsys):
     assert f"run {ids[1]} (beta): succeeded" in out and "outputs (2):" in out
     assert main(["export", ids[1], "--base-url", base, "--format", "jsonl"]) == 0
     rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
-    assert [r["prompt"][0]["content"] for r in rows][0] == "Draft a line about hills"
+    assert rows[0]["prompt"][0]["content"] == "Draft a line about hills"
     assert all(r["output"] and r["completion_tokens"] > 0 for r in rows)
     assert main(["export", ids[1], "--base-url", base, "--format", "csv"]) == 0
     table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
