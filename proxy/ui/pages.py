@@ -125,8 +125,21 @@ def _path_html(steps: list[Any], path: tuple[str, ...], planned: tuple[str, ...]
             f"{parts or '-'}</li><li>Compiler's planned critical path: {planned_txt}</li></ul>")
 
 
+def _estimate_cells(planned: dict[str, Any] | None, s: dict[str, Any]) -> str:
+    """The compiler's estimate against the measurement: ``est / took`` (the step's time
+    from dispatch to its stored output) and ``out est/got`` (output tokens)."""
+    if planned is None or s.get("kind") != "llm":
+        return "<td></td><td></td>"
+    started, finished = s.get("started_ms"), s.get("finished_ms")
+    took = _ms(finished - started) if started is not None and finished is not None else "-"
+    got = s.get("completion_tokens", 0) if finished is not None else "-"
+    return (f'<td class="num">{_ms(planned.get("est_ms"))} / {took}</td>'
+            f'<td class="num">{planned.get("output_tokens", "-")}/{got}</td>')
+
+
 def _steps_table(doc: dict[str, Any], steps: list[Any], critical: set[str]) -> str:
     outputs, failures = doc.get("outputs") or {}, doc.get("failures") or {}
+    planned = {n["step_id"]: n for n in (doc.get("report") or {}).get("nodes") or []}
     cols = ("queue", "prefill", "decode", "validate", "tool_wait")
     head = "".join(f'<th class="num">{escape(STAGE_LABELS[c].split(" (")[0])}</th>'
                    for c in cols)
@@ -146,10 +159,12 @@ def _steps_table(doc: dict[str, Any], steps: list[Any], critical: set[str]) -> s
                     f"<td>{escape(str(s.get('status', '')))}</td>{nums}"
                     f'<td class="num">{s.get("prompt_tokens", 0)}/{s.get("cached_tokens", 0)}/'
                     f'{s.get("completion_tokens", 0)}</td>'
-                    f'<td class="num">{len(s.get("attempts") or [])}</td>{out}</tr>')
+                    f'<td class="num">{len(s.get("attempts") or [])}</td>'
+                    f"{_estimate_cells(planned.get(sid), s)}{out}</tr>")
     return (f'<section class="steps"><h3>Steps</h3><table><tr><th>step</th><th>kind</th>'
             f"<th>model</th><th>status</th>{head}<th class=num>tokens in/cached/out</th>"
-            f"<th class=num>tries</th><th>output or error</th></tr>{''.join(rows)}</table>"
+            f"<th class=num>tries</th><th class=num>est / took</th>"
+            f"<th class=num>out est/got</th><th>output or error</th></tr>{''.join(rows)}</table>"
             "</section>")
 
 

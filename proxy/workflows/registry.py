@@ -54,6 +54,17 @@ def log_end(run: Run) -> None:
         log.info(event, **fields)
 
 
+def learn_lengths(run: Run, outcomes: StepOutcomes) -> None:
+    """Record the output length of each llm step the run delivered (its accepted, last
+    attempt; steps reusing an identical call's output add nothing), for the compiler's
+    next estimates of the same (step name, model)."""
+    for st in run.trace.steps.values():
+        if st.kind != "llm" or st.status != "done" or not st.attempts or st.same_as:
+            continue
+        last = st.attempts[-1]
+        outcomes.record_output(st.name or st.step_id, last.model, last.completion_tokens)
+
+
 class RunRegistry:
     """Active runs, plus finished ones for ``ttl_s`` (bounded, so unique ids never grow it).
 
@@ -144,6 +155,7 @@ class RunRegistry:
             return
         self.finished[run.run_id] = run
         log_end(run)
+        learn_lengths(run, self.outcomes)
         if self.trace_dir is not None and _RUN_ID.fullmatch(run.run_id):  # (older stores)
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             path = self.trace_dir / f"{run.run_id}.jsonl"

@@ -1,0 +1,60 @@
+"""Estimates that can be trusted: output lengths learned per (step, model) from finished
+runs (``step_output_tokens`` in the state database) make the compiler's planned critical
+path of a second run of the same workflow land within 30% of the measured one, on a
+FakeEngine with fixed per-chunk delays (a first run, planned at ``max_tokens`` per step,
+is off by far more); the run page shows estimate against measurement per step."""
+
+from __future__ import annotations
+
+import httpx
+
+from flowlift import step, workflow
+from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.testing import running_proxy
+from flowlift.tracing.timeline import (
+    measured_critical_path,
+    path_stage_ms,
+    report_deps,
+    split_records,
+)
+
+
+@step(max_tokens=200)
+def outline(topic):
+    return f"Outline an essay on {topic}"
+
+
+@step(max_tokens=200)
+def counter(topic):
+    return f"Argue against {topic}"
+
+
+@step(max_tokens=200)
+def merge(a, b):
+    return f"Merge {a} with {b}"
+
+
+def _run(base: str) -> tuple[str, float, float]:
+    """A run's id, its planned and its measured critical path (ms)."""
+    with workflow("essay", base_url=base) as wf:
+        topic = wf.input("tides and the moon")
+        merge(outline(topic), counter(topic))
+    doc = httpx.get(f"{base}/v1/workflows/{wf.run_id}").json()
+    report = doc["report"]
+    _, steps = split_records(doc["trace"])
+    path = measured_critical_path(steps, report_deps(report))
+    return wf.run_id, report["critical_path_ms"], sum(path_stage_ms(steps, path).values())
+
+
+def test_second_run_plans_its_critical_path_within_30_percent(tmp_path):
+    db = tmp_path / "state.sqlite"
+    with running_proxy("--engine", "fake", "--state-db", str(db), "--fake-delay-s", "0.02",
+                       log_path=tmp_path / "proxy.log", ready_timeout_s=60) as (base, _):
+        _, first_planned, first_measured = _run(base)
+        run_id, planned, measured = _run(base)
+        page = httpx.get(f"{base}/ui/workflows/{run_id}").text
+    assert abs(first_planned - first_measured) > 0.3 * first_measured  # max_tokens guess
+    assert abs(planned - measured) <= 0.3 * measured, (planned, measured)
+    lengths = StepOutcomes(db).lengths("merge", "fake-model")
+    assert lengths is not None and lengths.samples == 2 and lengths.p50 < 200
+    assert "est / took" in page and "out est/got" in page
