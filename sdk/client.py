@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import json
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +32,14 @@ from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 from flowlift.credentials import HINT
 from flowlift.errors import (
     AuthenticationError,
+    DeadlineWarning,
     FlowliftError,
     GraphError,
     ProxyUnavailable,
     RequestError,
     RunError,
 )
+from flowlift.graph import DEADLINE_WARNING_HEADER
 from flowlift.sdk import progress
 from flowlift.sdk.tracing import current_context, tool_span, workflow_span
 from flowlift.sdk.workflow import Workflow
@@ -126,6 +129,9 @@ class _Session:
         """
         if status == 200:
             self.refused = None
+            warning = headers.get(DEADLINE_WARNING_HEADER)
+            if warning:  # only the answer to the graph itself carries it
+                warnings.warn(warning, DeadlineWarning, stacklevel=2)
             return True
         if not _retryable(status) or (self.wf.run_id is None and status not in (429, 503)):
             raise _error_from(status, body())

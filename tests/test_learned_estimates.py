@@ -6,9 +6,13 @@ is off by far more); the run page shows estimate against measurement per step.""
 
 from __future__ import annotations
 
+import warnings
+
 import httpx
+import pytest
 
 from flowlift import step, workflow
+from flowlift.errors import DeadlineWarning, RequestError
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.testing import running_proxy
 from flowlift.tracing.timeline import (
@@ -58,3 +62,21 @@ def test_second_run_plans_its_critical_path_within_30_percent(tmp_path):
     lengths = StepOutcomes(db).lengths("merge", "fake-model")
     assert lengths is not None and lengths.samples == 2 and lengths.p50 < 200
     assert "est / took" in page and "out est/got" in page
+
+
+def test_infeasible_deadline_warns_at_submission_or_is_refused(tmp_path):
+    with running_proxy("--engine", "fake", "--state-db", ":memory:", "--fake-delay-s", "0.0",
+                       log_path=tmp_path / "proxy.log", ready_timeout_s=60) as (base, _):
+        # planned at max_tokens per step with unmeasured costs: ~40 s; it takes far less
+        with (pytest.warns(DeadlineWarning, match=r"deadline of 5 s looks infeasible"),
+              workflow("hurry", base_url=base, deadline_s=5) as wf):
+            merge(outline("x"), counter("x"))
+        assert wf.status == "succeeded"  # it ran all the same
+        with (pytest.raises(RequestError, match="strict_deadline") as refused,
+              workflow("hurry", base_url=base, deadline_s=0.001, strict_deadline=True)):
+            merge(outline("x"), counter("x"))
+        assert refused.value.param == "deadline_s"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeadlineWarning)
+            with workflow("relaxed", base_url=base, deadline_s=3600, strict_deadline=True):
+                outline("x")

@@ -3,7 +3,9 @@
 * ``POST /v1/workflows`` -- a graph in, an SSE stream of run events out (see
   :mod:`flowlift.proxy.workflows.runs`); each event's SSE ``id`` is its number in the run's log.
   An invalid graph is rejected whole before anything runs: HTTP 400, OpenAI error
-  shape, ``error.problems`` lists every problem.
+  shape, ``error.problems`` lists every problem. A ``deadline_s`` the compiler finds
+  infeasible is said in the ``X-Flowlift-Deadline-Warning`` header (the SDK warns), or
+  refused (400, ``param: deadline_s``) when the graph asks for ``strict_deadline``.
 * ``GET /v1/workflows/{run_id}/events`` -- the same stream again, from the event after
   ``Last-Event-ID`` (header) or ``?after=N``: a client that lost its connection, or a
   proxy that restarted, loses nothing.
@@ -39,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from flowlift.compiler import Plan
 from flowlift.dataflow import validate
 from flowlift.errors import FlowliftError, GraphError, RequestError
-from flowlift.graph import Graph
+from flowlift.graph import DEADLINE_WARNING_HEADER, Graph
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.state import STATE, ProxyState
@@ -75,8 +77,9 @@ def parse_graph(data: Any, backends: Backends) -> Graph:
 
 
 async def _send(request: web.Request, events: AsyncIterator[Event],
-                run: Run | None) -> web.StreamResponse:
-    async with sse_response(request, sep="\n", allow_all_methods=True) as resp:
+                run: Run | None, headers: dict[str, str] | None = None) -> web.StreamResponse:
+    async with sse_response(request, sep="\n", allow_all_methods=True,
+                            headers=headers) as resp:
         async for seq, name, data in events:
             if name == FINAL and run is not None:  # trace on disk before the client hears
                 if run.task is not None:  # a run that logs events has been started
@@ -98,10 +101,29 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
     graph = parse_graph(await read_json(request), state.backends)
     run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs,
                                      state.runs.outcomes, state.prices)
+    warning = deadline_warning(graph, run_plan)
+    if warning is not None and graph.strict_deadline:
+        raise RequestError(f"{warning}; the workflow asked for strict_deadline, so it was "
+                           "not started (raise deadline_s, or drop strict_deadline to run "
+                           "it anyway)", param="deadline_s")
     run = state.runs.start(graph, state.backends, state.costs, run_plan,
                            parent=extract(request.headers))
     log.info("run_started", workflow_id=run.run_id, name=graph.name, steps=len(graph.nodes))
-    return await _send(request, run.log.follow(0), run)
+    if warning is not None:
+        log.warning("run_deadline_infeasible", workflow_id=run.run_id, detail=warning)
+    return await _send(request, run.log.follow(0), run,
+                       None if warning is None else {DEADLINE_WARNING_HEADER: warning})
+
+
+def deadline_warning(graph: Graph, run_plan: Plan) -> str | None:
+    """Why the compiler calls ``graph``'s deadline infeasible, or None when it does not
+    (or the graph has none)."""
+    report = run_plan.report
+    if report.deadline_feasible is not False or graph.deadline_s is None:
+        return None
+    return (f"the deadline of {graph.deadline_s:g} s looks infeasible: the compiler "
+            f"estimates at least {report.lower_bound_ms / 1000:.1f} s (critical path "
+            f"{report.critical_path_ms / 1000:.1f} s over {len(report.critical_path)} steps)")
 
 
 MAX_PAGE = 100

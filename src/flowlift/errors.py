@@ -191,6 +191,12 @@ class WorkflowFailed(RunError):
                          f"{lines}{more}")
 
 
+class DeadlineWarning(UserWarning):
+    """Not an error: the proxy's compiler estimates that the workflow cannot meet its
+    ``deadline_s`` (the SDK warns at submission; ``workflow(..., strict_deadline=True)``
+    makes the proxy refuse the run instead, a :class:`RequestError`)."""
+
+
 class ProxyUnavailable(RunError):
     """The SDK cannot reach the proxy; the message says how to start one, and that a run
     under way resumes when its proxy is started again with the same ``--state-db``."""

@@ -180,6 +180,11 @@ class InputNode(_Model):
 Node = Annotated[LLMNode | ToolNode | InputNode, Field(discriminator="kind")]
 
 
+DEADLINE_WARNING_HEADER = "X-Flowlift-Deadline-Warning"
+"""Header of the answer to ``POST /v1/workflows`` when the compiler finds the graph's
+``deadline_s`` infeasible (and it did not ask for ``strict_deadline``): why, in words."""
+
+
 class Graph(_Model):
     """One workflow: nodes plus run-level settings.
 
@@ -188,6 +193,8 @@ class Graph(_Model):
         name: a human name for traces and reports.
         workflow_class: ``interactive`` (latency first) or ``batch``; JSON key ``class``.
         deadline_s: one deadline for the whole run, seconds from submission.
+        strict_deadline: refuse the run (HTTP 400) when the compiler finds ``deadline_s``
+            infeasible, instead of running it with a warning.
     """
 
     version: Literal["1"] = GRAPH_VERSION
@@ -196,6 +203,7 @@ class Graph(_Model):
     workflow_class: Literal["interactive", "batch"] = Field(default="interactive",
                                                             alias="class")
     deadline_s: float | None = Field(default=None, gt=0)
+    strict_deadline: bool = False
     metadata: dict[str, Any] = {}
     nodes: tuple[Node, ...] = Field(min_length=1)
 
