@@ -295,7 +295,7 @@ def runs_body(runs: list[RunSummary], more: bool, state: str | None) -> str:
 @routes.get("/ui/")
 async def runs_page(request: web.Request) -> web.Response:
     state = request.query.get("state") or None
-    runs, more = request.app[STATE].runs.store.list(
+    runs, more = request.app[STATE].runs.store.recent(
         status=state, limit=INDEX_PAGE, after=request.query.get("after"))
     return page("flowlift: runs", runs_body(runs, more, state),
                 refresh_s=5 if any(r.status == "running" for r in runs) else None)

@@ -149,7 +149,7 @@ def _list_params(query: Any) -> dict[str, Any]:
 @routes.get("/v1/workflows")
 async def list_runs(request: web.Request) -> web.Response:
     """Runs in the store, newest first (see the module docstring for the query)."""
-    runs, more = request.app[STATE].runs.store.list(**_list_params(request.query))
+    runs, more = request.app[STATE].runs.store.recent(**_list_params(request.query))
     data = [r.to_json() for r in runs]
     return web.json_response({"object": "list", "data": data,
                               "first_id": data[0]["id"] if data else None,

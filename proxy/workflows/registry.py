@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from cachetools import TTLCache
 from opentelemetry.context import Context
@@ -44,8 +45,10 @@ def log_end(run: Run) -> None:
     event = ("run_deadline_missed" if run.deadline_missed
              else "run_failed" if run.trace.status == "failed" else "run_finished")
     wall_s = None if run.trace.finished_ms is None else round(run.trace.finished_ms / 1000, 3)
-    fields = {"workflow_id": run.run_id, "name": run.graph.name, "status": run.trace.status,
-              "wall_s": wall_s, "steps": len(run.graph.nodes), "failed": len(run.failures)}
+    fields: dict[str, Any] = {"workflow_id": run.run_id, "name": run.graph.name,
+                              "status": run.trace.status,
+                              "wall_s": wall_s, "steps": len(run.graph.nodes),
+                              "failed": len(run.failures)}
     if run.failures:
         fields["failed_steps"] = sorted(run.failures)[:10]
     if run.trace.status == "failed" or run.deadline_missed:

@@ -56,7 +56,7 @@ class StoredRun:
 
 @dataclass(frozen=True, slots=True)
 class RunSummary:
-    """One row of :meth:`RunStore.list`: a run without its events (times: epoch s)."""
+    """One row of :meth:`RunStore.recent`: a run without its events (times: epoch s)."""
 
     run_id: str
     name: str
@@ -117,7 +117,7 @@ class RunStore:
             "SELECT seq, name, data FROM events WHERE run_id = ? ORDER BY seq", (run_id,))]
         return StoredRun(run_id, json.loads(row[0]), row[1], events)
 
-    def list(self, *, status: str | None = None, name: str | None = None, limit: int = 20,
+    def recent(self, *, status: str | None = None, name: str | None = None, limit: int = 20,
              after: str | None = None, since: float | None = None
              ) -> tuple[list[RunSummary], bool]:
         """Runs, newest first, with ``status`` and ``name`` (the graph's) when given,

@@ -148,7 +148,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                                ("limit", args.limit)) if v is not None}
     doc = _ask(args, "GET", "/v1/workflows", query)
     if doc is None:
-        runs, more = _offline(args).list(status=args.state, name=args.name, limit=args.limit)
+        runs, more = _offline(args).recent(status=args.state, name=args.name, limit=args.limit)
         items, has_more = [r.to_json() for r in runs], more
     else:
         items, has_more = doc["data"], doc["has_more"]
@@ -172,7 +172,8 @@ def show_text(doc: dict[str, Any]) -> str:
     """``flowlift show``'s text: a status line, the outputs, the failures with reasons."""
     from flowlift.tracing.summary import stage_summary
 
-    head = next((r for r in doc.get("trace") or [] if r.get("type") == "run"), {})
+    head: dict[str, Any] = next((r for r in doc.get("trace") or [] if r.get("type") == "run"),
+                                {})
     tokens = stage_summary(doc.get("trace") or [])["tokens"]
     wall = head.get("wall_ms")
     lines = [f"run {doc['run_id']} ({doc.get('name') or head.get('name') or 'workflow'}): "

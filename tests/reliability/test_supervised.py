@@ -111,7 +111,7 @@ def test_flowlift_run_restarts_a_killed_proxy_and_the_run_finishes(tmp_path):
         while killed is None and time.monotonic() < deadline and run.poll() is None:
             db = log_dir / "state.sqlite"
             if db.exists():
-                runs = RunStore(db).list(limit=1)[0]
+                runs = RunStore(db).recent(limit=1)[0]
                 stored = RunStore(db).load(runs[0].run_id) if runs else None
                 done = [n for _, n, _ in stored.events if n == "step.finished"] if stored else []
                 proxy = _proxy_pid(run.pid)
