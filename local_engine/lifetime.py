@@ -8,9 +8,10 @@ parent-death signal closes the gap: a process that asked for it with
 ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` is killed by the kernel when the thread that
 started it ends, whatever the reason.
 
-* :func:`mark_proxy` (``flowlift serve``, before any engine starts) puts the proxy's pid in
+* :func:`marked_proxy` (around ``flowlift serve``) puts the proxy's pid in
   ``$FLOWLIFT_PROXY_PID`` (spawned children inherit the environment) and makes forked
-  children ask for the signal.
+  children ask for the signal; both end with the block (a test that calls the CLI in
+  its own process is left as it was).
 * :func:`adopt` runs when ``flowlift.cli`` is imported, which is the first thing a spawned
   child of the proxy does (it imports the proxy's main module): a process whose
   environment names another pid as the proxy is one of its engine processes and asks
@@ -27,15 +28,18 @@ without ``prctl`` (not Linux) these functions do nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 PROXY_PID_ENV = "FLOWLIFT_PROXY_PID"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_marked = False
+_hooked = False
+_active = False
 
 
 def die_with_parent() -> bool:
@@ -55,17 +59,30 @@ def die_with_parent() -> bool:
     return True
 
 
-def mark_proxy() -> None:
-    """Make this process (the proxy) the one its engine processes die with."""
-    global _marked
+@contextlib.contextmanager
+def marked_proxy() -> Iterator[None]:
+    """Within the block, this process (the proxy) is the one its engine processes die
+    with: children it spawns (``$FLOWLIFT_PROXY_PID``) or forks ask for the signal."""
+    global _hooked, _active
+    old = os.environ.get(PROXY_PID_ENV)
     os.environ[PROXY_PID_ENV] = str(os.getpid())
-    if not _marked:
+    if not _hooked:
         os.register_at_fork(after_in_child=_forked)
-        _marked = True
+        _hooked = True
+    _active = True
+    try:
+        yield
+    finally:
+        _active = False
+        if old is None:
+            os.environ.pop(PROXY_PID_ENV, None)
+        else:
+            os.environ[PROXY_PID_ENV] = old
 
 
 def _forked() -> None:
-    die_with_parent()
+    if _active:
+        die_with_parent()
 
 
 def adopt() -> bool:

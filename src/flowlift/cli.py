@@ -34,7 +34,7 @@ from flowlift.credentials import (
     bearer_headers,
     cli_key,
 )
-from flowlift.local_engine.lifetime import adopt, mark_proxy
+from flowlift.local_engine.lifetime import adopt, marked_proxy
 from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
 adopt()  # in an engine process the proxy spawned (it imports this module): die with it
@@ -129,6 +129,12 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``flowlift serve``; engine processes started from it die with this process."""
+    with marked_proxy():
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from flowlift.proxy import create_app
@@ -137,7 +143,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from flowlift.tracing import configure_logging
 
     configure_logging(args.log_level)
-    mark_proxy()  # engine processes started from here die with this process
     from flowlift.errors import ConfigError, EngineError
     from flowlift.proxy.config import EmbeddedSpec, load_config
 
