@@ -114,7 +114,7 @@ def test_costs_come_from_measurements():
     g = Graph.model_validate({"nodes": [llm("a", "hi", model="m", params={"max_tokens": 10})]})
     r = compile_graph(g, CompileOptions(costs=tracker.model)).report
     assert r.cost_models["m"].source == "measured"
-    assert r.nodes[0].est_ms > 10 * 100
+    assert r.nodes[0].est_ms > (10 - 1) * 100  # the measured TPOT after the first token
 
 
 def test_deadline_breaks_residency_and_switches():
