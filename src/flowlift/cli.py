@@ -288,10 +288,10 @@ def _say_runs(base: str, since: float, trace_dir: Path | None, api_key: str | No
         return
     for run in reversed(runs):  # oldest first
         rid = run["id"]
-        trace = (f"trace {trace_dir / (rid + '.jsonl')}" if trace_dir is not None
-                 else f"trace: flowlift trace {rid}")
+        trace = (f"trace: {trace_dir / (rid + '.jsonl')}" if trace_dir is not None
+                 else f"trace: `flowlift trace {rid}`")
         print(f"flowlift: run {rid} ({run['name']}) {run['status']}; {trace}; "
-              f"page {base}/ui/workflows/{rid}", file=sys.stderr, flush=True)
+              f"page: {base}/ui/workflows/{rid}", file=sys.stderr, flush=True)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
