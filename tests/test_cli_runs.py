@@ -117,3 +117,23 @@ def test_show_and_trace_offline_from_the_state_db(served, capsys):
     assert [r["id"] for r in listed] == ids[::-1]
     assert main(["show", ids[0], "--base-url", gone, "--state-db",
                  str(db.with_name("nope.sqlite"))]) == 2
+
+
+@pytest.mark.filterwarnings("ignore::flowlift.errors.DeadlineWarning")
+def test_a_missed_deadline_is_logged_and_shown_with_reasons(tmp_path, capsys):
+    from flowlift.errors import WorkflowFailed
+
+    log = tmp_path / "proxy.log"
+    with running_proxy("--engine", "fake", "--state-db", str(tmp_path / "s.sqlite"),
+                       "--fake-delay-s", "0.05", log_path=log, ready_timeout_s=60) as (base, _):
+        with pytest.raises(WorkflowFailed), workflow("late", base_url=base,
+                                                     deadline_s=0.3) as wf:
+            polish(draft("a very long topic that takes a while to echo back in full"))
+        assert main(["show", wf.run_id, "--base-url", base]) == 0
+        out = capsys.readouterr().out
+    assert f"run {wf.run_id} (late): failed" in out and "failures (" in out
+    assert "deadline of 0.3 s exceeded" in out
+    ends = [json.loads(ln) for ln in log.read_text().splitlines()
+            if '"run_deadline_missed"' in ln]
+    assert [e["event"] for e in ends] == ["run_deadline_missed"]
+    assert ends[0]["workflow_id"] == wf.run_id and ends[0]["failed"] >= 1
