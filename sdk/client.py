@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import json
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 from flowlift.credentials import HINT
 from flowlift.errors import (
     AuthenticationError,
+    DeadlineWarning,
     FlowliftError,
     GraphError,
     ProxyUnavailable,
@@ -41,6 +43,7 @@ from flowlift.errors import (
     RunClosed,
     RunError,
 )
+from flowlift.graph import DEADLINE_WARNING_HEADER
 from flowlift.sdk import progress
 from flowlift.sdk.agents import wanted_call
 from flowlift.sdk.tracing import current_context, tool_span, workflow_span
@@ -142,6 +145,9 @@ class _Session:
         """
         if status == 200:
             self.refused = None
+            warning = headers.get(DEADLINE_WARNING_HEADER)
+            if warning:  # only the answer to the graph itself carries it
+                warnings.warn(warning, DeadlineWarning, stacklevel=2)
             return True
         if not _retryable(status) or (self.wf.run_id is None and status not in (429, 503)):
             raise _error_from(status, body())

@@ -71,7 +71,10 @@ class Workflow:
             ``Authorization: Bearer`` on every request of this workflow; never logged,
             traced or quoted in errors.
         workflow_class: ``"interactive"`` or ``"batch"``.
-        deadline_s: one deadline for the whole run, in seconds.
+        deadline_s: one deadline for the whole run, in seconds. When the proxy's
+            compiler finds it infeasible the run goes ahead with a
+            :class:`~flowlift.errors.DeadlineWarning` at submission.
+        strict_deadline: refuse such a run instead (``RequestError``, HTTP 400).
         trace_path: where to write the run's trace (JSON lines) when it finishes.
         metadata: free-form labels carried into the trace.
         transport: an ``httpx`` transport (tests inject one; default: real sockets).
@@ -94,12 +97,13 @@ class Workflow:
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
                  tool_workers: int = 8, submit: bool = True,
                  reconnect_s: float = 300.0, progress: bool | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, strict_deadline: bool = False) -> None:
         self.name = name
         self.base_url = (base_url or default_base_url()).rstrip("/")
         self._api_key = api_key or default_api_key()
         self.workflow_class = workflow_class
         self.deadline_s = deadline_s
+        self.strict_deadline = strict_deadline
         self.trace_path = Path(trace_path) if trace_path else None
         self.metadata = dict(metadata or {})
         self.transport = transport
@@ -151,7 +155,8 @@ class Workflow:
     def graph(self) -> Graph:
         """The recorded graph in wire form."""
         return Graph(name=self.name, workflow_class=self.workflow_class,
-                     deadline_s=self.deadline_s, metadata=self.metadata, nodes=tuple(self.nodes))
+                     deadline_s=self.deadline_s, strict_deadline=self.strict_deadline,
+                     metadata=self.metadata, nodes=tuple(self.nodes))
 
     @property
     def _growing(self) -> bool:

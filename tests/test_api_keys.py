@@ -228,7 +228,9 @@ async def test_run_hands_the_key_to_the_script(keyed, tmp_path, monkeypatch):
     rc = await asyncio.to_thread(_cli, "run", "--base-url", base, "--api-key", KEY,
                                  "--no-progress", str(script))
     assert rc == 0, "the script's workflow failed"
-    assert [a for m, p, a in seen if p == "/v1/workflows"] == [f"Bearer {KEY}"]
+    assert [a for m, p, a in seen if p == "/v1/workflows" and m == "POST"] == [f"Bearer {KEY}"]
+    listed = [a for m, p, a in seen if p == "/v1/workflows" and m == "GET"]  # runs it made
+    assert listed == [f"Bearer {KEY}"]
     rc = await asyncio.to_thread(_cli, "run", "--base-url", base, "--no-progress",
                                  str(script))
     assert rc == 1  # AuthenticationError: an uncaught exception in the script

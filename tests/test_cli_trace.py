@@ -70,7 +70,9 @@ def test_trace_prints_the_waterfall(proxy, capsys):
     assert "\x1b[35m" in coloured and "\x1b[0m" in coloured
 
 
-def test_trace_errors_are_clear(proxy, capsys):
+def test_trace_errors_are_clear(proxy, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no state database to fall back on
+    monkeypatch.setenv("FLOWLIFT_CACHE_DIR", str(tmp_path))
     assert main(["trace", "wf-unknown", "--base-url", proxy]) == 1
     assert "no workflow run 'wf-unknown'" in capsys.readouterr().err
     assert main(["trace", "wf-x", "--base-url", f"http://127.0.0.1:{free_port()}"]) == 2

@@ -114,7 +114,7 @@ def test_costs_come_from_measurements():
     g = Graph.model_validate({"nodes": [llm("a", "hi", model="m", params={"max_tokens": 10})]})
     r = compile_graph(g, CompileOptions(costs=tracker.model)).report
     assert r.cost_models["m"].source == "measured"
-    assert r.nodes[0].est_ms > 10 * 100
+    assert r.nodes[0].est_ms > (10 - 1) * 100  # the measured TPOT after the first token
 
 
 def test_deadline_breaks_residency_and_switches():
@@ -147,3 +147,35 @@ def test_large_consolidated_batch_graph_compiles():
     r = compile_graph(Graph.model_validate({"class": "batch", "nodes": nodes})).report
     assert r.steps == 10_000 and r.levels == 3
     assert len(r.critical_path) == 3
+
+
+def test_projection_counts_the_field_not_the_whole_output():
+    schema = {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "body": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}}}
+    g = Graph.model_validate({"nodes": [
+        llm("a", "write", contract={"json_schema": schema}, params={"max_tokens": 2000}),
+        llm("whole", "read ", ref("a")),
+        llm("title", "read ", {"ref": "a", "path": ["title"]}),
+        llm("body", "read ", {"ref": "a", "path": ["body"]})]})
+    by_id = {n.step_id: n for n in compile_graph(g).report.nodes}
+    assert by_id["whole"].prompt_tokens > 1900  # unbounded body: max_tokens stands
+    assert by_id["title"].prompt_tokens < 30  # maxLength 40 chars, not 2,000 tokens
+    assert by_id["body"].prompt_tokens < 0.4 * by_id["whole"].prompt_tokens  # 1 of 3 fields
+
+
+def test_bounded_schema_and_learned_lengths_replace_max_tokens():
+    from flowlift.compiler import OutputLengths, schema_tokens
+
+    enum = {"type": "object", "properties": {"label": {"enum": ["yes", "no"]},
+                                             "score": {"type": "integer"}}}
+    assert schema_tokens(enum, lambda t: 1.0) is not None
+    assert schema_tokens({"type": "string"}, lambda t: 1.0) is None
+    g = Graph.model_validate({"nodes": [
+        llm("a", "judge", contract={"json_schema": enum}, params={"max_tokens": 500}),
+        llm("b", "write", params={"max_tokens": 500})]})
+    learned = {("b", "default"): OutputLengths(samples=5, p50=42.0, p90=60.0)}
+    r = compile_graph(g, CompileOptions(output_lengths=lambda s, m: learned.get((s, m))))
+    out = {n.step_id: n.output_tokens for n in r.report.nodes}
+    assert out["a"] < 20 and out["b"] == 42
+    assert {n.step_id: n.output_tokens for n in compile_graph(g).report.nodes}["b"] == 500

@@ -144,7 +144,11 @@ async def test_t3_validation_retry_feeds_the_error_back(aiohttp_client):
     """Case T3: the retry re-asks the model with the validation error in the prompt, on
     the same model with the same resolved inputs, re-running only that step."""
     responder = scripted('{"n": "three"}', '{"n": 3}')
-    engine = FakeEngine(["m"], responder=responder)
+
+    def respond(request):  # "other" takes no scripted answer, whichever goes first
+        return "free text" if request.constraint is None else responder(request)
+
+    engine = FakeEngine(["m"], responder=respond)
     client = await proxy(aiohttp_client, {"m": engine})
     done, failed, steps = await run(
         client, {"kind": "input", "id": "doc", "value": "three apples"},

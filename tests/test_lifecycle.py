@@ -452,9 +452,22 @@ def test_run_checks_its_config_before_starting_a_proxy(tmp_path, capsys, monkeyp
     assert rc == 2 and err.startswith("flowlift run: ") and "not UTF-8" in err
 
 
+class FinishedScript:
+    """The script's process, as ``subprocess.Popen`` gives it: done, status 0."""
+
+    returncode = 0
+
+    def wait(self) -> int:
+        return 0
+
+    def poll(self) -> int:
+        return 0
+
+
 def test_run_says_a_running_proxy_ignores_its_engine_flags(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_get", lambda url: object())  # a proxy answers
-    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: 0)
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: FinishedScript())
+    monkeypatch.setattr(cli, "_say_runs", lambda *a: None)
     assert cli.main(["run", "--config", "x.toml", "--engine", "fake", "script.py"]) == 0
     err = capsys.readouterr().err
     assert "already answers" in err and "--config --engine do not apply" in err

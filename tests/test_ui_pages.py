@@ -126,8 +126,7 @@ async def test_compile_page_has_the_example_graph_and_script(client):
     html = await resp.text()
     assert '<textarea id="graph"' in html and "&quot;kind&quot;: &quot;llm&quot;" in html
     assert "/v1/workflows:compile" in html and "flowliftRenderReport" in html
-    assert (await client.get("/ui", allow_redirects=False)).headers["Location"] == \
-        "/ui/compile"
+    assert (await client.get("/ui", allow_redirects=False)).headers["Location"] == "/ui/"
 
 
 async def test_stored_run_gets_its_report_compiled_again(aiohttp_client, make_app, tmp_path):

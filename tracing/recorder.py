@@ -110,6 +110,21 @@ class StepTrace:
     attempts: list[AttemptTrace] = field(default_factory=list)
     tool_calls: list[ToolCallTrace] = field(default_factory=list)
 
+    def to_record(self) -> dict[str, Any]:
+        """This step's fields as JSON-ready data (what :meth:`restore` reads back)."""
+        return asdict(self)
+
+    def restore(self, record: dict[str, Any]) -> None:
+        """Take the fields of a :meth:`to_record` (a step recorded before a restart);
+        keys this class does not have are ignored."""
+        for key, value in record.items():
+            if key == "attempts":
+                self.attempts = [AttemptTrace(**{k: v for k, v in a.items()
+                                                 if k in AttemptTrace.__dataclass_fields__})
+                                 for a in value]
+            elif key in StepTrace.__dataclass_fields__ and key != "step_id":
+                setattr(self, key, value)
+
     def durations_ms(self) -> dict[str, float]:
         """Time per stage in ms; stages that did not happen are absent.
 
@@ -158,6 +173,12 @@ class RunTrace:
 
     def now_ms(self) -> float:
         return (time.monotonic() - self._t0) * 1000.0
+
+    def continue_from(self, started_at: float) -> None:
+        """Count time from ``started_at`` (epoch s, an earlier process's start of this
+        run), so a resumed run's instants line up with those recorded before the restart."""
+        self.started_at = started_at
+        self._t0 = time.monotonic() - max(0.0, time.time() - started_at)
 
     def step(self, step_id: str) -> StepTrace:
         return self.steps[step_id]

@@ -1,11 +1,14 @@
-"""The proxy's pages: a run's timeline and a compile page (HTML, nothing fetched from
-outside the machine).
+"""The proxy's pages: recent runs, a run's timeline and a compile page (HTML, nothing
+fetched from outside the machine).
 
+* ``GET /ui/`` -- the most recent runs of the run store (``?state=`` filters, ``?after=``
+  pages on), each linking to its timeline; ``/ui`` redirects here.
 * ``GET /ui/workflows/{run_id}`` -- the run as a Gantt chart (one row per step, bars
   split into stage colours, the measured critical path highlighted, see
   :mod:`flowlift.tracing.timeline`), the compiler's report beside it and a table of
-  steps with their outputs. It shows exactly what ``GET /v1/workflows/{run_id}``
-  answers. An unknown run is a 404 page; a running run's page reloads every 2 s.
+  steps with their outputs, then each llm step's resolved prompt (the messages its
+  model received). It shows exactly what ``GET /v1/workflows/{run_id}`` answers. An
+  unknown run is a 404 page; a running run's page reloads every 2 s.
 * ``GET /ui/compile`` -- paste a graph, see the compiler's report (the page calls
   ``POST /v1/workflows:compile``).
 
@@ -22,9 +25,11 @@ import asyncio
 import functools
 import json
 import secrets
+import time
 from html import escape
 from importlib import resources
 from typing import Any, cast
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -32,6 +37,7 @@ from flowlift.errors import RequestError
 from flowlift.proxy.state import STATE
 from flowlift.proxy.ui.svg import gantt_svg, legend_html
 from flowlift.proxy.workflows import api as workflows
+from flowlift.proxy.workflows.store import RunSummary
 from flowlift.tracing.summary import stage_summary
 from flowlift.tracing.timeline import (
     STAGE_LABELS,
@@ -69,8 +75,9 @@ def page(title: str, body: str, *, scripts: tuple[str, ...] = (), init_js: str =
     html = (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">{meta}'
             f"<title>{escape(title)}</title><style nonce=\"{nonce}\">{static('ui.css')}</style>"
-            f'</head><body><header><h1>flowlift</h1><nav><a href="/ui/compile">compile a graph'
-            f"</a></nav></header><main>{body}</main>{js}</body></html>")
+            f'</head><body><header><h1>flowlift</h1><nav><a href="/ui/">runs</a>'
+            f'<a href="/ui/compile">compile a graph</a></nav></header>'
+            f"<main>{body}</main>{js}</body></html>")
     csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'self'; "
            "frame-ancestors 'none'")
@@ -118,8 +125,21 @@ def _path_html(steps: list[Any], path: tuple[str, ...], planned: tuple[str, ...]
             f"{parts or '-'}</li><li>Compiler's planned critical path: {planned_txt}</li></ul>")
 
 
+def _estimate_cells(planned: dict[str, Any] | None, s: dict[str, Any]) -> str:
+    """The compiler's estimate against the measurement: ``est / took`` (the step's time
+    from dispatch to its stored output) and ``out est/got`` (output tokens)."""
+    if planned is None or s.get("kind") != "llm":
+        return "<td></td><td></td>"
+    started, finished = s.get("started_ms"), s.get("finished_ms")
+    took = _ms(finished - started) if started is not None and finished is not None else "-"
+    got = s.get("completion_tokens", 0) if finished is not None else "-"
+    return (f'<td class="num">{_ms(planned.get("est_ms"))} / {took}</td>'
+            f'<td class="num">{planned.get("output_tokens", "-")}/{got}</td>')
+
+
 def _steps_table(doc: dict[str, Any], steps: list[Any], critical: set[str]) -> str:
     outputs, failures = doc.get("outputs") or {}, doc.get("failures") or {}
+    planned = {n["step_id"]: n for n in (doc.get("report") or {}).get("nodes") or []}
     cols = ("queue", "prefill", "decode", "validate", "tool_wait")
     head = "".join(f'<th class="num">{escape(STAGE_LABELS[c].split(" (")[0])}</th>'
                    for c in cols)
@@ -139,11 +159,27 @@ def _steps_table(doc: dict[str, Any], steps: list[Any], critical: set[str]) -> s
                     f"<td>{escape(str(s.get('status', '')))}</td>{nums}"
                     f'<td class="num">{s.get("prompt_tokens", 0)}/{s.get("cached_tokens", 0)}/'
                     f'{s.get("completion_tokens", 0)}</td>'
-                    f'<td class="num">{len(s.get("attempts") or [])}</td>{out}</tr>')
+                    f'<td class="num">{len(s.get("attempts") or [])}</td>'
+                    f"{_estimate_cells(planned.get(sid), s)}{out}</tr>")
     return (f'<section class="steps"><h3>Steps</h3><table><tr><th>step</th><th>kind</th>'
             f"<th>model</th><th>status</th>{head}<th class=num>tokens in/cached/out</th>"
-            f"<th class=num>tries</th><th>output or error</th></tr>{''.join(rows)}</table>"
+            f"<th class=num>tries</th><th class=num>est / took</th>"
+            f"<th class=num>out est/got</th><th>output or error</th></tr>{''.join(rows)}</table>"
             "</section>")
+
+
+def _prompts_html(doc: dict[str, Any]) -> str:
+    """Each llm step's resolved prompt, folded (``<details>``), every text escaped."""
+    prompts = doc.get("prompts") or {}
+    if not prompts:
+        return ""
+    items = "".join(
+        f"<details><summary>{escape(str(sid))}</summary><pre>"
+        + "".join(f"<b>{escape(str(m.get('role')))}</b>: {escape(str(m.get('content')))}\n"
+                  for m in messages)
+        + "</pre></details>" for sid, messages in prompts.items())
+    return ('<section class="prompts"><h3>Prompts</h3><p class="facts">What each model '
+            f"received, references resolved.</p>{items}</section>")
 
 
 def timeline_body(doc: dict[str, Any]) -> str:
@@ -160,6 +196,7 @@ def timeline_body(doc: dict[str, Any]) -> str:
             + '</section><aside class="report" id="report"><noscript>The report needs '
             "JavaScript; the JSON link above has it.</noscript></aside></div>"
             + _steps_table(doc, [r.record for r in chart.rows], set(chart.critical_path))
+            + _prompts_html(doc)
             + f'<script type="application/json" id="report-data">{json_for_script(report)}'
             "</script>")
 
@@ -222,9 +259,51 @@ async def compile_page(request: web.Request) -> web.Response:
     return page("flowlift: compile a graph", body, scripts=("report.js", "compile.js"))
 
 
+INDEX_PAGE = 50
+
+
+def _when(epoch_s: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(epoch_s)) + " UTC"
+
+
+def _took(run: RunSummary) -> str:
+    return "" if run.status == "running" else _ms(1000 * (run.updated_at - run.created_at))
+
+
+def runs_body(runs: list[RunSummary], more: bool, state: str | None) -> str:
+    """The body of the index page: a table of ``runs`` (newest first)."""
+    rows = "".join(
+        f'<tr><td><a href="/ui/workflows/{escape(r.run_id)}"><code>{escape(r.run_id)}</code>'
+        f"</a></td><td>{escape(r.name)}</td>"
+        f'<td><span class="status status-{escape(r.status)}">{escape(r.status)}</span></td>'
+        f"<td>{_when(r.created_at)}</td>"
+        f'<td class="num">{_took(r)}</td></tr>' for r in runs)
+    query = f"&state={quote(state)}" if state else ""
+    nxt = (f'<p><a href="/ui/?after={quote(runs[-1].run_id)}{query}">older runs</a></p>'
+           if more and runs else "")
+    filters = " · ".join(f'<a href="/ui/?state={s}">{s}</a>'
+                         for s in ("running", "succeeded", "failed", "cancelled"))
+    shown = f" ({escape(state)})" if state else ""
+    table = (f"<table><tr><th>run</th><th>name</th><th>status</th><th>started</th>"
+             f"<th class=num>took</th></tr>{rows}</table>" if runs
+             else "<p>No runs yet: submit one with the SDK or <code>flowlift run</code>.</p>")
+    return (f'<section class="runs"><h2>Recent runs{shown}</h2><p class="facts">'
+            f'<a href="/ui/">all</a> · {filters} · <a href="/v1/workflows">JSON</a></p>'
+            f"{table}{nxt}</section>")
+
+
+@routes.get("/ui/")
+async def runs_page(request: web.Request) -> web.Response:
+    state = request.query.get("state") or None
+    runs, more = request.app[STATE].runs.store.recent(
+        status=state, limit=INDEX_PAGE, after=request.query.get("after"))
+    return page("flowlift: runs", runs_body(runs, more, state),
+                refresh_s=5 if any(r.status == "running" for r in runs) else None)
+
+
 @routes.get("/ui")
 async def ui_index(request: web.Request) -> web.Response:
-    raise web.HTTPFound("/ui/compile")
+    raise web.HTTPFound("/ui/")
 
 
 def setup(app: web.Application) -> None:

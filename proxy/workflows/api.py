@@ -3,7 +3,9 @@
 * ``POST /v1/workflows`` -- a graph in, an SSE stream of run events out (see
   :mod:`flowlift.proxy.workflows.runs`); each event's SSE ``id`` is its number in the run's log.
   An invalid graph is rejected whole before anything runs: HTTP 400, OpenAI error
-  shape, ``error.problems`` lists every problem.
+  shape, ``error.problems`` lists every problem. A ``deadline_s`` the compiler finds
+  infeasible is said in the ``X-Flowlift-Deadline-Warning`` header (the SDK warns), or
+  refused (400, ``param: deadline_s``) when the graph asks for ``strict_deadline``.
 * ``GET /v1/workflows/{run_id}/events`` -- the same stream again, from the event after
   ``Last-Event-ID`` (header) or ``?after=N``: a client that lost its connection, or a
   proxy that restarted, loses nothing.
@@ -13,8 +15,14 @@
   to an open run (a graph posted with ``"open": true``; ``"awaited"`` may go with it
   too); ``POST /v1/workflows/{run_id}/close`` -- no more nodes
   (:mod:`flowlift.proxy.workflows.open_runs`).
+* ``GET /v1/workflows`` -- runs, newest first, from the run store (so runs finished
+  before a restart too), in OpenAI's list shape ``{"object": "list", "data": [...],
+  "first_id", "last_id", "has_more"}``; ``?state=`` (running, succeeded, failed,
+  cancelled), ``?name=`` (the graph's name), ``?limit=`` (1-100, default 20), ``?after=``
+  (the last id of the previous page), ``?since=`` (epoch s).
 * ``GET /v1/workflows/{run_id}`` -- status, outputs and failures (and the trace, once
-  finished) of a run, and ``report``: the compiler's report of its graph.
+  finished) of a run, ``prompts`` (step id -> the messages its model received) and
+  ``report``: the compiler's report of its graph.
 * ``DELETE /v1/workflows/{run_id}`` -- cancel a run (queued steps dropped, engine
   requests aborted).
 * ``POST /v1/workflows:compile`` -- the compiler's report.
@@ -37,13 +45,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from flowlift.compiler import Plan
 from flowlift.dataflow import validate
 from flowlift.errors import FlowliftError, GraphError, RequestError
-from flowlift.graph import Graph
+from flowlift.graph import DEADLINE_WARNING_HEADER, Graph
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.workflows import open_runs
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.planning import plan
+from flowlift.proxy.workflows.replay import trace_records
 from flowlift.proxy.workflows.runs import Run
 from flowlift.proxy.workflows.store import StoredRun
 from flowlift.tracing.spans import extract
@@ -74,8 +83,9 @@ def parse_graph(data: Any, backends: Backends) -> Graph:
 
 
 async def _send(request: web.Request, events: AsyncIterator[Event],
-                run: Run | None) -> web.StreamResponse:
-    async with sse_response(request, sep="\n", allow_all_methods=True) as resp:
+                run: Run | None, headers: dict[str, str] | None = None) -> web.StreamResponse:
+    async with sse_response(request, sep="\n", allow_all_methods=True,
+                            headers=headers) as resp:
         async for seq, name, data in events:
             if name == FINAL and run is not None:  # trace on disk before the client hears
                 if run.task is not None:  # a run that logs events has been started
@@ -100,11 +110,60 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
     awaited = open_runs.awaited_ids(graph, awaited)
     run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs,
                                      state.runs.outcomes, state.prices)
+    warning = deadline_warning(graph, run_plan)
+    if warning is not None and graph.strict_deadline:
+        raise RequestError(f"{warning}; the workflow asked for strict_deadline, so it was "
+                           "not started (raise deadline_s, or drop strict_deadline to run "
+                           "it anyway)", param="deadline_s")
     run = state.runs.start(graph, state.backends, state.costs, run_plan,
                            parent=extract(request.headers))
     run.mark_awaited(awaited)
     log.info("run_started", workflow_id=run.run_id, name=graph.name, steps=len(graph.nodes))
-    return await _send(request, run.log.follow(0), run)
+    if warning is not None:
+        log.warning("run_deadline_infeasible", workflow_id=run.run_id, detail=warning)
+    return await _send(request, run.log.follow(0), run,
+                       None if warning is None else {DEADLINE_WARNING_HEADER: warning})
+
+
+def deadline_warning(graph: Graph, run_plan: Plan) -> str | None:
+    """Why the compiler calls ``graph``'s deadline infeasible, or None when it does not
+    (or the graph has none)."""
+    report = run_plan.report
+    if report.deadline_feasible is not False or graph.deadline_s is None:
+        return None
+    return (f"the deadline of {graph.deadline_s:g} s looks infeasible: the compiler "
+            f"estimates at least {report.lower_bound_ms / 1000:.1f} s (critical path "
+            f"{report.critical_path_ms / 1000:.1f} s over {len(report.critical_path)} steps)")
+
+
+MAX_PAGE = 100
+
+
+def _list_params(query: Any) -> dict[str, Any]:
+    """``GET /v1/workflows``'s query, checked.
+
+    Raises:
+        RequestError: a ``limit`` that is not 1-100, a ``since`` that is not a number.
+    """
+    raw_limit = query.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
+        raise RequestError(f"limit must be a whole number from 1 to {MAX_PAGE}", param="limit")
+    try:
+        since = float(query["since"]) if "since" in query else None
+    except ValueError:
+        raise RequestError("since must be a time in epoch seconds", param="since") from None
+    return {"status": query.get("state"), "name": query.get("name"), "limit": int(raw_limit),
+            "after": query.get("after"), "since": since}
+
+
+@routes.get("/v1/workflows")
+async def list_runs(request: web.Request) -> web.Response:
+    """Runs in the store, newest first (see the module docstring for the query)."""
+    runs, more = request.app[STATE].runs.store.recent(**_list_params(request.query))
+    data = [r.to_json() for r in runs]
+    return web.json_response({"object": "list", "data": data,
+                              "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None, "has_more": more})
 
 
 @routes.get("/v1/workflows/{run_id}/events")
@@ -180,18 +239,20 @@ async def get_run(request: web.Request) -> web.Response:
         if described is not None:
             return web.json_response(described)
     if run is not None:
-        return web.json_response({"run_id": run.run_id, "status": run.trace.status,
+        return web.json_response({"run_id": run.run_id, "name": run.graph.name,
+                                  "status": run.trace.status,
                                   "open": not run.growth.closed,
                                   "outputs": run.outputs, "failures": run.failures,
-                                  "trace": run.trace.records(),
+                                  "trace": run.trace.records(), "prompts": run.prompts,
                                   "report": await _run_report(state, run.graph, run.plan)})
     stored = runs.stored(run_id)
-    final = next((d for _, n, d in stored.events if n == FINAL), {})
-    return web.json_response({"run_id": run_id, "status": stored.status,
+    graph = _stored_graph(stored)
+    return web.json_response({"run_id": run_id, "name": stored.graph.get("name"),
+                              "status": stored.status,
                               "outputs": stored.outputs(), "failures": stored.failures(),
-                              "trace": final.get("trace", []),
-                              "report": await _run_report(state, _stored_graph(stored),
-                                                          None)})
+                              "trace": trace_records(run_id, _wire(graph), stored.events),
+                              "prompts": stored.prompts(),
+                              "report": await _run_report(state, graph, None)})
 
 
 def _stored_graph(stored: StoredRun) -> Graph | dict[str, Any]:
@@ -201,6 +262,10 @@ def _stored_graph(stored: StoredRun) -> Graph | dict[str, Any]:
         return open_runs.stored_graph(stored)
     except (ValueError, KeyError):
         return stored.graph
+
+
+def _wire(graph: Graph | dict[str, Any]) -> dict[str, Any]:
+    return graph.to_wire() if isinstance(graph, Graph) else graph
 
 
 async def _run_report(state: ProxyState, graph: Graph | dict[str, Any],

@@ -9,6 +9,13 @@ survive restarts and the compiler's cascade estimate
     step_outcomes(step TEXT, model TEXT, items INTEGER, failures INTEGER,
                   attempts INTEGER, updated_at REAL, PRIMARY KEY (step, model))
 
+Output lengths per (step, model) live beside them: the completion tokens of the last
+:data:`KEEP_LENGTHS` outputs each step delivered (a JSON list), from which the compiler
+takes the median (p50) as the step's expected output length (p90 is reported too)::
+
+    step_output_tokens(step TEXT, model TEXT, tokens TEXT, updated_at REAL,
+                       PRIMARY KEY (step, model))
+
 Steps are keyed by their name (``@step`` function name, e.g. ``extract``), not their
 id, so all items of a batch pool their counts; models by the name the graph uses
 (``small``, ``large``), so two aliases of one served model keep separate rates.
@@ -16,10 +23,15 @@ id, so all items of a batch pool their counts; models by the name the graph uses
 
 from __future__ import annotations
 
+import json
+import math
 import sqlite3
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 
+from flowlift.compiler import OutputLengths
 from flowlift.errors import EngineError
 from flowlift.escalation import OutcomeCounts
 from flowlift.tracing import get_logger
@@ -30,7 +42,10 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS step_outcomes (step TEXT NOT NULL, model TEXT NOT NULL,
     items INTEGER NOT NULL, failures INTEGER NOT NULL, attempts INTEGER NOT NULL,
     updated_at REAL NOT NULL, PRIMARY KEY (step, model));
+CREATE TABLE IF NOT EXISTS step_output_tokens (step TEXT NOT NULL, model TEXT NOT NULL,
+    tokens TEXT NOT NULL, updated_at REAL NOT NULL, PRIMARY KEY (step, model));
 """
+KEEP_LENGTHS = 200
 _UPSERT = """
 INSERT INTO step_outcomes VALUES (?, ?, 1, ?, ?, ?)
 ON CONFLICT (step, model) DO UPDATE SET items = items + 1,
@@ -62,9 +77,13 @@ class StepOutcomes:
             self._db.executescript(_SCHEMA)
             rows = self._db.execute(
                 "SELECT step, model, items, failures, attempts FROM step_outcomes").fetchall()
+            lengths = self._db.execute(
+                "SELECT step, model, tokens FROM step_output_tokens").fetchall()
         except sqlite3.Error as exc:
             raise EngineError(f"cannot open the outcome store {self.path}: {exc}") from exc
         self._counts = {(s, m): OutcomeCounts(i, f, a) for s, m, i, f, a in rows}
+        self._lengths: dict[tuple[str, str], deque[int]] = {
+            (s, m): deque(json.loads(t), maxlen=KEEP_LENGTHS) for s, m, t in lengths}
 
     def record(self, step: str, model: str | None, accepted: bool, attempts: int) -> None:
         """One item of ``step`` ran on ``model``: delivered (``accepted``) or not."""
@@ -77,6 +96,26 @@ class StepOutcomes:
             self._db.execute(_UPSERT, (*key, failed, attempts, time.time()))
         except sqlite3.Error as exc:  # advisory counts: a busy database never fails a step
             log.warning("outcome_store_write_failed", path=self.path, error=str(exc))
+
+    def record_output(self, step: str, model: str | None, completion_tokens: int) -> None:
+        """``step`` delivered an output of ``completion_tokens`` tokens on ``model``."""
+        key = (step, model or self.default_model)
+        kept = self._lengths.setdefault(key, deque(maxlen=KEEP_LENGTHS))
+        kept.append(int(completion_tokens))
+        try:
+            self._db.execute("INSERT OR REPLACE INTO step_output_tokens VALUES (?, ?, ?, ?)",
+                             (*key, json.dumps(list(kept)), time.time()))
+        except sqlite3.Error as exc:  # advisory, as the counts
+            log.warning("outcome_store_write_failed", path=self.path, error=str(exc))
+
+    def lengths(self, step: str, model: str | None) -> OutputLengths | None:
+        """The output lengths ``step`` had on ``model`` (tokens), or None when never seen."""
+        kept = self._lengths.get((step, model or self.default_model))
+        if not kept:
+            return None
+        ordered = sorted(kept)
+        p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+        return OutputLengths(len(ordered), float(statistics.median(ordered)), float(p90))
 
     def counts(self, step: str, model: str | None) -> OutcomeCounts:
         """What ``step`` did on ``model`` so far (zero counts when never seen)."""

@@ -1,5 +1,6 @@
 """Compiling graphs inside the proxy: the compiler fed with this proxy's tokenizers,
-measured cost models, backend capabilities, learned failure rates and prices."""
+measured cost models, backend capabilities, learned failure rates, learned output lengths
+per (step, model) and prices."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from flowlift.compiler import (
     Plan,
     approximate_tokenize,
     compile_graph,
+    no_lengths,
     no_outcomes,
 )
 from flowlift.costs import CostModel, CostTracker
@@ -43,7 +45,9 @@ def compile_options(backends: Backends, costs: CostTracker,
                           costs=cost, enforces=enforces,
                           max_concurrency=sum(b.max_concurrency for b in backends.backends),
                           outcomes=outcomes.counts if outcomes is not None else no_outcomes,
-                          price=priced.get)
+                          price=priced.get,
+                          output_lengths=(outcomes.lengths if outcomes is not None
+                                          else no_lengths))
 
 
 def plan(graph: Graph, backends: Backends, costs: CostTracker,

@@ -16,6 +16,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from cachetools import TTLCache
 from opentelemetry.context import Context
@@ -38,6 +39,35 @@ log = get_logger("flowlift.runs")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 """A client-chosen run id: no path separators or leading dot, since ``<id>.jsonl`` is the
 run's trace file under ``trace_dir`` (``../x`` or ``/tmp/x`` would write outside it)."""
+
+
+def log_end(run: Run) -> None:
+    """One log line as a run ends: ``run_finished`` (succeeded or cancelled),
+    ``run_failed`` (naming its failed steps) or ``run_deadline_missed``."""
+    event = ("run_deadline_missed" if run.deadline_missed
+             else "run_failed" if run.trace.status == "failed" else "run_finished")
+    wall_s = None if run.trace.finished_ms is None else round(run.trace.finished_ms / 1000, 3)
+    fields: dict[str, Any] = {"workflow_id": run.run_id, "name": run.graph.name,
+                              "status": run.trace.status,
+                              "wall_s": wall_s, "steps": len(run.graph.nodes),
+                              "failed": len(run.failures)}
+    if run.failures:
+        fields["failed_steps"] = sorted(run.failures)[:10]
+    if run.trace.status == "failed" or run.deadline_missed:
+        log.warning(event, **fields)
+    else:
+        log.info(event, **fields)
+
+
+def learn_lengths(run: Run, outcomes: StepOutcomes) -> None:
+    """Record the output length of each llm step the run delivered (its accepted, last
+    attempt; steps reusing an identical call's output add nothing), for the compiler's
+    next estimates of the same (step name, model)."""
+    for st in run.trace.steps.values():
+        if st.kind != "llm" or st.status != "done" or not st.attempts or st.same_as:
+            continue
+        last = st.attempts[-1]
+        outcomes.record_output(st.name or st.step_id, last.model, last.completion_tokens)
 
 
 class RunRegistry:
@@ -130,6 +160,8 @@ class RunRegistry:
         if self.active.pop(run.run_id, None) is None:
             return
         self.finished[run.run_id] = run
+        log_end(run)
+        learn_lengths(run, self.outcomes)
         if self.trace_dir is not None and _RUN_ID.fullmatch(run.run_id):  # (older stores)
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             path = self.trace_dir / f"{run.run_id}.jsonl"

@@ -64,6 +64,7 @@ from flowlift.proxy.workflows.events import EventLog
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth
 from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.workflows.replay import restore_trace
 from flowlift.proxy.workflows.store import StoredRun
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
 
@@ -124,6 +125,9 @@ class Run:
         for node in graph.nodes:
             model = node.model if isinstance(node, LLMNode) else None
             self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
+        self.prompts: dict[str, list[dict[str, str]]] = restored.prompts() if restored else {}
+        if restored:  # steps finished before the restart keep their timings and tokens
+            restore_trace(self.trace, restored.events)
 
     def _emit(self, event: tuple[str, dict[str, Any]]) -> None:
         self.log.emit(*event)
@@ -175,7 +179,8 @@ class Run:
                     self._close("cancelled")
                 raise
         self._emit(("run.resumed" if self.resumed else "run.started",
-                    {"run_id": self.run_id, "steps": [n.id for n in self.graph.nodes]}))
+                    {"run_id": self.run_id, "steps": [n.id for n in self.graph.nodes],
+                     "started_at": self.trace.started_at}))
         with bind_run(workflow_id=self.run_id):
             tasks = self._spawn(self.graph.nodes)
             work: asyncio.Future[Any] = self._work(tasks)
@@ -304,7 +309,8 @@ class Run:
             return
         self.failures[step_id] = error
         self.trace.mark(step_id, "finished", status="failed", error=error)
-        self._emit(("step.failed", {"step_id": step_id, "error": error}))
+        self._emit(("step.failed", {"step_id": step_id, "error": error,
+                                    "trace": self.trace.step(step_id).to_record()}))
         self._done[step_id].set()
 
     async def _node(self, node: LLMNode | ToolNode | InputNode) -> None:
@@ -342,7 +348,8 @@ class Run:
                 return
             self.outputs[node.id] = value
             self.trace.mark(node.id, "finished", status="done")
-            self._emit(("step.finished", {"step_id": node.id, "value": value}))
+            self._emit(("step.finished", {"step_id": node.id, "value": value,
+                                          "trace": self.trace.step(node.id).to_record()}))
             self._done[node.id].set()
 
     async def _same_as(self, step_id: str, rep: str) -> Any:
@@ -392,6 +399,7 @@ class Run:
         """Contract check, retries and cascade (:mod:`flowlift.proxy.workflows.cascade`) over
         :meth:`_attempt`, one generation each."""
         messages = self._messages(node.messages)
+        self._prompted(node.id, messages)
         record = None if self.outcomes is None else self.outcomes.record
         one = functools.partial(self._attempt, node)
         attempt: Attempt = one
@@ -403,6 +411,11 @@ class Run:
         value, model = await run_step(node, messages, attempt, record)
         self.trace.step(node.id).model = self.backends.canonical(model)
         return value
+
+    def _prompted(self, step_id: str, messages: list[ChatMessage]) -> None:
+        """Record what the model receives (``step.prompt``: durable, exportable)."""
+        self.prompts[step_id] = [{"role": m.role, "content": m.content} for m in messages]
+        self._emit(("step.prompt", {"step_id": step_id, "messages": self.prompts[step_id]}))
 
     @functools.cached_property
     def _dispatcher(self) -> StepDispatcher:

@@ -48,6 +48,28 @@ class StoredRun:
     def failures(self) -> dict[str, str]:
         return {d["step_id"]: d["error"] for _, n, d in self.events if n == "step.failed"}
 
+    def prompts(self) -> dict[str, list[dict[str, str]]]:
+        """Step id -> the messages its model received (``step.prompt`` events), each
+        ``{"role", "content"}``."""
+        return {d["step_id"]: d["messages"] for _, n, d in self.events if n == "step.prompt"}
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """One row of :meth:`RunStore.recent`: a run without its events (times: epoch s)."""
+
+    run_id: str
+    name: str
+    status: str
+    created_at: float
+    updated_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The run as an item of ``GET /v1/workflows``."""
+        return {"object": "workflow.run", "id": self.run_id, "name": self.name,
+                "status": self.status, "created_at": self.created_at,
+                "updated_at": self.updated_at}
+
 
 class RunStore:
     """SQLite persistence of runs (``path=":memory:"`` for a store that dies with the
@@ -94,6 +116,38 @@ class RunStore:
         events = [(seq, name, json.loads(data)) for seq, name, data in self._db.execute(
             "SELECT seq, name, data FROM events WHERE run_id = ? ORDER BY seq", (run_id,))]
         return StoredRun(run_id, json.loads(row[0]), row[1], events)
+
+    def recent(self, *, status: str | None = None, name: str | None = None, limit: int = 20,
+             after: str | None = None, since: float | None = None
+             ) -> tuple[list[RunSummary], bool]:
+        """Runs, newest first, with ``status`` and ``name`` (the graph's) when given,
+        created at or after ``since`` (epoch s); ``after``: the id of the last run of the
+        previous page (an id the store does not hold starts from the newest).
+
+        Returns:
+            Up to ``limit`` runs and whether more follow.
+        """
+        where: list[str] = ["1 = 1"]
+        params: list[Any] = []
+        if status is not None:
+            where.append("status = ?")
+            params.append(status)
+        if name is not None:
+            where.append("json_extract(graph, '$.name') = ?")
+            params.append(name)
+        if since is not None:
+            where.append("created_at >= ?")
+            params.append(since)
+        cursor = None if after is None else self._db.execute(
+            "SELECT created_at, run_id FROM runs WHERE run_id = ?", (after,)).fetchone()
+        if cursor is not None:
+            where.append("(created_at < ? OR (created_at = ? AND run_id < ?))")
+            params += [cursor[0], cursor[0], cursor[1]]
+        rows = self._db.execute(
+            "SELECT run_id, coalesce(json_extract(graph, '$.name'), ''), status, created_at, "
+            f"updated_at FROM runs WHERE {' AND '.join(where)} "
+            "ORDER BY created_at DESC, run_id DESC LIMIT ?", (*params, limit + 1)).fetchall()
+        return [RunSummary(*row) for row in rows[:limit]], len(rows) > limit
 
     def unfinished(self) -> list[StoredRun]:
         ids = [r[0] for r in self._db.execute(

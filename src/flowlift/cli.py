@@ -10,6 +10,8 @@
 * ``flowlift models`` -- the configured models, where each comes from (PyPI-shipped
   file, local folder, hub id, upstream) and its state; what a running proxy serves.
 * ``flowlift trace RUN_ID`` -- a run's waterfall by stage (:mod:`flowlift.cli_trace`).
+* ``flowlift runs``, ``show RUN_ID``, ``cancel RUN_ID``, ``export RUN_ID`` -- find, read,
+  cancel and export runs (:mod:`flowlift.cli_runs`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from flowlift.credentials import (
     bearer_headers,
     cli_key,
 )
+from flowlift.local_engine.lifetime import adopt, marked_proxy
 from flowlift.sdk.workflow import DEFAULT_BASE_URL
+
+adopt()  # in an engine process the proxy spawned (it imports this module): die with it
 
 if TYPE_CHECKING:  # imported where used: `flowlift --help` loads neither vLLM nor the proxy
     from flowlift.compiler import CompileOptions
@@ -62,10 +67,11 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
     extra = list(getattr(args, "extra_model", None) or ())
     sized: dict[str, tuple[Engine, float]] = {}
     if args.engine == "fake":
-        from flowlift.testing import FakeEngine
+        from flowlift.testing import FakeEngine, FakeEngineWithCore
 
+        fake = FakeEngineWithCore if getattr(args, "fake_core_process", False) else FakeEngine
         for name in [args.model or "fake-model", *extra]:
-            _add(sized, name, FakeEngine([name], delay_s=args.fake_delay_s), FAKE_MODEL_MB)
+            _add(sized, name, fake([name], delay_s=args.fake_delay_s), FAKE_MODEL_MB)
     else:
         from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
 
@@ -123,6 +129,12 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``flowlift serve``; engine processes started from it die with this process."""
+    with marked_proxy():
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from flowlift.proxy import create_app
@@ -204,8 +216,11 @@ def _wait_ready(base: str, proc: subprocess.Popen[bytes], log_path: Path, timeou
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """Run the script; a proxy this starts is supervised (:mod:`flowlift.supervise`)."""
+    from flowlift.supervise import ProxySupervisor
+
     base = args.base_url.rstrip("/")
-    proc = None
+    proxy: ProxySupervisor | None = None
     running = _get(f"{base}/healthz") is not None
     if running and (args.config or args.engine or args.model):
         given = " ".join(f for f, v in (("--config", args.config), ("--engine", args.engine),
@@ -237,24 +252,46 @@ def cmd_run(args: argparse.Namespace) -> int:
             cmd += ["--config", args.config]
         print(f"flowlift: starting a proxy at {base} (log: {log_path})", file=sys.stderr,
               flush=True)
-        with log_path.open("wb") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+        log_path.write_bytes(b"")
+        proxy = ProxySupervisor(cmd, base, log_path, _wait_ready,
+                                ready_timeout_s=args.ready_timeout_s)
+    t0 = time.time()
     try:
-        if proc is not None:
-            _wait_ready(base, proc, log_path, args.ready_timeout_s)
+        if proxy is not None:
+            proxy.start()
         env = {**os.environ, "FLOWLIFT_BASE_URL": base}
         if args.api_key:  # the script's SDK sends it (flowlift.credentials)
             env[API_KEY_ENV] = args.api_key
         if not args.no_progress:  # the SDK's progress bar (flowlift.sdk.progress), stderr
             env.setdefault("FLOWLIFT_PROGRESS", "1")
-        return subprocess.call([sys.executable, args.script, *args.script_args], env=env)
+        script = subprocess.Popen([sys.executable, args.script, *args.script_args], env=env)
+        try:
+            status = (proxy.supervise(script) if proxy is not None else script.wait())
+        except KeyboardInterrupt:  # the script got the same SIGINT: let it finish
+            status = script.wait()
+        _say_runs(base, t0, None if proxy is None else Path(args.log_dir) / "traces",
+                  cli_key(args))
+        return status
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if proxy is not None:
+            proxy.stop()
+
+
+def _say_runs(base: str, since: float, trace_dir: Path | None, api_key: str | None) -> None:
+    """After ``flowlift run``'s script: each run it started (since ``since``, epoch s) with
+    its status, trace file (``trace_dir``, when this command started the proxy) and page."""
+    try:
+        r = httpx.get(f"{base}/v1/workflows", params={"since": since - 1.0, "limit": 100},
+                      headers=bearer_headers(api_key), timeout=10)
+        runs = r.json()["data"] if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError):
+        return
+    for run in reversed(runs):  # oldest first
+        rid = run["id"]
+        trace = (f"trace: {trace_dir / (rid + '.jsonl')}" if trace_dir is not None
+                 else f"trace: `flowlift trace {rid}`")
+        print(f"flowlift: run {rid} ({run['name']}) {run['status']}; {trace}; "
+              f"page: {base}/ui/workflows/{rid}", file=sys.stderr, flush=True)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -575,6 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a session is kept after its last turn (default 1800)")
     serve.add_argument("--fake-delay-s", type=_seconds, default=0.01,
                        help="with --engine fake: seconds per streamed chunk")
+    serve.add_argument("--fake-core-process", action="store_true",
+                       help="with --engine fake: start an idle child process per model the "
+                            "way vLLM starts its engine core (tests that no engine process "
+                            "outlives the proxy)")
     serve.set_defaults(func=cmd_serve)
 
     run = sub.add_parser("run", help="run a workflow script against a (started) proxy")
@@ -626,9 +667,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_argument(models)
     models.set_defaults(func=cmd_models)
 
+    from flowlift.cli_runs import add_parsers as add_run_commands
     from flowlift.cli_trace import add_parser as add_trace
 
     add_trace(sub, DEFAULT_BASE_URL)
+    add_run_commands(sub, DEFAULT_BASE_URL)
     return parser
 
 

@@ -1,7 +1,9 @@
 """``flowlift trace RUN_ID``: a finished (or running) run's waterfall in the terminal.
 
 Asks the proxy for ``GET /v1/workflows/{run_id}`` (its trace and compiler report) and
-prints :func:`flowlift.tracing.waterfall.waterfall`. Colours only on a terminal
+prints :func:`flowlift.tracing.waterfall.waterfall`; when no proxy answers, reads the run
+from the state database (``--state-db``, see :mod:`flowlift.cli_runs`; no compiler report
+then, so no planned critical path). Colours only on a terminal
 (``--color auto``, the default; ``NO_COLOR`` set turns them off), so the output can be
 piped or captured as plain text.
 """
@@ -13,9 +15,8 @@ import os
 import shutil
 import sys
 
-import httpx
-
-from flowlift.credentials import CLI_HINT, add_api_key_argument, bearer_headers, cli_key
+from flowlift.cli_runs import CommandFailed, fetch_run
+from flowlift.credentials import add_api_key_argument
 from flowlift.tracing.timeline import report_deps
 from flowlift.tracing.waterfall import waterfall
 
@@ -40,27 +41,14 @@ def _use_color(choice: str) -> bool:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    """Print the waterfall; 1 when the proxy does not know the run, 2 with no proxy."""
+    """Print the waterfall; 1 when the proxy (or the state database) does not know the
+    run, 2 with neither a proxy nor a state database."""
     base = args.base_url.rstrip("/")
     try:
-        r = httpx.get(f"{base}/v1/workflows/{args.run_id}", timeout=60,
-                      headers=bearer_headers(cli_key(args)))
-    except httpx.HTTPError as exc:
-        print(f"flowlift trace: no proxy answers at {base} ({type(exc).__name__})",
-              file=sys.stderr)
-        return 2
-    try:
-        doc = r.json()
-    except ValueError:
-        print(f"flowlift trace: {base} answered HTTP {r.status_code} without JSON",
-              file=sys.stderr)
-        return 1
-    if r.status_code != 200:
-        message = (doc.get("error") or {}).get("message") or f"HTTP {r.status_code}"
-        if r.status_code == 401:
-            message += f" ({CLI_HINT})"
-        print(f"flowlift trace: {message}", file=sys.stderr)
-        return 1
+        doc = fetch_run(args, args.run_id)
+    except CommandFailed as exc:
+        print(f"flowlift trace: {exc.message}", file=sys.stderr)
+        return exc.status
     if "trace" not in doc:
         print(f"flowlift trace: {args.run_id} is a workflow inferred from OpenAI traffic; it "
               f"has no stage timings (see {base}/v1/workflows/{args.run_id})", file=sys.stderr)
@@ -87,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     p.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL", default_base_url),
                    help="the proxy that ran it")
     add_api_key_argument(p)
+    p.add_argument("--state-db", default=None, metavar="PATH",
+                   help="when no proxy answers, read the run from this state database "
+                        "(default: runs/state.sqlite or $FLOWLIFT_CACHE_DIR/state.sqlite)")
     p.add_argument("--width", type=_width, default=None,
                    help=f"columns of the bar, at least {MIN_WIDTH} (default: fit the "
                         "terminal; 60 when piped)")

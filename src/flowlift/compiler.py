@@ -15,7 +15,16 @@ Autellix, 2025 -- program-level priority by critical path):
   contracts a backend cannot enforce natively).
 
 Injection points keep it pure: ``tokenize(model, text) -> token ids``,
-``costs(model) -> CostModel``, ``enforces(model) -> bool``.
+``costs(model) -> CostModel``, ``enforces(model) -> bool``,
+``output_lengths(step name, model) -> OutputLengths | None``.
+
+Output lengths, best source first: a choice contract's longest label; the median length
+the step produced on that model in finished runs (``output_lengths``, learned by the
+proxy); the largest output a JSON-schema contract allows, when the schema bounds it
+(``maxLength``, ``enum``, ``maxItems``...); else ``max_tokens``. Each is capped at
+``max_tokens``. A reference with a field path (``r.title``) counts the field, not the
+whole output: the field's schema bound when there is one, else the output's length
+shared among the fields at that level.
 """
 
 from __future__ import annotations
@@ -43,6 +52,25 @@ from flowlift.report import (
 )
 
 Tokenize = Callable[[str, str], Sequence[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLengths:
+    """Output tokens a step produced in finished runs: ``samples`` of them, their median
+    (``p50``) and 90th percentile (``p90``)."""
+
+    samples: int
+    p50: float
+    p90: float
+
+
+def no_lengths(step: str, model: str) -> OutputLengths | None:
+    """Nothing learned: the compiler falls back to schema bounds and ``max_tokens``."""
+    return None
+
+
+CHARS_PER_TOKEN = 4.0  # English text in a BPE vocabulary, for bounds given in characters
+SCALAR_TOKENS = {"integer": 3.0, "number": 4.0, "boolean": 1.0, "null": 1.0}
 _WORDS = re.compile(r"\w+|[^\w\s]")
 MIN_SHARED_PREFIX_TOKENS = 16  # one vLLM KV block
 
@@ -82,6 +110,8 @@ class CompileOptions:
             cascade step's expected cost (:mod:`flowlift.escalation`), and the retries
             of any step with observations.
         price: ``model -> price per 1,000 tokens`` or ``None`` (unpriced).
+        output_lengths: ``(step name, model) -> OutputLengths`` learned from finished
+            runs, or None; the estimate of a step's output is its median.
     """
 
     default_model: str = "default"
@@ -93,6 +123,7 @@ class CompileOptions:
     outcomes: Callable[[str, str], OutcomeCounts] = field(default=lambda step, model:
                                                           OutcomeCounts())
     price: Callable[[str], float | None] = field(default=lambda model: None)
+    output_lengths: Callable[[str, str], OutputLengths | None] = field(default=no_lengths)
 
 
 def no_outcomes(step: str, model: str | None) -> OutcomeCounts:
@@ -197,28 +228,107 @@ def prefix_groups(prefixes: dict[str, tuple[str, Sequence[int]]],
     return groups
 
 
+def schema_tokens(schema: Any, count: Callable[[str], float], depth: int = 0) -> float | None:
+    """The most tokens a JSON value valid under ``schema`` can take, when the schema bounds
+    it (``enum``/``const``, strings with ``maxLength``, numbers, arrays with ``maxItems``
+    of bounded items, objects of bounded properties; ``anyOf``/``oneOf``: the largest);
+    None when it does not. ``count``: text -> tokens."""
+    if not isinstance(schema, dict) or depth > 16:
+        return None
+    if "enum" in schema or "const" in schema:
+        values = schema.get("enum", [schema.get("const")])
+        return max((count(json.dumps(v)) for v in values), default=1.0)
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    if alternatives:
+        sizes = [schema_tokens(a, count, depth + 1) for a in alternatives]
+        return None if None in sizes else max(s for s in sizes if s is not None)
+    kind = schema.get("type")
+    if kind == "string":
+        cap = schema.get("maxLength")
+        return None if cap is None else float(cap) / CHARS_PER_TOKEN + 2.0
+    if kind in SCALAR_TOKENS:
+        return SCALAR_TOKENS[kind]
+    if kind == "array":
+        item = schema_tokens(schema.get("items"), count, depth + 1)
+        most = schema.get("maxItems")
+        return None if item is None or most is None else 2.0 + most * (item + 1.0)
+    props = schema.get("properties")
+    if kind == "object" and isinstance(props, dict):
+        sizes = [schema_tokens(p, count, depth + 1) for p in props.values()]
+        if None in sizes:
+            return None
+        return 2.0 + sum((s or 0.0) + count(json.dumps(k)) + 1.0 for k, s in
+                         zip(props, sizes, strict=True))
+    return None
+
+
+def field_schema(schema: Any, path: Sequence[str]) -> tuple[Any, int]:
+    """The sub-schema at ``path`` (``properties`` / ``items``) and how many fields share
+    the last level with it (1 for a list item); ``(None, n)`` where the schema stops."""
+    fields = 1
+    for key in path:
+        if not isinstance(schema, dict):
+            return None, fields
+        props = schema.get("properties")
+        if isinstance(props, dict):
+            fields = max(len(props), 1)
+            schema = props.get(key)
+        elif schema.get("type") == "array" or "items" in schema:
+            fields = 1
+            schema = schema.get("items")
+        else:
+            return None, fields
+    return schema, fields
+
+
 def _output_tokens(node: LLMNode, opts: CompileOptions, model: str) -> float:
     if node.contract is not None and node.contract.choices is not None:
         return float(max(len(opts.tokenize(model, c)) for c in node.contract.choices) + 1)
-    return float(node.params.max_tokens or 256)
+    cap = float(node.params.max_tokens or 256)
+    learned = opts.output_lengths(node.name or node.id, model)
+    if learned is not None and learned.samples:
+        return min(max(learned.p50, 1.0), cap)
+    if node.contract is not None and node.contract.json_schema is not None:
+        bound = schema_tokens(node.contract.json_schema,
+                              lambda text: float(len(opts.tokenize(model, text))))
+        if bound is not None:
+            return min(bound, cap)
+    return cap
+
+
+def _ref_tokens(ref: Ref, nodes: dict[str, Node], out_tokens: dict[str, float],
+                opts: CompileOptions, model: str) -> float:
+    """Tokens a reference adds to a prompt: its producer's output, or only the field at
+    its path (the field's schema bound, else the output shared among its level's fields)."""
+    whole = out_tokens.get(ref.ref, 16.0)
+    if not ref.path:
+        return whole
+    producer = nodes.get(ref.ref)
+    schema = (producer.contract.json_schema if isinstance(producer, LLMNode)
+              and producer.contract is not None else None)
+    sub, fields = field_schema(schema, ref.path) if schema is not None else (None, 1)
+    bound = schema_tokens(sub, lambda text: float(len(opts.tokenize(model, text))))
+    return min(bound, whole) if bound is not None else whole / fields
 
 
 def _prompt_tokens(node: LLMNode, opts: CompileOptions, model: str,
-                   out_tokens: dict[str, float]) -> float:
+                   out_tokens: dict[str, float], nodes: dict[str, Node] | None = None
+                   ) -> float:
     total = 0.0
     for msg in node.messages:
         total += 4  # chat-template tokens per message
         for part in msg.content:
-            total += (out_tokens.get(part.ref, 16.0) if isinstance(part, Ref)
-                      else len(opts.tokenize(model, part.text)))
+            total += (_ref_tokens(part, nodes or {}, out_tokens, opts, model)
+                      if isinstance(part, Ref) else len(opts.tokenize(model, part.text)))
     return total
 
 
 def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     """Compile a validated graph into a :class:`Plan` (with its :class:`CompileReport`).
 
-    Costs are estimates: output length is taken at ``max_tokens`` (the bound; a label's
-    length for choice contracts), a reference adds its producer's output length.
+    Costs are estimates: output lengths as the module docstring says (learned, else the
+    contract's bound, else ``max_tokens``); a reference adds its producer's output
+    length, or its field's.
 
     Raises:
         GraphError: when the graph has a cycle.
@@ -262,7 +372,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
         elif isinstance(node, LLMNode):
             model = model_of[nid]
             out_tok[nid] = _output_tokens(node, opts, model)
-            prompt_tok[nid] = _prompt_tokens(node, opts, model, out_tok)
+            prompt_tok[nid] = _prompt_tokens(node, opts, model, out_tok, nodes)
             uncached = uncached_tok[nid] = max(prompt_tok[nid] - shared_of.get(nid, 0), 0.0)
             cost[nid] = opts.costs(model).step_ms(uncached, out_tok[nid])
             cascade = _cascade(node, opts, uncached, prompt_tok[nid], out_tok[nid])

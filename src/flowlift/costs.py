@@ -3,7 +3,10 @@
 The compiler turns a step into an estimated duration with::
 
     cost_ms = ttft_overhead_ms + uncached_prompt_tokens / prefill_tps * 1000
-              + output_tokens * tpot_ms
+              + (output_tokens - 1) * tpot_ms
+
+(the first output token comes with the time to first token; TPOT is measured the same
+way, as decode time over the tokens after the first).
 
 The figures come from measurements of the configured backends: the proxy feeds every
 finished step into a :class:`CostTracker` (exponentially weighted means of observed
@@ -38,8 +41,9 @@ class CostModel(BaseModel):
     samples: int = 0
 
     def step_ms(self, uncached_prompt_tokens: float, output_tokens: float) -> float:
+        """Estimated ms of one generation (formula in the module docstring)."""
         return (self.ttft_overhead_ms + uncached_prompt_tokens / self.prefill_tps * 1000.0
-                + output_tokens * self.tpot_ms)
+                + max(output_tokens - 1.0, 0.0) * self.tpot_ms)
 
 
 # Order-of-magnitude figures of a small model on a CPU; used only until measured.

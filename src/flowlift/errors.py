@@ -202,12 +202,22 @@ class WorkflowFailed(RunError):
                          f"{lines}{more}")
 
 
+class DeadlineWarning(UserWarning):
+    """Not an error: the proxy's compiler estimates that the workflow cannot meet its
+    ``deadline_s`` (the SDK warns at submission; ``workflow(..., strict_deadline=True)``
+    makes the proxy refuse the run instead, a :class:`RequestError`)."""
+
+
 class ProxyUnavailable(RunError):
+    """The SDK cannot reach the proxy; the message says how to start one, and that a run
+    under way resumes when its proxy is started again with the same ``--state-db``."""
+
     def __init__(self, base_url: str, cause: str) -> None:
         super().__init__(
             f"cannot reach the flowlift proxy at {base_url} ({cause}); start it with "
             "`flowlift serve`, or run your script with `flowlift run SCRIPT`, or set "
-            "FLOWLIFT_BASE_URL")
+            "FLOWLIFT_BASE_URL. A run under way is not lost: restarting the proxy with the "
+            "same --state-db resumes it (`flowlift run` restarts its own proxy)")
 
 
 class Overloaded(RunError):

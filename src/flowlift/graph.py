@@ -220,6 +220,11 @@ class InputNode(_Model):
 Node = Annotated[LLMNode | ToolNode | InputNode, Field(discriminator="kind")]
 
 
+DEADLINE_WARNING_HEADER = "X-Flowlift-Deadline-Warning"
+"""Header of the answer to ``POST /v1/workflows`` when the compiler finds the graph's
+``deadline_s`` infeasible (and it did not ask for ``strict_deadline``): why, in words."""
+
+
 class Graph(_Model):
     """One workflow: nodes plus run-level settings.
 
@@ -231,6 +236,8 @@ class Graph(_Model):
         open: the graph is what is known so far of a run that grows: more nodes may be
             appended (``POST /v1/workflows/{run_id}/nodes``) until the run is closed
             (``POST .../close``); the run finishes only once closed.
+        strict_deadline: refuse the run (HTTP 400) when the compiler finds ``deadline_s``
+            infeasible, instead of running it with a warning.
     """
 
     version: Literal["1"] = GRAPH_VERSION
@@ -239,6 +246,7 @@ class Graph(_Model):
     workflow_class: Literal["interactive", "batch"] = Field(default="interactive",
                                                             alias="class")
     deadline_s: float | None = Field(default=None, gt=0)
+    strict_deadline: bool = False
     metadata: dict[str, Any] = {}
     open: bool = False
     nodes: tuple[Node, ...] = Field(min_length=1)

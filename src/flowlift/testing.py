@@ -446,3 +446,46 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
+
+
+def idle_core(seconds: float = 3600.0) -> None:
+    """The body of :class:`FakeEngineWithCore`'s child process: sleep (an engine core
+    waiting for work)."""
+    time.sleep(seconds)
+
+
+class FakeEngineWithCore(FakeEngine):
+    """A :class:`FakeEngine` that, like vLLM's CPU build, starts an engine-core child
+    process with multiprocessing's ``spawn`` method from a worker thread as it starts
+    (``flowlift serve --engine fake --fake-core-process``), and stops it as it closes:
+    for tests that no engine process outlives the proxy.
+
+    Attributes:
+        core_pid: the child's pid while it runs, else None.
+    """
+
+    def __init__(self, models: Sequence[str] = ("fake-model",), **kwargs: Any) -> None:
+        super().__init__(models, **kwargs)
+        self._core: Any = None
+
+    @property
+    def core_pid(self) -> int | None:
+        return None if self._core is None else int(self._core.pid)
+
+    async def start(self) -> None:
+        import multiprocessing
+
+        def spawn() -> None:
+            self._core = multiprocessing.get_context("spawn").Process(
+                target=idle_core, name="fake-engine-core", daemon=True)
+            self._core.start()
+
+        await asyncio.to_thread(spawn)  # as vLLM builds its engine: off the event loop
+        await super().start()
+
+    async def close(self) -> None:
+        if self._core is not None:
+            self._core.terminate()
+            await asyncio.to_thread(self._core.join, 10)
+            self._core = None
+        await super().close()

@@ -1,0 +1,63 @@
+"""A run's trace rebuilt from its event log (after a restart, or read offline).
+
+Each ``step.finished`` / ``step.failed`` event carries the step's trace record
+(``trace``: instants in ms since the run started, attempts, tokens; see
+:class:`flowlift.tracing.StepTrace`) and ``run.started`` the run's start (``started_at``,
+epoch s). A resumed run continues its clock from that start and takes those records
+back, so its trace, report, metrics and cost totals count the steps that finished
+before the crash; a reader without a proxy (``flowlift trace --state-db``) rebuilds the
+trace of a run that never finished the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from flowlift.proxy.workflows.events import FINAL, Event
+from flowlift.tracing import RunTrace
+
+STEP_ENDS = ("step.finished", "step.failed")
+
+
+def started_at(events: Iterable[Event]) -> float | None:
+    """The run's first start (epoch s), from its first ``run.started`` event."""
+    for _, name, data in events:
+        if name == "run.started" and "started_at" in data:
+            return float(data["started_at"])
+    return None
+
+
+def restore_trace(trace: RunTrace, events: Iterable[Event]) -> int:
+    """Put the recorded steps of ``events`` into ``trace`` (their clock included).
+
+    Returns:
+        How many step records were restored.
+    """
+    events = list(events)
+    start = started_at(events)
+    if start is not None:
+        trace.continue_from(start)
+    restored = 0
+    for _, name, data in events:
+        record = data.get("trace")
+        if name in STEP_ENDS and isinstance(record, dict) and data["step_id"] in trace.steps:
+            trace.step(data["step_id"]).restore(record)
+            restored += 1
+    return restored
+
+
+def trace_records(run_id: str, graph: dict[str, Any], events: list[Event]
+                  ) -> list[dict[str, Any]]:
+    """A stored run's trace records: the final ones when it finished, else rebuilt from
+    its step events (steps that never finished show as ``pending``)."""
+    final = next((d for _, n, d in events if n == FINAL), None)
+    if final is not None and final.get("trace"):
+        return list(final["trace"])
+    trace = RunTrace(run_id, str(graph.get("name") or "workflow"),
+                     str(graph.get("class") or "interactive"))
+    for node in graph.get("nodes") or []:
+        trace.add_step(node["id"], node["kind"], node.get("name", ""), node.get("model"))
+    restore_trace(trace, events)
+    trace.status = "running" if final is None else str(final.get("status"))
+    return trace.records()
