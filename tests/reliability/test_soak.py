@@ -107,6 +107,8 @@ def sizes(root: Any, *, depth: int = 6) -> dict[str, int]:
                 obj, str | bytes | int | float | FakeEngine):
             continue
         seen.add(id(obj))
+        if isinstance(obj, deque) and obj.maxlen is not None:
+            continue  # bounded by construction (e.g. the last output lengths of a step)
         if isinstance(obj, dict | list | set | tuple | TTLCache | frozenset | deque):
             out[path] = len(obj)
             if len(obj) < 64 and isinstance(obj, dict):
