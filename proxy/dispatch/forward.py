@@ -230,5 +230,5 @@ async def _cut_short(resp: web.StreamResponse, opened: Opened, failure: str | No
     err = UpstreamError(failure + "; the answer above is incomplete", status=502,
                         backend=upstream.name)
     await resp.write(b"data: " + orjson.dumps(err.to_openai()) + b"\n\n")
-    opened.call.failed()
+    opened.call.failed("request")  # a stall or cut of this stream: not the backend's
     log.warning("stream_cut_short", backend=upstream.name, reason=failure)

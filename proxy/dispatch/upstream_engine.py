@@ -182,7 +182,7 @@ class UpstreamEngine(Engine):
         if failure is None and finish is None:
             failure = f"backend {opened.upstream.name!r} ended the stream before it finished"
         if failure is not None:
-            opened.call.failed()
+            opened.call.failed("request")  # mid-stream: about this request only
             raise EngineError(failure)
         opened.call.succeeded()
         if finish == "content_filter":

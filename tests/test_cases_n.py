@@ -1,0 +1,138 @@
+"""Regression tests for the N-series of ``shared/cases`` and issue 16 ("nothing lost,
+nobody blacked out"), through flowlift's proxy to a scripted upstream on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from flowlift.proxy import create_app
+from flowlift.proxy.config import parse_config
+from flowlift.proxy.state import STATE
+from flowlift.testing import parse_sse
+from tests.upstream_fake import FakeUpstream, Script, chat_json, chunk, sse_bytes
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def by_model(scripts: dict[str, Script]) -> Script:
+    """One upstream answering each model with its own script."""
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return await scripts[json.loads(await request.read())["model"]](request)
+    return answer
+
+
+async def shared_backend_proxy(aiohttp_client: Any, aiohttp_server: Any, fake: FakeUpstream,
+                               models: dict[str, dict[str, Any]], **backend: Any) -> Any:
+    """A proxy (no embedded engine) whose ``models`` all live on one backend ``b0``."""
+    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
+    app = create_app({}, file_config=parse_config({
+        "backends": {"b0": {"kind": "openai", "base_url": url, **backend}},
+        "models": {m: {"backends": ["b0"], **spec} for m, spec in models.items()}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    return client
+
+
+def datas(text: str) -> list[Any]:
+    return [d for _, d in parse_sse(text)]
+
+
+async def _keep_asking(client: Any, until: asyncio.Event, model: str = "fast") -> list[int]:
+    statuses = []
+    while not until.is_set():
+        resp = await client.post("/v1/chat/completions",
+                                 json={"model": model, "messages": MESSAGES})
+        await resp.read()
+        statuses.append(resp.status)
+        await asyncio.sleep(0.05)
+    return statuses
+
+
+# -- item 1: one request's failures never black out a backend ---------------------------
+async def test_one_models_first_token_timeouts_never_black_out_the_backend(
+        aiohttp_client, aiohttp_server):
+    """A healthy upstream stalls model ``slow`` (headers, then nothing) and answers
+    ``fast``: ``slow``'s requests each use all their attempts, and ``fast`` keeps
+    succeeding throughout and after (before: three timeouts cooled the backend, and
+    ``fast`` got 503 ``backends_unavailable`` for 30 s)."""
+    fake = FakeUpstream([by_model({"slow": FakeUpstream.headers_then_stall(30),
+                                   "fast": FakeUpstream.json(chat_json("quick"))})])
+    client = await shared_backend_proxy(
+        aiohttp_client, aiohttp_server, fake,
+        {"slow": {"max_attempts": 3, "total_timeout_s": 10}, "fast": {}},
+        first_token_timeout_s=0.3, failures_to_cool=2, cooldown_s=30)
+    stop = asyncio.Event()
+    asking = asyncio.create_task(_keep_asking(client, stop))
+    slow = await asyncio.gather(*[client.post("/v1/chat/completions", json={
+        "model": "slow", "messages": MESSAGES, "stream": True}) for _ in range(3)])
+    stop.set()
+    statuses = await asking
+    assert {r.status for r in slow} == {504}
+    assert sum(r.json()["model"] == "slow" for r in fake.received) == 9  # 3 x 3 attempts
+    assert statuses and set(statuses) == {200}, statuses
+    # and on its own (no other traffic): one request's three timeouts cool nothing
+    alone = await client.post("/v1/chat/completions", json={
+        "model": "slow", "messages": MESSAGES, "stream": True})
+    assert alone.status == 504
+    after = await client.post("/v1/chat/completions", json={"model": "fast",
+                                                            "messages": MESSAGES})
+    assert after.status == 200, await after.text()
+
+
+async def test_N6_stalls_after_the_first_chunks_are_cut_and_the_backend_stays_available(
+        aiohttp_client, aiohttp_server):
+    """8 streams on a pool of 8 send two chunks and stall: each ends about the idle
+    timeout after its last chunk with an in-band error and no [DONE]; a request while
+    the pool is full gets 429 + Retry-After; once the stalls are cut, everyone is
+    served (before: the 8 cut streams cooled the backend for 30 s)."""
+    stall = FakeUpstream.stream(sse_bytes(chunk({"content": "one"}), chunk({"content": "two"}),
+                                          done=False), then_stall_s=30)
+    fake = FakeUpstream([by_model({"slow": stall,
+                                   "fast": FakeUpstream.json(chat_json("quick"))})])
+    client = await shared_backend_proxy(aiohttp_client, aiohttp_server, fake,
+                                        {"slow": {}, "fast": {}}, idle_timeout_s=1,
+                                        max_connections=8, failures_to_cool=2)
+    t0 = time.monotonic()
+    streams = [asyncio.create_task(client.post("/v1/chat/completions", json={
+        "model": "slow", "messages": MESSAGES, "stream": True})) for _ in range(8)]
+    await asyncio.sleep(0.4)
+    full = await client.post("/v1/chat/completions", json={"model": "fast",
+                                                           "messages": MESSAGES})
+    assert full.status == 429 and int(full.headers["Retry-After"]) >= 1
+    for resp in await asyncio.gather(*streams):
+        events = datas(await resp.text())
+        assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["one", "two"]
+        assert "error" in events[-1] and "[DONE]" not in events
+        assert sum("error" in e for e in events if isinstance(e, dict)) == 1
+    assert 0.9 < time.monotonic() - t0 < 4
+    after = await asyncio.gather(*[client.post("/v1/chat/completions", json={
+        "model": m, "messages": MESSAGES}) for m in ("fast", "fast", "fast")])
+    assert {r.status for r in after} == {200}
+
+
+async def test_connection_errors_across_requests_still_cool_and_a_probe_reopens(
+        aiohttp_client, aiohttp_server):
+    """A backend that answers 500 to distinct requests is cooled (503 with
+    Retry-After, not hammered); after the cool-down one probe goes through and its
+    success reopens the backend."""
+    fake = FakeUpstream([FakeUpstream.json({"error": {"message": "down"}}, 500)] * 2
+                        + [FakeUpstream.json(chat_json("back"))])
+    client = await shared_backend_proxy(aiohttp_client, aiohttp_server, fake,
+                                        {"fast": {"max_attempts": 1}},
+                                        failures_to_cool=2, cooldown_s=1)
+    body = {"model": "fast", "messages": MESSAGES}
+    assert [(await client.post("/v1/chat/completions", json=body)).status
+            for _ in range(2)] == [502, 502]
+    cooled = await client.post("/v1/chat/completions", json=body)
+    assert cooled.status == 503 and int(cooled.headers["Retry-After"]) >= 1
+    assert len(fake.received) == 2
+    await asyncio.sleep(1.1)
+    probe = await client.post("/v1/chat/completions", json=body)
+    assert probe.status == 200 and len(fake.received) == 3
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+
