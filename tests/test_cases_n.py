@@ -8,13 +8,21 @@ import json
 import time
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from flowlift.proxy import create_app
 from flowlift.proxy.config import parse_config
 from flowlift.proxy.state import STATE
-from flowlift.testing import parse_sse
-from tests.upstream_fake import FakeUpstream, Script, chat_json, chunk, sse_bytes
+from flowlift.testing import capture_spans, parse_sse
+from tests.upstream_fake import (
+    FakeUpstream,
+    Script,
+    chat_json,
+    chunk,
+    sse_bytes,
+    upstream_only_proxy,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -136,3 +144,111 @@ async def test_connection_errors_across_requests_still_cool_and_a_probe_reopens(
     assert probe.status == 200 and len(fake.received) == 3
     assert (await client.post("/v1/chat/completions", json=body)).status == 200
 
+
+
+# -- N3 and item 2: usage asked upstream, stripped for who did not ask, always recorded -
+USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+         "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def usage_when_stream_options() -> Script:
+    """An upstream (like some vLLM versions) that sends the usage chunk whenever the
+    request has ``stream_options``, whatever it holds."""
+    async def answer(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        docs = [chunk({"content": "ok"}), chunk({}, "stop")]
+        if "stream_options" in body:
+            docs.append({**chunk(), "choices": [], "usage": USAGE})
+        return await FakeUpstream.stream(sse_bytes(*docs))(request)
+    return answer
+
+
+@pytest.fixture
+def captured():
+    with capture_spans() as cap:
+        yield cap
+
+
+async def _span(captured: Any, name: str, n: int) -> list[Any]:
+    deadline = time.monotonic() + 3
+    while len(captured.named(name)) < n:
+        assert time.monotonic() < deadline, "no span"
+        await asyncio.sleep(0.01)
+    return captured.named(name)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_N3_empty_stream_options(aiohttp_client, aiohttp_server, captured, path):
+    fake = FakeUpstream([usage_when_stream_options()])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    base = ({"model": "up", "messages": MESSAGES} if path.endswith("chat/completions")
+            else {"model": "up", "prompt": "hi"})
+    seen = []
+    for options in (None, {}, {"include_usage": True}):
+        body = {**base, "stream": True} | ({} if options is None else {"stream_options": options})
+        resp = await client.post(path, json=body)
+        events = datas(await resp.text())
+        assert resp.status == 200 and events[-1] == "[DONE]"
+        seen.append([e for e in events if isinstance(e, dict) and e.get("usage")])
+    assert seen[0] == [] and seen[1] == []
+    assert len(seen[2]) == 1 and seen[2][0]["choices"] == [] and seen[2][0]["usage"] == USAGE
+    # the proxy asked the upstream for the usage each time, and recorded it each time
+    assert all(r.json()["stream_options"]["include_usage"] is True for r in fake.received)
+    operation = "chat" if path.endswith("chat/completions") else "text_completion"
+    for span in await _span(captured, f"{operation} up", 3):
+        a = span.attributes
+        assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"],
+                a["gen_ai.usage.cache_read.input_tokens"]) == (5, 2, 3)
+        assert a["flowlift.usage.partial"] is False and a["flowlift.outcome"] == "complete"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'flowlift_completion_tokens_total{model="up-model"} 6.0' in metrics
+    assert 'flowlift_prompt_tokens_total{model="up-model"} 15.0' in metrics
+
+
+async def test_usage_of_a_stream_cut_before_its_usage_is_estimated_and_flagged_partial(
+        aiohttp_client, aiohttp_server, captured):
+    fake = FakeUpstream([FakeUpstream.stream(sse_bytes(
+        *[chunk({"content": f"w{i} "}) for i in range(4)], done=False))])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    resp = await client.post("/v1/chat/completions", json={
+        "model": "up", "stream": True, "messages": [{"role": "user", "content": "x" * 400}]})
+    assert "error" in datas(await resp.text())[-1]
+    (span,) = await _span(captured, "chat up", 1)
+    a = span.attributes
+    assert a["flowlift.usage.partial"] is True and a["flowlift.outcome"] != "complete"
+    assert a["gen_ai.usage.output_tokens"] == 4  # one token per event received
+    assert 100 <= a["gen_ai.usage.input_tokens"] <= 130  # ~4 characters a token
+    metrics = await (await client.get("/metrics")).text()
+    assert 'flowlift_estimated_usage_requests_total{model="up-model"} 1.0' in metrics
+
+
+def responses_events(terminal: str, status: str) -> list[bytes]:
+    usage = {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13,
+             "input_tokens_details": {"cached_tokens": 2}}
+    docs = [("response.created", {"type": "response.created", "response": {
+                "id": "r1", "object": "response", "status": "in_progress", "usage": None}}),
+            ("response.output_text.delta", {"type": "response.output_text.delta",
+                                            "delta": "Hi"}),
+            (terminal, {"type": terminal, "response": {
+                "id": "r1", "object": "response", "status": status, "usage": usage}})]
+    return [f"event: {name}\ndata: {json.dumps(doc)}\n\n".encode() for name, doc in docs]
+
+
+@pytest.mark.parametrize("terminal,status,outcome", [
+    ("response.completed", "completed", "complete"),
+    ("response.incomplete", "incomplete", "incomplete"),
+    ("response.failed", "failed", "error")])
+async def test_responses_usage_on_every_terminal_event_and_only_completed_is_complete(
+        aiohttp_client, aiohttp_server, captured, terminal, status, outcome):
+    events = responses_events(terminal, status)
+    fake = FakeUpstream([FakeUpstream.stream(events)])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    resp = await client.post("/v1/responses", json={"model": "up", "input": "hi",
+                                                    "stream": True})
+    assert await resp.read() == b"".join(events)  # passed through untouched
+    assert "stream_options" not in fake.received[0].json()
+    (span,) = await _span(captured, "chat up", 1)
+    a = span.attributes
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"],
+            a["gen_ai.usage.cache_read.input_tokens"]) == (9, 4, 2)
+    assert a["flowlift.outcome"] == outcome and a["flowlift.usage.partial"] is False

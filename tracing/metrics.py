@@ -110,6 +110,12 @@ class Metrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("flowlift_prompt_tokens", "Prompt tokens", ["model"],
                                      registry=r)
+        self.completion_tokens = Counter("flowlift_completion_tokens", "Completion tokens",
+                                         ["model"], registry=r)
+        self.estimated_usage = Counter(
+            "flowlift_estimated_usage_requests",
+            "OpenAI requests whose usage was estimated (the upstream was cut, or the client "
+            "left, before it reported one)", ["model"], registry=r)
         self.cached_tokens = Counter("flowlift_cached_prompt_tokens",
                                      "Prompt tokens served from the prefix cache", ["model"],
                                      registry=r)
@@ -178,6 +184,8 @@ class Metrics:
         self.record_attempts(st.attempts)
         for at in st.attempts:
             self.tokens(at.model, at.prompt_tokens, at.cached_tokens)
+            if at.completion_tokens > 0:
+                self.completion_tokens.labels(at.model).inc(at.completion_tokens)
             if at.first_token_ms is None:
                 continue
             end = at.finished_ms if at is not st.attempts[-1] else st.generated_ms
@@ -187,12 +195,17 @@ class Metrics:
 
     def observe_request(self, operation: str, outcome: str, model: str | None,
                         ttft_s: float | None, decode_s: float | None,
-                        usage: tuple[Any, Any, Any]) -> None:
-        """One OpenAI API request that ended (``usage``: prompt, completion, cached)."""
+                        usage: tuple[Any, Any, Any], partial: bool = False) -> None:
+        """One OpenAI API request that ended (``usage``: prompt, completion, cached
+        tokens; ``partial``: they are an estimate), counted once."""
         self.requests.labels(operation, outcome).inc()
         if model is None:
             return
         prompt, completion, cached = usage
         if prompt:
             self.tokens(model, int(prompt), int(cached or 0))
+        if completion:
+            self.completion_tokens.labels(model).inc(int(completion))
+        if partial:
+            self.estimated_usage.labels(model).inc()
         self.latency(model, "openai", ttft_s, decode_s, int(completion or 0))

@@ -26,7 +26,12 @@ from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.sse_bytes import complete_prefix, data_fields, finished
+from flowlift.proxy.dispatch.sse_bytes import (
+    complete_prefix,
+    data_fields,
+    finished,
+    without_usage,
+)
 from flowlift.proxy.dispatch.upstream import Upstream, forwarded_headers, translate
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.telemetry import requests as request_tracing
@@ -39,11 +44,34 @@ OnOutput = Callable[[str, dict[str, Any] | None], None]
 EmbeddedCall = Callable[[Local], Awaitable[web.StreamResponse]]
 
 
-def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str) -> bytes:
+USAGE_PATHS = frozenset({"/chat/completions", "/completions"})
+"""Where a stream's usage comes in a chunk of its own when asked for
+(``stream_options.include_usage``)."""
+
+
+def asks_usage(data: dict[str, Any]) -> bool:
+    """Whether a client's streamed request asked for the usage chunk
+    (``stream_options: {"include_usage": true}``; ``{}`` or absent is no)."""
+    options = data.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _usage_asked(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
+    """The body fields that ask the upstream for a stream's usage when the client did
+    not (issue 16: every request's usage is accounted), or None when nothing changes."""
+    if path not in USAGE_PATHS or data.get("stream") is not True or asks_usage(data):
+        return None
+    options = data.get("stream_options")
+    return {"stream_options": {**(options if isinstance(options, dict) else {}),
+                               "include_usage": True}}
+
+
+def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str,
+              extra: dict[str, Any] | None = None) -> bytes:
     target = upstream.upstream_model(model)
-    if target == model:
+    if target == model and extra is None:
         return raw
-    return orjson.dumps({**data, "model": target})
+    return orjson.dumps({**data, **(extra or {}), "model": target})
 
 
 async def forward(request: web.Request, *, backends: Backends, route: Route, path: str,
@@ -69,10 +97,11 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
     deadline = asyncio.get_running_loop().time() + route.total_timeout_s
     headers = forwarded_headers(request.headers)
     inject(headers)  # the proxy's own span (a child of the caller's) is the upstream's parent
+    extra = _usage_asked(path, data)
     try:
         opened = await open_answer(
             backends, route, path=path, headers=headers,
-            body_for=lambda up: _body_for(up, raw, data, route.model),
+            body_for=lambda up: _body_for(up, raw, data, route.model, extra),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity)
     except UpstreamError as exc:
         return upstream_error_response(exc)
@@ -92,7 +121,8 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
     try:
         if opened.body is not None:
             return _plain(opened, on_output)
-        return await _stream(request, opened, on_output, deadline)
+        return await _stream(request, opened, on_output, deadline,
+                             strip_usage=extra is not None)
     finally:
         await opened.release()
 
@@ -167,12 +197,14 @@ class _Collect:
 
 
 async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | None,
-                  deadline: float) -> web.StreamResponse:
+                  deadline: float, *, strip_usage: bool = False) -> web.StreamResponse:
     """Forward the stream as it arrives, whole events per write (:mod:`.sse_bytes`).
 
     The idle timeout restarts only when a whole event arrives (bytes dribbling in
     without ever finishing one do not keep a stream alive), and the request's total
-    budget (``deadline``, event-loop time) ends any stream that outlives it.
+    budget (``deadline``, event-loop time) ends any stream that outlives it. With
+    ``strip_usage`` (the proxy asked for the usage, the client did not) the usage is
+    read for the records and left out of what the client gets.
     """
     upstream = opened.upstream
     assert opened.chunks is not None
@@ -189,7 +221,7 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
     loop = asyncio.get_running_loop()
     try:
         await resp.prepare(request)
-        await resp.write(opened.head)
+        await resp.write(without_usage(opened.head) if strip_usage else opened.head)
         if collect is not None:
             collect.add(opened.head)
         try:
@@ -202,9 +234,9 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
                         continue
                     idle.reschedule(min(loop.time() + idle_s, deadline))
                     events, buffer = buffer[:end], buffer[end:]
-                    await resp.write(events)
                     if traced is not None:
                         traced.sse(events)
+                    await resp.write(without_usage(events) if strip_usage else events)
                     done = done or finished(events)
                     if collect is not None:
                         collect.add(events)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+import orjson
+
 _DONE = re.compile(rb"^data: ?\[DONE\]\s*$", re.MULTILINE)  # OpenAI chat/completions
 _TERMINAL = re.compile(  # the Responses API's last event
     rb"^event: ?(?:response\.(?:completed|incomplete|failed)|error)\s*$", re.MULTILINE)
@@ -48,3 +50,37 @@ def data_fields(events: bytes) -> Iterator[str]:
                  if line.startswith(b"data:")]
         if lines:
             yield b"\n".join(lines).decode("utf-8", "replace")
+
+
+_EVENT = re.compile(rb"(.*?)(\r\n\r\n|\n\n|\r\r)", re.DOTALL)
+
+
+def without_usage(events: bytes) -> bytes:
+    """Whole ``events`` less the usage the client did not ask for (case N3): an event
+    that is only usage (``choices: []``) is left out, and a chunk that carries a usage
+    object beside its choices is re-encoded without it (``"usage": null`` stays: it
+    says nothing). Events without a usage pass byte-identical.
+    """
+    if b'"usage"' not in events:  # the common case: one substring test
+        return events
+    out = []
+    for match in _EVENT.finditer(events):
+        event = match.group(0)
+        if b'"usage"' in event:
+            event = _strip_event(match.group(1))
+        out.append(event)
+    return b"".join(out)
+
+
+def _strip_event(block: bytes) -> bytes:
+    data = next(data_fields(block + b"\n\n"), None)
+    try:
+        doc = orjson.loads(data) if data is not None else None
+    except orjson.JSONDecodeError:
+        doc = None
+    if not isinstance(doc, dict) or not doc.get("usage"):
+        return block + b"\n\n"
+    if not doc.get("choices"):
+        return b""  # the usage chunk itself
+    doc.pop("usage")
+    return b"data: " + orjson.dumps(doc) + b"\n\n"

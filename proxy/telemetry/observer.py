@@ -133,13 +133,13 @@ class Telemetry:
 
     # -- OpenAI requests --------------------------------------------------------------
     def observe_request(self, rt: request_tracing.RequestTrace) -> None:
-        prompt, completion, cached, _ = rt.usage_numbers()
+        prompt, completion, cached, partial = rt.usage_numbers()
         start = rt.slot_at or rt.t0
         ttft = None if rt.first_at is None else rt.first_at - start
         decode = (None if rt.first_at is None or rt.last_at is None
                   else rt.last_at - rt.first_at)
         self.metrics.observe_request(rt.operation, rt.outcome, rt.response_model or rt.model,
-                                     ttft, decode, (prompt, completion, cached))
+                                     ttft, decode, (prompt, completion, cached), partial)
 
     async def shutdown(self) -> None:
         """Flush (and, when owned, stop) the exporter, in a thread: it blocks up to its
