@@ -14,7 +14,7 @@ from aiohttp import web
 from flowlift.proxy import create_app
 from flowlift.proxy.config import parse_config
 from flowlift.proxy.state import STATE
-from flowlift.testing import capture_spans, parse_sse
+from flowlift.testing import FakeEngine, capture_spans, parse_sse
 from tests.upstream_fake import (
     FakeUpstream,
     Script,
@@ -252,3 +252,67 @@ async def test_responses_usage_on_every_terminal_event_and_only_completed_is_com
     assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"],
             a["gen_ai.usage.cache_read.input_tokens"]) == (9, 4, 2)
     assert a["flowlift.outcome"] == outcome and a["flowlift.usage.partial"] is False
+
+
+# -- item 8: unknown run ids are 404 run_not_found on every run route; one error event -
+async def test_unknown_run_ids_are_404_run_not_found_on_every_run_route(aiohttp_client):
+    app = create_app({"fake-model": FakeEngine(["fake-model"])})
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    for method, path, body in (
+            ("GET", "/v1/workflows/wf-nope", None),
+            ("GET", "/v1/workflows/wf-nope/events", None),
+            ("GET", "/v1/workflows/wf-nope/progress", None),
+            ("DELETE", "/v1/workflows/wf-nope", None),
+            ("POST", "/v1/workflows/wf-nope/steps/s/result", {"value": 1})):
+        resp = await client.request(method, path, json=body)
+        error = (await resp.json())["error"]
+        assert (resp.status, error["code"], error["param"]) == (404, "run_not_found",
+                                                                "run_id"), path
+    page = await client.get("/ui/workflows/wf-nope")
+    assert page.status == 404 and "No such run" in await page.text()
+
+
+async def test_an_upstream_error_event_mid_stream_is_the_only_error_event(
+        aiohttp_client, aiohttp_server):
+    error = {"error": {"message": "engine died", "type": "server_error", "param": None,
+                       "code": None}}
+    fake = FakeUpstream([FakeUpstream.stream(sse_bytes(chunk({"content": "par"}), error,
+                                                       done=False))])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    resp = await client.post("/v1/chat/completions", json={"model": "up", "stream": True,
+                                                           "messages": MESSAGES})
+    events = datas(await resp.text())
+    assert [e for e in events if isinstance(e, dict) and "error" in e] == [error]
+    assert events[-1] == error and "[DONE]" not in events
+
+
+# -- N9: an upstream 400 in a foreign shape stays a 400 in the OpenAI shape ------------
+SGLANG_400 = {"object": "error", "message": "max_tokens must be at least 1, got -3.",
+              "type": "BadRequestError", "param": None, "code": 400}
+
+
+async def test_N9_foreign_error_bodies(aiohttp_client, aiohttp_server):
+    import openai
+
+    bad = FakeUpstream([FakeUpstream.json(SGLANG_400, 400)])
+    spare = FakeUpstream([FakeUpstream.json(chat_json("should not be asked"))])
+    urls = [str((await aiohttp_server(f.app())).make_url("/v1")) for f in (bad, spare)]
+    app = create_app({}, file_config=parse_config({
+        "backends": {"a": {"kind": "openai", "base_url": urls[0]},
+                     "b": {"kind": "openai", "base_url": urls[1]}},
+        "models": {"up": {"backends": ["a"], "fallbacks": ["b"], "max_attempts": 3}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    for stream in (False, True):
+        resp = await client.post("/v1/chat/completions", json={
+            "model": "up", "messages": MESSAGES, "max_tokens": -3, "stream": stream})
+        assert resp.status == 400
+        assert (await resp.json())["error"] == {
+            "message": SGLANG_400["message"], "type": "invalid_request_error", "param": None,
+            "code": None}
+    assert len(bad.received) == 2 and spare.received == []  # no retry, no fallback
+    oa = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="k")
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        await oa.chat.completions.create(model="up", messages=MESSAGES, max_tokens=-3)
+    assert len(bad.received) == 3  # the openai client did not retry it either

@@ -30,6 +30,7 @@ from flowlift.proxy.dispatch.sse_bytes import (
     complete_prefix,
     data_fields,
     finished,
+    has_error,
     without_usage,
 )
 from flowlift.proxy.dispatch.upstream import Upstream, forwarded_headers, translate
@@ -131,9 +132,12 @@ def upstream_error_response(exc: UpstreamError) -> web.Response:
     """The client's answer when every attempt failed.
 
     An upstream's own 4xx with an OpenAI-shaped body goes to the client as it is (the
-    request was at fault). Anything else is the backend's fault, never the client's and
-    never flowlift's own 500: 5xx becomes 502 (503 stays 503), other non-OpenAI answers
-    502, and a 429/503 always carries ``Retry-After``.
+    request was at fault); a 4xx whose JSON body says what was wrong in another shape
+    (vLLM's and SGLang's ``{"object": "error", "message": ...}``, FastAPI's
+    ``{"detail": ...}``) keeps its status, its message carried into the OpenAI error
+    shape (case N9). Anything else is the backend's fault, never the client's and never
+    flowlift's own 500: 5xx becomes 502 (503 stays 503), other non-OpenAI answers 502,
+    and a 429/503 always carries ``Retry-After``.
     """
     headers = {"X-Flowlift-Backend": exc.backend} if exc.backend else {}
     status = exc.status if exc.status < 500 or exc.status in (503, 504) else 502
@@ -150,12 +154,41 @@ def upstream_error_response(exc: UpstreamError) -> web.Response:
         if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
             return web.Response(body=exc.body, status=status,
                                 content_type="application/json", headers=headers)
+        message = _foreign_message(doc)
+        if status < 500 and message is not None:
+            return web.json_response({"error": {
+                "message": message, "type": _CLIENT_ERROR_TYPES.get(status,
+                                                                    "invalid_request_error"),
+                "param": doc.get("param") if isinstance(doc.get("param"), str) else None,
+                "code": doc.get("code") if isinstance(doc.get("code"), str) else None}},
+                status=status, headers=headers)
         if status < 500:
             status = 502  # an HTML 404 from a misconfigured base_url is not the client's
     body = exc.to_openai()
     body["error"]["message"] = (f"{exc.message} (upstream status {exc.status})"
                                 if status != exc.status else exc.message)
     return web.json_response(body, status=status, headers=headers)
+
+
+_CLIENT_ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
+                       404: "not_found_error", 409: "conflict_error",
+                       422: "unprocessable_entity_error", 429: "rate_limit_error"}
+
+
+def _foreign_message(doc: object) -> str | None:
+    """The message of a JSON error body not in OpenAI's shape: ``message`` (vLLM,
+    SGLang), ``detail`` (FastAPI; a list of problems is joined) or ``error`` (a
+    string); None when it holds none."""
+    if not isinstance(doc, dict):
+        return None
+    for key in ("message", "detail", "error"):
+        value = doc.get(key)
+        if isinstance(value, str) and value:
+            return value
+        if key == "detail" and isinstance(value, list) and value:
+            return "; ".join(str(v.get("msg", v)) if isinstance(v, dict) else str(v)
+                             for v in value)
+    return None
 
 
 def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
@@ -216,6 +249,7 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
     if traced is not None:
         traced.sse(opened.head)
     done = finished(opened.head)
+    errored = has_error(opened.head)  # the upstream ended it with its own error event
     buffer = opened.tail
     failure: str | None = None
     loop = asyncio.get_running_loop()
@@ -238,11 +272,15 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
                         traced.sse(events)
                     await resp.write(without_usage(events) if strip_usage else events)
                     done = done or finished(events)
+                    errored = errored or has_error(events)
                     if collect is not None:
                         collect.add(events)
         except (TimeoutError, httpx.HTTPError) as exc:
             failure = str(translate(exc, upstream.name, stage="mid-stream"))
-        if not done:
+        if errored:  # one failure, one error event: the upstream's own
+            opened.call.failed("request")
+            log.warning("stream_ended_by_upstream_error", backend=upstream.name)
+        elif not done:
             await _cut_short(resp, opened, failure)
         else:
             opened.call.succeeded()

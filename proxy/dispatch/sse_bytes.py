@@ -43,6 +43,23 @@ def finished(events: bytes) -> bool:
             or (b"event:" in events and _TERMINAL.search(events) is not None))
 
 
+def has_error(events: bytes) -> bool:
+    """Whether whole ``events`` include an in-band error event (a JSON object with an
+    ``error`` member, or an ``event: error``)."""
+    if b'"error"' not in events and b"event: error" not in events:
+        return False
+    if re.search(rb"^event: ?error\s*$", events, re.MULTILINE):
+        return True
+    for data in data_fields(events):
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(doc, dict) and doc.get("error") is not None:
+            return True
+    return False
+
+
 def data_fields(events: bytes) -> Iterator[str]:
     """The ``data`` of each event in whole ``events`` (multi-line data joined by ``\\n``)."""
     for block in re.split(rb"\r\n\r\n|\n\n|\r\r", events):

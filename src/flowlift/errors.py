@@ -8,6 +8,7 @@
     │   ├── SemanticVariableError     a placeholder used as if it held a value
     │   ├── RequestError              malformed request (``param`` names the field)
     │   │   ├── PayloadTooLarge       body over the configured limit (HTTP 413)
+    │   │   ├── RunNotFound           no workflow run has that id (HTTP 404)
     │   │   └── ContextLengthExceeded prompt (+ max_tokens) past the model's context;
     │   │                             never retried on the same model
     │   ├── ModelNotFound             model name not served (HTTP 404)
@@ -103,6 +104,20 @@ class RequestError(UserError):
 class PayloadTooLarge(RequestError):
     status = 413
     code = "payload_too_large"
+
+
+class RunNotFound(RequestError):
+    """No workflow run, active, recently finished or stored, has this id (HTTP 404
+    ``run_not_found``, on every run route)."""
+
+    status = 404
+    code = "run_not_found"
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"no workflow run {run_id[:128]!r} is active, recently finished "
+                         "or stored here; check the id (runs start with 'wf-')",
+                         param="run_id")
+        self.run_id = run_id
 
 
 class ContextLengthExceeded(RequestError):
