@@ -316,3 +316,72 @@ async def test_N9_foreign_error_bodies(aiohttp_client, aiohttp_server):
     with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
         await oa.chat.completions.create(model="up", messages=MESSAGES, max_tokens=-3)
     assert len(bad.received) == 3  # the openai client did not retry it either
+
+
+# -- N4: SSE framing; keep-alives are no model events ----------------------------------
+def _event(doc: Any) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+N4_DOCS = [chunk({"role": "assistant", "content": ""}), chunk({"content": "Hel"}),
+           chunk({"content": "lo"}), chunk({}, "stop")]
+
+
+def _n4_variants() -> dict[str, list[bytes]]:
+    whole = [_event(d) for d in N4_DOCS] + [b"data: [DONE]\n\n"]
+    first = whole[1]
+    crlf = [e.replace(b"\n\n", b"\r\n\r\n") for e in whole]
+    two_lines = [b"data: " + json.dumps(d, indent=None).replace(", ", ",\ndata: ", 1).encode()
+                 + b"\n\n" for d in N4_DOCS] + [b"data: [DONE]\n\n"]
+    named = []
+    for e in whole:
+        named += [b"event: message\n", e]
+    return {"split_json": [whole[0], first[:17], first[17:], *whole[2:]],
+            "three_in_one_write": [b"".join(whole[:3]), *whole[3:]],
+            "crlf_separators": crlf,
+            "event_and_data_lines_apart": named,
+            "one_event_on_two_data_lines": two_lines,
+            "keep_alives_between": [p for e in whole for p in (b": keep-alive\n\n", e)]}
+
+
+@pytest.mark.parametrize("variant", list(_n4_variants()))
+async def test_N4_sse_framing(aiohttp_client, aiohttp_server, variant):
+    fake = FakeUpstream([FakeUpstream.stream(_n4_variants()[variant], gap_s=0.05)])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    resp = await client.post("/v1/chat/completions", json={"model": "up", "stream": True,
+                                                           "messages": MESSAGES})
+    events = datas(await resp.text())
+    assert events == [*N4_DOCS, "[DONE]"], variant
+
+
+async def test_N4_keep_alives_are_no_first_token(aiohttp_client, aiohttp_server):
+    """Only keep-alive comments for 3 s, first-token timeout 1 s: the attempt is
+    abandoned at ~1 s and the next one answers (before: the comment was the first
+    token, and the client waited out the comments)."""
+    chatty = FakeUpstream.stream([b": keep-alive\n\n"] * 15, gap_s=0.2)
+    fake = FakeUpstream([chatty, FakeUpstream.stream(sse_bytes(chunk({"content": "real"}),
+                                                               chunk({}, "stop")))])
+    client = await shared_backend_proxy(aiohttp_client, aiohttp_server, fake, {"up": {}},
+                                        first_token_timeout_s=1)
+    t0 = time.monotonic()
+    resp = await client.post("/v1/chat/completions", json={"model": "up", "stream": True,
+                                                           "messages": MESSAGES})
+    events = datas(await resp.text())
+    assert events[0]["choices"][0]["delta"]["content"] == "real"
+    assert 0.9 < time.monotonic() - t0 < 2.5 and len(fake.received) == 2
+
+
+async def test_N4_keep_alives_do_not_reset_the_idle_timer(aiohttp_client, aiohttp_server):
+    """Two content chunks, then keep-alives every 0.2 s for 6 s, idle timeout 1 s: the
+    stream is cut ~1 s after its last chunk with one in-band error and no [DONE]."""
+    pieces = sse_bytes(chunk({"content": "a"}), chunk({"content": "b"}), done=False)
+    fake = FakeUpstream([FakeUpstream.stream(pieces + [b": keep-alive\n\n"] * 30, gap_s=0.2)])
+    client = await shared_backend_proxy(aiohttp_client, aiohttp_server, fake, {"up": {}},
+                                        idle_timeout_s=1)
+    t0 = time.monotonic()
+    resp = await client.post("/v1/chat/completions", json={"model": "up", "stream": True,
+                                                           "messages": MESSAGES})
+    events = datas(await resp.text())
+    assert time.monotonic() - t0 < 2.5
+    assert [e for e in events if "error" in e] == [events[-1]] and "[DONE]" not in events
+    assert "timed out" in events[-1]["error"]["message"]

@@ -33,7 +33,7 @@ from flowlift.errors import Overloaded, UpstreamError
 from flowlift.proxy.dispatch.health import Call, Evidence
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
-from flowlift.proxy.dispatch.sse_bytes import complete_prefix
+from flowlift.proxy.dispatch.sse_bytes import complete_prefix, has_data
 from flowlift.proxy.dispatch.upstream import Upstream, error_from, translate
 from flowlift.tracing import get_logger
 
@@ -180,7 +180,7 @@ async def _first_bytes(upstream: Upstream, call: Call,
     async for chunk in chunks:
         buffer += chunk
         end = complete_prefix(buffer)
-        if end:
+        if end and has_data(buffer[:end]):  # comments (keep-alives) are no first token
             return Opened(upstream, call, response, head=buffer[:end], tail=buffer[end:],
                           chunks=chunks)
     return None

@@ -30,6 +30,7 @@ from flowlift.proxy.dispatch.sse_bytes import (
     complete_prefix,
     data_fields,
     finished,
+    has_data,
     has_error,
     without_usage,
 )
@@ -229,35 +230,53 @@ class _Collect:
             self.parts.extend(c.text for c in chunk.choices if c.index == 0)
 
 
+class _Passing:
+    """What a forwarded stream has shown so far, and each whole piece passed on: noted
+    for the span, written to the client (less the usage it did not ask for), collected
+    for ``on_output``."""
+
+    def __init__(self, resp: web.StreamResponse, on_output: OnOutput | None,
+                 strip_usage: bool) -> None:
+        self.resp, self.strip_usage = resp, strip_usage
+        self.collect = _Collect() if on_output is not None else None
+        self.traced = request_tracing.current()
+        self.done = False  # the end marker came
+        self.errored = False  # the upstream sent its own error event
+
+    async def pass_on(self, events: bytes) -> None:
+        if self.traced is not None:
+            self.traced.sse(events)
+        await self.resp.write(without_usage(events) if self.strip_usage else events)
+        self.done = self.done or finished(events)
+        self.errored = self.errored or has_error(events)
+        if self.collect is not None:
+            self.collect.add(events)
+
+
 async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | None,
                   deadline: float, *, strip_usage: bool = False) -> web.StreamResponse:
     """Forward the stream as it arrives, whole events per write (:mod:`.sse_bytes`).
 
-    The idle timeout restarts only when a whole event arrives (bytes dribbling in
-    without ever finishing one do not keep a stream alive), and the request's total
-    budget (``deadline``, event-loop time) ends any stream that outlives it. With
-    ``strip_usage`` (the proxy asked for the usage, the client did not) the usage is
-    read for the records and left out of what the client gets.
+    The idle timeout restarts only when a whole model event arrives (bytes dribbling
+    in without ever finishing one, or ``: keep-alive`` comments, do not keep a stream
+    alive: cases S6, N4, N6), and the request's total budget (``deadline``, event-loop
+    time) ends any stream that outlives it. With ``strip_usage`` (the proxy asked for
+    the usage, the client did not) the usage is read for the records and left out of
+    what the client gets. One failure, one error event: the upstream's own when it sent
+    one, else flowlift's (:func:`_cut_short`).
     """
     upstream = opened.upstream
     assert opened.chunks is not None
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache",
                                        "X-Flowlift-Backend": upstream.name})
-    collect = _Collect() if on_output is not None else None
-    traced = request_tracing.current()
-    if traced is not None:
-        traced.sse(opened.head)
-    done = finished(opened.head)
-    errored = has_error(opened.head)  # the upstream ended it with its own error event
+    passing = _Passing(resp, on_output, strip_usage)
     buffer = opened.tail
     failure: str | None = None
     loop = asyncio.get_running_loop()
     try:
         await resp.prepare(request)
-        await resp.write(without_usage(opened.head) if strip_usage else opened.head)
-        if collect is not None:
-            collect.add(opened.head)
+        await passing.pass_on(opened.head)
         try:
             idle_s = upstream.spec.idle_timeout_s
             async with asyncio.timeout_at(min(loop.time() + idle_s, deadline)) as idle:
@@ -266,30 +285,30 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
                     end = complete_prefix(buffer)
                     if not end:
                         continue
-                    idle.reschedule(min(loop.time() + idle_s, deadline))
                     events, buffer = buffer[:end], buffer[end:]
-                    if traced is not None:
-                        traced.sse(events)
-                    await resp.write(without_usage(events) if strip_usage else events)
-                    done = done or finished(events)
-                    errored = errored or has_error(events)
-                    if collect is not None:
-                        collect.add(events)
+                    if has_data(events):  # a keep-alive comment does not keep it alive
+                        idle.reschedule(min(loop.time() + idle_s, deadline))
+                    await passing.pass_on(events)
         except (TimeoutError, httpx.HTTPError) as exc:
             failure = str(translate(exc, upstream.name, stage="mid-stream"))
-        if errored:  # one failure, one error event: the upstream's own
-            opened.call.failed("request")
-            log.warning("stream_ended_by_upstream_error", backend=upstream.name)
-        elif not done:
-            await _cut_short(resp, opened, failure)
-        else:
-            opened.call.succeeded()
-            if collect is not None and on_output is not None:
-                on_output("".join(collect.parts), collect.usage)
+        await _end(opened, passing, failure, on_output)
         await resp.write_eof()
     except ConnectionResetError:
         log.info("client_went_away", backend=upstream.name)
     return resp
+
+
+async def _end(opened: Opened, passing: _Passing, failure: str | None,
+               on_output: OnOutput | None) -> None:
+    if passing.errored:  # the upstream's own error event was the one
+        opened.call.failed("request")
+        log.warning("stream_ended_by_upstream_error", backend=opened.upstream.name)
+    elif not passing.done:
+        await _cut_short(passing.resp, opened, failure)
+    else:
+        opened.call.succeeded()
+        if passing.collect is not None and on_output is not None:
+            on_output("".join(passing.collect.parts), passing.collect.usage)
 
 
 async def _cut_short(resp: web.StreamResponse, opened: Opened, failure: str | None) -> None:

@@ -36,6 +36,16 @@ def complete_prefix(buffer: bytes) -> int:
     return end
 
 
+_DATA_LINE = re.compile(rb"^data:", re.MULTILINE)
+
+
+def has_data(events: bytes) -> bool:
+    """Whether whole ``events`` hold a model event (a ``data:`` line), not only
+    comments (``: keep-alive``) or blank lines: only such an event counts as a first
+    token or restarts an idle timer (cases N4, N6)."""
+    return events.startswith(b"data:") or _DATA_LINE.search(events) is not None
+
+
 def finished(events: bytes) -> bool:
     """Whether whole ``events`` include the stream's end marker."""
     # cheap substring tests first: every chunk of a stream passes through here

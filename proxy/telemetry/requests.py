@@ -31,7 +31,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from flowlift.local_engine.base import Engine, GenerationChunk, Usage
-from flowlift.proxy.dispatch.sse_bytes import data_fields, finished
+from flowlift.proxy.dispatch.sse_bytes import data_fields, finished, has_data
 from flowlift.proxy.http import Handler
 from flowlift.proxy.openai import chunks
 from flowlift.tracing import genai
@@ -142,6 +142,8 @@ class RequestTrace:
         """Whole events of a forwarded upstream stream. Parsed only where they may hold
         usage or a finish reason (a byte search first), and the first (the model)."""
         with _safe("sse"):
+            if not has_data(events):  # keep-alive comments: no model event
+                return
             now = time.monotonic()
             self.first_at = self.first_at or now
             self.last_at = now
