@@ -67,6 +67,8 @@ class ProxyConfig:
     Attributes:
         max_concurrency: engine requests in flight per backend.
         max_body_bytes: request bodies above this get HTTP 413.
+        body_idle_timeout_s: a request body that sends nothing for this long before it
+            is whole is cut (HTTP 400 ``incomplete_body``; case N10).
         trace_dir: where each finished run's trace is written (JSON lines), or None.
         state_path: SQLite file of durable runs; None keeps runs in memory only.
         detached_timeout_s: a run nobody listens to for this long is cancelled.
@@ -83,6 +85,7 @@ class ProxyConfig:
 
     max_concurrency: int = 16
     max_body_bytes: int = 32 * 1024 * 1024
+    body_idle_timeout_s: float = 30.0
     trace_dir: Path | None = None
     state_path: Path | None = None
     detached_timeout_s: float = 300.0

@@ -4,6 +4,7 @@ nobody blacked out"), through flowlift's proxy to a scripted upstream on a real 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from typing import Any
@@ -385,3 +386,88 @@ async def test_N4_keep_alives_do_not_reset_the_idle_timer(aiohttp_client, aiohtt
     assert time.monotonic() - t0 < 2.5
     assert [e for e in events if "error" in e] == [events[-1]] and "[DONE]" not in events
     assert "timed out" in events[-1]["error"]["message"]
+
+
+# -- N10: big, slow and short bodies ----------------------------------------------------
+async def _raw_post(client: Any, body: bytes, content_length: int, *, gap_s: float = 0.0,
+                    piece: int = 64 * 1024, close: bool = False,
+                    read_timeout_s: float = 10.0) -> bytes:
+    """POST ``body`` to /v1/chat/completions over a raw socket announcing
+    ``content_length``, in ``piece``-byte writes ``gap_s`` apart; ``close``: shut the
+    socket's writing half after the body. Returns what the proxy answered (b"": none)."""
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\n"
+                 b"Content-Length: " + str(content_length).encode() + b"\r\n\r\n")
+    for i in range(0, len(body), piece):
+        writer.write(body[i:i + piece])
+        await writer.drain()
+        if gap_s:
+            await asyncio.sleep(gap_s)
+    if close:
+        writer.write_eof()
+    async def answer() -> bytes:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            return exc.partial  # closed without an answer
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        return head + await reader.readexactly(length)
+    try:
+        return await asyncio.wait_for(answer(), read_timeout_s)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("size_mb", [1.9, 20])
+async def test_N10_big_bodies_sent_slowly_reach_upstream_byte_identical(
+        aiohttp_client, aiohttp_server, size_mb):
+    fake = FakeUpstream([FakeUpstream.json(chat_json())])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    image = "A" * int(size_mb * 1024 * 1024)
+    body = json.dumps({"model": "up", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]}],
+        "vendor_field": None}).encode()
+    answer = await _raw_post(client, body, len(body), gap_s=0.002, read_timeout_s=60)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    got = fake.received[0].body
+    assert (len(got), hashlib.sha256(got).hexdigest()) == (len(body),
+                                                            hashlib.sha256(body).hexdigest())
+
+
+async def test_N10_a_body_shorter_than_its_content_length_is_named_and_logged(
+        aiohttp_client, aiohttp_server, capsys):
+    fake = FakeUpstream([FakeUpstream.json(chat_json())])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    body = json.dumps({"model": "up", "messages": MESSAGES}).encode()
+    await _raw_post(client, body[:20], len(body), close=True)  # the socket closes early
+    await asyncio.sleep(0.2)
+    logged = capsys.readouterr()
+    assert "incomplete_request_body" in logged.out + logged.err
+    assert "unhandled_error" not in logged.out + logged.err
+    assert fake.received == []
+    ok = await client.post("/v1/chat/completions", json={"model": "up", "messages": MESSAGES})
+    assert ok.status == 200  # and the proxy serves the next request as ever
+
+
+async def test_N10_a_half_sent_body_that_stalls_is_cut_by_the_body_read_timeout(
+        aiohttp_client, aiohttp_server):
+    from flowlift.proxy import ProxyConfig
+
+    fake = FakeUpstream([FakeUpstream.json(chat_json())])
+    url = str((await aiohttp_server(fake.app())).make_url("/v1"))
+    app = create_app({}, ProxyConfig(body_idle_timeout_s=0.5), file_config=parse_config({
+        "backends": {"r0": {"kind": "openai", "base_url": url}},
+        "models": {"up": {"backends": ["r0"]}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    body = json.dumps({"model": "up", "messages": MESSAGES}).encode()
+    t0 = time.monotonic()
+    answer = await _raw_post(client, body[:20], len(body), read_timeout_s=5)
+    assert 0.4 < time.monotonic() - t0 < 3
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer
+    error = json.loads(payload)["error"]
+    assert error["code"] == "incomplete_body" and "20 of the" in error["message"]
+    assert fake.received == []

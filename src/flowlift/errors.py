@@ -9,6 +9,8 @@
     │   ├── RequestError              malformed request (``param`` names the field)
     │   │   ├── PayloadTooLarge       body over the configured limit (HTTP 413)
     │   │   ├── RunNotFound           no workflow run has that id (HTTP 404)
+    │   │   ├── IncompleteBody        a body shorter than its Content-Length, or one
+    │   │   │                         that stalled half-sent (HTTP 400)
     │   │   └── ContextLengthExceeded prompt (+ max_tokens) past the model's context;
     │   │                             never retried on the same model
     │   ├── ModelNotFound             model name not served (HTTP 404)
@@ -118,6 +120,14 @@ class RunNotFound(RequestError):
                          "or stored here; check the id (runs start with 'wf-')",
                          param="run_id")
         self.run_id = run_id
+
+
+class IncompleteBody(RequestError):
+    """The request body ended (the connection closed) or stalled past the body-read
+    timeout before the bytes its ``Content-Length`` announced arrived (HTTP 400
+    ``incomplete_body``)."""
+
+    code = "incomplete_body"
 
 
 class ContextLengthExceeded(RequestError):
