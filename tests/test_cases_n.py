@@ -471,3 +471,35 @@ async def test_N10_a_half_sent_body_that_stalls_is_cut_by_the_body_read_timeout(
     error = json.loads(payload)["error"]
     assert error["code"] == "incomplete_body" and "20 of the" in error["message"]
     assert fake.received == []
+
+
+# -- N11: a step attempt's upstream request carries Idempotency-Key run:step:attempt ---
+def _step(node_id: str, *content: Any, **extra: Any) -> dict[str, Any]:
+    parts = [c if isinstance(c, dict) else {"text": c} for c in content]
+    return {"kind": "llm", "id": node_id, "model": "up",
+            "messages": [{"role": "user", "content": parts}], **extra}
+
+
+def stream_answer(text: str) -> Script:
+    return FakeUpstream.stream(sse_bytes(chunk({"content": text}), chunk({}, "stop"),
+                                         {**chunk(), "choices": [], "usage": USAGE}))
+
+
+async def test_N11_step_attempts_carry_idempotency_keys(aiohttp_client, aiohttp_server):
+    fake = FakeUpstream([stream_answer("alpha"), stream_answer("not a number"),
+                         stream_answer("42")])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    graph = {"id": "wf-n11:x", "nodes": [
+        _step("a", "first"),
+        _step("b", "after ", {"ref": "a", "path": []}, contract={"regex": r"\d+"},
+              retries=2)]}
+    events = parse_sse(await (await client.post("/v1/workflows", json=graph)).text())
+    assert events[-1][1]["status"] == "succeeded", events[-1]
+    keys = [{k.lower(): v for k, v in r.headers.items()}.get("idempotency-key")
+            for r in fake.received]
+    assert keys == ["wf-n11:x:a:1", "wf-n11:x:b:1", "wf-n11:x:b:2"]
+    # a drop-in client's own key passes through unchanged
+    await client.post("/v1/chat/completions", json={"model": "up", "messages": MESSAGES},
+                      headers={"Idempotency-Key": "client-key-7"})
+    assert {k.lower(): v for k, v in fake.received[-1].headers.items()}[
+        "idempotency-key"] == "client-key-7"
