@@ -18,6 +18,7 @@ chunk; ``flowlift.decode_ms``: first to last chunk) and a ``first_token`` event.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import re
 import time
@@ -293,9 +294,13 @@ def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
             otel_context.detach(ctx_token)
             _current.reset(token)
             transport = request.transport
-            abandoned = transport is None or transport.is_closing()
+            abandoned = (transport is None or transport.is_closing()
+                         or isinstance(error, asyncio.CancelledError))
             with _safe("end"):
                 rt.end(status, abandoned, error)
+                if abandoned:  # case N1: the client left; its upstream work was stopped
+                    log.info("request_cancelled_by_client", path=request.path,
+                             model=rt.model, after_ms=round((time.monotonic() - rt.t0) * 1000))
             if observe is not None:
                 with _safe("observe"):
                     observe(rt)
