@@ -684,3 +684,92 @@ async def test_N2_a_cancelled_or_late_run_aborts_its_step_once_and_starts_no_dep
     assert engine.running() == 0 and len(engine.aborted) == 1
     assert [r.request_id for r in engine.requests] == [f"wf-n2-{how}:a"]  # b never started
     assert events[-1][1]["status"] in ("cancelled", "failed")
+
+
+# -- N5: tool-call arguments under any chunking -----------------------------------------
+CALL_ARGS = {"city": "Paris", "units": "metric", "days": [1, 2, 3], "note": "naïve \"q\""}
+
+
+def _tool_call_stream(pieces: list[str]) -> list[bytes]:
+    head = {"index": 0, "id": "call_7", "type": "function",
+            "function": {"name": "forecast", "arguments": pieces[0]}}
+    docs = [chunk({"role": "assistant", "content": None, "tool_calls": [head]})]
+    docs += [chunk({"tool_calls": [{"index": 0, "function": {"arguments": p}}]})
+             for p in pieces[1:]]
+    docs.append(chunk({}, "tool_calls"))
+    return sse_bytes(*docs)
+
+
+def _chunkings(text: str) -> list[list[str]]:
+    """One delta, 3-character deltas, completed by the final delta, and 25 random
+    chunkings (seeded: a failure names its chunking)."""
+    import random
+
+    out = [[text], [text[i:i + 3] for i in range(0, len(text), 3)], ["", text]]
+    rng = random.Random(16)
+    for _ in range(25):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+    return out
+
+
+async def test_N5_tool_call_arguments_under_any_chunking(aiohttp_client, aiohttp_server):
+    text = json.dumps(CALL_ARGS, ensure_ascii=False)
+    whole = chat_json(None)
+    whole["choices"][0]["message"] = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_7", "type": "function",
+         "function": {"name": "forecast", "arguments": text}}]}
+    whole["choices"][0]["finish_reason"] = "tool_calls"
+    fake = FakeUpstream([FakeUpstream.json(whole)])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    body = {"model": "up", "messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": "forecast", "parameters": {"type": "object"}}}]}
+    plain = (await (await client.post("/v1/chat/completions", json=body)).json())
+    expected = json.loads(plain["choices"][0]["message"]["tool_calls"][0]["function"][
+        "arguments"])
+    assert expected == CALL_ARGS
+    for pieces in _chunkings(text):
+        fake.scripts.append(FakeUpstream.stream(_tool_call_stream(pieces)))
+        resp = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        events = [e for e in datas(await resp.text()) if isinstance(e, dict)]
+        deltas = [e["choices"][0]["delta"] for e in events]
+        calls = [c for d in deltas for c in d.get("tool_calls") or []]
+        assert {c["index"] for c in calls} == {0}, pieces
+        assert [c["id"] for c in calls if c.get("id")] == ["call_7"], pieces
+        assert [c["function"]["name"] for c in calls if c["function"].get("name")] == [
+            "forecast"], pieces
+        args = "".join(c["function"].get("arguments") or "" for c in calls)
+        assert json.loads(args) == expected, pieces
+        assert not any(d.get("content") for d in deltas), pieces  # no JSON in content
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# -- N12: retries of streamed structured output -----------------------------------------
+async def test_N12_retries_of_streamed_structured_output(aiohttp_client, aiohttp_server):
+    def answer(text: str, completion: int) -> Script:
+        usage = {"prompt_tokens": 11, "completion_tokens": completion, "total_tokens": 0}
+        return FakeUpstream.stream(sse_bytes(*[chunk({"content": text[i:i + 5]})
+                                               for i in range(0, len(text), 5)],
+                                             chunk({}, "stop"),
+                                             {**chunk(), "choices": [], "usage": usage}))
+    fake = FakeUpstream([answer('{"name": "Jason", "age": 25}', 9),
+                         answer('{"name": "Jason Liu", "age": 25}', 10)])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    schema = {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string", "pattern": "^\\S+ \\S+$"}, "age": {"type": "integer"}}}
+    graph = {"id": "wf-n12", "nodes": [_step("person", "Who?", contract={
+        "json_schema": schema}, retries=2)]}
+    events = parse_sse(await (await client.post("/v1/workflows", json=graph)).text())
+    assert events[-1][1]["status"] == "succeeded", events[-1]
+    finished = [d for e, d in events if e == "step.finished"]
+    assert [d["value"] for d in finished] == [{"name": "Jason Liu", "age": 25}]
+    assert len(fake.received) == 2  # attempt 1 read to its end, then fed back
+    retry_prompt = json.dumps(fake.received[1].json()["messages"])
+    assert "Jason" in retry_prompt and "pattern" in retry_prompt.lower(), retry_prompt
+    run = await (await client.get("/v1/workflows/wf-n12")).json()
+    (step,) = [s for s in run["trace"] if s.get("step_id", s.get("id")) == "person"]
+    attempts = step["attempts"]
+    assert [(a["prompt_tokens"], a["completion_tokens"]) for a in attempts] == [(11, 9),
+                                                                                (11, 10)]
+    assert attempts[0]["outcome"] != "ok" and attempts[1]["outcome"] == "ok"
+    assert (step["prompt_tokens"], step["completion_tokens"]) == (22, 19)  # the total, once
