@@ -21,7 +21,8 @@ file (``flowlift serve --config flowlift.toml``)::
     idle_timeout_s = 60                  # between stream events
     response_timeout_s = 300             # a whole (non-streamed) answer, per attempt
     max_connections = 64                 # pooled connections (and requests in flight)
-    failures_to_cool = 3                 # consecutive failures before a cool-down
+    failures_to_cool = 3                 # distinct requests in a row failed by the backend
+                                         # (proxy/dispatch/health.py) before a cool-down
     cooldown_s = 30
     rename = { "llama-3-8b" = "meta-llama/Meta-Llama-3-8B-Instruct" }
 
