@@ -773,3 +773,22 @@ async def test_N12_retries_of_streamed_structured_output(aiohttp_client, aiohttp
                                                                                 (11, 10)]
     assert attempts[0]["outcome"] != "ok" and attempts[1]["outcome"] == "ok"
     assert (step["prompt_tokens"], step["completion_tokens"]) == (22, 19)  # the total, once
+
+
+async def test_spend_is_counted_once_per_request_and_per_step_attempt(aiohttp_client,
+                                                                      aiohttp_server):
+    """Item 2's cost accounting: (prompt + completion) / 1000 x the model's price, for a
+    drop-in stream whose client did not ask for usage and for a workflow step."""
+    fake = FakeUpstream([usage_when_stream_options()])
+    client = await shared_backend_proxy(aiohttp_client, aiohttp_server, fake,
+                                        {"up": {"price_per_1k_tokens": 2.0}})
+    resp = await client.post("/v1/chat/completions", json={"model": "up", "stream": True,
+                                                           "messages": MESSAGES})
+    await resp.read()
+    events = parse_sse(await (await client.post("/v1/workflows", json={
+        "nodes": [_step("a", "hi")]})).text())
+    assert events[-1][1]["status"] == "succeeded"
+    metrics = await (await client.get("/metrics")).text()
+    spend = next(line for line in metrics.splitlines()
+                 if line.startswith('flowlift_spend_total{model="up"}'))
+    assert float(spend.split()[-1]) == pytest.approx(2 * (5 + 2) / 1000 * 2.0)
