@@ -792,3 +792,14 @@ async def test_spend_is_counted_once_per_request_and_per_step_attempt(aiohttp_cl
     spend = next(line for line in metrics.splitlines()
                  if line.startswith('flowlift_spend_total{model="up"}'))
     assert float(spend.split()[-1]) == pytest.approx(2 * (5 + 2) / 1000 * 2.0)
+
+
+async def test_N9_a_workflow_step_keeps_the_upstreams_message_and_is_not_retried(
+        aiohttp_client, aiohttp_server):
+    fake = FakeUpstream([FakeUpstream.json(SGLANG_400, 400)])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    events = parse_sse(await (await client.post("/v1/workflows", json={
+        "nodes": [_step("a", "hi")]})).text())
+    assert events[-1][1]["status"] == "failed"
+    assert SGLANG_400["message"] in json.dumps(events[-1][1]["failures"])
+    assert len(fake.received) == 1

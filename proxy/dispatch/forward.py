@@ -34,7 +34,12 @@ from flowlift.proxy.dispatch.sse_bytes import (
     has_error,
     without_usage,
 )
-from flowlift.proxy.dispatch.upstream import Upstream, forwarded_headers, translate
+from flowlift.proxy.dispatch.upstream import (
+    Upstream,
+    error_message,
+    forwarded_headers,
+    translate,
+)
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.proxy.workflows.inferred import render_message
@@ -155,8 +160,8 @@ def upstream_error_response(exc: UpstreamError) -> web.Response:
         if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
             return web.Response(body=exc.body, status=status,
                                 content_type="application/json", headers=headers)
-        message = _foreign_message(doc)
-        if status < 500 and message is not None:
+        message = error_message(exc.body)
+        if status < 500 and message is not None and isinstance(doc, dict):
             return web.json_response({"error": {
                 "message": message, "type": _CLIENT_ERROR_TYPES.get(status,
                                                                     "invalid_request_error"),
@@ -174,22 +179,6 @@ def upstream_error_response(exc: UpstreamError) -> web.Response:
 _CLIENT_ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
                        404: "not_found_error", 409: "conflict_error",
                        422: "unprocessable_entity_error", 429: "rate_limit_error"}
-
-
-def _foreign_message(doc: object) -> str | None:
-    """The message of a JSON error body not in OpenAI's shape: ``message`` (vLLM,
-    SGLang), ``detail`` (FastAPI; a list of problems is joined) or ``error`` (a
-    string); None when it holds none."""
-    if not isinstance(doc, dict):
-        return None
-    for key in ("message", "detail", "error"):
-        value = doc.get(key)
-        if isinstance(value, str) and value:
-            return value
-        if key == "detail" and isinstance(value, list) and value:
-            return "; ".join(str(v.get("msg", v)) if isinstance(v, dict) else str(v)
-                             for v in value)
-    return None
 
 
 def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
