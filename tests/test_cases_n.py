@@ -803,3 +803,19 @@ async def test_N9_a_workflow_step_keeps_the_upstreams_message_and_is_not_retried
     assert events[-1][1]["status"] == "failed"
     assert SGLANG_400["message"] in json.dumps(events[-1][1]["failures"])
     assert len(fake.received) == 1
+
+
+async def test_N3_empty_stream_options_on_the_embedded_engine(aiohttp_client, captured):
+    app = create_app({"fake-model": FakeEngine(["fake-model"])})
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    seen = []
+    for options in (None, {}, {"include_usage": True}):
+        body = {"model": "fake-model", "stream": True, "messages": MESSAGES} | (
+            {} if options is None else {"stream_options": options})
+        events = datas(await (await client.post("/v1/chat/completions", json=body)).text())
+        seen.append([e for e in events if isinstance(e, dict) and e.get("usage")])
+    assert seen[0] == [] and seen[1] == [] and len(seen[2]) == 1
+    for span in await _span(captured, "chat fake-model", 3):
+        assert span.attributes["gen_ai.usage.output_tokens"] > 0
+        assert span.attributes["flowlift.usage.partial"] is False
