@@ -25,6 +25,9 @@ file (``flowlift serve --config flowlift.toml``)::
                                          # (proxy/dispatch/health.py) before a cool-down
     cooldown_s = 30
     rename = { "llama-3-8b" = "meta-llama/Meta-Llama-3-8B-Instruct" }
+    stream_usage = true                  # ask streams' usage (stream_options.include_usage)
+                                         # even when the client did not; false for a
+                                         # provider that rejects stream_options
 
     [models."llama-3-8b"]
     backends = ["vllm-a", "vllm-b"]      # replicas: session affinity, else least loaded
@@ -138,6 +141,7 @@ class UpstreamSpec(_Strict):
     failures_to_cool: int = Field(default=3, ge=1)
     cooldown_s: float = Field(default=30.0, ge=0)
     rename: dict[str, str] = Field(default_factory=dict)
+    stream_usage: bool = True
 
 
 BackendSpec = Annotated[EmbeddedSpec | UpstreamSpec, Field(discriminator="kind")]

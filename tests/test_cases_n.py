@@ -819,3 +819,14 @@ async def test_N3_empty_stream_options_on_the_embedded_engine(aiohttp_client, ca
     for span in await _span(captured, "chat fake-model", 3):
         assert span.attributes["gen_ai.usage.output_tokens"] > 0
         assert span.attributes["flowlift.usage.partial"] is False
+
+
+async def test_a_backend_that_rejects_stream_options_can_be_left_unasked(aiohttp_client,
+                                                                         aiohttp_server):
+    fake = FakeUpstream([usage_when_stream_options()])
+    client = await shared_backend_proxy(aiohttp_client, aiohttp_server, fake, {"up": {}},
+                                        stream_usage=False)
+    resp = await client.post("/v1/chat/completions", json={"model": "up", "stream": True,
+                                                           "messages": MESSAGES})
+    assert datas(await resp.text())[-1] == "[DONE]"
+    assert "stream_options" not in fake.received[0].json()  # the body as the client sent it

@@ -108,7 +108,8 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
     try:
         opened = await open_answer(
             backends, route, path=path, headers=headers,
-            body_for=lambda up: _body_for(up, raw, data, route.model, extra),
+            body_for=lambda up: _body_for(up, raw, data, route.model,
+                                          extra if up.spec.stream_usage else None),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity)
     except UpstreamError as exc:
         return upstream_error_response(exc)
@@ -129,7 +130,8 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
         if opened.body is not None:
             return _plain(opened, on_output)
         return await _stream(request, opened, on_output, deadline,
-                             strip_usage=extra is not None)
+                             strip_usage=extra is not None
+                             and opened.upstream.spec.stream_usage)
     finally:
         await opened.release()
 
