@@ -21,9 +21,13 @@ file (``flowlift serve --config flowlift.toml``)::
     idle_timeout_s = 60                  # between stream events
     response_timeout_s = 300             # a whole (non-streamed) answer, per attempt
     max_connections = 64                 # pooled connections (and requests in flight)
-    failures_to_cool = 3                 # consecutive failures before a cool-down
+    failures_to_cool = 3                 # distinct requests in a row failed by the backend
+                                         # (proxy/dispatch/health.py) before a cool-down
     cooldown_s = 30
     rename = { "llama-3-8b" = "meta-llama/Meta-Llama-3-8B-Instruct" }
+    stream_usage = true                  # ask streams' usage (stream_options.include_usage)
+                                         # even when the client did not; false for a
+                                         # provider that rejects stream_options
 
     [models."llama-3-8b"]
     backends = ["vllm-a", "vllm-b"]      # replicas: session affinity, else least loaded
@@ -67,6 +71,8 @@ class ProxyConfig:
     Attributes:
         max_concurrency: engine requests in flight per backend.
         max_body_bytes: request bodies above this get HTTP 413.
+        body_idle_timeout_s: a request body that sends nothing for this long before it
+            is whole is cut (HTTP 400 ``incomplete_body``; case N10).
         trace_dir: where each finished run's trace is written (JSON lines), or None.
         state_path: SQLite file of durable runs; None keeps runs in memory only.
         detached_timeout_s: a run nobody listens to for this long is cancelled.
@@ -83,6 +89,7 @@ class ProxyConfig:
 
     max_concurrency: int = 16
     max_body_bytes: int = 32 * 1024 * 1024
+    body_idle_timeout_s: float = 30.0
     trace_dir: Path | None = None
     state_path: Path | None = None
     detached_timeout_s: float = 300.0
@@ -134,6 +141,7 @@ class UpstreamSpec(_Strict):
     failures_to_cool: int = Field(default=3, ge=1)
     cooldown_s: float = Field(default=30.0, ge=0)
     rename: dict[str, str] = Field(default_factory=dict)
+    stream_usage: bool = True
 
 
 BackendSpec = Annotated[EmbeddedSpec | UpstreamSpec, Field(discriminator="kind")]

@@ -9,6 +9,7 @@ one place, and so is pydantic's ``ValidationError`` (the ``param`` names the fie
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Awaitable, Callable
@@ -18,7 +19,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from flowlift.errors import FlowliftError, PayloadTooLarge, RequestError
+from flowlift.errors import FlowliftError, IncompleteBody, PayloadTooLarge, RequestError
 from flowlift.proxy.state import STATE
 from flowlift.tracing import get_logger
 
@@ -69,14 +70,25 @@ def _loc(err: Any) -> str:
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request's raw body.
+    """The request's raw body (case N10: a body still arriving is read while it makes
+    progress; one that sends nothing for the config's ``body_idle_timeout_s`` is cut).
 
     Raises:
         PayloadTooLarge: over the configured body limit (case B4: HTTP 413).
+        IncompleteBody: the connection closed, or the body stalled, before the bytes
+            its ``Content-Length`` announced arrived (HTTP 400, and a log line).
         RequestError: a body its ``Content-Encoding`` cannot decode (HTTP 400).
     """
     try:
-        return await request.read()
+        if request.content.is_eof() or request.content_length == request.content.total_bytes:
+            return await request.read()  # whole already: the common case, no watchdog
+        return await _read_while_moving(request)
+    except ConnectionResetError:  # aiohttp: the client closed before the body was whole
+        raise _incomplete(request, "the connection closed") from None
+    except asyncio.CancelledError:  # the handler is cancelled when its client goes away
+        if request.content.total_bytes < (request.content_length or 0):
+            _incomplete(request, "the connection closed")  # the log line; nobody to answer
+        raise
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[STATE].config.max_body_bytes
         raise PayloadTooLarge(f"request body over the limit of {limit} bytes; raise it with "
@@ -86,6 +98,35 @@ async def read_body(request: web.Request) -> bytes:
         raise RequestError(f"request body cannot be decoded as Content-Encoding "
                            f"{encoding!r}: send it compressed that way, or send it "
                            "uncompressed without the header", param="body") from None
+
+
+async def _read_while_moving(request: web.Request) -> bytes:
+    """``request.read()``, cut when no byte arrived for ``body_idle_timeout_s``."""
+    idle_s = request.app[STATE].config.body_idle_timeout_s
+    reading = asyncio.ensure_future(request.read())
+    seen = request.content.total_bytes
+    try:
+        while True:
+            done, _ = await asyncio.wait((reading,), timeout=idle_s)
+            if done:
+                return reading.result()
+            if request.content.total_bytes == seen:
+                raise _incomplete(request, f"nothing arrived for {idle_s:g} s")
+            seen = request.content.total_bytes
+    finally:
+        if not reading.done():
+            reading.cancel()
+        elif not reading.cancelled():
+            reading.exception()  # retrieved: re-raised above, or superseded by a cancel
+
+
+def _incomplete(request: web.Request, why: str) -> IncompleteBody:
+    got, announced = request.content.total_bytes, request.content_length
+    log.warning("incomplete_request_body", path=request.path, received_bytes=got,
+                content_length=announced, reason=why)
+    return IncompleteBody(f"incomplete request body: {got} of the {announced} bytes its "
+                          f"Content-Length announced arrived, then {why}; send the whole "
+                          "body", param="body")
 
 
 def parse_json(raw: bytes) -> Any:

@@ -162,7 +162,7 @@ def test_an_upstream_call_is_counted_in_and_out_once_and_records_its_outcome():
     health = Health(failures_to_cool=2, cooldown_s=10)
     call = health.call()
     assert health.in_flight == 1
-    call.failed(status=502)
+    call.failed("down")
     call.close()
     call.close()
     assert health.in_flight == 0 and health.consecutive_failures == 1

@@ -66,7 +66,7 @@ async def test_metadata_joins_a_workflow_and_bad_ids_are_400(client):
 
 async def test_unknown_workflow_is_a_client_error(client):
     resp = await client.get("/v1/workflows/never-seen")
-    assert resp.status == 400
+    assert resp.status == 404 and (await resp.json())["error"]["code"] == "run_not_found"
     assert (await resp.json())["error"]["param"] == "run_id"
 
 

@@ -71,7 +71,7 @@ async def test_draining_refuses_new_work_and_serves_the_rest(client):
     # a tool result for a run under way is not new work: it passes the gate (404 here:
     # no such run) instead of getting 503
     r = await client.post("/v1/workflows/wf-x/steps/s/result", json={"value": 1})
-    assert r.status == 400 and (await r.json())["error"]["param"] == "run_id"
+    assert r.status == 404 and (await r.json())["error"]["code"] == "run_not_found"
 
 
 async def test_in_flight_count_covers_requests_not_probes(client):

@@ -166,7 +166,7 @@ async def test_invalid_graph_is_rejected_whole_and_proxy_keeps_serving(client, e
 
 async def test_tool_result_for_unknown_run_or_step(client):
     r = await client.post("/v1/workflows/wf-nope/steps/t/result", json={"value": 1})
-    assert r.status == 400 and (await r.json())["error"]["param"] == "run_id"
+    assert r.status == 404 and (await r.json())["error"]["code"] == "run_not_found"
 
 
 async def test_deadline_names_the_step_and_its_queue_time(aiohttp_client, make_app, engine):

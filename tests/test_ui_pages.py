@@ -165,7 +165,7 @@ async def test_progress_counts_a_running_run(client, engine):
     done = await (await client.get(f"/v1/workflows/{run_id}/progress")).json()
     assert done["counts"]["done"] == 4
     unknown = await client.get("/v1/workflows/wf-none/progress")
-    assert unknown.status == 400 and (await unknown.json())["error"]["param"] == "run_id"
+    assert unknown.status == 404 and (await unknown.json())["error"]["code"] == "run_not_found"
 
 
 async def test_failed_run_shows_the_failed_try_and_the_skipped_step(client, engine):

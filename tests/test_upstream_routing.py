@@ -74,20 +74,34 @@ def test_retry_after_http_date():
     assert retry_after_s({"retry-after": formatdate(now - 10, usegmt=True)}, now=now) == 0.0
 
 
-def test_health_cools_after_consecutive_failures_and_a_success_resets():
-    h = Health(failures_to_cool=2, cooldown_s=10)
-    h.failure(100.0)
-    assert h.available(100.0)
-    h.success()
-    h.failure(101.0)
-    assert h.available(101.0)
-    h.failure(102.0)
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_health_cools_after_failures_of_distinct_requests_in_a_row_and_a_success_resets():
+    clock = Clock()
+    h = Health(failures_to_cool=2, cooldown_s=10, clock=clock)
+    h.call(1).failed("down")
+    assert h.available(clock.t)
+    h.call(2).succeeded()
+    h.call(3).failed("down")
+    assert h.available(clock.t)
+    h.call(3).failed("down")  # the same request again: counted once
+    assert h.available(clock.t)
+    clock.t = 102.0
+    h.call(4).failed("down")
     assert not h.available(105.0) and h.available(112.0)
 
 
 def test_a_429_with_retry_after_cools_at_once_for_that_long():
-    h = Health(failures_to_cool=5, cooldown_s=30)
-    h.failure(0.0, status=429, retry_after=4)
+    clock = Clock()
+    clock.t = 0.0
+    h = Health(failures_to_cool=5, cooldown_s=30, clock=clock)
+    h.call().failed("busy", retry_after_s=4)
     assert not h.available(3.9) and h.available(4.0)
 
 

@@ -89,12 +89,14 @@ class Metrics:
         queue_depth: ``() -> [(backend, class, waiting)]`` (read at scrape time).
         active_workflows: ``() -> int``.
         upstream_in_flight: ``() -> [(backend, open requests)]``.
+        price_per_1k: served model name -> its price per 1,000 tokens (config
+            ``price_per_1k_tokens``), or None when it has none (no spend counted).
     """
 
     def __init__(self, *, queue_depth: QueueDepth = lambda: (),
                  active_workflows: Callable[[], int] = lambda: 0,
-                 upstream_in_flight: Callable[[], Iterable[tuple[str, int]]] = lambda: ()
-                 ) -> None:
+                 upstream_in_flight: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
+                 price_per_1k: Callable[[str], float | None] = lambda model: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_depth, self.active_workflows = queue_depth, active_workflows
@@ -110,6 +112,16 @@ class Metrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("flowlift_prompt_tokens", "Prompt tokens", ["model"],
                                      registry=r)
+        self.completion_tokens = Counter("flowlift_completion_tokens", "Completion tokens",
+                                         ["model"], registry=r)
+        self.price_per_1k = price_per_1k
+        self.spend_total = Counter(
+            "flowlift_spend", "Spend in the config's price unit: (prompt + completion "
+            "tokens) / 1000 x the served model's price_per_1k_tokens", ["model"], registry=r)
+        self.estimated_usage = Counter(
+            "flowlift_estimated_usage_requests",
+            "OpenAI requests whose usage was estimated (the upstream was cut, or the client "
+            "left, before it reported one)", ["model"], registry=r)
         self.cached_tokens = Counter("flowlift_cached_prompt_tokens",
                                      "Prompt tokens served from the prefix cache", ["model"],
                                      registry=r)
@@ -149,6 +161,14 @@ class Metrics:
         if decode_s is not None and completion_tokens > 1:
             self.tpot.labels(model, source).observe(max(decode_s, 0.0) / (completion_tokens - 1))
 
+    def spend(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """Count one request's (or step attempt's) spend on the served ``model``, when
+        the config prices it."""
+        price = self.price_per_1k(model)
+        tokens = max(prompt_tokens, 0) + max(completion_tokens, 0)
+        if price and tokens:
+            self.spend_total.labels(model).inc(tokens / 1000 * price)
+
     def cascade_escalated(self, from_model: str, to_model: str) -> None:
         """Count one escalation of a step from ``from_model`` to the next model of its
         cascade (for escalations not recorded as an ``AttemptTrace``)."""
@@ -180,6 +200,9 @@ class Metrics:
         self.record_attempts(st.attempts)
         for at in st.attempts:
             self.tokens(at.model, at.prompt_tokens, at.cached_tokens)
+            if at.completion_tokens > 0:
+                self.completion_tokens.labels(at.model).inc(at.completion_tokens)
+            self.spend(at.model, at.prompt_tokens, at.completion_tokens)
             if at.first_token_ms is None:
                 continue
             end = at.finished_ms if at is not st.attempts[-1] else st.generated_ms
@@ -189,12 +212,17 @@ class Metrics:
 
     def observe_request(self, operation: str, outcome: str, model: str | None,
                         ttft_s: float | None, decode_s: float | None,
-                        usage: tuple[Any, Any, Any]) -> None:
-        """One OpenAI API request that ended (``usage``: prompt, completion, cached)."""
+                        usage: tuple[Any, Any, Any], partial: bool = False) -> None:
+        """One OpenAI API request that ended (``usage``: prompt, completion, cached
+        tokens; ``partial``: they are an estimate), counted once."""
         self.requests.labels(operation, outcome).inc()
         if model is None:
             return
         prompt, completion, cached = usage
         if prompt:
             self.tokens(model, int(prompt), int(cached or 0))
+        if completion:
+            self.completion_tokens.labels(model).inc(int(completion))
+        if partial:
+            self.estimated_usage.labels(model).inc()
         self.latency(model, "openai", ttft_s, decode_s, int(completion or 0))

@@ -11,6 +11,7 @@ backoff ("full jitter", Brooker 2015) -- tenacity does the waiting and the stop 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -29,10 +30,10 @@ from tenacity import (
 )
 
 from flowlift.errors import Overloaded, UpstreamError
-from flowlift.proxy.dispatch.health import Call
+from flowlift.proxy.dispatch.health import Call, Evidence
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
-from flowlift.proxy.dispatch.sse_bytes import complete_prefix
+from flowlift.proxy.dispatch.sse_bytes import complete_prefix, has_data
 from flowlift.proxy.dispatch.upstream import Upstream, error_from, translate
 from flowlift.tracing import get_logger
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 log = get_logger("flowlift.proxy.dispatch.attempts")
 _BACKOFF = wait_random_exponential(multiplier=0.25, max=8.0)
+_REQUESTS = itertools.count()
 BodyFor = Callable[[Upstream], bytes]
 Admit = Callable[[], Awaitable[Slot]]
 """Waits for a slot of the route's upstream pool and returns it, granted, before each
@@ -82,6 +84,19 @@ class Opened:
                 self.slot.release()
 
 
+def _evidence(call: Call, exc: UpstreamError) -> Evidence:
+    """What a failed attempt says about its backend (the rule is
+    :mod:`flowlift.proxy.dispatch.health`'s): no HTTP answer is ``"down"`` (a timeout:
+    ``"silent"``), a 5xx ``"down"``, a 429 ``"busy"``; anything after a non-5xx
+    answer's headers (a first-token timeout, a stream with no event) or a 4xx is about
+    the request."""
+    if call.status is None:
+        return "silent" if exc.status == 504 else "down"
+    if call.status >= 500:
+        return "down"
+    return "busy" if call.status == 429 else "request"
+
+
 def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, UpstreamError) and exc.retryable
 
@@ -110,6 +125,7 @@ async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
         async with asyncio.timeout(min(spec.first_token_timeout_s if stream
                                        else spec.response_timeout_s, budget_s)):
             response = await upstream.send(upstream.request(path, body, headers))
+            call.answered(response.status_code)
             if response.status_code >= 400:
                 raise await error_from(response, upstream.name)
             if not stream:
@@ -164,7 +180,7 @@ async def _first_bytes(upstream: Upstream, call: Call,
     async for chunk in chunks:
         buffer += chunk
         end = complete_prefix(buffer)
-        if end:
+        if end and has_data(buffer[:end]):  # comments (keep-alives) are no first token
             return Opened(upstream, call, response, head=buffer[:end], tail=buffer[end:],
                           chunks=chunks)
     return None
@@ -224,6 +240,7 @@ class _Attempts:
         self.body_for, self.headers, self.stream = body_for, headers, stream
         self.affinity, self.admit = affinity, admit
         self.tried: set[str] = set()
+        self.key = next(_REQUESTS)  # the request's id in its backends' health
         self.last: UpstreamError | None = None
         self.t0 = time.monotonic()
 
@@ -252,7 +269,7 @@ class _Attempts:
             raise
 
     async def _send(self, upstream: Upstream, number: int, slot: Slot | None) -> Opened:
-        call = upstream.health.call()
+        call = upstream.health.call(self.key)
         try:
             opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
                                     self.headers, stream=self.stream,
@@ -262,10 +279,10 @@ class _Attempts:
             call.close()  # counted out, or the backend would fill up and look busy
             if isinstance(exc, UpstreamError):
                 self.last = exc
-                if exc.retryable:
-                    call.failed(status=exc.status, retry_after_s=exc.retry_after_s)
+                evidence = _evidence(call, exc)
+                call.failed(evidence, retry_after_s=exc.retry_after_s)
                 log.info("upstream_attempt_failed", backend=upstream.name, status=exc.status,
-                         retryable=exc.retryable, attempt=number)
+                         retryable=exc.retryable, attempt=number, evidence=evidence)
             raise
         opened.slot = slot
         return opened

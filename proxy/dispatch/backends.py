@@ -240,7 +240,7 @@ class Backends:
                     affinity=affinity, tried=tried)
         if name is not None:
             return name
-        cooling = [self.upstreams[n].health.cooled_until - now for n in route.backends
+        cooling = [self.upstreams[n].health.wait_s(now) for n in route.backends
                    if n in self.upstreams and self.upstreams[n].health.cooling(now)]
         if cooling and len(cooling) == len(route.backends):
             raise Overloaded(f"every backend of model {route.model!r} is cooling down after "

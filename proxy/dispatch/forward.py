@@ -26,8 +26,20 @@ from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.sse_bytes import complete_prefix, data_fields, finished
-from flowlift.proxy.dispatch.upstream import Upstream, forwarded_headers, translate
+from flowlift.proxy.dispatch.sse_bytes import (
+    complete_prefix,
+    data_fields,
+    finished,
+    has_data,
+    has_error,
+    without_usage,
+)
+from flowlift.proxy.dispatch.upstream import (
+    Upstream,
+    error_message,
+    forwarded_headers,
+    translate,
+)
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.proxy.workflows.inferred import render_message
@@ -39,11 +51,34 @@ OnOutput = Callable[[str, dict[str, Any] | None], None]
 EmbeddedCall = Callable[[Local], Awaitable[web.StreamResponse]]
 
 
-def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str) -> bytes:
+USAGE_PATHS = frozenset({"/chat/completions", "/completions"})
+"""Where a stream's usage comes in a chunk of its own when asked for
+(``stream_options.include_usage``)."""
+
+
+def asks_usage(data: dict[str, Any]) -> bool:
+    """Whether a client's streamed request asked for the usage chunk
+    (``stream_options: {"include_usage": true}``; ``{}`` or absent is no)."""
+    options = data.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _usage_asked(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
+    """The body fields that ask the upstream for a stream's usage when the client did
+    not (issue 16: every request's usage is accounted), or None when nothing changes."""
+    if path not in USAGE_PATHS or data.get("stream") is not True or asks_usage(data):
+        return None
+    options = data.get("stream_options")
+    return {"stream_options": {**(options if isinstance(options, dict) else {}),
+                               "include_usage": True}}
+
+
+def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str,
+              extra: dict[str, Any] | None = None) -> bytes:
     target = upstream.upstream_model(model)
-    if target == model:
+    if target == model and extra is None:
         return raw
-    return orjson.dumps({**data, "model": target})
+    return orjson.dumps({**data, **(extra or {}), "model": target})
 
 
 async def forward(request: web.Request, *, backends: Backends, route: Route, path: str,
@@ -69,10 +104,12 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
     deadline = asyncio.get_running_loop().time() + route.total_timeout_s
     headers = forwarded_headers(request.headers)
     inject(headers)  # the proxy's own span (a child of the caller's) is the upstream's parent
+    extra = _usage_asked(path, data)
     try:
         opened = await open_answer(
             backends, route, path=path, headers=headers,
-            body_for=lambda up: _body_for(up, raw, data, route.model),
+            body_for=lambda up: _body_for(up, raw, data, route.model,
+                                          extra if up.spec.stream_usage else None),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity)
     except UpstreamError as exc:
         return upstream_error_response(exc)
@@ -92,7 +129,9 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
     try:
         if opened.body is not None:
             return _plain(opened, on_output)
-        return await _stream(request, opened, on_output, deadline)
+        return await _stream(request, opened, on_output, deadline,
+                             strip_usage=extra is not None
+                             and opened.upstream.spec.stream_usage)
     finally:
         await opened.release()
 
@@ -101,9 +140,12 @@ def upstream_error_response(exc: UpstreamError) -> web.Response:
     """The client's answer when every attempt failed.
 
     An upstream's own 4xx with an OpenAI-shaped body goes to the client as it is (the
-    request was at fault). Anything else is the backend's fault, never the client's and
-    never flowlift's own 500: 5xx becomes 502 (503 stays 503), other non-OpenAI answers
-    502, and a 429/503 always carries ``Retry-After``.
+    request was at fault); a 4xx whose JSON body says what was wrong in another shape
+    (vLLM's and SGLang's ``{"object": "error", "message": ...}``, FastAPI's
+    ``{"detail": ...}``) keeps its status, its message carried into the OpenAI error
+    shape (case N9). Anything else is the backend's fault, never the client's and never
+    flowlift's own 500: 5xx becomes 502 (503 stays 503), other non-OpenAI answers 502,
+    and a 429/503 always carries ``Retry-After``.
     """
     headers = {"X-Flowlift-Backend": exc.backend} if exc.backend else {}
     status = exc.status if exc.status < 500 or exc.status in (503, 504) else 502
@@ -120,12 +162,25 @@ def upstream_error_response(exc: UpstreamError) -> web.Response:
         if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
             return web.Response(body=exc.body, status=status,
                                 content_type="application/json", headers=headers)
+        message = error_message(exc.body)
+        if status < 500 and message is not None and isinstance(doc, dict):
+            return web.json_response({"error": {
+                "message": message, "type": _CLIENT_ERROR_TYPES.get(status,
+                                                                    "invalid_request_error"),
+                "param": doc.get("param") if isinstance(doc.get("param"), str) else None,
+                "code": doc.get("code") if isinstance(doc.get("code"), str) else None}},
+                status=status, headers=headers)
         if status < 500:
             status = 502  # an HTML 404 from a misconfigured base_url is not the client's
     body = exc.to_openai()
     body["error"]["message"] = (f"{exc.message} (upstream status {exc.status})"
                                 if status != exc.status else exc.message)
     return web.json_response(body, status=status, headers=headers)
+
+
+_CLIENT_ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
+                       404: "not_found_error", 409: "conflict_error",
+                       422: "unprocessable_entity_error", 429: "rate_limit_error"}
 
 
 def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
@@ -166,32 +221,53 @@ class _Collect:
             self.parts.extend(c.text for c in chunk.choices if c.index == 0)
 
 
+class _Passing:
+    """What a forwarded stream has shown so far, and each whole piece passed on: noted
+    for the span, written to the client (less the usage it did not ask for), collected
+    for ``on_output``."""
+
+    def __init__(self, resp: web.StreamResponse, on_output: OnOutput | None,
+                 strip_usage: bool) -> None:
+        self.resp, self.strip_usage = resp, strip_usage
+        self.collect = _Collect() if on_output is not None else None
+        self.traced = request_tracing.current()
+        self.done = False  # the end marker came
+        self.errored = False  # the upstream sent its own error event
+
+    async def pass_on(self, events: bytes) -> None:
+        if self.traced is not None:
+            self.traced.sse(events)
+        await self.resp.write(without_usage(events) if self.strip_usage else events)
+        self.done = self.done or finished(events)
+        self.errored = self.errored or has_error(events)
+        if self.collect is not None:
+            self.collect.add(events)
+
+
 async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | None,
-                  deadline: float) -> web.StreamResponse:
+                  deadline: float, *, strip_usage: bool = False) -> web.StreamResponse:
     """Forward the stream as it arrives, whole events per write (:mod:`.sse_bytes`).
 
-    The idle timeout restarts only when a whole event arrives (bytes dribbling in
-    without ever finishing one do not keep a stream alive), and the request's total
-    budget (``deadline``, event-loop time) ends any stream that outlives it.
+    The idle timeout restarts only when a whole model event arrives (bytes dribbling
+    in without ever finishing one, or ``: keep-alive`` comments, do not keep a stream
+    alive: cases S6, N4, N6), and the request's total budget (``deadline``, event-loop
+    time) ends any stream that outlives it. With ``strip_usage`` (the proxy asked for
+    the usage, the client did not) the usage is read for the records and left out of
+    what the client gets. One failure, one error event: the upstream's own when it sent
+    one, else flowlift's (:func:`_cut_short`).
     """
     upstream = opened.upstream
     assert opened.chunks is not None
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache",
                                        "X-Flowlift-Backend": upstream.name})
-    collect = _Collect() if on_output is not None else None
-    traced = request_tracing.current()
-    if traced is not None:
-        traced.sse(opened.head)
-    done = finished(opened.head)
+    passing = _Passing(resp, on_output, strip_usage)
     buffer = opened.tail
     failure: str | None = None
     loop = asyncio.get_running_loop()
     try:
         await resp.prepare(request)
-        await resp.write(opened.head)
-        if collect is not None:
-            collect.add(opened.head)
+        await passing.pass_on(opened.head)
         try:
             idle_s = upstream.spec.idle_timeout_s
             async with asyncio.timeout_at(min(loop.time() + idle_s, deadline)) as idle:
@@ -200,26 +276,30 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
                     end = complete_prefix(buffer)
                     if not end:
                         continue
-                    idle.reschedule(min(loop.time() + idle_s, deadline))
                     events, buffer = buffer[:end], buffer[end:]
-                    await resp.write(events)
-                    if traced is not None:
-                        traced.sse(events)
-                    done = done or finished(events)
-                    if collect is not None:
-                        collect.add(events)
+                    if has_data(events):  # a keep-alive comment does not keep it alive
+                        idle.reschedule(min(loop.time() + idle_s, deadline))
+                    await passing.pass_on(events)
         except (TimeoutError, httpx.HTTPError) as exc:
             failure = str(translate(exc, upstream.name, stage="mid-stream"))
-        if not done:
-            await _cut_short(resp, opened, failure)
-        else:
-            opened.call.succeeded()
-            if collect is not None and on_output is not None:
-                on_output("".join(collect.parts), collect.usage)
+        await _end(opened, passing, failure, on_output)
         await resp.write_eof()
     except ConnectionResetError:
         log.info("client_went_away", backend=upstream.name)
     return resp
+
+
+async def _end(opened: Opened, passing: _Passing, failure: str | None,
+               on_output: OnOutput | None) -> None:
+    if passing.errored:  # the upstream's own error event was the one
+        opened.call.failed("request")
+        log.warning("stream_ended_by_upstream_error", backend=opened.upstream.name)
+    elif not passing.done:
+        await _cut_short(passing.resp, opened, failure)
+    else:
+        opened.call.succeeded()
+        if passing.collect is not None and on_output is not None:
+            on_output("".join(passing.collect.parts), passing.collect.usage)
 
 
 async def _cut_short(resp: web.StreamResponse, opened: Opened, failure: str | None) -> None:
@@ -230,5 +310,5 @@ async def _cut_short(resp: web.StreamResponse, opened: Opened, failure: str | No
     err = UpstreamError(failure + "; the answer above is incomplete", status=502,
                         backend=upstream.name)
     await resp.write(b"data: " + orjson.dumps(err.to_openai()) + b"\n\n")
-    opened.call.failed()
+    opened.call.failed("request")  # a stall or cut of this stream: not the backend's
     log.warning("stream_cut_short", backend=upstream.name, reason=failure)

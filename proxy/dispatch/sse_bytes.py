@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+import orjson
+
 _DONE = re.compile(rb"^data: ?\[DONE\]\s*$", re.MULTILINE)  # OpenAI chat/completions
 _TERMINAL = re.compile(  # the Responses API's last event
     rb"^event: ?(?:response\.(?:completed|incomplete|failed)|error)\s*$", re.MULTILINE)
@@ -34,11 +36,38 @@ def complete_prefix(buffer: bytes) -> int:
     return end
 
 
+_DATA_LINE = re.compile(rb"^data:", re.MULTILINE)
+
+
+def has_data(events: bytes) -> bool:
+    """Whether whole ``events`` hold a model event (a ``data:`` line), not only
+    comments (``: keep-alive``) or blank lines: only such an event counts as a first
+    token or restarts an idle timer (cases N4, N6)."""
+    return events.startswith(b"data:") or _DATA_LINE.search(events) is not None
+
+
 def finished(events: bytes) -> bool:
     """Whether whole ``events`` include the stream's end marker."""
     # cheap substring tests first: every chunk of a stream passes through here
     return ((b"[DONE]" in events and _DONE.search(events) is not None)
             or (b"event:" in events and _TERMINAL.search(events) is not None))
+
+
+def has_error(events: bytes) -> bool:
+    """Whether whole ``events`` include an in-band error event (a JSON object with an
+    ``error`` member, or an ``event: error``)."""
+    if b'"error"' not in events and b"event: error" not in events:
+        return False
+    if re.search(rb"^event: ?error\s*$", events, re.MULTILINE):
+        return True
+    for data in data_fields(events):
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(doc, dict) and doc.get("error") is not None:
+            return True
+    return False
 
 
 def data_fields(events: bytes) -> Iterator[str]:
@@ -48,3 +77,37 @@ def data_fields(events: bytes) -> Iterator[str]:
                  if line.startswith(b"data:")]
         if lines:
             yield b"\n".join(lines).decode("utf-8", "replace")
+
+
+_EVENT = re.compile(rb"(.*?)(\r\n\r\n|\n\n|\r\r)", re.DOTALL)
+
+
+def without_usage(events: bytes) -> bytes:
+    """Whole ``events`` less the usage the client did not ask for (case N3): an event
+    that is only usage (``choices: []``) is left out, and a chunk that carries a usage
+    object beside its choices is re-encoded without it (``"usage": null`` stays: it
+    says nothing). Events without a usage pass byte-identical.
+    """
+    if b'"usage"' not in events:  # the common case: one substring test
+        return events
+    out = []
+    for match in _EVENT.finditer(events):
+        event = match.group(0)
+        if b'"usage"' in event:
+            event = _strip_event(match.group(1))
+        out.append(event)
+    return b"".join(out)
+
+
+def _strip_event(block: bytes) -> bytes:
+    data = next(data_fields(block + b"\n\n"), None)
+    try:
+        doc = orjson.loads(data) if data is not None else None
+    except orjson.JSONDecodeError:
+        doc = None
+    if not isinstance(doc, dict) or not doc.get("usage"):
+        return block + b"\n\n"
+    if not doc.get("choices"):
+        return b""  # the usage chunk itself
+    doc.pop("usage")
+    return b"data: " + orjson.dumps(doc) + b"\n\n"

@@ -175,10 +175,36 @@ async def error_from(resp: httpx.Response, backend: str) -> UpstreamError:
         return UpstreamError(f"backend {backend!r} rejected flowlift's upstream credentials "
                              f"(HTTP {resp.status_code}); check its api_key_env in the "
                              "proxy's config", status=502, retryable=False, backend=backend)
-    return UpstreamError(f"backend {backend!r} answered HTTP {resp.status_code}",
+    said = error_message(body)
+    return UpstreamError(f"backend {backend!r} answered HTTP {resp.status_code}"
+                         + (f": {said[:500]}" if said else ""),
                          status=resp.status_code, body=body,
                          retryable=resp.status_code in RETRYABLE_STATUS,
                          retry_after_s=retry_after_s(resp.headers), backend=backend)
+
+
+def error_message(body: bytes | None) -> str | None:
+    """The message of an upstream's JSON error body: OpenAI's ``error.message``, or
+    another shape's ``message`` (vLLM, SGLang), ``detail`` (FastAPI; a list of problems
+    is joined) or ``error`` (a string); None when the body holds none (HTML, empty)."""
+    try:
+        doc = json.loads(body) if body else None
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    err = doc.get("error")
+    if isinstance(err, dict):
+        message = err.get("message")
+        return message if isinstance(message, str) and message else None
+    for key in ("message", "detail", "error"):
+        value = doc.get(key)
+        if isinstance(value, str) and value:
+            return value
+        if key == "detail" and isinstance(value, list) and value:
+            return "; ".join(str(v.get("msg", v)) if isinstance(v, dict) else str(v)
+                             for v in value)
+    return None
 
 
 _CONTEXT_CODES = frozenset({"context_length_exceeded", "string_above_max_length"})

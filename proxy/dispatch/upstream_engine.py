@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -108,10 +109,30 @@ def _read_event(data: str, backend: str) -> tuple[chunks.ChunkChoice | None, Usa
     return chunk.choice(0), chunk.usage
 
 
+def idempotency_key(request: GenerationRequest) -> str | None:
+    """``run:step:attempt`` of a workflow step's generation (case N11), or None for a
+    request that is no step of a run.
+
+    A step's request id is ``<run>:<step>`` for its first attempt and
+    ``<run>:<step>:<n>`` for attempt ``n`` (its ``session_id`` is the run id), so the key
+    is the same for the same attempt whenever it is sent -- after a kill -9 and resume
+    too -- and a provider that honours ``Idempotency-Key`` bills it once. Characters a
+    header cannot carry are percent-encoded.
+    """
+    run = request.session_id
+    if not run or not request.request_id.startswith(run + ":"):
+        return None
+    rest = request.request_id[len(run) + 1:]
+    step, sep, number = rest.rpartition(":")
+    key = f"{run}:{step}:{number}" if sep and number.isdigit() else f"{run}:{rest}:1"
+    return urllib.parse.quote(key, safe=":-._~!$&'()*+,;=@/")
+
+
 async def open_chat(backends: Backends, route: Route, request: GenerationRequest, *,
                     admit: Admit | None = None) -> Opened | Local:
     """Open ``request`` as a streamed chat completion on ``route`` (affinity: its
-    ``session_id``), or return the embedded backend the route chose instead.
+    ``session_id``; ``Idempotency-Key``: :func:`idempotency_key`), or return the
+    embedded backend the route chose instead.
 
     Raises:
         ContextLengthExceeded, ContentRefused: an upstream's answer no retry can change.
@@ -120,6 +141,9 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
     """
     body = chat_body(request, route.model)
     headers: dict[str, str] = {}
+    key = idempotency_key(request)
+    if key is not None:
+        headers["idempotency-key"] = key
     inject(headers)  # the workflow run's span: the upstream request joins its trace
     try:
         return await open_answer(
@@ -196,7 +220,7 @@ class UpstreamEngine(Engine):
         if failure is None and finish is None:
             failure = f"backend {opened.upstream.name!r} ended the stream before it finished"
         if failure is not None:
-            opened.call.failed()
+            opened.call.failed("request")  # mid-stream: about this request only
             raise EngineError(failure)
         opened.call.succeeded()
         if finish == "content_filter":

@@ -16,6 +16,10 @@ a whole number, is left out). What the fields mean is OpenAI's:
 * tool calls stream as pieces of ``delta.tool_calls`` (the first piece of a call has its
   ``index``, ``id`` and ``function.name``, the next ones more of ``function.arguments``):
   :class:`ToolCallPieces` joins them by ``index``.
+* the Responses API (``/v1/responses``): a whole ``response`` object, or a stream event
+  (``response.completed``, ``response.incomplete``, ``response.failed``...) holding one
+  under ``response``, gives its ``usage`` (``input_tokens``, ``output_tokens``,
+  ``input_tokens_details.cached_tokens``) and its ``status``.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class Chunk:
         usage_json: the ``usage`` object as sent (for records that keep it whole), or None.
         error: the message of an in-band ``error`` ("" when it has none), or None when the
             event is no error.
+        status: a Responses API response's ``status`` (``"completed"``,
+            ``"incomplete"``, ``"failed"``, ``"in_progress"``...; ``"failed"`` for an
+            ``error`` event), or None for anything else.
     """
 
     choices: tuple[ChunkChoice, ...] = ()
@@ -70,6 +77,7 @@ class Chunk:
     usage: Usage | None = None
     usage_json: Mapping[str, Any] | None = None
     error: str | None = None
+    status: str | None = None
 
     def choice(self, index: int = 0) -> ChunkChoice | None:
         """The (first) choice with this ``index``, or None."""
@@ -85,16 +93,28 @@ def parse(doc: Mapping[str, Any]) -> Chunk:
     Returns:
         The :class:`Chunk`; never raises on an odd shape.
     """
-    raw_usage = doc.get("usage")
+    response = doc.get("response")
+    holder = response if isinstance(response, Mapping) else doc  # Responses API events
+    raw_usage = holder.get("usage")
     usage_json = raw_usage if isinstance(raw_usage, Mapping) and raw_usage else None
-    model = doc.get("model")
+    model = holder.get("model")
     raw_choices = doc.get("choices")
     choices = tuple(c for c in (_choice(entry) for entry in raw_choices)
                     if c is not None) if isinstance(raw_choices, list) else ()
     return Chunk(choices=choices, model=model if isinstance(model, str) else None,
                  usage=None if usage_json is None else _usage(usage_json),
                  usage_json=usage_json,
-                 error=_error(doc["error"]) if "error" in doc else None)
+                 error=_error(doc["error"]) if "error" in doc else None,
+                 status=_status(doc, holder))
+
+
+def _status(doc: Mapping[str, Any], holder: Mapping[str, Any]) -> str | None:
+    if doc.get("type") == "error":
+        return "failed"
+    if holder.get("object") != "response":
+        return None
+    status = holder.get("status")
+    return status if isinstance(status, str) else None
 
 
 def parse_event(data: str | bytes) -> Chunk | None:
@@ -122,10 +142,14 @@ def _number(value: object) -> float | None:
 
 
 def _usage(doc: Mapping[str, Any]) -> Usage:
-    details = doc.get("prompt_tokens_details")
+    """Chat/completions names (``prompt_tokens``...) or the Responses API's
+    (``input_tokens``...)."""
+    details = doc.get("prompt_tokens_details", doc.get("input_tokens_details"))
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return Usage(prompt_tokens=_whole(doc.get("prompt_tokens")) or 0,
-                 completion_tokens=_whole(doc.get("completion_tokens")) or 0,
+    prompt = doc.get("prompt_tokens", doc.get("input_tokens"))
+    completion = doc.get("completion_tokens", doc.get("output_tokens"))
+    return Usage(prompt_tokens=_whole(prompt) or 0,
+                 completion_tokens=_whole(completion) or 0,
                  cached_tokens=_whole(cached) or 0)
 
 

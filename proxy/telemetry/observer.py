@@ -56,9 +56,11 @@ class Telemetry:
         self.provider, self.owned = provider, owned
         self.tracer = provider.get_tracer("flowlift.proxy")
         self.backends = backends
+        prices = backends.config.prices() if backends.config is not None else {}
         self.metrics = Metrics(queue_depth=self._queue_depth,
                                active_workflows=active_runs,
-                               upstream_in_flight=self._in_flight)
+                               upstream_in_flight=self._in_flight,
+                               price_per_1k=prices.get)
         self._runs: dict[str, RunSpans] = {}
 
     @classmethod
@@ -133,13 +135,17 @@ class Telemetry:
 
     # -- OpenAI requests --------------------------------------------------------------
     def observe_request(self, rt: request_tracing.RequestTrace) -> None:
-        prompt, completion, cached, _ = rt.usage_numbers()
+        """Count one finished OpenAI request in the metrics, once: its outcome, latency,
+        tokens (estimated ones flagged) and spend."""
+        prompt, completion, cached, partial = rt.usage_numbers()
         start = rt.slot_at or rt.t0
         ttft = None if rt.first_at is None else rt.first_at - start
         decode = (None if rt.first_at is None or rt.last_at is None
                   else rt.last_at - rt.first_at)
         self.metrics.observe_request(rt.operation, rt.outcome, rt.response_model or rt.model,
-                                     ttft, decode, (prompt, completion, cached))
+                                     ttft, decode, (prompt, completion, cached), partial)
+        if rt.model is not None:  # spend goes by the served name: the config prices it
+            self.metrics.spend(rt.model, prompt or 0, completion or 0)
 
     async def shutdown(self) -> None:
         """Flush (and, when owned, stop) the exporter, in a thread: it blocks up to its

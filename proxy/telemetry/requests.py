@@ -18,6 +18,7 @@ chunk; ``flowlift.decode_ms``: first to last chunk) and a ``first_token`` event.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import re
 import time
@@ -30,8 +31,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from flowlift.local_engine.base import Engine, GenerationChunk
-from flowlift.proxy.dispatch.sse_bytes import data_fields, finished
+from flowlift.local_engine.base import Engine, GenerationChunk, Usage
+from flowlift.proxy.dispatch.sse_bytes import data_fields, finished, has_data
 from flowlift.proxy.http import Handler
 from flowlift.proxy.openai import chunks
 from flowlift.tracing import genai
@@ -42,7 +43,11 @@ log = get_logger("flowlift.tracing")
 _current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
     "flowlift_request_trace", default=None)
 TRACED_PATHS = {f"/v1{path}": op for path, op in genai.OPERATIONS.items()}
-_MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"')
+CHARS_PER_TOKEN = 4
+"""The estimate of tokens from characters where no tokenizer counted them (English
+text with OpenAI-style BPE vocabularies averages about 4 characters a token)."""
+_MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"|"status":\s*"(?:incomplete|failed)"'
+                       rb'|"type":\s*"error"')
 
 
 def _ns(t: float) -> int:
@@ -78,14 +83,23 @@ class RequestTrace:
         self.events = 0
         self.done = False
         self.upstream_usage: dict[str, Any] | None = None
+        self.upstream_counts: Usage | None = None
+        self.upstream_status: str | None = None  # a Responses API answer's status
+        self.upstream_text = 0  # characters of a whole upstream answer's text
+        self.prompt_estimate: int | None = None
         self.response_model: str | None = None
         self.outcome = "unknown"
         self.ids: dict[str, str] = {}  # the workflow and step it joined
 
     # -- hooks (called by the handlers; each one never raises) -------------------------
-    def request(self, model: str, joined: tuple[str, str | None] | None, stream: bool) -> None:
+    def request(self, model: str, joined: tuple[str, str | None] | None, stream: bool,
+                prompt_chars: int = 0) -> None:
+        """The request was read: its served ``model``, the workflow and step it
+        ``joined``, whether it streams, and the characters of its prompt (the estimate
+        of its prompt tokens when no usage comes back)."""
         with _safe("request"):
             self.model, self.stream = model, stream
+            self.prompt_estimate = -(-prompt_chars // CHARS_PER_TOKEN) if prompt_chars else None
             self.span.update_name(f"{self.operation} {model}")
             self.span.set_attributes({genai.REQUEST_MODEL: model, "flowlift.stream": stream})
             if joined is not None:
@@ -121,12 +135,16 @@ class RequestTrace:
             self.span.set_attributes({genai.PROVIDER: "openai", "flowlift.backend": backend})
             if doc is not None:
                 self.done = True
-                self._note(chunks.parse(doc))
+                answer = chunks.parse(doc)
+                self._note(answer)
+                self.upstream_text = sum(len(c.text) for c in answer.choices)
 
     def sse(self, events: bytes) -> None:
         """Whole events of a forwarded upstream stream. Parsed only where they may hold
         usage or a finish reason (a byte search first), and the first (the model)."""
         with _safe("sse"):
+            if not has_data(events):  # keep-alive comments: no model event
+                return
             now = time.monotonic()
             self.first_at = self.first_at or now
             self.last_at = now
@@ -145,20 +163,30 @@ class RequestTrace:
             self.response_model = chunk.model
         if chunk.usage_json is not None:
             self.upstream_usage = dict(chunk.usage_json)
+            self.upstream_counts = chunk.usage
+        if chunk.status is not None:
+            self.upstream_status = chunk.status
         for choice in chunk.choices:
             if choice.finish_reason:
                 self.finish[choice.index] = choice.finish_reason
 
     # -- the end ------------------------------------------------------------------------
     def usage_numbers(self) -> tuple[int | None, int | None, int | None, bool]:
-        """(prompt, completion, cached, partial) tokens of the answer so far."""
-        if self.upstream_usage is not None:
-            u = self.upstream_usage
-            details = u.get("prompt_tokens_details") or {}
-            return (u.get("prompt_tokens"), u.get("completion_tokens"),
-                    details.get("cached_tokens"), False)
-        if not self.texts:
-            return None, None, None, False
+        """(prompt, completion, cached, partial) tokens of the answer so far: the
+        upstream's or the engine's own counts; else (an upstream cut before it reported,
+        or one that reports none) an estimate flagged ``partial``: the prompt's
+        characters / :data:`CHARS_PER_TOKEN`, one token per stream event, or the whole
+        answer's characters / :data:`CHARS_PER_TOKEN`."""
+        u = self.upstream_counts
+        if u is not None:
+            return u.prompt_tokens, u.completion_tokens, u.cached_tokens, False
+        if self.routed_at is not None:  # an upstream answered, without a usage
+            completion = (self.events if self.stream
+                          else -(-self.upstream_text // CHARS_PER_TOKEN))
+            return self.prompt_estimate, completion, None, True
+        if not self.texts:  # nothing generated: only the prompt, if it reached an engine
+            return ((self.prompt_estimate, 0, None, True) if self.slot_at is not None
+                    else (None, None, None, False))
         prompt = cached = completion = 0
         partial = unknown = False
         for index, pieces in self.texts.items():
@@ -174,7 +202,7 @@ class RequestTrace:
             unknown = unknown or counted is None
             completion += counted or 0
         head = partial and 0 not in self.usage
-        return (None if head else prompt, None if unknown else completion,
+        return (self.prompt_estimate if head else prompt, None if unknown else completion,
                 None if head else cached, partial)
 
     def end(self, status: int | None, abandoned: bool, error: BaseException | None) -> None:
@@ -189,8 +217,11 @@ class RequestTrace:
                   error: BaseException | None) -> None:
         span = self.span
         complete = self.done or (bool(self.texts) and len(self.finish) >= len(self.texts))
+        failed = self.upstream_status == "failed"  # a Responses API answer that failed,
+        if failed or self.upstream_status == "incomplete":  # or stopped short
+            complete = False
         self.outcome = ("complete" if complete and status == 200 else "abandoned"
-                        if abandoned else "error" if (status or 500) >= 400 or error
+                        if abandoned else "error" if (status or 500) >= 400 or error or failed
                         else "incomplete")
         attrs: dict[str, Any] = {"flowlift.outcome": self.outcome}
         if status is not None:
@@ -263,9 +294,13 @@ def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
             otel_context.detach(ctx_token)
             _current.reset(token)
             transport = request.transport
-            abandoned = transport is None or transport.is_closing()
+            abandoned = (transport is None or transport.is_closing()
+                         or isinstance(error, asyncio.CancelledError))
             with _safe("end"):
                 rt.end(status, abandoned, error)
+                if abandoned:  # case N1: the client left; its upstream work was stopped
+                    log.info("request_cancelled_by_client", path=request.path,
+                             model=rt.model, after_ms=round((time.monotonic() - rt.t0) * 1000))
             if observe is not None:
                 with _safe("observe"):
                     observe(rt)

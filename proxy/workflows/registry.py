@@ -23,7 +23,7 @@ from opentelemetry.context import Context
 
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
-from flowlift.errors import Overloaded, RequestError
+from flowlift.errors import Overloaded, RequestError, RunNotFound
 from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
@@ -96,16 +96,25 @@ class RunRegistry:
         self.store.prune(older_than_s=store_ttl_s, keep=store_keep)
 
     def get(self, run_id: str) -> Run:
+        """The active or recently finished run ``run_id``.
+
+        Raises:
+            RunNotFound: no such run in memory (HTTP 404).
+        """
         run = self.active.get(run_id) or self.finished.get(run_id)
         if run is None:
-            raise RequestError(f"no workflow run {run_id!r} is active or recently finished",
-                               param="run_id")
+            raise RunNotFound(run_id)
         return run
 
     def stored(self, run_id: str) -> StoredRun:
+        """The run ``run_id`` as the store holds it.
+
+        Raises:
+            RunNotFound: the store has no such run (HTTP 404).
+        """
         stored = self.store.load(run_id)
         if stored is None:
-            raise RequestError(f"no workflow run {run_id!r}", param="run_id")
+            raise RunNotFound(run_id)
         return stored
 
     def start(self, graph: Graph, backends: Backends, costs: CostTracker,

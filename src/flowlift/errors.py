@@ -8,6 +8,9 @@
     │   ├── SemanticVariableError     a placeholder used as if it held a value
     │   ├── RequestError              malformed request (``param`` names the field)
     │   │   ├── PayloadTooLarge       body over the configured limit (HTTP 413)
+    │   │   ├── RunNotFound           no workflow run has that id (HTTP 404)
+    │   │   ├── IncompleteBody        a body shorter than its Content-Length, or one
+    │   │   │                         that stalled half-sent (HTTP 400)
     │   │   └── ContextLengthExceeded prompt (+ max_tokens) past the model's context;
     │   │                             never retried on the same model
     │   ├── ModelNotFound             model name not served (HTTP 404)
@@ -105,6 +108,28 @@ class RequestError(UserError):
 class PayloadTooLarge(RequestError):
     status = 413
     code = "payload_too_large"
+
+
+class RunNotFound(RequestError):
+    """No workflow run, active, recently finished or stored, has this id (HTTP 404
+    ``run_not_found``, on every run route)."""
+
+    status = 404
+    code = "run_not_found"
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"no workflow run {run_id[:128]!r} is active, recently finished "
+                         "or stored here; check the id (runs start with 'wf-')",
+                         param="run_id")
+        self.run_id = run_id
+
+
+class IncompleteBody(RequestError):
+    """The request body ended (the connection closed) or stalled past the body-read
+    timeout before the bytes its ``Content-Length`` announced arrived (HTTP 400
+    ``incomplete_body``)."""
+
+    code = "incomplete_body"
 
 
 class ContextLengthExceeded(RequestError):
