@@ -682,7 +682,7 @@ async def test_N2_a_cancelled_or_late_run_aborts_its_step_once_and_starts_no_dep
     events = parse_sse(await (await following).text())
     await _settled(engine)
     assert engine.running() == 0 and len(engine.aborted) == 1
-    assert [r.request_id for r in engine.requests] == [f"wf-n2-{how}:a"]  # b never started
+    assert [r.request_id for r in engine.requests] == [f"wf-n2-{how}:a:1"]  # b never started
     assert events[-1][1]["status"] in ("cancelled", "failed")
 
 

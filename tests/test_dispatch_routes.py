@@ -113,7 +113,7 @@ async def test_cancelling_a_run_on_a_mixed_route_closes_the_engine_stream_and_it
     events = parse_sse(await (await posted).text())
     assert events[-1][1]["status"] == "cancelled"
     # closed by the run's cancellation itself, not later by a garbage collector
-    assert proxy.engine.aborted == [f"{graph['id']}:s0"]
+    assert proxy.engine.aborted == [f"{graph['id']}:s0:1"]
     assert proxy.engine.running() == 0 and proxy.slots.in_use == 0
     assert proxy.slots.queued == 0
 

@@ -328,7 +328,7 @@ async def test_append_validates_against_the_run_and_close_finishes_it(client, en
     assert status["open"] is False and status["report"]["open"] is False
 
 
-async def test_a_whole_graph_takes_no_appends_and_unknown_runs_answer_as_before(client):
+async def test_a_whole_graph_takes_no_appends_and_unknown_runs_are_404(client):
     events = parse_sse(await (await client.post("/v1/workflows", json={
         "nodes": [_llm("a", "x")]})).text())
     run_id = events[0][1]["run_id"]
@@ -336,7 +336,9 @@ async def test_a_whole_graph_takes_no_appends_and_unknown_runs_answer_as_before(
     assert resp.status == 409 and "submitted whole" in (await resp.json())["error"]["message"]
     for route in ("nodes", "close"):
         resp = await client.post(f"/v1/workflows/wf-nope/{route}", json={"nodes": []})
-        assert resp.status == 400 and (await resp.json())["error"]["param"] == "run_id"
+        error = (await resp.json())["error"]
+        assert resp.status == 404 and error["code"] == "run_not_found", error
+        assert error["param"] == "run_id"
 
 
 async def test_an_open_run_left_by_its_client_is_swept():

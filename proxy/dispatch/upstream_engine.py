@@ -113,19 +113,20 @@ def idempotency_key(request: GenerationRequest) -> str | None:
     """``run:step:attempt`` of a workflow step's generation (case N11), or None for a
     request that is no step of a run.
 
-    A step's request id is ``<run>:<step>`` for its first attempt and
-    ``<run>:<step>:<n>`` for attempt ``n`` (its ``session_id`` is the run id), so the key
-    is the same for the same attempt whenever it is sent -- after a kill -9 and resume
-    too -- and a provider that honours ``Idempotency-Key`` bills it once. Characters a
-    header cannot carry are percent-encoded.
+    A step's request id is ``<run>:<step>:<n>`` for its attempt ``n`` (its
+    ``session_id`` is the run id; the attempt number is always there, so a step id that
+    holds a colon cannot make two attempts' ids meet), so the key is the same for the
+    same attempt whenever it is sent -- after a kill -9 and resume too -- and a provider
+    that honours ``Idempotency-Key`` bills it once. Characters a header cannot carry are
+    percent-encoded.
     """
     run = request.session_id
     if not run or not request.request_id.startswith(run + ":"):
         return None
-    rest = request.request_id[len(run) + 1:]
-    step, sep, number = rest.rpartition(":")
-    key = f"{run}:{step}:{number}" if sep and number.isdigit() else f"{run}:{rest}:1"
-    return urllib.parse.quote(key, safe=":-._~!$&'()*+,;=@/")
+    _, sep, number = request.request_id.rpartition(":")
+    if not sep or not number.isdigit():
+        return None
+    return urllib.parse.quote(request.request_id, safe=":-._~!$&'()*+,;=@/")
 
 
 async def open_chat(backends: Backends, route: Route, request: GenerationRequest, *,

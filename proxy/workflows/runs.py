@@ -461,7 +461,7 @@ class Run:
         p = node.params
         contract = node.contract
         return GenerationRequest(
-            request_id=f"{self.run_id}:{node.id}" + (f":{number}" if number > 1 else ""),
+            request_id=f"{self.run_id}:{node.id}:{number}",  # run:step:attempt
             model=model, messages=messages,
             sampling=SamplingOptions(max_tokens=p.max_tokens, temperature=p.temperature,
                                      top_p=p.top_p, stop=p.stop, seed=p.seed,
