@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from flowlift.credentials import bearer_headers, default_api_key
 from flowlift.errors import SemanticVariableError, StepFailed, UserError, WorkflowFailed
-from flowlift.graph import Arg, Graph, InputNode, Node, Ref, ToolNode, project
+from flowlift.graph import Arg, Graph, InputNode, Items, Node, Ref, ToolNode, project
 from flowlift.sdk.variables import SemanticVariable
 from flowlift.tracing.summary import format_stage_table, stage_summary
 
@@ -178,6 +178,8 @@ class Workflow:
         def convert(wire: Arg, value: Any) -> Any:
             if isinstance(wire, Ref) and not wire.path and wire.ref in self._parsers:
                 return self._parsers[wire.ref](value)
+            if isinstance(wire, Items) and isinstance(value, list):
+                return [convert(w, v) for w, v in zip(wire.items, value, strict=True)]
             return value
 
         py_args = [convert(w, v) for w, v in zip(node.args, args, strict=True)]

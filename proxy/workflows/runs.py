@@ -29,6 +29,7 @@ from flowlift.errors import FlowliftError, RequestError, RunError
 from flowlift.graph import (
     Graph,
     InputNode,
+    Items,
     LLMNode,
     MessageTemplate,
     Ref,
@@ -372,6 +373,8 @@ class Run:
                 return self._resolve(a)
             if isinstance(a, Template):
                 return self._render(a.template)
+            if isinstance(a, Items):
+                return [arg(item) for item in a.items]
             return a.value
 
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

@@ -20,6 +20,8 @@ JSON shape (version ``"1"``)::
         "cascade": ["small", "large"], "min_confidence": 0.5},
        {"kind": "tool", "id": "lookup_1", "name": "lookup",
         "args": [{"ref": "extract_1", "path": ["name"]}], "kwargs": {"k": {"value": 3}}},
+       {"kind": "tool", "id": "merge_1", "name": "merge",
+        "args": [{"items": [{"ref": "extract_1"}, {"value": "x"}]}]},
        {"kind": "input", "id": "input_1", "value": "..."}]}
 """
 
@@ -121,7 +123,15 @@ class Template(_Model):
     template: tuple[Part, ...]
 
 
-Arg = Ref | Template | Literal_
+class Items(_Model):
+    """A tool argument that is a list holding Semantic Variables (``tool([a, b])``): the
+    tool receives the list of the items' values, in order."""
+
+    items: tuple[Arg, ...]
+
+
+Arg = Ref | Template | Literal_ | Items
+Items.model_rebuild()
 
 
 class LLMNode(_Model):
@@ -214,10 +224,18 @@ def node_refs(node: LLMNode | ToolNode | InputNode) -> Iterator[Ref]:
             yield from (p for p in message.content if isinstance(p, Ref))
     elif isinstance(node, ToolNode):
         for arg in (*node.args, *node.kwargs.values()):
-            if isinstance(arg, Ref):
-                yield arg
-            elif isinstance(arg, Template):
-                yield from (p for p in arg.template if isinstance(p, Ref))
+            yield from arg_refs(arg)
+
+
+def arg_refs(arg: Arg) -> Iterator[Ref]:
+    """Every reference a tool argument makes, in order."""
+    if isinstance(arg, Ref):
+        yield arg
+    elif isinstance(arg, Template):
+        yield from (p for p in arg.template if isinstance(p, Ref))
+    elif isinstance(arg, Items):
+        for item in arg.items:
+            yield from arg_refs(item)
 
 
 def render_value(value: Any) -> str:
