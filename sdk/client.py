@@ -4,7 +4,8 @@ Protocol (proxy: ``flowlift.proxy.workflows.api``):
 
 1. ``POST /v1/workflows`` with the graph; the answer is an SSE stream of events:
    ``run.started`` ``{run_id}``, ``step.finished`` ``{step_id, value}``,
-   ``step.failed`` ``{step_id, error}``, ``tool.wanted`` ``{step_id, name, args, kwargs}``,
+   ``step.failed`` ``{step_id, error, kind, attempts?}`` (``kind``: see
+   :func:`flowlift.errors.step_failure`), ``tool.wanted`` ``{step_id, name, args, kwargs}``,
    ``run.finished`` ``{run_id, status, failures, trace}``.
 2. For each ``tool.wanted`` the SDK runs the ``@tool`` function and posts
    ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` with ``{"value": ...}`` or
@@ -64,13 +65,15 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
     elif sse.event == "step.finished":
         wf.record_output(data["step_id"], data["value"])
     elif sse.event == "step.failed":
-        wf.record_failure(data["step_id"], data["error"])
+        wf.record_failure(data["step_id"], data["error"], kind=data.get("kind"),
+                          attempts=data.get("attempts"))
     elif sse.event == "tool.wanted":
         args, kwargs = wf.tool_arguments(data["step_id"], data["args"], data["kwargs"])
         return ToolCall(data["step_id"], args, kwargs)
     elif sse.event == "run.finished":
         for step_id, error in data.get("failures", {}).items():
-            wf.failures.setdefault(step_id, error)
+            if step_id not in wf.failures:
+                wf.record_failure(step_id, error)
         wf.finish(data["run_id"], data["status"], data.get("trace", []))
     return None
 

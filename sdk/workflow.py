@@ -33,7 +33,14 @@ import httpx
 from pydantic import BaseModel
 
 from flowlift.credentials import bearer_headers, default_api_key
-from flowlift.errors import SemanticVariableError, StepFailed, UserError, WorkflowFailed
+from flowlift.errors import (
+    SemanticVariableError,
+    StepContractError,
+    StepFailed,
+    UserError,
+    WorkflowFailed,
+    step_failure,
+)
 from flowlift.graph import Arg, Graph, InputNode, Items, Node, Ref, ToolNode, project
 from flowlift.sdk.variables import SemanticVariable
 from flowlift.tracing.summary import format_stage_table, stage_summary
@@ -79,7 +86,10 @@ class Workflow:
             ``flowlift run``).
 
     Attributes (after the run):
-        run_id, status, trace (list of records), failures ({step_id: error}).
+        run_id, status, trace (list of records), failures ({step_id: StepFailed}: typed
+        failures, :class:`~flowlift.errors.StepSkipped`,
+        :class:`~flowlift.errors.DeadlineExceeded`, :class:`~flowlift.errors.ToolError`...;
+        ``str()`` of each is the reason text).
     """
 
     def __init__(self, name: str = "workflow", *, base_url: str | None = None,
@@ -108,7 +118,7 @@ class Workflow:
         self._parsers: dict[str, Callable[[Any], Any]] = {}
         self._counts: dict[str, int] = {}
         self._outputs: dict[str, Any] = {}
-        self.failures: dict[str, str] = {}
+        self.failures: dict[str, StepFailed] = {}
         self.run_id: str | None = None
         self.status = "recording"
         self.trace: list[dict[str, Any]] = []
@@ -151,7 +161,7 @@ class Workflow:
 
     def value_of(self, step_id: str, path: tuple[str, ...] = ()) -> Any:
         if step_id in self.failures:
-            raise StepFailed(step_id, self.failures[step_id])
+            raise self.failures[step_id].with_traceback(None)
         if step_id not in self._outputs:
             raise SemanticVariableError(f"step {step_id!r} has no output yet")
         value = self._outputs[step_id]
@@ -164,10 +174,14 @@ class Workflow:
         try:
             self._outputs[step_id] = parse(raw) if parse else raw
         except ValueError as exc:  # pydantic ValidationError is a ValueError
-            self.failures[step_id] = f"output does not parse into the step's output type: {exc}"
+            self.failures[step_id] = StepContractError(
+                step_id, f"output does not parse into the step's output type: {exc}")
 
-    def record_failure(self, step_id: str, error: str) -> None:
-        self.failures[step_id] = error
+    def record_failure(self, step_id: str, error: str, *, kind: str | None = None,
+                       attempts: int | None = None) -> None:
+        """Record a ``step.failed`` event as its typed failure
+        (:func:`~flowlift.errors.step_failure`)."""
+        self.failures[step_id] = step_failure(step_id, error, kind, attempts)
 
     def tool_arguments(self, step_id: str, args: list[Any],
                        kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:

@@ -25,7 +25,7 @@ from opentelemetry.context import Context
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
 from flowlift.dataflow import dependencies
-from flowlift.errors import FlowliftError, RequestError, RunError
+from flowlift.errors import FlowliftError, RequestError, ToolError, failure_kind
 from flowlift.graph import (
     Graph,
     InputNode,
@@ -145,7 +145,7 @@ class Run:
             raise RequestError(f"step {step_id!r} of run {self.run_id} is not waiting for a "
                                "tool result", param="step_id")
         if error is not None:
-            fut.set_exception(RunError(f"tool {step_id!r} raised: {error}"))
+            fut.set_exception(ToolError(step_id, f"tool {step_id!r} raised: {error}"))
         else:
             fut.set_result(value)
 
@@ -156,7 +156,8 @@ class Run:
                 await self.log.listened.wait()
             except asyncio.CancelledError:
                 if not self._suspending:
-                    self._fail_unfinished([], "run cancelled (its client never came back)")
+                    self._fail_unfinished([], "run cancelled (its client never came back)",
+                                          "cancelled")
                     self._close("cancelled")
                 raise
         self._emit(("run.resumed" if self.resumed else "run.started",
@@ -171,12 +172,12 @@ class Run:
                 if not work.done():
                     self.deadline_missed = True
                     self._fail_unfinished(tasks, f"deadline of {self.graph.deadline_s} s "
-                                          "exceeded")
+                                          "exceeded", "deadline")
             except asyncio.CancelledError:
                 for task in tasks:
                     task.cancel()
                 if not self._suspending:
-                    self._fail_unfinished(tasks, "run cancelled")
+                    self._fail_unfinished(tasks, "run cancelled", "cancelled")
                     self._close("cancelled")
                 raise
             finally:
@@ -185,7 +186,7 @@ class Run:
                 work.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._close("failed" if self.failures else "succeeded")
 
-    def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str) -> None:
+    def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str, kind: str) -> None:
         for task in tasks:
             task.cancel()
         now = self.trace.now_ms()
@@ -199,7 +200,7 @@ class Run:
                 else:
                     spent = (f": step {node.id!r} spent {st.started_ms - st.ready_ms:.0f} ms "
                              f"queued and {now - st.started_ms:.0f} ms running")
-                self._failed(node.id, f"{why}{spent}")
+                self._failed(node.id, f"{why}{spent}", kind)
 
     def _close(self, status: str) -> None:
         self.trace.finish(status)
@@ -208,12 +209,19 @@ class Run:
             "run_id": self.run_id, "status": status, "failures": self.failures,
             "trace": self.trace.records()}))
 
-    def _failed(self, step_id: str, error: str) -> None:
+    def _failed(self, step_id: str, error: str, kind: str = "error") -> None:
+        """Fail a step; its ``step.failed`` event carries the text (``error``), the
+        machine-readable ``kind`` (:func:`flowlift.errors.failure_kind`) and the model
+        calls it made (``attempts``, when it made any)."""
         if self._suspending:  # the shutdown's doing, not the step's: it runs again on resume
             return
         self.failures[step_id] = error
         self.trace.mark(step_id, "finished", status="failed", error=error)
-        self._emit(("step.failed", {"step_id": step_id, "error": error}))
+        event: dict[str, Any] = {"step_id": step_id, "error": error, "kind": kind}
+        attempts = len(self.trace.step(step_id).attempts)
+        if attempts:
+            event["attempts"] = attempts
+        self._emit(("step.failed", event))
         self._done[step_id].set()
 
     async def _node(self, node: LLMNode | ToolNode | InputNode) -> None:
@@ -239,10 +247,10 @@ class Run:
                 else:
                     value = node.value
             except UpstreamFailed as exc:
-                self._failed(node.id, f"skipped: {exc}")
+                self._failed(node.id, f"skipped: {exc}", "skipped")
                 return
             except FlowliftError as exc:
-                self._failed(node.id, exc.message)
+                self._failed(node.id, exc.message, failure_kind(exc))
                 return
             except Exception as exc:  # one broken step must not take the run down
                 log.exception("step_error")

@@ -7,13 +7,20 @@ Public face::
 
 from flowlift.errors import (
     ContractError,
+    DeadlineExceeded,
     EngineError,
     FlowliftError,
     GraphError,
     ProxyUnavailable,
     RequestError,
     SemanticVariableError,
+    StepCancelled,
+    StepContractError,
+    StepEngineError,
     StepFailed,
+    StepRejected,
+    StepSkipped,
+    ToolError,
     UserError,
     WorkflowFailed,
 )
@@ -23,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ContractError",
+    "DeadlineExceeded",
     "EngineError",
     "FlowliftError",
     "GraphError",
@@ -31,7 +39,13 @@ __all__ = [
     "RequestError",
     "SemanticVariable",
     "SemanticVariableError",
+    "StepCancelled",
+    "StepContractError",
+    "StepEngineError",
     "StepFailed",
+    "StepRejected",
+    "StepSkipped",
+    "ToolError",
     "UserError",
     "Workflow",
     "WorkflowFailed",
