@@ -164,7 +164,8 @@ def step(fn: Callable[P, Any], /) -> Step[P]: ...
 def step(*, model: str | Sequence[str] | None = None, output: Any = None,
          max_tokens: int | None = 256, temperature: float = 0.0, top_p: float = 1.0,
          stop: Sequence[str] = (), seed: int | None = None, name: str | None = None,
-         retries: int = 0, min_confidence: float | None = None
+         retries: int = 0, min_confidence: float | None = None,
+         max_tokens_ceiling: int | None = None
          ) -> Callable[[Callable[P, Any]], Step[P]]: ...
 
 
@@ -172,7 +173,7 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
          output: Any = None, max_tokens: int | None = 256, temperature: float = 0.0,
          top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
          name: str | None = None, retries: int = 0,
-         min_confidence: float | None = None) -> Any:
+         min_confidence: float | None = None, max_tokens_ceiling: int | None = None) -> Any:
     """Mark a function that returns a prompt as an LLM step.
 
     Args:
@@ -190,6 +191,9 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
             contract; the validation errors are fed back to the model (0 to 10).
         min_confidence: in (0, 1]: escalate outputs whose geometric-mean token
             probability is lower (only with a cascade; needs engine logprobs).
+        max_tokens_ceiling: tokens: how far a retry may raise ``max_tokens`` after an
+            output was cut off (``finish_reason: "length"``) and failed its contract;
+            default twice ``max_tokens``. Each such retry doubles the budget up to it.
 
     Raises:
         UserError: for an unsupported ``output``, bad sampling values, an empty cascade,
@@ -220,7 +224,7 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
                         "needs a cascade, model=[small, large]", param="min_confidence")
     try:
         params = Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                        stop=tuple(stop), seed=seed)
+                        stop=tuple(stop), seed=seed, max_tokens_ceiling=max_tokens_ceiling)
     except ValueError as exc:
         raise UserError(f"bad sampling parameters: {exc}", param="params") from None
 

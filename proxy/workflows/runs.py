@@ -318,7 +318,8 @@ class Run:
         return StepDispatcher(self.backends)
 
     async def _attempt(self, node: LLMNode, want: str | None,
-                       messages: list[ChatMessage], *, logprobs: bool) -> Generated:
+                       messages: list[ChatMessage], *, logprobs: bool,
+                       max_tokens: int | None = None) -> Generated:
         """One generation of ``node`` on model ``want``, where its route sends it
         (:class:`~flowlift.proxy.dispatch.steps.StepDispatcher`); every try is an
         :class:`AttemptTrace` in the step's ``attempts``."""
@@ -330,7 +331,7 @@ class Run:
             await self._await_warm(node.id)
         priority = self._priority(node.id)
         request = self._request(node, model, messages, number, logprobs=logprobs,
-                                priority=priority)
+                                priority=priority, max_tokens=max_tokens)
         books = AttemptBooks(self.trace, node.id, number, want or model)
         tokens = int(self.plan.uncached_tokens.get(node.id, 0)) if self.plan else 0
         try:
@@ -350,14 +351,17 @@ class Run:
         return Generated(books.text, attempt, books.logprobs)
 
     def _request(self, node: LLMNode, model: str, messages: list[ChatMessage], number: int,
-                 *, logprobs: bool, priority: Priority) -> GenerationRequest:
-        """The engine request of try ``number`` of ``node`` (affinity: the run id)."""
+                 *, logprobs: bool, priority: Priority,
+                 max_tokens: int | None = None) -> GenerationRequest:
+        """The engine request of try ``number`` of ``node`` (affinity: the run id);
+        ``max_tokens`` overrides the step's (a retry after a cut-off output)."""
         p = node.params
         contract = node.contract
         return GenerationRequest(
             request_id=f"{self.run_id}:{node.id}" + (f":{number}" if number > 1 else ""),
             model=model, messages=messages,
-            sampling=SamplingOptions(max_tokens=p.max_tokens, temperature=p.temperature,
+            sampling=SamplingOptions(max_tokens=max_tokens or p.max_tokens,
+                                     temperature=p.temperature,
                                      top_p=p.top_p, stop=p.stop, seed=p.seed,
                                      logprobs=0 if logprobs else None),
             constraint=(OutputConstraint(json_schema=contract.json_schema,

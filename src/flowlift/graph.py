@@ -68,14 +68,44 @@ class MessageTemplate(_Model):
     content: tuple[Part, ...]
 
 
-class Params(_Model):
-    """Sampling parameters (OpenAI names). ``max_tokens`` in tokens."""
+MAX_TOKENS_LIMIT: Final = 32768
 
-    max_tokens: int | None = Field(default=256, ge=1, le=32768)
+
+class Params(_Model):
+    """Sampling parameters (OpenAI names). ``max_tokens`` in tokens.
+
+    ``max_tokens_ceiling`` (tokens, >= ``max_tokens``): how far a retry may raise
+    ``max_tokens`` after an output was cut off (``finish_reason: "length"``); ``None``:
+    twice ``max_tokens`` (at most 32768). See :meth:`ceiling`.
+    """
+
+    max_tokens: int | None = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    max_tokens_ceiling: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+
+    @model_validator(mode="after")
+    def _ceiling_above(self) -> Params:
+        if self.max_tokens_ceiling is not None and (
+                self.max_tokens is None or self.max_tokens_ceiling < self.max_tokens):
+            raise ValueError(f"max_tokens_ceiling {self.max_tokens_ceiling} needs a "
+                             f"max_tokens at most that large (max_tokens={self.max_tokens})")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _drop(handler(self), {"max_tokens_ceiling": None})
+
+    def ceiling(self) -> int | None:
+        """The most ``max_tokens`` a retry may ask for; ``None`` when ``max_tokens`` is
+        unset (no limit to raise)."""
+        if self.max_tokens is None:
+            return None
+        if self.max_tokens_ceiling is not None:
+            return self.max_tokens_ceiling
+        return min(2 * self.max_tokens, MAX_TOKENS_LIMIT)
 
 
 def _drop(data: Any, defaults: dict[str, Any]) -> Any:
