@@ -34,6 +34,7 @@ from pydantic import BaseModel
 
 from flowlift.credentials import bearer_headers, default_api_key
 from flowlift.errors import (
+    GraphError,
     SemanticVariableError,
     StepContractError,
     StepFailed,
@@ -151,7 +152,14 @@ class Workflow:
         return self.add_node(InputNode(id=self.new_id(name), value=value))
 
     def graph(self) -> Graph:
-        """The recorded graph in wire form."""
+        """The recorded graph in wire form (``wf.graph().to_json()``: its JSON text).
+
+        Raises:
+            GraphError: nothing was recorded (no step or tool was called in the block).
+        """
+        if not self.nodes:
+            raise GraphError([f"workflow {self.name!r} has no steps: call a @step or @tool "
+                              "function inside its `with workflow(...)` block"])
         return Graph(name=self.name, workflow_class=self.workflow_class,
                      deadline_s=self.deadline_s, metadata=self.metadata, nodes=tuple(self.nodes))
 

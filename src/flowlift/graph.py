@@ -246,6 +246,15 @@ class Graph(_Model):
         """The JSON-ready document (``class`` spelled as on the wire)."""
         return self.model_dump(mode="json", by_alias=True)
 
+    def to_json(self, indent: int | None = 2) -> str:
+        """The graph as JSON text: what ``POST /v1/workflows`` and ``flowlift compile``
+        read (``Graph.model_validate_json`` reads it back).
+
+        Args:
+            indent: spaces per level; ``None`` for one line.
+        """
+        return json.dumps(self.to_wire(), indent=indent, ensure_ascii=False)
+
 
 def node_refs(node: LLMNode | ToolNode | InputNode) -> Iterator[Ref]:
     """Every reference a node makes, in order (duplicates included)."""
