@@ -60,3 +60,47 @@ def test_the_demo_and_the_tests_keep_the_checkouts_cache():
     for script in ("demo.sh", "test.sh"):
         text = (root / "scripts" / script).read_text()
         assert 'FLOWLIFT_CACHE_DIR="${FLOWLIFT_CACHE_DIR:-$PWD/.cache/flowlift}"' in text
+
+
+# -- max_tokens past the model's context: 400, as OpenAI and vLLM answer ------------------
+class _Words:
+    """A tokenizer stand-in: one token per word."""
+
+    def encode(self, text, add_special_tokens=True):
+        return text.split()
+
+    def apply_chat_template(self, msgs, add_generation_prompt, tokenize):
+        return " ".join(m["content"] for m in msgs)
+
+
+def _engine(context):
+    from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: only the request checks run
+    engine.config = VLLMConfig(model="unused", served_model_name="m", max_model_len=context)
+    engine._tokenizer = _Words()
+    return engine
+
+
+def _request(max_tokens, words=10):
+    from flowlift.local_engine.base import ChatMessage, GenerationRequest, SamplingOptions
+
+    return GenerationRequest(request_id="r", model="m",
+                             messages=[ChatMessage("user", "w " * words)],
+                             sampling=SamplingOptions(max_tokens=max_tokens))
+
+
+def test_max_tokens_past_the_context_is_a_400_before_generating():
+    from flowlift.errors import ContextLengthExceeded
+
+    engine = _engine(context=64)
+    assert len(engine._prompt_ids(_request(54))) == 10  # exactly fits
+    assert len(engine._prompt_ids(_request(None))) == 10  # no limit asked: the context's
+    with pytest.raises(ContextLengthExceeded) as info:
+        engine._prompt_ids(_request(55))
+    err = info.value
+    assert err.status == 400 and err.param == "max_tokens"
+    assert err.to_openai()["error"]["code"] == "context_length_exceeded"
+    assert "maximum context length is 64 tokens. However, you requested 65 tokens " \
+           "(10 in the messages, 55 in the completion)" in err.message
+    assert "max_tokens at most 54" in err.message
