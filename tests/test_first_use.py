@@ -32,9 +32,9 @@ def test_a_recorded_graph_writes_and_reads_back_as_json(tmp_path):
 
 
 def test_an_empty_workflow_is_a_graph_error_saying_so():
-    with pytest.raises(GraphError, match="'nothing' has no steps: call a @step or @tool"):
-        with workflow("nothing", base_url="http://127.0.0.1:9"):
-            pass
+    with pytest.raises(GraphError, match="'nothing' has no steps: call a @step or @tool"), \
+            workflow("nothing", base_url="http://127.0.0.1:9"):
+        pass
     with workflow("recorded", submit=False) as wf:
         pass
     with pytest.raises(GraphError, match="no steps"):
