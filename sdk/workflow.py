@@ -43,6 +43,7 @@ from flowlift.errors import (
     step_failure,
 )
 from flowlift.graph import Arg, Graph, InputNode, Items, Node, Ref, ToolNode, project
+from flowlift.sdk.markers import check_literal
 from flowlift.sdk.variables import SemanticVariable
 from flowlift.tracing.summary import format_stage_table, stage_summary
 
@@ -148,7 +149,14 @@ class Workflow:
         return self.add_node(node, fields=None)
 
     def input(self, value: Any, name: str = "input") -> SemanticVariable:
-        """Add a constant as a graph input (shared by every step that reads it)."""
+        """Add a constant as a graph input (shared by every step that reads it).
+
+        Raises:
+            SemanticVariableError: ``value`` holds a Semantic Variable or a piece of one
+                (an input is a constant: pass the variable to the steps themselves).
+        """
+        check_literal(json.dumps(value, ensure_ascii=False, default=str),
+                      f"workflow input {name!r}")
         return self.add_node(InputNode(id=self.new_id(name), value=value))
 
     def graph(self) -> Graph:

@@ -318,3 +318,13 @@ def test_prompts_that_keep_placeholders_whole_record_with_their_edges(pre, post,
     assert Ref(ref="ask_1") in content
     literal = "".join(p.text for p in content if isinstance(p, Text))
     assert literal.strip() == f"{pre}{post}".strip() or spec
+
+
+def test_a_workflow_input_is_a_constant_never_a_placeholder():
+    with workflow("w", submit=False) as wf:
+        v = ask("a")
+        with pytest.raises(SemanticVariableError, match="workflow input 'doc'"):
+            wf.input(f"text {v}", name="doc")
+        with pytest.raises(SemanticVariableError, match="only a constant"):
+            wf.input({"k": v})
+        assert wf.input({"k": ["plain", 1]}).step_id == "input_1"
