@@ -16,7 +16,9 @@ leaves characters that are not inside a whole marker, and :func:`split_prompt` r
 them with :class:`~flowlift.errors.SemanticVariableError` naming the step and, when it can
 tell, the operation. The repr of a variable (``<SemanticVariable ...>``, as ``{v!r}`` or
 a printed list writes it) and the escaped form of a marker (``repr()``/``ascii()`` of a
-string holding one: ``\\U0010f000``) are refused the same way, in any case.
+string holding one: ``\\U0010f000``; also ``json.dumps``' ``\\udbfc\\udc00``, a
+percent-encoded or ``&#x...;`` form, ``str()`` of its UTF-8 bytes) are refused the same
+way, in any case.
 
 ``str(v)`` returns a :class:`MarkerText`: the marker as a ``str`` subclass whose
 string-changing methods (``upper``, ``strip``, slicing, ``split``, ``replace``,
@@ -36,7 +38,10 @@ refused.
 from __future__ import annotations
 
 import contextvars
+import html
 import re
+import urllib.parse
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,8 +61,15 @@ _SEP = 0xFF                              # between step id and path parts (never
 _BYTE = f"[{chr(_BYTE0)}-{chr(_BYTE0 + 0xFF)}]"
 _WHOLE = re.compile(f"{OPEN}{_CASED}({_BYTE}+){MID}({_BYTE}+){CLOSE}")
 _TRACE = re.compile(f"[{OPEN}-{chr(_BYTE0 + 0xFF)}\U00016e40-\U00016e9f]+")
-_ESCAPED = re.compile(r"\\U0010f[01][0-9a-f]{2}|\\U00016e[4-9][0-9a-f]", re.IGNORECASE)
-_REPR = re.compile(r"<\s*semantic\s*variable\b", re.IGNORECASE)
+_ESCAPED = re.compile(  # a marker's characters (U+10F000..U+10F1FF) escaped, as ...
+    r"\\U0010f[01][0-9a-f]{2}"         # repr(), ascii(), "unicode_escape"
+    r"|\\udbfc\\+ud[cd][0-9a-f]{2}"    # json.dumps (ensure_ascii): UTF-16 surrogates
+    r"|%f4%8f%8[0-7]%"                  # urllib.parse.quote: UTF-8 percent-encoded
+    r"|\\xf4\\+x8f\\+x8[0-7]"          # str() of the UTF-8 bytes
+    r"|&#x10f[01][0-9a-f]{2};|&#111(?:00[1-9]\d|0[1-5]\d\d);"  # XML/HTML references
+    r"|\\U00016e[4-9][0-9a-f]", re.IGNORECASE)
+_REPR = re.compile(  # "<SemanticVariable", its "<" also escaped (URL, HTML, JSON, bytes)
+    r"(?:<|%3c|&lt;|&#60;|&#x3c;|\\u003c|\\x3c)\s*semantic\s*variable", re.IGNORECASE)
 
 _FIX = ("A Semantic Variable's text is a placeholder for a value not known until the run: "
         "string operations change the placeholder, not the value. Put the variable whole "
@@ -190,8 +202,10 @@ def _mangled(text: str) -> str | None:
     if _WHOLE.search(text):
         return ("a Semantic Variable where only a constant can go (inside a dict or another "
                 "JSON value): pass it as a whole argument, or as an item of a list")
-    if _ESCAPED.search(text):
-        return "an escaped Semantic Variable (repr() or ascii() of a string holding one)"
+    if _ESCAPED.search(text) or any(_TRACE.search(u) or _REPR.search(u) or _ESCAPED.search(u)
+                                    for u in _unescaped(text)):
+        return ("an escaped Semantic Variable (repr(), ascii(), json.dumps, a URL quote, "
+                "HTML escaping or str() of bytes, of a string holding one)")
     trace = _TRACE.search(text)
     if trace is None:
         return None
@@ -203,6 +217,40 @@ def _mangled(text: str) -> str | None:
         return f"a case-changed part of a Semantic Variable{of} (upper(), lower()...)"
     return (f"a cut piece of a Semantic Variable{of}: it was sliced, truncated (`[:n]`, "
             "`{:.n}`, `%.ns`), split, stripped or replaced into")
+
+
+_ESCAPE_SIGNS = re.compile(r"%[0-9a-f]{2}|&#?\w+;|\\", re.IGNORECASE)
+_UTF8_RUN = re.compile("[\xc0-\xf7][\x80-\xbf]+")
+
+
+def _unescaped(text: str, depth: int = 6, most: int = 64) -> list[str]:
+    """What undoing percent-, HTML- and backslash-escapes makes of ``text``, nested up to
+    ``depth`` deep (``quote(repr(s))`` needs two), at most ``most`` forms: the forms a
+    marker may hide in."""
+    found: list[str] = []
+    level = [text]
+    for _ in range(depth):
+        level = [u for t in level if _ESCAPE_SIGNS.search(t)
+                 for u in (urllib.parse.unquote(t), html.unescape(t), _unbackslash(t))
+                 if u != t and u not in found][:most - len(found)]
+        found += level
+    return found
+
+
+def _unbackslash(text: str) -> str:
+    """``\\U0010f000``, ``\\udbfc\\udc00`` (a surrogate pair), ``\\xf4\\x8f...`` (UTF-8
+    bytes) back to characters; ``text`` itself when it holds no valid escapes."""
+    if "\\" not in text:
+        return text
+    try:
+        with warnings.catch_warnings():  # "invalid escape sequence": ordinary backslashes
+            warnings.simplefilter("ignore", DeprecationWarning)
+            out = text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        out = out.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    except (UnicodeDecodeError, UnicodeEncodeError):
+        return text
+    return _UTF8_RUN.sub(lambda m: m.group().encode("latin-1").decode("utf-8", "replace"),
+                         out)
 
 
 def _owner(run: str) -> str:

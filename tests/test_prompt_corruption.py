@@ -5,7 +5,9 @@ the step is recorded, naming the step and the operation."""
 # ruff: noqa: UP031  (printf-style formatting is what these tests exercise)
 from __future__ import annotations
 
+import json
 import string
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +60,10 @@ def merge(xs, k=None):
     (lambda v: "%r" % str(v), "repr"),
     (lambda v: str(v).encode().decode(), "encode"),
     (lambda v: str(v).replace("a", "b"), "replace"),
+    (lambda v: json.dumps({"doc": f"{v}"}), "escaped"),
+    (lambda v: urllib.parse.quote(f"doc {v}"), "escaped"),
+    (lambda v: str(f"doc {v}".encode()), "escaped"),
+    (lambda v: f"doc {v}".encode("ascii", "xmlcharrefreplace").decode(), "escaped"),
 ])
 def test_everyday_string_operations_on_a_placeholder_are_refused(build, said):
     with workflow("w", submit=False):
@@ -115,6 +121,19 @@ def _refs(wf: Any) -> list[Ref]:
     return [r for n in wf.graph().nodes for r in node_refs(n)]
 
 
+@pytest.mark.parametrize("text", [
+    r"Match \d+ in C:\new\table and C:\Users\X", "100% sure &amp; <b>bold</b> &#60;",
+    "naïve café 日本語 🎉 \U0001F389", "json: {\"a\": \"\\u00e9\"} %F0%9F%8E%89",
+    "a <semantic> variable, SemanticVariable docs"])
+def test_ordinary_prompt_text_is_never_taken_for_a_marker(text):
+    with workflow("w", submit=False) as wf:
+        v = ask("a")
+        out = use(f"{text} {v}")
+        merge(text)
+    content = wf.graph().node_map()[out.step_id].messages[0].content
+    assert content == (Text(text=f"{text} "), Ref(ref="ask_1"))
+
+
 def test_a_variable_of_another_workflow_is_refused():
     with workflow("one", submit=False):
         old = ask("a")
@@ -133,8 +152,9 @@ def test_str_of_a_variable_is_never_readable_text():
 
 
 # -- the property: random string operations never produce a prompt that passes ----------
+_MEDEFAIDRIN = "".join(map(chr, range(0x16E40, 0x16EA0)))  # marker letters: refused
 _ALPHABET = st.characters(codec="utf-8", exclude_categories=("Cs", "Co", "Cn"),
-                          exclude_characters="\\<")
+                          exclude_characters=_MEDEFAIDRIN)
 _TEXT = st.text(_ALPHABET, max_size=8)
 
 Op = Callable[[str], str]
@@ -180,7 +200,8 @@ def _keeping_op(draw: st.DrawFn) -> tuple[str, Op]:
     """Operations that may keep a marker whole (or change case, or escape it)."""
     kind = draw(st.sampled_from([
         "upper", "lower", "casefold", "title", "swapcase", "capitalize", "strip", "lstrip",
-        "rstrip", "codec", "pad", "percent", "concat", "fstring", "split_ws", "mul"]))
+        "rstrip", "codec", "pad", "percent", "concat", "fstring", "split_ws", "mul",
+        "json_unicode"]))
     a, b = draw(_TEXT), draw(_TEXT)
     if kind in ("upper", "lower", "casefold", "title", "swapcase", "capitalize", "strip",
                 "lstrip", "rstrip"):
@@ -197,14 +218,25 @@ def _keeping_op(draw: st.DrawFn) -> tuple[str, Op]:
         return "concat", lambda s: a + s + b
     if kind == "fstring":
         return "f-string", lambda s: f"{a}{s}{b}"
+    if kind == "json_unicode":  # JSON text that keeps the characters: the marker whole
+        return "json.dumps(ensure_ascii=False)", lambda s: json.dumps(s, ensure_ascii=False)
     if kind == "split_ws":
         return "split()/join", lambda s: " ".join(s.split())
     return "*2", lambda s: s * 2
 
 
+_ESCAPES = ("repr", "ascii", "unicode_escape", "percent_r", "json", "quote", "bytes_str")
+
+
 @st.composite
 def _escaping_op(draw: st.DrawFn) -> tuple[str, Op]:
-    kind = draw(st.sampled_from(["repr", "ascii", "unicode_escape", "percent_r"]))
+    kind = draw(st.sampled_from(_ESCAPES))
+    if kind == "json":
+        return kind, json.dumps
+    if kind == "quote":
+        return kind, lambda s: urllib.parse.quote(_plain(s))
+    if kind == "bytes_str":
+        return kind, lambda s: str(_plain(s).encode())
     if kind == "repr":
         return kind, repr
     if kind == "ascii":
@@ -227,7 +259,7 @@ def _pipelines(draw: st.DrawFn, with_cuts: bool = True) -> list[tuple[str, Op]]:
         if with_cuts:
             choices.append(_escaping_op())
         name, op = draw(st.one_of(*choices))
-        escaped = escaped or name in ("repr", "ascii", "unicode_escape", "percent_r")
+        escaped = escaped or name in _ESCAPES
         ops.append((name, op))
     return ops
 
