@@ -198,7 +198,8 @@ def _mangled(text: str) -> str | None:
     """What became of a marker in ``text`` (literal text), or None when nothing did."""
     if _REPR.search(text):
         return ("the repr of a Semantic Variable (`{var!r}`, `%r`, repr(), or a list or "
-                "dict of variables formatted as a whole)")
+                "dict of variables formatted as a whole: to put a list of variables into a "
+                "prompt, join their texts, `\", \".join(map(str, items))`)")
     if _WHOLE.search(text):
         return ("a Semantic Variable where only a constant can go (inside a dict or another "
                 "JSON value): pass it as a whole argument, or as an item of a list")

@@ -95,6 +95,25 @@ def test_whole_placeholders_still_make_edges():
         assert Ref(ref="ask_1") in nodes[var.step_id].messages[0].content
 
 
+def test_a_list_of_variables_goes_into_a_prompt_joined_not_as_a_list():
+    @step
+    def listing(items):
+        return f"Items: {items}"
+
+    @step
+    def joined(items):
+        return "Items: " + ", ".join(map(str, items))
+
+    with workflow("w", submit=False) as wf:
+        items = [ask("a"), ask("b")]
+        with pytest.raises(SemanticVariableError, match=r"join their texts"):
+            listing(items)
+        out = joined(items)
+    content = wf.graph().node_map()[out.step_id].messages[0].content
+    assert content == (Text(text="Items: "), Ref(ref="ask_1"), Text(text=", "),
+                       Ref(ref="ask_2"))
+
+
 def test_tool_arguments_are_checked_and_lists_of_variables_are_supported():
     with workflow("w", submit=False) as wf:
         a, b = ask("a"), ask("b")
