@@ -9,15 +9,16 @@ A marker is made only of characters that ordinary text does not contain::
 payload are characters of the Supplementary Private Use Area-B (U+10F000..U+10F1FF: one
 character per byte); ``m S`` are a small and a capital letter of Medefaidrin
 (U+16E40..U+16E9F), a script whose case changes under ``upper()``, ``lower()``,
-``title()``, ``swapcase()``, ``casefold()`` and ``capitalize()``. So every character
-of a marker is recognisable on its own: a slice (``[:10]``, ``{:.10}``, ``%.10s``), a
-split, a case change, a ``replace`` that touches it leaves characters that are not inside
-a whole marker, and :func:`split_prompt` refuses them with :class:`~flowlift.errors.SemanticVariableError` naming the step and, when it can
-tell, the operation. The repr of a variable (``<SemanticVariable ...>``, as ``{v!r}`` or
-a printed list writes it) and the escaped form of a marker (``repr()``/``ascii()`` of a
+``title()``, ``swapcase()``, ``casefold()`` and ``capitalize()``. So every character of
+a marker is recognisable on its own: a slice (``[:10]``, ``{:.10}``, ``%.10s``), a
+split, a case change, a ``replace`` that touches it leaves characters that are not
+inside a whole marker, and :func:`split_prompt` refuses them with
+:class:`~flowlift.errors.SemanticVariableError` naming the step and, when it can tell,
+the operation. The repr of a variable (``<SemanticVariable ...>``, as ``{v!r}`` or a
+printed list writes it) and the escaped form of a marker (``repr()``/``ascii()`` of a
 string holding one: ``\\U0010f000``; also ``json.dumps``' ``\\udbfc\\udc00``, a
-percent-encoded or ``&#x...;`` form, ``str()`` of its UTF-8 bytes, and those escaped again,
-up to six deep) are refused the same way, in any case.
+percent-encoded or ``&#x...;`` form, ``str()`` of its UTF-8 bytes, and those escaped
+again, up to six deep) are refused the same way, in any case.
 
 ``str(v)`` returns a :class:`MarkerText`: the marker as a ``str`` subclass whose
 string-changing methods (``upper``, ``strip``, slicing, ``split``, ``replace``,
