@@ -3,7 +3,8 @@
 Protocol (proxy: ``flowlift.proxy.workflows.api``):
 
 1. ``POST /v1/workflows`` with the graph; the answer is an SSE stream of events:
-   ``run.started`` ``{run_id}``, ``step.finished`` ``{step_id, value}``,
+   ``run.started`` ``{run_id, steps, warnings?}`` (the compiler's warnings: issued as
+   :class:`~flowlift.errors.PlanWarning`), ``step.finished`` ``{step_id, value}``,
    ``step.failed`` ``{step_id, error, kind, attempts?}`` (``kind``: see
    :func:`flowlift.errors.step_failure`), ``tool.wanted`` ``{step_id, name, args, kwargs}``,
    ``run.finished`` ``{run_id, status, failures, trace}``.
@@ -22,6 +23,7 @@ import contextlib
 import inspect
 import json
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,7 @@ from flowlift.errors import (
     AuthenticationError,
     FlowliftError,
     GraphError,
+    PlanWarning,
     ProxyUnavailable,
     RequestError,
     RunError,
@@ -62,6 +65,8 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
     if sse.event in ("run.started", "run.resumed"):
         wf.run_id = data["run_id"]
         wf.status = "running"
+        for text in data.get("warnings", ()):  # the compiler's, once per run start
+            warnings.warn(f"workflow {wf.name!r}: {text}", PlanWarning, stacklevel=2)
     elif sse.event == "step.finished":
         wf.record_output(data["step_id"], data["value"])
     elif sse.event == "step.failed":

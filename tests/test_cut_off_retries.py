@@ -125,3 +125,23 @@ def test_labels_and_unbounded_outputs_are_warned_only_when_relevant():
         llm("text", "x", params={"max_tokens": 1})]})
     warned = compile_graph(graph).report.warnings
     assert len(warned) == 1 and "step 'l'" in warned[0] and "label" in warned[0]
+
+
+async def test_the_sdk_warns_at_submission_when_an_output_cannot_fit(client):
+    from flowlift.errors import PlanWarning
+
+    @step(output=Ticket, max_tokens=32, retries=0)
+    def ticket(text):
+        return f"File a ticket: {text}"
+
+    @step(output=Ticket, max_tokens=4000)
+    def roomy(text):
+        return f"File a ticket: {text}"
+
+    base = str(client.make_url("")).rstrip("/")
+    with pytest.warns(PlanWarning, match=r"workflow 'tickets': step 'ticket_1': the "
+                                         r"largest valid output") as caught:
+        async with workflow("tickets", base_url=base):
+            ticket("printer on fire")
+            roomy("printer on fire")
+    assert len([w for w in caught if w.category is PlanWarning]) == 1

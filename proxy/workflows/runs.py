@@ -160,8 +160,11 @@ class Run:
                                           "cancelled")
                     self._close("cancelled")
                 raise
-        self._emit(("run.resumed" if self.resumed else "run.started",
-                    {"run_id": self.run_id, "steps": [n.id for n in self.graph.nodes]}))
+        started: dict[str, Any] = {"run_id": self.run_id,
+                                   "steps": [n.id for n in self.graph.nodes]}
+        if self.plan is not None and self.plan.report.warnings:  # the SDK warns its user
+            started["warnings"] = self.plan.report.warnings
+        self._emit(("run.resumed" if self.resumed else "run.started", started))
         with bind_run(workflow_id=self.run_id):
             tasks = [asyncio.create_task(self._node(n)) for n in self.graph.nodes]
             work: asyncio.Future[Any] = asyncio.gather(*tasks)

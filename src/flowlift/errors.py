@@ -36,6 +36,10 @@
         │   └── ShuttingDown          the proxy drains after SIGTERM (503, ``Retry-After``)
         └── UpstreamError             an upstream provider failed (status, body, retry_after_s)
 
+Warnings, not errors: :class:`PlanWarning` (a ``UserWarning``), what the compiler found
+before a run that may make a step fail (its output cannot fit ``max_tokens``); the SDK
+issues one per problem when the run starts.
+
 Every error knows its HTTP face (:meth:`FlowliftError.to_openai`): the OpenAI error
 shape ``{"error": {"message", "type", "param", "code"}}`` with a status code the
 official ``openai`` client maps to its exception classes.
@@ -362,3 +366,9 @@ class UpstreamError(RunError):
         self.backend = backend
         if status == 504:
             self.code = "upstream_timeout"
+
+
+class PlanWarning(UserWarning):
+    """A problem the compiler found before the run (``CompileReport.warnings``), such as
+    a contract whose valid outputs cannot fit the step's ``max_tokens``. Issued by the SDK
+    with :func:`warnings.warn` when the run starts; the run goes ahead."""
