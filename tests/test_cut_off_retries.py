@@ -145,3 +145,23 @@ async def test_the_sdk_warns_at_submission_when_an_output_cannot_fit(client):
             ticket("printer on fire")
             roomy("printer on fire")
     assert len([w for w in caught if w.category is PlanWarning]) == 1
+
+
+def test_patterns_and_formats_bound_strings_and_regex_contracts_are_checked():
+    from flowlift.compiler import approximate_tokenize
+    from flowlift.output_size import pattern_width, schema_size
+
+    def count(text):
+        return len(approximate_tokenize("m", text))
+
+    assert pattern_width("^[a-z][a-z0-9 ]{1,20}[a-z0-9]$") == (3, 22)
+    assert pattern_width(r"\d+") == (1, None) and pattern_width("(") == (0, None)
+    size = schema_size({"type": "object", "required": ["t", "d"], "properties": {
+        "t": {"type": "string", "pattern": "^[a-z]{4,40}$"},
+        "d": {"type": "string", "format": "date"}}}, count)
+    assert size.unbounded == () and size.largest_tokens > size.smallest_tokens
+    graph = Graph.model_validate({"nodes": [
+        llm("r", "x", contract={"regex": "[a-z ]{400}"}, params={"max_tokens": 16}),
+        llm("ok", "x", contract={"regex": "[a-z]{3}-\\d{2}"}, params={"max_tokens": 16})]})
+    warned = compile_graph(graph).report.warnings
+    assert len(warned) == 1 and "step 'r'" in warned[0] and "shortest match" in warned[0]

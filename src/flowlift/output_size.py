@@ -6,7 +6,8 @@ their contract -- the cause a retry at the same budget cannot change.
 
 The bounds are found by building the smallest and the largest valid JSON document of a
 schema and counting its tokens with the compiler's ``tokenize``: strings are filled to
-``minLength`` / ``maxLength`` with prose-like words, arrays to ``minItems`` /
+``minLength`` / ``maxLength`` (or the bounds of their ``pattern`` or ``format``) with
+prose-like words, arrays to ``minItems`` /
 ``maxItems``, objects hold their ``required`` properties (smallest) or all of them
 (largest), an enum its shortest / longest member, ``anyOf`` / ``oneOf`` the smaller /
 larger branch, local ``$ref`` pointers are followed. A string without ``maxLength``, an
@@ -17,6 +18,7 @@ fields are named (``unbounded``) and count at their smallest.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,12 +100,17 @@ class _Walk:
         return None
 
     def _string(self, schema: dict[str, Any], big: bool, path: str) -> str:
-        length = int(schema.get("minLength", 0))
-        if big and "maxLength" in schema:
-            length = int(schema["maxLength"])
-        elif big:
-            self.note(path, "no maxLength")
-        return (_FILLER * (length // len(_FILLER) + 1))[:length]
+        low, high = pattern_width(schema.get("pattern"))
+        low = max(low, _FORMAT_WIDTH.get(schema.get("format", ""), 0))
+        length = max(int(schema.get("minLength", 0)), low)
+        if big:
+            bounds = [b for b in (schema.get("maxLength"), high,
+                                  _FORMAT_WIDTH.get(schema.get("format", ""))) if b is not None]
+            if bounds:
+                length = int(min(bounds))
+            else:
+                self.note(path, "no maxLength")
+        return filler(length)
 
     def _array(self, schema: dict[str, Any], big: bool, path: str, depth: int) -> list[Any]:
         count = int(schema.get("minItems", 0))
@@ -130,6 +137,30 @@ class _Walk:
                 return None
             node = node.get(part.replace("~1", "/").replace("~0", "~"))
         return node
+
+
+_FORMAT_WIDTH = {"date": 10, "time": 21, "date-time": 32, "uuid": 36, "ipv4": 15,
+                 "ipv6": 45, "duration": 32}
+"""Longest common spellings of the JSON Schema string formats whose length is bounded."""
+
+
+def filler(length: int) -> str:
+    """``length`` characters of prose-like words (what a string of that length costs)."""
+    return (_FILLER * (length // len(_FILLER) + 1))[:length]
+
+
+def pattern_width(pattern: str | None) -> tuple[int, int | None]:
+    """Shortest and longest match of a regular expression, in characters (longest
+    ``None``: unbounded, or no pattern); ``(0, None)`` for a pattern Python cannot parse."""
+    if not pattern:
+        return 0, None
+    from re import _constants, _parser  # the stdlib's own parse tree of the pattern
+
+    try:
+        low, high = _parser.parse(pattern).getwidth()
+    except (re.error, RecursionError, OverflowError):
+        return 0, None
+    return int(low), None if high >= _constants.MAXREPEAT else int(high)
 
 
 def _size(value: Any) -> int:
@@ -169,6 +200,14 @@ def size_warnings(node: LLMNode, count: Count) -> list[str]:
             return [f"{where}: its label {longest[:40]!r} takes about {count(longest)} tokens, "
                     f"more than max_tokens={budget}: it would be cut off; raise max_tokens"]
         return []
+    if contract.regex is not None:
+        low, _ = pattern_width(contract.regex)
+        need = count(filler(low))
+        if need > budget:
+            return [f"{where}: even the shortest match of its regex takes about {need} tokens, "
+                    f"more than max_tokens={budget}: every answer will be cut off and fail "
+                    "its contract; raise max_tokens"]
+        return []
     if contract.json_schema is None:
         return []
     size = schema_size(contract.json_schema, count)
@@ -193,4 +232,4 @@ def size_warnings(node: LLMNode, count: Count) -> list[str]:
     return []
 
 
-__all__ = ["OutputSize", "schema_size", "size_warnings"]
+__all__ = ["OutputSize", "filler", "pattern_width", "schema_size", "size_warnings"]
