@@ -165,3 +165,15 @@ def test_patterns_and_formats_bound_strings_and_regex_contracts_are_checked():
         llm("ok", "x", contract={"regex": "[a-z]{3}-\\d{2}"}, params={"max_tokens": 16})]})
     warned = compile_graph(graph).report.warnings
     assert len(warned) == 1 and "step 'r'" in warned[0] and "shortest match" in warned[0]
+
+
+async def test_the_fake_engine_honours_stop_strings():
+    from flowlift.local_engine.base import ChatMessage, GenerationRequest, SamplingOptions
+
+    engine = FakeEngine(["m"], responder=lambda req: "first line\nsecond line")
+    request = GenerationRequest(request_id="r", model="m",
+                                messages=[ChatMessage("user", "x")],
+                                sampling=SamplingOptions(max_tokens=50, stop=("\n",)))
+    chunks = [c async for c in engine.generate(request)]
+    assert "".join(c.text for c in chunks) == "first line"
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].usage.completion_tokens == 2

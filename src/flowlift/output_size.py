@@ -28,7 +28,7 @@ from flowlift.graph import LLMNode
 Count = Callable[[str], int]
 """``text -> tokens`` (the compiler's tokenizer for the step's model)."""
 
-_FILLER = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+_FILLER = "the output of this step is a short plain sentence about what the module does and "
 _DEPTH = 12  # recursive schemas: deeper levels count as empty
 
 
