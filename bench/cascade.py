@@ -52,6 +52,9 @@ from flowlift import step, workflow
 from flowlift.testing import free_port, running_proxy
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# the checkout's model cache (the default is the user's ~/.cache/flowlift)
+os.environ.setdefault("FLOWLIFT_CACHE_DIR",
+                      str(Path(__file__).resolve().parents[1] / ".cache" / "flowlift"))
 PRICES = {"small": 0.02, "large": 0.6}  # per 1,000 tokens; large = 30x small
 SIMULATED_LARGE_ACCURACY = 0.9
 

@@ -7,6 +7,7 @@
 #   bash bench/drain_real.sh [PORT]
 set -u
 cd "$(dirname "$0")/.."
+export FLOWLIFT_CACHE_DIR="${FLOWLIFT_CACHE_DIR:-$PWD/.cache/flowlift}"  # the checkout's model cache
 port="${1:-8793}"
 out="$(mktemp -d)"
 .venv/bin/flowlift serve --port "$port" --state-db "$out/state.sqlite" --grace-s 20 \

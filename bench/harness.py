@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,9 @@ __all__ = ["RESULTS", "engine_ceiling", "free_port", "pct", "proxy", "save"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+# the checkout's model cache (the default is the user's ~/.cache/flowlift): benchmarks
+# measure the model converted there, as scripts/demo.sh and scripts/test.sh do
+os.environ.setdefault("FLOWLIFT_CACHE_DIR", str(ROOT / ".cache" / "flowlift"))
 
 
 @contextlib.contextmanager

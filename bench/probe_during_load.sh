@@ -4,6 +4,7 @@
 #   bash bench/probe_during_load.sh [PORT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export FLOWLIFT_CACHE_DIR="${FLOWLIFT_CACHE_DIR:-$PWD/.cache/flowlift}"  # the checkout's model cache
 port="${1:-8493}"
 .venv/bin/flowlift serve --port "$port" --state-db :memory: --log-level warning \
   > bench/results/probe_during_load.log 2>&1 &

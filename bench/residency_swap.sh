@@ -5,6 +5,7 @@
 #   bash bench/residency_swap.sh [PORT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export FLOWLIFT_CACHE_DIR="${FLOWLIFT_CACHE_DIR:-$PWD/.cache/flowlift}"  # the checkout's model cache
 port="${1:-8491}"
 base="http://127.0.0.1:$port"
 twin="$(mktemp -d)/smol-twin"

@@ -46,8 +46,17 @@ _MARKER = "flowlift_model.json"
 
 
 def cache_dir() -> Path:
-    """Root of flowlift's on-disk cache: ``$FLOWLIFT_CACHE_DIR`` or ``./.cache/flowlift``."""
-    return Path(os.environ.get("FLOWLIFT_CACHE_DIR", Path.cwd() / ".cache" / "flowlift"))
+    """Root of flowlift's on-disk cache (converted models, compile caches, the default
+    state database): ``$FLOWLIFT_CACHE_DIR`` when set, else the user's cache directory
+    (XDG): ``$XDG_CACHE_HOME/flowlift``, or ``~/.cache/flowlift``. One per user, not
+    per working directory, so the default model is converted once for every project.
+    """
+    override = os.environ.get("FLOWLIFT_CACHE_DIR")
+    if override:
+        return Path(override)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "flowlift"
 
 
 def default_gguf_path() -> Path:

@@ -162,6 +162,25 @@ def translate_error(exc: BaseException, prompt_param: str = "messages") -> Flowl
     return EngineError(f"generation failed in vLLM: {type(cause).__name__}: {text}")
 
 
+def check_completion_fits(prompt_tokens: int, max_tokens: int | None, context: int,
+                          prompt_param: str = "messages") -> None:
+    """Refuse a request whose prompt plus ``max_tokens`` passes the model's context, as
+    OpenAI and vLLM's server do (HTTP 400, code ``context_length_exceeded``, their
+    wording), instead of starting a generation that stops short at the context.
+
+    Raises:
+        ContextLengthExceeded: with ``param="max_tokens"``.
+    """
+    if max_tokens is None or prompt_tokens + max_tokens <= context:
+        return
+    where = "messages" if prompt_param == "messages" else "prompt"
+    raise ContextLengthExceeded(
+        f"This model's maximum context length is {context} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} "
+        f"in the completion). Please reduce the length of the {where} or completion "
+        f"(max_tokens at most {context - prompt_tokens} here).", param="max_tokens")
+
+
 class VLLMEngine(Engine):
     """One model served by vLLM's ``AsyncLLM`` inside this process.
 
@@ -232,6 +251,8 @@ class VLLMEngine(Engine):
                 f"{self.config.max_model_len - 1} (its context is "
                 f"{self.config.max_model_len} tokens, prompt plus completion)",
                 param=param)
+        check_completion_fits(len(ids), request.sampling.max_tokens,
+                              self.config.max_model_len, param)
         return ids
 
     def _chat_text(self, request: GenerationRequest) -> str:

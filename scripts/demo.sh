@@ -4,5 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# the model cache (default: the user's ~/.cache/flowlift) stays in the checkout here
+export FLOWLIFT_CACHE_DIR="${FLOWLIFT_CACHE_DIR:-$PWD/.cache/flowlift}"
 exec .venv/bin/flowlift run --config examples/stdlib_docs/flowlift.toml \
     examples/stdlib_docs/pipeline.py "$@"

@@ -20,6 +20,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, StringConstraints, ValidationError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("FLOWLIFT_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "flowlift"))
 
 from flowlift.errors import RequestError
 from flowlift.local_engine.base import (

@@ -7,5 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 bash scripts/typecheck.sh  # the typing gate: any mypy error stops here, before the tests
 export FLOWLIFT_REQUIRE_ENGINE=1
+# the model cache (default: the user's ~/.cache/flowlift) stays in the checkout here
+export FLOWLIFT_CACHE_DIR="${FLOWLIFT_CACHE_DIR:-$PWD/.cache/flowlift}"
 export FLOWLIFT_REQUIRE_CHROMIUM=1  # the page tests (tests/test_ui_chromium.py) must run
 exec .venv/bin/python -m pytest "$@"

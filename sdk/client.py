@@ -3,8 +3,10 @@
 Protocol (proxy: ``flowlift.proxy.workflows.api``):
 
 1. ``POST /v1/workflows`` with the graph; the answer is an SSE stream of events:
-   ``run.started`` ``{run_id}``, ``step.finished`` ``{step_id, value}``,
-   ``step.failed`` ``{step_id, error}``, ``tool.wanted`` ``{step_id, name, args, kwargs}``,
+   ``run.started`` ``{run_id, steps, warnings?}`` (the compiler's warnings: issued as
+   :class:`~flowlift.errors.PlanWarning`), ``step.finished`` ``{step_id, value}``,
+   ``step.failed`` ``{step_id, error, kind, attempts?}`` (``kind``: see
+   :func:`flowlift.errors.step_failure`), ``tool.wanted`` ``{step_id, name, args, kwargs}``,
    ``run.finished`` ``{run_id, status, failures, trace}``. (Other events, e.g. an agent
    step's ``agent.turn`` and ``tool.result``, are the proxy's own records.)
 2. For each ``tool.wanted`` (an agent step's tool call: with ``agent_step``, and a call id
@@ -38,6 +40,7 @@ from flowlift.errors import (
     DeadlineWarning,
     FlowliftError,
     GraphError,
+    PlanWarning,
     ProxyUnavailable,
     RequestError,
     RunClosed,
@@ -69,10 +72,13 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
     if sse.event in ("run.started", "run.resumed"):
         wf.run_id = data["run_id"]
         wf.status = "running"
+        for text in data.get("warnings", ()):  # the compiler's, once per run start
+            warnings.warn(f"workflow {wf.name!r}: {text}", PlanWarning, stacklevel=2)
     elif sse.event == "step.finished":
         wf.record_output(data["step_id"], data["value"])
     elif sse.event == "step.failed":
-        wf.record_failure(data["step_id"], data["error"])
+        wf.record_failure(data["step_id"], data["error"], kind=data.get("kind"),
+                          attempts=data.get("attempts"))
     elif sse.event == "tool.wanted" and "agent_step" in data:
         return ToolCall(data["step_id"], [], wanted_call(wf, data))
     elif sse.event == "tool.wanted":
@@ -80,7 +86,8 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
         return ToolCall(data["step_id"], args, kwargs)
     elif sse.event == "run.finished":
         for step_id, error in data.get("failures", {}).items():
-            wf.failures.setdefault(step_id, error)
+            if step_id not in wf.failures:
+                wf.record_failure(step_id, error)
         wf.finish(data["run_id"], data["status"], data.get("trace", []))
     return None
 

@@ -23,9 +23,10 @@ from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
 
 from pydantic import ValidationError
 
-from flowlift.errors import UserError
+from flowlift.errors import SemanticVariableError, UserError
 from flowlift.graph import (
     Arg,
+    Items,
     Literal_,
     LLMNode,
     MessageTemplate,
@@ -36,7 +37,8 @@ from flowlift.graph import (
 )
 from flowlift.sdk.agents import agent_tools
 from flowlift.sdk.contracts import OutputSpec, output_spec
-from flowlift.sdk.variables import SemanticVariable, split_markers
+from flowlift.sdk.markers import building, check_kept, check_literal, formatted, split_prompt
+from flowlift.sdk.variables import SemanticVariable
 from flowlift.sdk.workflow import Workflow, current_workflow
 
 P = ParamSpec("P")
@@ -61,25 +63,50 @@ def _messages(prompt: Any, wf: Workflow, step_name: str) -> tuple[MessageTemplat
         if not isinstance(content, (str, SemanticVariable)):
             raise UserError(f"step {step_name!r}: message {i} content must be a string "
                             f"(got {type(content).__name__})", param=f"messages[{i}].content")
+        where = f"step {step_name!r} (message {i}, {msg['role']})"
         out.append(MessageTemplate(role=msg["role"],
-                                   content=tuple(split_markers(str(content), wf.nonce))))
+                                   content=tuple(split_prompt(str(content), wf.nonce, where))))
     return tuple(out)
 
 
 def _arg(value: Any, wf: Workflow, where: str) -> Arg:
+    """One tool argument on the wire: a reference, a template (text with variables), a
+    list of arguments holding variables, or a JSON constant.
+
+    Raises:
+        SemanticVariableError: text holding a mangled variable, or a dict holding one.
+        UserError: a value that is neither JSON nor a variable.
+    """
     if isinstance(value, SemanticVariable):
         return value.ref
     if isinstance(value, str):
-        parts = split_markers(value, wf.nonce)
+        parts = split_prompt(value, wf.nonce, where)
         if any(isinstance(p, Ref) for p in parts):
             return Template(template=tuple(parts))
         return Literal_(value=value)
+    if isinstance(value, (list, tuple)):
+        items = tuple(_arg(v, wf, f"{where}[{i}]") for i, v in enumerate(value))
+        if all(isinstance(a, Literal_) for a in items):
+            return Literal_(value=[a.value for a in items if isinstance(a, Literal_)])
+        return Items(items=items)
     try:
-        json.dumps(value)
+        text = json.dumps(value, ensure_ascii=False, default=_refuse_in_json(where))
     except TypeError:
         raise UserError(f"{where}: tool arguments must be JSON values or Semantic "
                         f"Variables, not {type(value).__name__}", param=where) from None
+    check_literal(text, where)
     return Literal_(value=value)
+
+
+def _refuse_in_json(where: str) -> Callable[[Any], Any]:
+    def default(obj: Any) -> Any:
+        if isinstance(obj, SemanticVariable):
+            raise SemanticVariableError(
+                f"{where}: a Semantic Variable inside a dict: tool arguments carry variables "
+                "as whole arguments or as items of a list; pass it as its own argument "
+                "(`tool(x, key=var)`) or in a list")
+        raise TypeError(type(obj).__name__)
+    return default
 
 
 class Step(Generic[P]):
@@ -112,9 +139,14 @@ class Step(Generic[P]):
                 var = self(*args, **kwargs)
             del eager
             return var.value
-        prompt = self.fn(*args, **kwargs)
+        with building(self.name):
+            prompt = self.fn(*args, **kwargs)
+            issued = formatted()
+        messages = _messages(prompt, wf, self.name)
+        check_kept(self.name, issued,
+                   [p for m in messages for p in m.content if isinstance(p, Ref)])
         node = LLMNode(id=wf.new_id(self.name), name=self.name, model=self.model,
-                       messages=_messages(prompt, wf, self.name), params=self.params,
+                       messages=messages, params=self.params,
                        contract=self.spec.contract, retries=self.retries,
                        cascade=self.cascade, min_confidence=self.min_confidence,
                        tools=self.tool_specs, max_turns=self.max_turns,
@@ -136,8 +168,10 @@ class Tool(Generic[P, R]):
         wf = current_workflow()
         if wf is None:
             return self.fn(*args, **kwargs)
-        wire_args = tuple(_arg(a, wf, f"{self.name} argument {i}") for i, a in enumerate(args))
-        wire_kwargs = {k: _arg(v, wf, f"{self.name} argument {k!r}") for k, v in kwargs.items()}
+        wire_args = tuple(_arg(a, wf, f"tool {self.name!r} argument {i}")
+                          for i, a in enumerate(args))
+        wire_kwargs = {k: _arg(v, wf, f"tool {self.name!r} argument {k!r}")
+                       for k, v in kwargs.items()}
         return wf.add_tool(self, wire_args, wire_kwargs)
 
 
@@ -149,7 +183,8 @@ def step(*, model: str | Sequence[str] | None = None, output: Any = None,
          stop: Sequence[str] = (), seed: int | None = None, name: str | None = None,
          retries: int = 0, min_confidence: float | None = None,
          tools: Sequence[Tool[Any, Any]] = (), max_turns: int = 10,
-         tool_errors: Literal["return", "raise"] = "return"
+         tool_errors: Literal["return", "raise"] = "return",
+         max_tokens_ceiling: int | None = None
          ) -> Callable[[Callable[P, Any]], Step[P]]: ...
 
 
@@ -158,7 +193,8 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
          top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
          name: str | None = None, retries: int = 0,
          min_confidence: float | None = None, tools: Sequence[Tool[Any, Any]] = (),
-         max_turns: int = 10, tool_errors: Literal["return", "raise"] = "return") -> Any:
+         max_turns: int = 10, tool_errors: Literal["return", "raise"] = "return",
+         max_tokens_ceiling: int | None = None) -> Any:
     """Mark a function that returns a prompt as an LLM step.
 
     Args:
@@ -187,6 +223,9 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
             and the last tool asked for).
         tool_errors: a tool that raises: ``"return"`` its error text to the model, or
             ``"raise"``: fail the step naming the tool and its error.
+        max_tokens_ceiling: tokens: how far a retry may raise ``max_tokens`` after an
+            output was cut off (``finish_reason: "length"``) and failed its contract;
+            default twice ``max_tokens``. Each such retry doubles the budget up to it.
 
     Raises:
         UserError: for an unsupported ``output``, bad sampling values, an empty cascade,
@@ -218,7 +257,7 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
                         "needs a cascade, model=[small, large]", param="min_confidence")
     try:
         params = Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                        stop=tuple(stop), seed=seed)
+                        stop=tuple(stop), seed=seed, max_tokens_ceiling=max_tokens_ceiling)
     except ValueError as exc:
         raise UserError(f"bad sampling parameters: {exc}", param="params") from None
 

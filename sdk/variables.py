@@ -9,51 +9,36 @@ step (the run grows: :mod:`flowlift.sdk.open_run`). Any other use -- truth tests
 ``len()``, arithmetic, comparison, iteration -- raises :class:`SemanticVariableError`
 with the fix.
 
-Markers carry a per-workflow random nonce, so user text can never be mistaken for one.
+Markers (:mod:`flowlift.sdk.markers`) are made of characters ordinary text never holds
+and carry a per-workflow random nonce, so user text can never be mistaken for one, and
+any string operation that changes a marker (``str(v).upper()``, ``str(v)[:10]``,
+``f"{v!r}"``...) is refused when the step is recorded, with the step and the operation
+named: the model never receives a mangled placeholder.
+
+``str(v)`` (also ``format(v)``, ``"%s" % v``) is the marker itself, a
+:class:`~flowlift.sdk.markers.MarkerText`: meaningful only inside a prompt or a tool
+argument of the workflow that recorded ``v``, unreadable anywhere else (logs show a few
+boxes), and never the value, even after the run: read ``v.value`` for that, and log
+``repr(v)`` (``<SemanticVariable ask_1: pending>``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from flowlift.errors import SemanticVariableError
-from flowlift.graph import Part, Ref, Text
+from flowlift.graph import Ref
+from flowlift.sdk.markers import marker
 
 if TYPE_CHECKING:
     from flowlift.sdk.workflow import Workflow
-
-_MARKER = re.compile(r"\{\{flowlift:([0-9a-f]{12}):([^:{}]+):([^{}]*)\}\}")
 
 _HOW = ("A Semantic Variable is a placeholder for the output of step {sid!r}, which is not "
         "known until that step runs. To branch on it, await it (or `var.get()` in a sync "
         "`with workflow(...)` block) first: that waits for the step and returns its value. "
         "Otherwise use it inside an f-string of a later step's prompt, pass it to a @step "
         "or @tool, or read `.value` after the `with workflow(...)` block.")
-
-
-def marker(nonce: str, node_id: str, path: tuple[str, ...] = ()) -> str:
-    return "{{flowlift:" + f"{nonce}:{node_id}:{'.'.join(path)}" + "}}"
-
-
-def split_markers(text: str, nonce: str) -> list[Part]:
-    """Split a string into literal text and references (markers of this workflow only)."""
-    parts: list[Part] = []
-    pos = 0
-    for m in _MARKER.finditer(text):
-        if m.group(1) != nonce:
-            raise SemanticVariableError(
-                "a Semantic Variable from another workflow was used in this one; "
-                "read its `.value` after its own workflow finished instead")
-        if m.start() > pos:
-            parts.append(Text(text=text[pos:m.start()]))
-        path = tuple(p for p in m.group(3).split(".") if p)
-        parts.append(Ref(ref=m.group(2), path=path))
-        pos = m.end()
-    if pos < len(text) or not parts:
-        parts.append(Text(text=text[pos:]))
-    return parts
 
 
 class SemanticVariable:

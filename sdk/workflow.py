@@ -37,8 +37,17 @@ import httpx
 from pydantic import BaseModel
 
 from flowlift.credentials import bearer_headers, default_api_key
-from flowlift.errors import SemanticVariableError, StepFailed, UserError, WorkflowFailed
-from flowlift.graph import Arg, Graph, InputNode, Node, Ref, ToolNode, project
+from flowlift.errors import (
+    GraphError,
+    SemanticVariableError,
+    StepContractError,
+    StepFailed,
+    UserError,
+    WorkflowFailed,
+    step_failure,
+)
+from flowlift.graph import Arg, Graph, InputNode, Items, Node, Ref, ToolNode, project
+from flowlift.sdk.markers import check_literal
 from flowlift.sdk.variables import SemanticVariable
 from flowlift.tracing.summary import format_stage_table, stage_summary
 
@@ -87,7 +96,10 @@ class Workflow:
             ``flowlift run``).
 
     Attributes (after the run):
-        run_id, status, trace (list of records), failures ({step_id: error}).
+        run_id, status, trace (list of records), failures ({step_id: StepFailed}: typed
+        failures, :class:`~flowlift.errors.StepSkipped`,
+        :class:`~flowlift.errors.DeadlineExceeded`, :class:`~flowlift.errors.ToolError`...;
+        ``str()`` of each is the reason text).
     """
 
     def __init__(self, name: str = "workflow", *, base_url: str | None = None,
@@ -118,7 +130,7 @@ class Workflow:
         self._parsers: dict[str, Callable[[Any], Any]] = {}
         self._counts: dict[str, int] = {}
         self._outputs: dict[str, Any] = {}
-        self.failures: dict[str, str] = {}
+        self.failures: dict[str, StepFailed] = {}
         self.run_id: str | None = None
         self.status = "recording"
         self.trace: list[dict[str, Any]] = []
@@ -149,11 +161,25 @@ class Workflow:
         return self.add_node(node, fields=None)
 
     def input(self, value: Any, name: str = "input") -> SemanticVariable:
-        """Add a constant as a graph input (shared by every step that reads it)."""
+        """Add a constant as a graph input (shared by every step that reads it).
+
+        Raises:
+            SemanticVariableError: ``value`` holds a Semantic Variable or a piece of one
+                (an input is a constant: pass the variable to the steps themselves).
+        """
+        check_literal(json.dumps(value, ensure_ascii=False, default=str),
+                      f"workflow input {name!r}")
         return self.add_node(InputNode(id=self.new_id(name), value=value))
 
     def graph(self) -> Graph:
-        """The recorded graph in wire form."""
+        """The recorded graph in wire form (``wf.graph().to_json()``: its JSON text).
+
+        Raises:
+            GraphError: nothing was recorded (no step or tool was called in the block).
+        """
+        if not self.nodes:
+            raise GraphError([f"workflow {self.name!r} has no steps: call a @step or @tool "
+                              "function inside its `with workflow(...)` block"])
         return Graph(name=self.name, workflow_class=self.workflow_class,
                      deadline_s=self.deadline_s, strict_deadline=self.strict_deadline,
                      metadata=self.metadata, nodes=tuple(self.nodes))
@@ -230,7 +256,7 @@ class Workflow:
 
     def value_of(self, step_id: str, path: tuple[str, ...] = ()) -> Any:
         if step_id in self.failures:
-            raise StepFailed(step_id, self.failures[step_id])
+            raise self.failures[step_id].with_traceback(None)
         if step_id not in self._outputs:
             raise SemanticVariableError(f"step {step_id!r} has no output yet")
         value = self._outputs[step_id]
@@ -243,10 +269,14 @@ class Workflow:
         try:
             self._outputs[step_id] = parse(raw) if parse else raw
         except ValueError as exc:  # pydantic ValidationError is a ValueError
-            self.failures[step_id] = f"output does not parse into the step's output type: {exc}"
+            self.failures[step_id] = StepContractError(
+                step_id, f"output does not parse into the step's output type: {exc}")
 
-    def record_failure(self, step_id: str, error: str) -> None:
-        self.failures[step_id] = error
+    def record_failure(self, step_id: str, error: str, *, kind: str | None = None,
+                       attempts: int | None = None) -> None:
+        """Record a ``step.failed`` event as its typed failure
+        (:func:`~flowlift.errors.step_failure`)."""
+        self.failures[step_id] = step_failure(step_id, error, kind, attempts)
 
     def tool_arguments(self, step_id: str, args: list[Any],
                        kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -257,6 +287,8 @@ class Workflow:
         def convert(wire: Arg, value: Any) -> Any:
             if isinstance(wire, Ref) and not wire.path and wire.ref in self._parsers:
                 return self._parsers[wire.ref](value)
+            if isinstance(wire, Items) and isinstance(value, list):
+                return [convert(w, v) for w, v in zip(wire.items, value, strict=True)]
             return value
 
         py_args = [convert(w, v) for w, v in zip(node.args, args, strict=True)]

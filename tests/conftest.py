@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from aiohttp import web
 from hypothesis import settings
@@ -9,6 +12,12 @@ from hypothesis import settings
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine
+
+# The model cache defaults to the user's ~/.cache/flowlift; the suite keeps the checkout's
+# own (.cache/flowlift, where scripts/test.sh and demo.sh put it), so it never converts
+# the model again wherever pytest is started from.
+os.environ.setdefault("FLOWLIFT_CACHE_DIR",
+                      str(Path(__file__).resolve().parent.parent / ".cache" / "flowlift"))
 
 # Per-example deadlines measure the machine, not the code: on a shared 2-core CI box a
 # 1 ms example can take 400 ms once. Properties are checked; speed belongs to bench/.

@@ -228,3 +228,18 @@ async def test_a_proxy_that_keeps_refusing_the_graph_is_one_clear_error(aiohttp_
                                                "not ready: the engine is still loading"):
         async with workflow("refused", base_url=base, reconnect_s=0.3):
             extract("never runs")
+
+
+@tool
+async def gather(items: list, note: str):
+    return {"kinds": [type(x).__name__ for x in items[0]], "labels": items[1], "note": note}
+
+
+async def test_a_tool_gets_a_list_of_variables_as_a_list_of_values(client):
+    base = str(client.make_url("")).rstrip("/")
+    async with workflow("lists", base_url=base):
+        facts = [extract("d1"), extract("d2")]
+        labels = [classify(f) for f in facts]
+        out = gather([facts, labels], note=f"{len(facts)} docs")
+    assert out.value == {"kinds": ["Facts", "Facts"], "labels": ["alpha", "alpha"],
+                         "note": "2 docs"}

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import jsonschema
 
-from flowlift.errors import RunError, StepFailed
+from flowlift.errors import StepFailed, ToolError
 from flowlift.graph import LLMNode, ToolSpec, render_value
 from flowlift.local_engine.base import ChatMessage, ToolCall
 from flowlift.proxy.dispatch.scheduler import Priority
@@ -40,11 +40,11 @@ from flowlift.proxy.workflows.events import Event
 from flowlift.tracing import AttemptTrace, RunTrace, ToolCallTrace
 
 
-class ToolRaised(RunError):
+class ToolRaised(ToolError):
     """The app's ``@tool`` raised; ``error`` is its text (``"ValueError: ..."``)."""
 
     def __init__(self, step_id: str, error: str) -> None:
-        super().__init__(f"tool {step_id!r} raised: {error}")
+        super().__init__(step_id, f"tool {step_id!r} raised: {error}")
         self.error = error
 
 
@@ -52,7 +52,8 @@ class Turn(Protocol):
     """One generation of the step on ``model`` at ``priority``."""
 
     def __call__(self, model: str | None, messages: Sequence[ChatMessage], *,
-                 logprobs: bool, priority: Priority | None) -> Awaitable[Generated]: ...
+                 logprobs: bool, priority: Priority | None,
+                 max_tokens: int | None = None) -> Awaitable[Generated]: ...
 
 
 def check_call(call: ToolCall, tools: Sequence[ToolSpec]) -> dict[str, Any] | str:
@@ -124,8 +125,9 @@ class AgentLoop:
         self.calls = 0
 
     async def __call__(self, model: str | None, messages: Sequence[ChatMessage], *,
-                       logprobs: bool) -> Generated:
-        """Run the loop from ``messages``; the answer without tool calls.
+                       logprobs: bool, max_tokens: int | None = None) -> Generated:
+        """Run the loop from ``messages``; the answer without tool calls (``max_tokens``:
+        each turn's budget when a retry raised it, else the step's own).
 
         Raises:
             StepFailed: ``max_turns`` turns still called tools; a tool raised under
@@ -138,7 +140,8 @@ class AgentLoop:
             self.turns += 1
             priority = self._continuation() if k > 1 else None
             out = self._replay(model) or await self._turn(model, convo, logprobs=logprobs,
-                                                          priority=priority)
+                                                          priority=priority,
+                                                          max_tokens=max_tokens)
             out.trace.turn = self.turns
             if not out.tool_calls:
                 return out

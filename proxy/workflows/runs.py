@@ -33,10 +33,11 @@ from opentelemetry.context import Context
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
 from flowlift.dataflow import dependencies
-from flowlift.errors import FlowliftError, RequestError, StepFailed
+from flowlift.errors import FlowliftError, RequestError, failure_kind
 from flowlift.graph import (
     Graph,
     InputNode,
+    Items,
     LLMNode,
     MessageTemplate,
     Node,
@@ -175,12 +176,16 @@ class Run:
                 await self.log.listened.wait()
             except asyncio.CancelledError:
                 if not self._suspending:
-                    self._fail_unfinished([], "run cancelled (its client never came back)")
+                    self._fail_unfinished([], "run cancelled (its client never came back)",
+                                          "cancelled")
                     self._close("cancelled")
                 raise
-        self._emit(("run.resumed" if self.resumed else "run.started",
-                    {"run_id": self.run_id, "steps": [n.id for n in self.graph.nodes],
-                     "started_at": self.trace.started_at}))
+        started: dict[str, Any] = {"run_id": self.run_id,
+                                   "steps": [n.id for n in self.graph.nodes],
+                                   "started_at": self.trace.started_at}
+        if self.plan is not None and self.plan.report.warnings:  # the SDK warns its user
+            started["warnings"] = self.plan.report.warnings
+        self._emit(("run.resumed" if self.resumed else "run.started", started))
         with bind_run(workflow_id=self.run_id):
             tasks = self._spawn(self.graph.nodes)
             work: asyncio.Future[Any] = self._work(tasks)
@@ -191,12 +196,12 @@ class Run:
                 if not work.done():
                     self.deadline_missed = True
                     self._fail_unfinished(tasks, f"deadline of {self.graph.deadline_s} s "
-                                          "exceeded")
+                                          "exceeded", "deadline")
             except asyncio.CancelledError:
                 for task in tasks:
                     task.cancel()
                 if not self._suspending:
-                    self._fail_unfinished(tasks, "run cancelled")
+                    self._fail_unfinished(tasks, "run cancelled", "cancelled")
                     self._close("cancelled")
                 raise
             finally:
@@ -281,7 +286,7 @@ class Run:
         self.growth.changed.set()
         return True
 
-    def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str) -> None:
+    def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str, kind: str) -> None:
         for task in tasks:
             task.cancel()
         now = self.trace.now_ms()
@@ -295,7 +300,7 @@ class Run:
                 else:
                     spent = (f": step {node.id!r} spent {st.started_ms - st.ready_ms:.0f} ms "
                              f"queued and {now - st.started_ms:.0f} ms running")
-                self._failed(node.id, f"{why}{spent}")
+                self._failed(node.id, f"{why}{spent}", kind)
 
     def _close(self, status: str) -> None:
         self.trace.finish(status)
@@ -304,13 +309,20 @@ class Run:
             "run_id": self.run_id, "status": status, "failures": self.failures,
             "trace": self.trace.records()}))
 
-    def _failed(self, step_id: str, error: str) -> None:
+    def _failed(self, step_id: str, error: str, kind: str = "error") -> None:
+        """Fail a step; its ``step.failed`` event carries the text (``error``), the
+        machine-readable ``kind`` (:func:`flowlift.errors.failure_kind`) and the model
+        calls it made (``attempts``, when it made any)."""
         if self._suspending:  # the shutdown's doing, not the step's: it runs again on resume
             return
         self.failures[step_id] = error
         self.trace.mark(step_id, "finished", status="failed", error=error)
-        self._emit(("step.failed", {"step_id": step_id, "error": error,
-                                    "trace": self.trace.step(step_id).to_record()}))
+        event: dict[str, Any] = {"step_id": step_id, "error": error, "kind": kind,
+                                 "trace": self.trace.step(step_id).to_record()}
+        attempts = len(self.trace.step(step_id).attempts)
+        if attempts:
+            event["attempts"] = attempts
+        self._emit(("step.failed", event))
         self._done[step_id].set()
 
     async def _node(self, node: LLMNode | ToolNode | InputNode) -> None:
@@ -336,11 +348,10 @@ class Run:
                 else:
                     value = node.value
             except UpstreamFailed as exc:
-                self._failed(node.id, f"skipped: {exc}")
+                self._failed(node.id, f"skipped: {exc}", "skipped")
                 return
-            except FlowliftError as exc:  # a StepFailed of this step: its cause says it all
-                self._failed(node.id, exc.cause if isinstance(exc, StepFailed)
-                             and exc.step_id == node.id else exc.message)
+            except FlowliftError as exc:
+                self._failed(node.id, exc.message, failure_kind(exc))
                 return
             except Exception as exc:  # one broken step must not take the run down
                 log.exception("step_error")
@@ -423,7 +434,8 @@ class Run:
 
     async def _attempt(self, node: LLMNode, want: str | None,
                        messages: Sequence[ChatMessage], *, logprobs: bool,
-                       priority: Priority | None = None) -> Generated:
+                       priority: Priority | None = None,
+                       max_tokens: int | None = None) -> Generated:
         """One generation of ``node`` on model ``want``, where its route sends it
         (:class:`~flowlift.proxy.dispatch.steps.StepDispatcher`), at ``priority`` (default:
         the step's own); every try (an agent step's turn) is an :class:`AttemptTrace` in
@@ -436,7 +448,7 @@ class Run:
             await self._await_warm(node.id)
         priority = priority or self._priority(node.id)
         request = self._request(node, model, messages, number, logprobs=logprobs,
-                                priority=priority)
+                                priority=priority, max_tokens=max_tokens)
         books = AttemptBooks(self.trace, node.id, number, want or model)
         tokens = int(self.plan.uncached_tokens.get(node.id, 0)) if self.plan else 0
         try:
@@ -456,14 +468,17 @@ class Run:
         return Generated(books.text, attempt, books.logprobs, books.tool_calls)
 
     def _request(self, node: LLMNode, model: str, messages: Sequence[ChatMessage],
-                 number: int, *, logprobs: bool, priority: Priority) -> GenerationRequest:
-        """The engine request of try ``number`` of ``node`` (affinity: the run id)."""
+                 number: int, *, logprobs: bool, priority: Priority,
+                 max_tokens: int | None = None) -> GenerationRequest:
+        """The engine request of try ``number`` of ``node`` (affinity: the run id);
+        ``max_tokens`` overrides the step's (a retry after a cut-off output)."""
         p = node.params
         contract = node.contract
         return GenerationRequest(
             request_id=f"{self.run_id}:{node.id}:{number}",  # run:step:attempt
             model=model, messages=messages,
-            sampling=SamplingOptions(max_tokens=p.max_tokens, temperature=p.temperature,
+            sampling=SamplingOptions(max_tokens=max_tokens or p.max_tokens,
+                                     temperature=p.temperature,
                                      top_p=p.top_p, stop=p.stop, seed=p.seed,
                                      logprobs=0 if logprobs else None),
             constraint=(OutputConstraint(json_schema=contract.json_schema,
@@ -488,6 +503,8 @@ class Run:
                 return self._resolve(a)
             if isinstance(a, Template):
                 return self._render(a.template)
+            if isinstance(a, Items):
+                return [arg(item) for item in a.items]
             return a.value
 
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

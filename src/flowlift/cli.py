@@ -12,6 +12,10 @@
 * ``flowlift trace RUN_ID`` -- a run's waterfall by stage (:mod:`flowlift.cli_trace`).
 * ``flowlift runs``, ``show RUN_ID``, ``cancel RUN_ID``, ``export RUN_ID`` -- find, read,
   cancel and export runs (:mod:`flowlift.cli_runs`).
+* ``flowlift init [DIR]`` -- a starter ``workflow.py`` and ``flowlift.toml``
+  (:mod:`flowlift.cli_init`).
+
+``flowlift`` alone prints this help; ``flowlift --version`` the version.
 """
 
 from __future__ import annotations
@@ -538,9 +542,13 @@ def _seconds(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from flowlift import __version__
+
     parser = argparse.ArgumentParser(prog="flowlift", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"flowlift {__version__}",
+                        help="print flowlift's version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def engine_opts(p: argparse.ArgumentParser) -> None:
         p.add_argument("--engine", choices=("vllm", "fake", "none"), default=None,
@@ -554,11 +562,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine requests in flight (default 16)")
 
     serve = sub.add_parser("serve", help="run the sidecar proxy with the embedded engine")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8470)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=_port, default=8470,
+                       help="port to listen on (default 8470)")
     engine_opts(serve)
     serve.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
-    serve.add_argument("--max-model-len", type=_positive_int, default=4096)
+    serve.add_argument("--max-model-len", type=_positive_int, default=4096,
+                       help="embedded engine context in tokens, prompt plus completion "
+                            "(default 4096); longer requests get HTTP 400")
     serve.add_argument("--max-body-mb", type=_positive, default=None,
                        help="request bodies above this get HTTP 413 (default 32)")
     serve.add_argument("--max-queue", type=_positive_int, default=None,
@@ -573,7 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(see flowlift.proxy.config; env FLOWLIFT_CONFIG)")
     serve.add_argument("--trace-dir", default=None, help="write each run's trace here")
     serve.add_argument("--log-level", default="info",
-                       choices=("debug", "info", "warning", "error", "critical"))
+                       choices=("debug", "info", "warning", "error", "critical"),
+                       help="least severe log lines printed (default info)")
     serve.add_argument("--grace-s", type=_seconds, default=30.0,
                        help="on SIGTERM: seconds in-flight requests and runs may take to "
                             "finish before the runs still going are checkpointed (default 30)")
@@ -619,13 +632,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     run = sub.add_parser("run", help="run a workflow script against a (started) proxy")
-    run.add_argument("script")
-    run.add_argument("script_args", nargs=argparse.REMAINDER)
-    run.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL", DEFAULT_BASE_URL))
+    run.add_argument("script", help="the Python script to run (it uses `with workflow(...)`)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER,
+                     help="arguments passed on to the script")
+    run.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL", DEFAULT_BASE_URL),
+                     help="the proxy to use; one is started there when none answers "
+                          "(default $FLOWLIFT_BASE_URL or http://127.0.0.1:8470)")
     add_api_key_argument(run)
     engine_opts(run)
     run.add_argument("--log-dir", default="runs", help="proxy log and traces (default runs/)")
-    run.add_argument("--ready-timeout-s", type=_positive, default=900.0)
+    run.add_argument("--ready-timeout-s", type=_positive, default=900.0,
+                     help="seconds to wait for a started proxy's engine to be ready "
+                          "(default 900: the first start converts the model)")
     run.add_argument("--no-progress", action="store_true",
                      help="no progress bar (done / running / queued / failed steps) on "
                           "stderr; also FLOWLIFT_PROGRESS=0")
@@ -672,11 +690,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_trace(sub, DEFAULT_BASE_URL)
     add_run_commands(sub, DEFAULT_BASE_URL)
+    from flowlift.cli_init import add_parser as add_init
+
+    add_init(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `flowlift` alone
+        parser.print_help()
+        return 0
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # `flowlift compile ... | head`

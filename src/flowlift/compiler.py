@@ -12,7 +12,9 @@ Autellix, 2025 -- program-level priority by critical path):
   path, and each node's remaining critical-path length (the scheduler's priority);
 * model switches and a residency plan (which model must stay loaded until when);
 * deadline feasibility and where the chain is forced to break (client-run steps,
-  contracts a backend cannot enforce natively).
+  contracts a backend cannot enforce natively);
+* warnings: contracts whose valid outputs cannot fit the step's ``max_tokens``
+  (:mod:`flowlift.output_size`).
 
 Injection points keep it pure: ``tokenize(model, text) -> token ids``,
 ``costs(model) -> CostModel``, ``enforces(model) -> bool``,
@@ -30,6 +32,7 @@ shared among the fields at that level.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import re
@@ -41,6 +44,7 @@ from flowlift.costs import UNMEASURED, CostModel
 from flowlift.dataflow import dependencies, levels
 from flowlift.escalation import OutcomeCounts, expected_cost
 from flowlift.graph import Graph, InputNode, LLMNode, Node, Ref, ToolNode
+from flowlift.output_size import size_warnings
 from flowlift.report import (
     BreakReport,
     CascadeReport,
@@ -311,6 +315,10 @@ def _ref_tokens(ref: Ref, nodes: dict[str, Node], out_tokens: dict[str, float],
     return min(bound, whole) if bound is not None else whole / fields
 
 
+def _count(opts: CompileOptions, model: str, text: str) -> int:
+    return len(opts.tokenize(model, text))
+
+
 def _prompt_tokens(node: LLMNode, opts: CompileOptions, model: str,
                    out_tokens: dict[str, float], nodes: dict[str, Node] | None = None
                    ) -> float:
@@ -399,9 +407,11 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     path = _critical_path(order, deps, tail, children)
     report = _report(graph, opts, order, deps, nodes, merged, model_of, groups, leader,
                      cost, tail, start, prompt_tok, out_tok, path, group_of, level_list)
+    warnings = [w for nid in order if isinstance(n := nodes[nid], LLMNode)
+                for w in size_warnings(n, functools.partial(_count, opts, model_of[nid]))]
     report = report.model_copy(update={"cascades": cascades,
                                        "cascade_totals": cascade_totals(cascades),
-                                       "open": graph.open})
+                                       "open": graph.open, "warnings": warnings})
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
                 prefix_group=group_of, group_leader=leader, report=report)
 

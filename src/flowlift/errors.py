@@ -24,13 +24,26 @@
         │                             (``step_id``, ``model``, ``attempt``, ``errors``)
         ├── ContentRefused            the provider refused the content (content policy);
         │                             never retried on the same model
-        ├── StepFailed                a workflow step failed (``step_id``, ``cause``)
-        ├── WorkflowFailed            a run ended with failed steps (``failures``)
+        ├── StepFailed                a workflow step failed (``step_id``, ``kind``,
+        │   │                         ``attempts``, ``reason``; str() is the reason)
+        │   ├── StepSkipped           never ran: an input it reads failed
+        │   ├── DeadlineExceeded      the run's deadline passed before it finished
+        │   ├── StepCancelled         the run was cancelled before it finished
+        │   ├── StepContractError     its output failed its contract (also a ContractError)
+        │   ├── ToolError             its ``@tool`` function raised in the app
+        │   ├── StepRejected          the model refused the request (context, content)
+        │   └── StepEngineError       the engine or upstream failed (after its retries)
+        ├── WorkflowFailed            a run ended with failed steps (``failures``: step id
+        │                             -> StepFailed)
         ├── ProxyUnavailable          the SDK cannot reach the flowlift proxy
         ├── Overloaded                the proxy sheds load or every backend cools down
         │   │                         (HTTP 429/503 with ``Retry-After``)
         │   └── ShuttingDown          the proxy drains after SIGTERM (503, ``Retry-After``)
         └── UpstreamError             an upstream provider failed (status, body, retry_after_s)
+
+Warnings, not errors: :class:`PlanWarning` (a ``UserWarning``), what the compiler found
+before a run that may make a step fail (its output cannot fit ``max_tokens``); the SDK
+issues one per problem when the run starts.
 
 Every error knows its HTTP face (:meth:`FlowliftError.to_openai`): the OpenAI error
 shape ``{"error": {"message", "type", "param", "code"}}`` with a status code the
@@ -209,18 +222,124 @@ class ContentRefused(RunError):
 
 
 class StepFailed(RunError):
-    def __init__(self, step_id: str, cause: str) -> None:
-        super().__init__(f"step {step_id!r} failed: {cause}")
+    """A workflow step that failed; ``str()`` is the reason, as the proxy wrote it.
+
+    Attributes:
+        step_id: the failed step.
+        reason: what happened (the text ``WorkflowFailed.failures`` held before failures
+            had types).
+        attempts: model calls the step made (retries and escalations included); ``None``
+            when not known (a tool step, a step that never ran).
+        kind: the machine-readable kind, as the proxy's ``step.failed`` event names it
+            (see :data:`STEP_FAILURE_KINDS`).
+    """
+
+    kind = "error"
+
+    def __init__(self, step_id: str, reason: str, *, attempts: int | None = None) -> None:
+        super().__init__(reason)
         self.step_id = step_id
-        self.cause = cause
+        self.reason = reason
+        self.attempts = attempts
+
+    @property
+    def cause(self) -> str:
+        """The reason (the name this field had before failures had types)."""
+        return self.reason
+
+
+class StepSkipped(StepFailed):
+    """The step never ran: a step whose output it reads failed."""
+
+    kind = "skipped"
+
+
+class DeadlineExceeded(StepFailed):
+    """The run's deadline passed before the step finished (queued or running)."""
+
+    kind = "deadline"
+
+
+class StepCancelled(StepFailed):
+    """The run was cancelled before the step finished."""
+
+    kind = "cancelled"
+
+
+class StepContractError(StepFailed, ContractError):
+    """The step's output failed its contract after its retries (and cascade), or did not
+    parse into the step's output type. Also a :class:`ContractError`."""
+
+    kind = "contract"
+    step_id: str  # always known here (a ContractError's may be None)
+
+
+class ToolError(StepFailed):
+    """The step's ``@tool`` function raised in the app; the reason quotes the error."""
+
+    kind = "tool"
+
+
+class StepRejected(StepFailed):
+    """The model refused the request: the prompt (plus ``max_tokens``) past its context,
+    or content refused by the provider; retrying cannot help."""
+
+    kind = "rejected"
+
+
+class StepEngineError(StepFailed):
+    """The engine or upstream provider failed the step, after the proxy's retries."""
+
+    kind = "engine"
+
+
+STEP_FAILURE_KINDS: Mapping[str, type[StepFailed]] = {
+    cls.kind: cls for cls in (StepFailed, StepSkipped, DeadlineExceeded, StepCancelled,
+                              StepContractError, ToolError, StepRejected, StepEngineError)}
+"""``step.failed`` event ``kind`` -> the class the SDK raises; unknown kinds (a newer
+proxy) are plain :class:`StepFailed`."""
+
+
+def step_failure(step_id: str, reason: str, kind: str | None = None,
+                 attempts: int | None = None) -> StepFailed:
+    """The typed failure of a ``step.failed`` event (the one place kinds become types)."""
+    return STEP_FAILURE_KINDS.get(kind or "error", StepFailed)(step_id, reason,
+                                                                attempts=attempts)
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The ``kind`` of a step that failed with ``exc`` (the proxy's side of the mapping).
+
+    ``StepFailed`` subclasses name themselves; contract failures are ``contract``;
+    context-length and content refusals ``rejected``; engine, upstream and overload
+    failures ``engine``; anything else ``error``.
+    """
+    if isinstance(exc, StepFailed):
+        return exc.kind
+    if isinstance(exc, ContractError):
+        return "contract"
+    if isinstance(exc, (ContextLengthExceeded, ContentRefused)):
+        return "rejected"
+    if isinstance(exc, (EngineError, UpstreamError, Overloaded)):
+        return "engine"
+    return "error"
 
 
 class WorkflowFailed(RunError):
-    """A run ended with failed steps. Outputs of the steps that succeeded stay readable."""
+    """A run ended with failed steps. Outputs of the steps that succeeded stay readable.
 
-    def __init__(self, run_id: str, failures: Mapping[str, str]) -> None:
+    Attributes:
+        run_id: the run.
+        failures: step id -> :class:`StepFailed` (a typed failure: ``StepSkipped``,
+            ``DeadlineExceeded``, ``StepContractError``, ``ToolError``...; ``str()`` of
+            each is its reason). Plain strings given here become plain ``StepFailed``.
+    """
+
+    def __init__(self, run_id: str, failures: Mapping[str, StepFailed | str]) -> None:
         self.run_id = run_id
-        self.failures = dict(failures)
+        self.failures: dict[str, StepFailed] = {
+            k: v if isinstance(v, StepFailed) else StepFailed(k, v)
+            for k, v in failures.items()}
         lines = "; ".join(f"{k}: {v}" for k, v in list(self.failures.items())[:5])
         more = "" if len(self.failures) <= 5 else f" (+{len(self.failures) - 5} more)"
         super().__init__(f"workflow run {run_id} had {len(self.failures)} failed step(s): "
@@ -293,3 +412,9 @@ class UpstreamError(RunError):
         self.backend = backend
         if status == 504:
             self.code = "upstream_timeout"
+
+
+class PlanWarning(UserWarning):
+    """A problem the compiler found before the run (``CompileReport.warnings``), such as
+    a contract whose valid outputs cannot fit the step's ``max_tokens``. Issued by the SDK
+    with :func:`warnings.warn` when the run starts; the run goes ahead."""

@@ -24,6 +24,8 @@ JSON shape (version ``"1"``)::
         "max_turns": 8, "tool_errors": "return"},
        {"kind": "tool", "id": "lookup_1", "name": "lookup",
         "args": [{"ref": "extract_1", "path": ["name"]}], "kwargs": {"k": {"value": 3}}},
+       {"kind": "tool", "id": "merge_1", "name": "merge",
+        "args": [{"items": [{"ref": "extract_1"}, {"value": "x"}]}]},
        {"kind": "input", "id": "input_1", "value": "..."}]}
 """
 
@@ -72,14 +74,44 @@ class MessageTemplate(_Model):
     content: tuple[Part, ...]
 
 
-class Params(_Model):
-    """Sampling parameters (OpenAI names). ``max_tokens`` in tokens."""
+MAX_TOKENS_LIMIT: Final = 32768
 
-    max_tokens: int | None = Field(default=256, ge=1, le=32768)
+
+class Params(_Model):
+    """Sampling parameters (OpenAI names). ``max_tokens`` in tokens.
+
+    ``max_tokens_ceiling`` (tokens, >= ``max_tokens``): how far a retry may raise
+    ``max_tokens`` after an output was cut off (``finish_reason: "length"``); ``None``:
+    twice ``max_tokens`` (at most 32768). See :meth:`ceiling`.
+    """
+
+    max_tokens: int | None = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    max_tokens_ceiling: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+
+    @model_validator(mode="after")
+    def _ceiling_above(self) -> Params:
+        if self.max_tokens_ceiling is not None and (
+                self.max_tokens is None or self.max_tokens_ceiling < self.max_tokens):
+            raise ValueError(f"max_tokens_ceiling {self.max_tokens_ceiling} needs a "
+                             f"max_tokens at most that large (max_tokens={self.max_tokens})")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _drop(handler(self), {"max_tokens_ceiling": None})
+
+    def ceiling(self) -> int | None:
+        """The most ``max_tokens`` a retry may ask for; ``None`` when ``max_tokens`` is
+        unset (no limit to raise)."""
+        if self.max_tokens is None:
+            return None
+        if self.max_tokens_ceiling is not None:
+            return self.max_tokens_ceiling
+        return min(2 * self.max_tokens, MAX_TOKENS_LIMIT)
 
 
 def _drop(data: Any, defaults: dict[str, Any]) -> Any:
@@ -127,7 +159,15 @@ class Template(_Model):
     template: tuple[Part, ...]
 
 
-Arg = Ref | Template | Literal_
+class Items(_Model):
+    """A tool argument that is a list holding Semantic Variables (``tool([a, b])``): the
+    tool receives the list of the items' values, in order."""
+
+    items: tuple[Arg, ...]
+
+
+Arg = Ref | Template | Literal_ | Items
+Items.model_rebuild()
 
 
 class ToolSpec(_Model):
@@ -260,6 +300,15 @@ class Graph(_Model):
         return self.model_dump(mode="json", by_alias=True,
                                exclude=None if self.open else {"open"})
 
+    def to_json(self, indent: int | None = 2) -> str:
+        """The graph as JSON text: what ``POST /v1/workflows`` and ``flowlift compile``
+        read (``Graph.model_validate_json`` reads it back).
+
+        Args:
+            indent: spaces per level; ``None`` for one line.
+        """
+        return json.dumps(self.to_wire(), indent=indent, ensure_ascii=False)
+
 
 def node_refs(node: LLMNode | ToolNode | InputNode) -> Iterator[Ref]:
     """Every reference a node makes, in order (duplicates included)."""
@@ -268,10 +317,18 @@ def node_refs(node: LLMNode | ToolNode | InputNode) -> Iterator[Ref]:
             yield from (p for p in message.content if isinstance(p, Ref))
     elif isinstance(node, ToolNode):
         for arg in (*node.args, *node.kwargs.values()):
-            if isinstance(arg, Ref):
-                yield arg
-            elif isinstance(arg, Template):
-                yield from (p for p in arg.template if isinstance(p, Ref))
+            yield from arg_refs(arg)
+
+
+def arg_refs(arg: Arg) -> Iterator[Ref]:
+    """Every reference a tool argument makes, in order."""
+    if isinstance(arg, Ref):
+        yield arg
+    elif isinstance(arg, Template):
+        yield from (p for p in arg.template if isinstance(p, Ref))
+    elif isinstance(arg, Items):
+        for item in arg.items:
+            yield from arg_refs(item)
 
 
 def render_value(value: Any) -> str:

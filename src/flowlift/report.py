@@ -100,6 +100,9 @@ class CompileReport(_Report):
     cascade_totals: dict[str, float] = {}
     open: bool = False
     """The graph is a run still growing: the report covers the steps known so far."""
+    warnings: list[str] = []
+    """Problems found before anything runs (a contract's output that cannot fit the
+    step's ``max_tokens``: :func:`flowlift.output_size.size_warnings`)."""
 
 
 def _s(ms: float) -> str:
@@ -158,6 +161,9 @@ def format_report(r: CompileReport, max_rows: int = 40) -> str:
                      f"{cm.prefill_tps:.0f} tok/s, {cm.tpot_ms:.1f} ms/token, "
                      f"overhead {cm.ttft_overhead_ms:.0f} ms")
     lines += _cascade_lines(r)
+    if r.warnings:
+        lines.append(f"warnings: {len(r.warnings)}")
+        lines += [f"  {w}" for w in r.warnings[:10]]
     if r.breaks:
         lines.append(f"chain breaks: {len(r.breaks)}")
         lines += [f"  {b.step_id}: {b.reason}" for b in r.breaks[:5]]

@@ -1,10 +1,13 @@
 """Public test doubles (like ``structlog.testing``): use them in your own tests.
 
 :class:`FakeEngine` implements :class:`flowlift.local_engine.base.Engine` without a
-model: deterministic outputs, streamed in chunks, honouring structured-output
-constraints and raw prompts, with deterministic logprobs and a simulated prefix cache
-so cached-token accounting can be tested. Its ``responder`` scripts the answers; for a
-model that calls tools (an agent step) it returns :func:`tool_calls_text`.
+model: deterministic outputs (:func:`default_responder`: the first label, a minimal JSON
+instance, a short regex match, or ``"echo: "`` and the prompt), streamed in chunks,
+honouring structured-output constraints, raw prompts, ``stop`` strings and
+``max_tokens`` (counted in whitespace-separated words: :func:`cut`), with deterministic
+logprobs and a simulated prefix cache so cached-token accounting can be tested. Its
+``responder`` scripts the answers; for a model that calls tools (an agent step) it
+returns :func:`tool_calls_text`.
 
 :func:`capture_spans` records flowlift's OpenTelemetry spans in memory while it is
 active (like ``structlog.testing.capture_logs``); ``CapturedSpans.named("chat m")``,
@@ -173,6 +176,24 @@ def tool_calls_text(*calls: tuple[str, Mapping[str, Any]]) -> str:
     return json.dumps({"tool_calls": [{"name": n, "arguments": dict(a)} for n, a in calls]})
 
 
+def cut(text: str, stop: Sequence[str], max_tokens: int | None) -> tuple[str, str]:
+    """Where a generation of ``text`` ends, as an engine would end it: before the first
+    ``stop`` string (finish ``"stop"``, the stop string left out, as OpenAI and vLLM do),
+    else after ``max_tokens`` fake tokens (whitespace-separated words; finish
+    ``"length"``), constrained outputs included (vLLM cuts those too).
+
+    Returns:
+        ``(text, finish_reason)``.
+    """
+    ends = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    if ends:
+        text = text[:min(ends)]
+    words = fake_tokens(text)
+    if max_tokens is not None and len(words) > max_tokens:
+        return "".join(words[:max_tokens]), "length"
+    return text, "stop"
+
+
 def fake_tokens(text: str) -> list[str]:
     """The fake tokenization: each word with the whitespace before it (the pieces join
     back into ``text``; trailing whitespace stays on the last piece)."""
@@ -287,11 +308,7 @@ class FakeEngine(Engine):
         except ValueError as exc:  # what vLLM's grammar compiler rejects, the fake does too
             raise RequestError(f"the output constraint was rejected: {exc}",
                                param="response_format") from None
-        out = text.split()
-        limit = request.sampling.max_tokens
-        finish = "stop"
-        if limit is not None and len(out) > limit and not request.constraint:
-            text, finish = " ".join(out[:limit]), "length"
+        text, finish = cut(text, request.sampling.stop, request.sampling.max_tokens)
         k = request.sampling.logprobs
         if k is None:
             pieces = [text[i:i + self.chunk_chars]

@@ -128,6 +128,7 @@
     }
     root.append(el("h3", {}, "Compiler report (the plan)"));
     root.append(facts(report));
+    if (report.warnings && report.warnings.length) root.append(list("Warnings", report.warnings));
     root.append(list("Planned critical path", [report.critical_path.join(" \u2192 ")]));
     root.append(list("Prefix groups", report.prefix_groups.slice(0, 8).map(
       (g) => `${g.steps} steps share ${g.shared_tokens} tokens (warmed by ${g.leader})`)));
