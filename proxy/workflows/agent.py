@@ -159,7 +159,8 @@ class AgentLoop:
             convo = [*convo, ChatMessage("assistant", out.text, tool_calls=calls),
                      *(ChatMessage("tool", text, tool_call_id=c.id)
                        for c, text in zip(calls, results, strict=True))]
-        raise StepFailed(self.node.id, f"no answer after {self.node.max_turns} turns "
+        raise StepFailed(self.node.id, f"agent step {self.node.id!r}: no answer after "
+                         f"{self.node.max_turns} turns "
                          f"(max_turns={self.node.max_turns}): every turn called tools; the "
                          f"last tool asked for was {last_tool!r}")
 
@@ -220,7 +221,8 @@ class AgentLoop:
             return render_value(value)
         ct.error = error
         if self.node.tool_errors == "raise":
-            raise StepFailed(self.node.id, f"tool {call.name!r} raised: {error}")
+            raise ToolError(self.node.id, f"agent step {self.node.id!r}: tool {call.name!r} "
+                            f"raised: {error}")
         return f"error: {error}"
 
     async def _ask(self, call_id: str, name: str, args: dict[str, Any]) -> Any:
