@@ -37,8 +37,8 @@ DEFAULT_TENANT = "default"
 """The tenant of ``[server] api_keys_env``'s keys, and of runs stored without a tenant."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A tenant's name: a config table key, a metrics label value and a namespace prefix."""
-TENANT_KEY = "tenant"
-"""``request[TENANT_KEY]``: the request's tenant name (absent: anonymous)."""
+TENANT_KEY: web.RequestKey[str] = web.RequestKey("tenant", str)
+"""``request[TENANT_KEY]`` (``"tenant"``): the request's tenant name (absent: anonymous)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +146,7 @@ class Tenants:
 
 def tenant_of(request: web.Request) -> str | None:
     """The request's tenant name (None: anonymous, the proxy asks no key)."""
-    name = request.get(TENANT_KEY)
-    return name if isinstance(name, str) else None
+    return request.get(TENANT_KEY)
 
 
 def visible(owner: str | None, tenant: str | None) -> bool:
