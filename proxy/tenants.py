@@ -120,9 +120,11 @@ class Tenants:
         return bool(self.tenants)
 
     def names(self) -> frozenset[str]:
+        """The configured tenants' names (empty: anonymous only)."""
         return frozenset(t.name for t in self.tenants)
 
     def by_name(self, name: str | None) -> Tenant | None:
+        """The tenant called ``name``, or None (unknown, or None: anonymous)."""
         return next((t for t in self.tenants if t.name == name), None)
 
     def by_key(self, token: str) -> Tenant | None:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import sqlite3
+import time
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from flowlift.errors import ConfigError
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.config import parse_config
+from flowlift.proxy.lifecycle import DRAIN
 from flowlift.proxy.state import STATE
 from flowlift.proxy.tenants import DEFAULT_TENANT, Tenant, Tenants, TokenBucket, visible
 from flowlift.proxy.workflows.store import RunStore
@@ -209,6 +211,25 @@ async def test_active_runs_are_limited_per_tenant(aiohttp_client, aiohttp_server
     third = await client.post("/v1/workflows", headers=auth(ACME),
                               json={"nodes": [_llm("a", "third")]})
     assert third.status == 200 and '"succeeded"' in await third.text()
+
+
+async def test_while_draining_another_tenants_running_run_is_refused_like_an_unknown_one(
+        aiohttp_client, aiohttp_server):
+    client = await tenant_proxy(aiohttp_client, aiohttp_server, *TWO)
+    opened = await client.post("/v1/workflows", headers=auth(ACME), json={
+        "id": "acme-live", "open": True, "nodes": [_llm("a", "first")]})
+    stream = asyncio.ensure_future(opened.text())
+    await asyncio.sleep(0.05)
+    client.app[DRAIN].draining_since = time.monotonic()
+    theirs = await client.get("/v1/workflows/acme-live/events", headers=auth(GLOBEX))
+    unknown = await client.get("/v1/workflows/wf-gone/events", headers=auth(GLOBEX))
+    assert theirs.status == unknown.status == 503
+    assert await theirs.json() == await unknown.json()
+    own = await client.get("/v1/workflows/acme-live/events", headers=auth(ACME))
+    assert own.status == 200  # its own running run is still followed
+    own.close()
+    await client.post("/v1/workflows/acme-live/close", headers=auth(ACME))
+    assert '"succeeded"' in await stream
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
