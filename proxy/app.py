@@ -33,6 +33,7 @@ from flowlift.proxy.sessions import api as sessions_api
 from flowlift.proxy.sessions.table import SessionTable
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.telemetry import observer as telemetry
+from flowlift.proxy.tenants import Tenants
 from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
@@ -146,7 +147,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     ])
     app[STATE] = ProxyState(backends=backends, runs=runs, config=config,
                             residency=residency,
-                            prices=file_config.prices() if file_config else {})
+                            prices=file_config.prices() if file_config else {},
+                            tenants=Tenants.build(config.api_keys, config.tenants))
     app[lifecycle.DRAIN] = lifecycle.Drain()  # the SIGTERM drain (lifecycle.drain)
     if residency is not None:
         residency.lookahead = lambda: runs.lookahead(backends.canonical)

@@ -5,7 +5,8 @@ The config file also says which backends exist and which models they serve. A TO
 file (``flowlift serve --config flowlift.toml``)::
 
     [server]
-    api_keys_env = "FLOWLIFT_API_KEYS"   # comma-separated proxy keys; unset: no auth
+    api_keys_env = "FLOWLIFT_API_KEYS"   # comma-separated proxy keys of the tenant
+                                         # "default"; no key anywhere: no auth
     max_queue = 256                      # waiting requests per engine before 429
                                          # (the --max-queue flag, when given, wins)
 
@@ -28,6 +29,12 @@ file (``flowlift serve --config flowlift.toml``)::
     stream_usage = true                  # ask streams' usage (stream_options.include_usage)
                                          # even when the client did not; false for a
                                          # provider that rejects stream_options
+
+    [tenants.acme]                       # keys -> tenants (proxy/tenants.py): a tenant
+    api_key_env = "ACME_KEYS"            # sees only its own runs, sessions, pages
+    max_active_runs = 8                  # its runs at once, then 429
+    requests_per_s = 5                   # its request rate, then 429 + Retry-After
+    burst = 10                           # (default: requests_per_s)
 
     [models."llama-3-8b"]
     backends = ["vllm-a", "vllm-b"]      # replicas: session affinity, else least loaded
@@ -60,6 +67,7 @@ from pydantic import (
 )
 
 from flowlift.errors import ConfigError
+from flowlift.proxy.tenants import DEFAULT_TENANT, TENANT_NAME, Tenant
 
 EMBEDDED = "embedded"
 
@@ -80,7 +88,9 @@ class ProxyConfig:
             dispatch) or ``"fcfs"`` (the baseline).
         batch_prefill_budget: prompt tokens of batch work in prefill at once.
         batch_cap_when_interactive: batch slots while interactive work runs (None: half).
-        api_keys: keys clients must send as ``Authorization: Bearer``; empty: no auth.
+        api_keys: keys of the tenant ``default`` (``[server] api_keys_env``), sent as
+            ``Authorization: Bearer``; empty, with no ``tenants``: no auth.
+        tenants: the ``[tenants.*]`` of the config (:mod:`flowlift.proxy.tenants`).
         max_queue: OpenAI requests waiting per engine before the proxy answers 429.
         max_sessions, session_ttl_s: bounds of the ``X-Flowlift-Session`` table (sessions
             kept; seconds a session lives after its last turn).
@@ -97,6 +107,7 @@ class ProxyConfig:
     batch_prefill_budget: int = 1024
     batch_cap_when_interactive: int | None = None
     api_keys: frozenset[str] = frozenset()
+    tenants: tuple[Tenant, ...] = ()
     max_queue: int = 256
     max_sessions: int = 10_000
     session_ttl_s: float = 1800.0
@@ -110,6 +121,15 @@ class _Strict(BaseModel):
 class ServerSpec(_Strict):
     api_keys_env: str | None = None
     max_queue: int | None = Field(default=None, ge=1)
+
+
+class TenantSpec(_Strict):
+    """``[tenants.<name>]``: a tenant's keys (from the environment) and limits."""
+
+    api_key_env: str
+    max_active_runs: int | None = Field(default=None, ge=1)
+    requests_per_s: float | None = Field(default=None, gt=0)
+    burst: int | None = Field(default=None, ge=1)
 
 
 class EmbeddedSpec(_Strict):
@@ -163,10 +183,16 @@ class FileConfig(_Strict):
     server: ServerSpec = Field(default_factory=ServerSpec)
     backends: dict[str, BackendSpec] = Field(default_factory=dict)
     models: dict[str, ModelSpec] = Field(default_factory=dict)
+    tenants: dict[str, TenantSpec] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _references(self) -> FileConfig:
-        problems = []
+        problems = [f"tenants.{name}: a tenant name is 1-64 letters, digits, '.', '_' or "
+                    "'-', starting with a letter or digit" for name in self.tenants
+                    if not TENANT_NAME.fullmatch(name)]
+        if self.server.api_keys_env and DEFAULT_TENANT in self.tenants:
+            problems.append(f"tenants.{DEFAULT_TENANT}: server.api_keys_env already names "
+                            f"the keys of the tenant {DEFAULT_TENANT!r}; use one of the two")
         for name, spec in self.models.items():
             for field in ("backends", "fallbacks"):
                 for ref in getattr(spec, field):
@@ -189,25 +215,51 @@ class FileConfig(_Strict):
             out["api_keys"] = self.proxy_keys()
         if self.server.max_queue is not None:
             out["max_queue"] = self.server.max_queue
+        if self.tenants:
+            out["tenants"] = self.tenant_list()
         return out
+
+    def tenant_list(self) -> tuple[Tenant, ...]:
+        """The ``[tenants.*]`` with their keys read from the environment."""
+        return tuple(Tenant(name, _split_keys(os.environ.get(spec.api_key_env, "")),
+                            spec.max_active_runs, spec.requests_per_s, spec.burst)
+                     for name, spec in self.tenants.items())
 
     def proxy_keys(self) -> frozenset[str]:
         """The proxy API keys clients must present (empty: no auth)."""
         if not self.server.api_keys_env:
             return frozenset()
-        raw = os.environ.get(self.server.api_keys_env, "")
-        return frozenset(k.strip() for k in raw.split(",") if k.strip())
+        return _split_keys(os.environ.get(self.server.api_keys_env, ""))
 
     def secrets(self) -> frozenset[str]:
         """Every secret the config reads from the environment (for the log redactor)."""
         keys = {self.upstream_key(name) for name in self.backends}
-        return self.proxy_keys() | {k for k in keys if k}
+        tenant_keys = {k for t in self.tenant_list() for k in t.keys}
+        return self.proxy_keys() | tenant_keys | {k for k in keys if k}
 
     def upstream_key(self, backend: str) -> str | None:
         spec = self.backends[backend]
         if isinstance(spec, EmbeddedSpec) or not spec.api_key_env:
             return None
         return os.environ[spec.api_key_env]
+
+
+def _split_keys(raw: str) -> frozenset[str]:
+    return frozenset(k.strip() for k in raw.split(",") if k.strip())
+
+
+def _key_problems(config: FileConfig) -> list[str]:
+    """Tenants whose key variable is unset or empty, and keys two tenants share."""
+    problems = [f"tenants.{name}.api_key_env: environment variable {spec.api_key_env} is "
+                "not set or holds no key" for name, spec in config.tenants.items()
+                if not _split_keys(os.environ.get(spec.api_key_env, ""))]
+    owners: dict[str, str] = dict.fromkeys(config.proxy_keys(), DEFAULT_TENANT)
+    for tenant in config.tenant_list():
+        for key in tenant.keys:
+            if owners.setdefault(key, tenant.name) != tenant.name:
+                problems.append(f"tenants.{tenant.name}.api_key_env: a key of it is also "
+                                f"a key of the tenant {owners[key]!r}")
+    return problems
 
 
 def load_config(path: str | Path) -> FileConfig:
@@ -250,6 +302,7 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> FileConfig:
     if config.server.api_keys_env and not config.proxy_keys():
         missing.append(f"server.api_keys_env: environment variable "
                        f"{config.server.api_keys_env} is not set or holds no key")
+    missing += _key_problems(config)
     if missing:
         raise ConfigError(f"{source}: " + "; ".join(missing),
                           param=missing[0].split(":")[0])

@@ -16,14 +16,13 @@ The paths each one lets through are declared here, once:
 
 from __future__ import annotations
 
-import hmac
-
 from aiohttp import web
 
-from flowlift.errors import AuthenticationError, EngineError, ShuttingDown
+from flowlift.errors import AuthenticationError, EngineError, Overloaded, ShuttingDown
 from flowlift.proxy.http import Handler, error_response
 from flowlift.proxy.lifecycle import DRAIN
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.tenants import TENANT_KEY, tenant_of
 from flowlift.proxy.workflows.registry import RunRegistry
 
 PROBES = frozenset({"/healthz", "/readyz"})
@@ -38,25 +37,35 @@ RETRY_AFTER_S = 5
 @web.middleware
 async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Optional proxy API keys: ``Authorization: Bearer <key>`` on every path but
-    :data:`UNAUTHENTICATED`.
+    :data:`UNAUTHENTICATED`. The key names the request's tenant (``request["tenant"]``,
+    :mod:`flowlift.proxy.tenants`), whose request rate is then checked.
 
     Raises:
         AuthenticationError: keys are configured and the request has none of them (401).
+        Overloaded: the tenant is over its ``requests_per_s`` (429, ``Retry-After``).
     """
-    keys = request.app[STATE].config.api_keys
-    if keys and request.path not in UNAUTHENTICATED:
+    tenants = request.app[STATE].tenants
+    if tenants and request.path not in UNAUTHENTICATED:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not any(
-                hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+        tenant = tenants.by_key(token.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
             raise AuthenticationError("missing or invalid API key: send the proxy's key as "
                                       "`Authorization: Bearer <key>`", param="Authorization")
+        request[TENANT_KEY] = tenant.name
+        wait_s = tenants.admit(tenant)
+        if wait_s is not None:
+            raise Overloaded(f"tenant {tenant.name!r} is over its rate of "
+                             f"{tenant.requests_per_s:g} requests/s; retry after "
+                             f"{wait_s:.2f} s", retry_after_s=wait_s, status=429)
     return await handler(request)
 
 
 def _follows_running_run(request: web.Request, runs: RunRegistry) -> bool:
     parts = request.path.split("/")  # ["", "v1", "workflows", run_id, "events"]
-    return len(parts) == 5 and parts[4] == "events" and parts[3] in runs.active
+    if len(parts) != 5 or parts[4] != "events" or parts[3] not in runs.active:
+        return False
+    # another tenant's run is refused like an unknown one (no answer tells them apart)
+    return runs.live(parts[3], tenant_of(request)) is not None
 
 
 def _refused_while_draining(request: web.Request, state: ProxyState) -> bool:

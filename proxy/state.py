@@ -12,6 +12,7 @@ from aiohttp import web
 
 from flowlift.costs import CostTracker
 from flowlift.proxy.config import ProxyConfig
+from flowlift.proxy.tenants import Tenants
 from flowlift.proxy.workflows.inferred import InferredWorkflows
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class ProxyState:
     residency: ResidencyManager | None = None
     prices: dict[str, float] = field(default_factory=dict)
     """Model name -> price per 1,000 tokens (config ``[models."x"] price_per_1k_tokens``)."""
+    tenants: Tenants = field(default_factory=Tenants)
+    """Who each proxy key belongs to, and the tenants' rate limits (none: no auth)."""
 
 
 STATE: web.AppKey[ProxyState] = web.AppKey("flowlift", ProxyState)

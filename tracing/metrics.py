@@ -135,6 +135,12 @@ class Metrics:
                                        ["workflow_class"], registry=r)
         self.workflows = Counter("flowlift_workflows", "Finished workflow runs", ["status"],
                                  registry=r)
+        self.tenant_tokens = Counter(
+            "flowlift_tenant_tokens", "Prompt and completion tokens of a configured tenant's "
+            "requests and runs", ["tenant", "kind"], registry=r)
+        self.tenant_spend = Counter(
+            "flowlift_tenant_spend", "A configured tenant's spend, as flowlift_spend",
+            ["tenant"], registry=r)
         self.requests = Counter("flowlift_openai_requests", "OpenAI API requests",
                                 ["operation", "outcome"], registry=r)
         self.prompt_totals: dict[str, int] = {}
@@ -169,6 +175,19 @@ class Metrics:
         if price and tokens:
             self.spend_total.labels(model).inc(tokens / 1000 * price)
 
+    def tenant_usage(self, tenant: str | None, model: str, prompt_tokens: int,
+                     completion_tokens: int) -> None:
+        """Count tokens and spend of one request or step attempt of ``tenant`` (a
+        configured tenant's name: the label is bounded by the config; None, the
+        anonymous tenant: nothing counted)."""
+        if tenant is None:
+            return
+        prompt, completion = max(prompt_tokens, 0), max(completion_tokens, 0)
+        self.tenant_tokens.labels(tenant, "prompt").inc(prompt)
+        self.tenant_tokens.labels(tenant, "completion").inc(completion)
+        price = self.price_per_1k(model)
+        self.tenant_spend.labels(tenant).inc((prompt + completion) / 1000 * (price or 0.0))
+
     def cascade_escalated(self, from_model: str, to_model: str) -> None:
         """Count one escalation of a step from ``from_model`` to the next model of its
         cascade (for escalations not recorded as an ``AttemptTrace``)."""
@@ -184,16 +203,18 @@ class Metrics:
             else:
                 self.retries.labels(after.model, before.outcome).inc()
 
-    def observe_run(self, trace: RunTrace, *, deadline_missed: bool = False) -> None:
-        """Everything a finished run adds (its steps' latencies, tokens, attempts)."""
+    def observe_run(self, trace: RunTrace, *, deadline_missed: bool = False,
+                    tenant: str | None = None) -> None:
+        """Everything a finished run adds (its steps' latencies, tokens, attempts; the
+        tokens and spend of ``tenant`` too, when the run is a configured tenant's)."""
         self.workflows.labels(trace.status).inc()
         if deadline_missed:
             self.deadline_misses.labels(trace.workflow_class).inc()
         for st in trace.steps.values():
             if st.kind == "llm" and st.model and st.same_as is None:
-                self._observe_step(st)
+                self._observe_step(st, tenant)
 
-    def _observe_step(self, st: StepTrace) -> None:
+    def _observe_step(self, st: StepTrace, tenant: str | None = None) -> None:
         model = st.model or ""
         if st.ready_ms is not None and st.started_ms is not None:
             self.queue_wait.labels(model).observe(max(st.started_ms - st.ready_ms, 0.0) / 1000)
@@ -203,6 +224,7 @@ class Metrics:
             if at.completion_tokens > 0:
                 self.completion_tokens.labels(at.model).inc(at.completion_tokens)
             self.spend(at.model, at.prompt_tokens, at.completion_tokens)
+            self.tenant_usage(tenant, at.model, at.prompt_tokens, at.completion_tokens)
             if at.first_token_ms is None:
                 continue
             end = at.finished_ms if at is not st.attempts[-1] else st.generated_ms

@@ -30,6 +30,7 @@ from flowlift.proxy.http import json_object, read_body
 from flowlift.proxy.openai.chat_completion import serving as embedded
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.telemetry import requests as request_tracing
+from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.workflows.inferred import workflow_from
 
 routes = web.RouteTableDef()
@@ -38,8 +39,8 @@ EmbeddedHandler = Callable[..., Awaitable[web.StreamResponse]]
 
 
 def _recorder(state: ProxyState, joined: tuple[str, str | None], model: str,
-              data: dict[str, Any]) -> OnOutput:
-    """Records a finished answer into its inferred workflow."""
+              data: dict[str, Any], tenant: str | None) -> OnOutput:
+    """Records a finished answer into its inferred workflow (``tenant``'s)."""
     started = time.time()
     messages, prompt = data.get("messages"), data.get("prompt")
 
@@ -48,7 +49,8 @@ def _recorder(state: ProxyState, joined: tuple[str, str | None], model: str,
             joined[0], step=joined[1], model=model,
             messages=messages if isinstance(messages, list) else None,
             prompt=prompt if isinstance(prompt, str) else None, output=output, usage=usage,
-            started_at=started, finished_at=time.time(), backend=None, sampling=data)
+            started_at=started, finished_at=time.time(), backend=None, sampling=data,
+            tenant=tenant)
     return record
 
 
@@ -73,7 +75,8 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
             {"metadata": meta} if meta else {})
         raw = orjson.dumps(data)  # flowlift's own fields stay in the proxy
     affinity = joined[0] if joined else session
-    on_output = _recorder(state, joined, route.model, data) if joined else None
+    on_output = (_recorder(state, joined, route.model, data, tenant_of(request))
+                 if joined else None)
     if joined:
         structlog.contextvars.bind_contextvars(workflow_id=joined[0], step_id=joined[1])
     traced = request_tracing.current()

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from flowlift.errors import RequestError
 from flowlift.proxy.sessions.table import SESSIONS, SessionTable
+from flowlift.proxy.tenants import tenant_of
 
 __all__ = ["routes", "setup"]
 
@@ -44,11 +45,11 @@ async def get_session(request: web.Request) -> web.Response:
 
     Raises:
         RequestError: 404 (``code="session_not_found"``): no live session with this
-            id (never seen, or expired).
+            id (never seen, expired, or another tenant's: the same answer).
     """
     session_id = request.match_info["session_id"]
     table = request.app.get(SESSIONS)
-    session = table.get(session_id) if table is not None else None
+    session = table.get(session_id, tenant_of(request)) if table is not None else None
     if session is None:
         err = RequestError(f"no session {session_id!r}: sessions are created by requests with "
                        "an `X-Flowlift-Session` header and expire after "

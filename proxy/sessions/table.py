@@ -23,6 +23,8 @@ from typing import Any
 from aiohttp import web
 from cachetools import TTLCache
 
+from flowlift.proxy.tenants import tenant_of
+
 __all__ = ["SESSIONS", "Session", "SessionTable", "Turn", "observe"]
 
 Timer = Callable[[], float]
@@ -118,7 +120,9 @@ class Session:
 
 
 class SessionTable:
-    """Sessions by id, bounded in count and age (a ``cachetools.TTLCache``).
+    """Sessions by id, bounded in count and age (a ``cachetools.TTLCache``), kept per
+    tenant (:mod:`flowlift.proxy.tenants`; ``tenant=None``: anonymous): one tenant's
+    session id never reaches another's turns.
 
     Args:
         max_sessions: sessions kept; the least recently used goes when a new one comes.
@@ -134,38 +138,40 @@ class SessionTable:
         self.max_turns = max_turns
         self.ttl_s = ttl_s
         self._timer = timer
-        self._table: TTLCache[str, Session] = TTLCache(max_sessions, ttl_s, timer=timer)
+        self._table: TTLCache[tuple[str | None, str], Session] = TTLCache(
+            max_sessions, ttl_s, timer=timer)
 
     def __len__(self) -> int:
         self._table.expire()
         return len(self._table)
 
     def __contains__(self, session_id: str) -> bool:
-        return session_id in self._table
+        return (None, session_id) in self._table
 
-    def get(self, session_id: str) -> Session | None:
-        """The live session, or ``None`` (unknown or expired)."""
-        return self._table.get(session_id)
+    def get(self, session_id: str, tenant: str | None = None) -> Session | None:
+        """``tenant``'s live session, or ``None`` (unknown, expired, or another's)."""
+        return self._table.get((tenant, session_id))
 
-    def _session(self, session_id: str, backend: str | None) -> Session:
-        session = self._table.get(session_id)
+    def _session(self, session_id: str, backend: str | None, tenant: str | None) -> Session:
+        session = self._table.get((tenant, session_id))
         if session is None:
             now = self._timer()
             session = Session(session_id, backend, created_at=now, max_turns=self.max_turns,
                               last_at=now)
-        self._table[session_id] = session  # (re)insert: the TTL restarts at each turn
+        self._table[(tenant, session_id)] = session  # (re)insert: the TTL restarts at each turn
         return session
 
     def record(self, session_id: str, usage: dict[str, Any] | None,
-               backend: str | None = None) -> Turn:
-        """Add a turn from an OpenAI ``usage`` object (``prompt_tokens_details.cached_tokens``).
+               backend: str | None = None, tenant: str | None = None) -> Turn:
+        """Add a turn to ``tenant``'s session from an OpenAI ``usage`` object
+        (``prompt_tokens_details.cached_tokens``).
 
         Returns:
             The recorded turn.
         """
         usage = usage or {}
         details = usage.get("prompt_tokens_details") or {}
-        session = self._session(session_id, backend)
+        session = self._session(session_id, backend, tenant)
         if backend is not None and session.backend is None:
             session.backend = backend
         last = session.last
@@ -193,8 +199,10 @@ def observe(request: web.Request, backend: str | None,
     if not session_id or table is None:
         return on_output
 
+    tenant = tenant_of(request)
+
     def record(text: str, usage: dict[str, Any] | None) -> None:
-        table.record(session_id, usage, backend)
+        table.record(session_id, usage, backend, tenant)
         if on_output is not None:
             on_output(text, usage)
     return record

@@ -118,7 +118,7 @@ class Telemetry:
         by building them (~0.2 ms a step, ``bench/tracing_overhead.py``)."""
         missed = run.deadline_missed
         try:
-            self.metrics.observe_run(run.trace, deadline_missed=missed)
+            self.metrics.observe_run(run.trace, deadline_missed=missed, tenant=run.tenant)
         except Exception:
             log.exception("metrics_failed", hook="run_closed")
         run_spans = self._runs.pop(run.run_id, None)
@@ -146,6 +146,7 @@ class Telemetry:
                                      ttft, decode, (prompt, completion, cached), partial)
         if rt.model is not None:  # spend goes by the served name: the config prices it
             self.metrics.spend(rt.model, prompt or 0, completion or 0)
+            self.metrics.tenant_usage(rt.tenant, rt.model, prompt or 0, completion or 0)
 
     async def shutdown(self) -> None:
         """Flush (and, when owned, stop) the exporter, in a thread: it blocks up to its

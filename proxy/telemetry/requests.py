@@ -35,6 +35,7 @@ from flowlift.local_engine.base import Engine, GenerationChunk, Usage
 from flowlift.proxy.dispatch.sse_bytes import data_fields, finished, has_data
 from flowlift.proxy.http import Handler
 from flowlift.proxy.openai import chunks
+from flowlift.proxy.tenants import tenant_of
 from flowlift.tracing import genai
 from flowlift.tracing.logging import get_logger
 from flowlift.tracing.spans import extract
@@ -90,6 +91,7 @@ class RequestTrace:
         self.response_model: str | None = None
         self.outcome = "unknown"
         self.ids: dict[str, str] = {}  # the workflow and step it joined
+        self.tenant: str | None = None  # whose request (flowlift.proxy.tenants)
 
     # -- hooks (called by the handlers; each one never raises) -------------------------
     def request(self, model: str, joined: tuple[str, str | None] | None, stream: bool,
@@ -301,6 +303,7 @@ def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
                 if abandoned:  # case N1: the client left; its upstream work was stopped
                     log.info("request_cancelled_by_client", path=request.path,
                              model=rt.model, after_ms=round((time.monotonic() - rt.t0) * 1000))
+            rt.tenant = tenant_of(request)  # (set by require_key, inside this middleware)
             if observe is not None:
                 with _safe("observe"):
                     observe(rt)

@@ -35,6 +35,7 @@ from aiohttp import web
 
 from flowlift.errors import RequestError
 from flowlift.proxy.state import STATE
+from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.ui.svg import gantt_svg, legend_html
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows.store import RunSummary
@@ -296,7 +297,8 @@ def runs_body(runs: list[RunSummary], more: bool, state: str | None) -> str:
 async def runs_page(request: web.Request) -> web.Response:
     state = request.query.get("state") or None
     runs, more = request.app[STATE].runs.store.recent(
-        status=state, limit=INDEX_PAGE, after=request.query.get("after"))
+        status=state, limit=INDEX_PAGE, after=request.query.get("after"),
+        tenant=tenant_of(request))
     return page("flowlift: runs", runs_body(runs, more, state),
                 refresh_s=5 if any(r.status == "running" for r in runs) else None)
 

@@ -49,6 +49,7 @@ from flowlift.graph import DEADLINE_WARNING_HEADER, Graph
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.workflows import open_runs
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.planning import plan
@@ -115,8 +116,10 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
         raise RequestError(f"{warning}; the workflow asked for strict_deadline, so it was "
                            "not started (raise deadline_s, or drop strict_deadline to run "
                            "it anyway)", param="deadline_s")
+    tenant = state.tenants.by_name(tenant_of(request))
     run = state.runs.start(graph, state.backends, state.costs, run_plan,
-                           parent=extract(request.headers))
+                           parent=extract(request.headers), tenant=tenant_of(request),
+                           tenant_max_active=tenant.max_active_runs if tenant else None)
     run.mark_awaited(awaited)
     log.info("run_started", workflow_id=run.run_id, name=graph.name, steps=len(graph.nodes))
     if warning is not None:
@@ -158,8 +161,10 @@ def _list_params(query: Any) -> dict[str, Any]:
 
 @routes.get("/v1/workflows")
 async def list_runs(request: web.Request) -> web.Response:
-    """Runs in the store, newest first (see the module docstring for the query)."""
-    runs, more = request.app[STATE].runs.store.recent(**_list_params(request.query))
+    """Runs in the store the request's tenant may see, newest first (see the module
+    docstring for the query)."""
+    runs, more = request.app[STATE].runs.store.recent(**_list_params(request.query),
+                                                      tenant=tenant_of(request))
     data = [r.to_json() for r in runs]
     return web.json_response({"object": "list", "data": data,
                               "first_id": data[0]["id"] if data else None,
@@ -174,10 +179,12 @@ async def follow_workflow(request: web.Request) -> web.StreamResponse:
     if not raw.isdigit():
         raise RequestError("Last-Event-ID / after must be an event number", param="after")
     after = int(raw)
-    run = state.runs.active.get(run_id) or state.runs.finished.get(run_id)
+    tenant = tenant_of(request)
+    run = state.runs.live(run_id, tenant)
     if run is not None:
         return await _send(request, run.log.follow(after), run)
-    return await _send(request, _replay(state.runs.stored(run_id).events, after), None)
+    return await _send(request, _replay(state.runs.stored(run_id, tenant).events, after),
+                       None)
 
 
 @routes.post("/v1/workflows:compile")
@@ -192,7 +199,7 @@ async def compile_workflow(request: web.Request) -> web.Response:
 
 @routes.post("/v1/workflows/{run_id}/steps/{step_id}/result")
 async def tool_result(request: web.Request) -> web.Response:
-    run = request.app[STATE].runs.get(request.match_info["run_id"])
+    run = request.app[STATE].runs.get(request.match_info["run_id"], tenant_of(request))
     body = parse_model(ToolResult, await read_json(request), "tool result")
     run.deliver_tool_result(request.match_info["step_id"], body.value, body.error)
     return web.json_response({"ok": True})
@@ -202,7 +209,7 @@ async def tool_result(request: web.Request) -> web.Response:
 async def append_nodes(request: web.Request) -> web.Response:
     """Append nodes to an open run (:func:`open_runs.append`)."""
     state = request.app[STATE]
-    run = state.runs.get(request.match_info["run_id"])
+    run = state.runs.get(request.match_info["run_id"], tenant_of(request))
 
     def compile_graph(graph: Graph) -> Plan:
         return plan(graph, state.backends, state.costs, state.runs.outcomes, state.prices)
@@ -217,7 +224,7 @@ async def append_nodes(request: web.Request) -> web.Response:
 @routes.post("/v1/workflows/{run_id}/close")
 async def close_run(request: web.Request) -> web.Response:
     """No more nodes for an open run; it finishes once every node is done."""
-    run = request.app[STATE].runs.get(request.match_info["run_id"])
+    run = request.app[STATE].runs.get(request.match_info["run_id"], tenant_of(request))
     run.close_input()
     return web.json_response({"run_id": run.run_id, "closed": True,
                               "status": run.trace.status})
@@ -230,12 +237,14 @@ async def get_run(request: web.Request) -> web.Response:
     state = request.app[STATE]
     runs = state.runs
     run_id = request.match_info["run_id"]
-    run = runs.active.get(run_id) or runs.finished.get(run_id)
-    if run is None and run_id in state.inferred:
+    tenant = tenant_of(request)
+    run = runs.live(run_id, tenant)
+    if run is None and state.inferred.has(run_id, tenant):
         def report(graph: Graph) -> dict[str, Any]:
             return plan(graph, state.backends, state.costs, state.runs.outcomes,
                         state.prices).report.model_dump(mode="json")
-        described = await asyncio.to_thread(state.inferred.describe, run_id, report)
+        described = await asyncio.to_thread(state.inferred.describe, run_id, report,
+                                            tenant)
         if described is not None:
             return web.json_response(described)
     if run is not None:
@@ -245,7 +254,7 @@ async def get_run(request: web.Request) -> web.Response:
                                   "outputs": run.outputs, "failures": run.failures,
                                   "trace": run.trace.records(), "prompts": run.prompts,
                                   "report": await _run_report(state, run.graph, run.plan)})
-    stored = runs.stored(run_id)
+    stored = runs.stored(run_id, tenant)
     graph = _stored_graph(stored)
     return web.json_response({"run_id": run_id, "name": stored.graph.get("name"),
                               "status": stored.status,
@@ -285,6 +294,6 @@ async def _run_report(state: ProxyState, graph: Graph | dict[str, Any],
 
 @routes.delete("/v1/workflows/{run_id}")
 async def cancel_run(request: web.Request) -> web.Response:
-    run = request.app[STATE].runs.get(request.match_info["run_id"])
+    run = request.app[STATE].runs.get(request.match_info["run_id"], tenant_of(request))
     run.cancel()
     return web.json_response({"run_id": run.run_id, "cancelled": not run.finished})

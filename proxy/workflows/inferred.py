@@ -364,7 +364,9 @@ class InferredWorkflows:
     sent (a conversation's history again in every call, plus ``_MESSAGE_CHARS`` per
     message), which bounds its graph's JSON; past either bound nothing more is recorded
     and it is marked truncated. Equal texts are stored once. Thread-safe: :meth:`graph` and
-    :meth:`describe` work on a snapshot and may run in a worker thread.
+    :meth:`describe` work on a snapshot and may run in a worker thread. Workflows are
+    kept per tenant (:mod:`flowlift.proxy.tenants`; ``tenant=None``: anonymous): one
+    tenant's workflow id never reaches another's calls.
     """
 
     def __init__(self, *, max_workflows: int = 10_000, ttl_s: float = 3600.0,
@@ -372,7 +374,8 @@ class InferredWorkflows:
                  timer: Callable[[], float] = time.monotonic) -> None:
         self.max_steps = max_steps
         self.max_chars = max_chars
-        self._cache: TTLCache[str, _Workflow] = TTLCache(max_workflows, ttl_s, timer)
+        self._cache: TTLCache[tuple[str | None, str], _Workflow] = TTLCache(
+            max_workflows, ttl_s, timer)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -380,13 +383,19 @@ class InferredWorkflows:
             return len(self._cache)
 
     def __contains__(self, workflow_id: object) -> bool:
+        """Is ``workflow_id`` an anonymous tenant's workflow?"""
+        return isinstance(workflow_id, str) and self.has(workflow_id)
+
+    def has(self, workflow_id: str, tenant: str | None = None) -> bool:
+        """Is ``workflow_id`` a workflow of ``tenant``?"""
         with self._lock:
-            return workflow_id in self._cache
+            return (tenant, workflow_id) in self._cache
 
     def record(self, workflow_id: str, *, step: str | None, model: str,
                messages: list[dict[str, Any]] | None, prompt: str | None, output: str,
                usage: dict[str, Any] | None, started_at: float, finished_at: float,
-               backend: str | None, sampling: Mapping[str, Any] | None = None) -> str | None:
+               backend: str | None, sampling: Mapping[str, Any] | None = None,
+               tenant: str | None = None) -> str | None:
         """Record one finished call of ``workflow_id``.
 
         Args:
@@ -399,6 +408,7 @@ class InferredWorkflows:
             started_at, finished_at: seconds on one clock (e.g. ``time.time()``).
             sampling: the request body (``temperature``, ``top_p``, ``seed``, ``stop``
                 are read); None means OpenAI's defaults.
+            tenant: whose call it is (None: anonymous).
 
         Returns:
             The step id (``name``, ``name#2`` for a repeated name, ``call-N`` for an
@@ -407,14 +417,15 @@ class InferredWorkflows:
         rendered: list[tuple[Role, str]] = [
             render_message(m) if isinstance(m, Mapping) else ("user", str(m))
             for m in messages or ()] or [("user", prompt or "")]
+        key = (tenant, workflow_id)
         with self._lock:
-            wf = self._cache.get(workflow_id) or _Workflow()
+            wf = self._cache.get(key) or _Workflow()
             size = len(output) + sum(len(text) + _MESSAGE_CHARS for _, text in rendered)
             if (wf.truncated or len(wf.calls) >= self.max_steps
                     or wf.chars + size > self.max_chars):
                 wf.truncated = True
                 wf.dropped += 1
-                self._cache[workflow_id] = wf
+                self._cache[key] = wf
                 return None
             step_id = wf.new_id(step)
             wf.chars += size
@@ -424,25 +435,28 @@ class InferredWorkflows:
                 usage=dict(usage) if usage else None, started_at=started_at,
                 finished_at=finished_at, backend=backend,
                 params=_params(sampling, usage, output)))
-            self._cache[workflow_id] = wf  # set again: the TTL counts from the last call
+            self._cache[key] = wf  # set again: the TTL counts from the last call
             return step_id
 
-    def _snapshot(self, workflow_id: str) -> tuple[list[_Call], bool, int] | None:
+    def _snapshot(self, workflow_id: str, tenant: str | None
+                  ) -> tuple[list[_Call], bool, int] | None:
         """``(calls, truncated, dropped)`` as of now: later records do not disturb it."""
         with self._lock:
-            wf = self._cache.get(workflow_id)
+            wf = self._cache.get((tenant, workflow_id))
             if wf is None or not wf.calls:
                 return None
             return list(wf.calls), wf.truncated, wf.dropped
 
-    def graph(self, workflow_id: str) -> Graph | None:
+    def graph(self, workflow_id: str, tenant: str | None = None) -> Graph | None:
         """The workflow's inferred graph (valid under :func:`flowlift.dataflow.validate`
-        without a model list), or None for an unknown workflow."""
-        snap = self._snapshot(workflow_id)
+        without a model list), or None for an unknown workflow (or another tenant's)."""
+        snap = self._snapshot(workflow_id, tenant)
         return None if snap is None else _build(workflow_id, snap[0], snap[1])
 
-    def describe(self, workflow_id: str, compile_fn: CompileFn) -> dict[str, Any] | None:
-        """The ``workflow.inferred`` object, or None for an unknown workflow.
+    def describe(self, workflow_id: str, compile_fn: CompileFn,
+                 tenant: str | None = None) -> dict[str, Any] | None:
+        """The ``workflow.inferred`` object, or None for an unknown workflow (or another
+        tenant's).
 
         Args:
             compile_fn: ``graph -> report JSON`` (what ``POST /v1/workflows:compile``
@@ -459,7 +473,7 @@ class InferredWorkflows:
             the first call when it has none); ``ran_after`` names an independent call
             it started behind, when it waited at least ``MIN_WAIT_MS``.
         """
-        snap = self._snapshot(workflow_id)
+        snap = self._snapshot(workflow_id, tenant)
         if snap is None:
             return None
         calls, truncated, dropped = snap

@@ -13,6 +13,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from flowlift.proxy.state import STATE
+from flowlift.proxy.tenants import tenant_of
 
 routes = web.RouteTableDef()
 STATUSES = ("pending", "queued", "running", "waiting_tool", "done", "failed")
@@ -22,14 +23,15 @@ STATUSES = ("pending", "queued", "running", "waiting_tool", "done", "failed")
 async def run_progress(request: web.Request) -> web.Response:
     runs = request.app[STATE].runs
     run_id = request.match_info["run_id"]
-    run = runs.active.get(run_id) or runs.finished.get(run_id)
+    tenant = tenant_of(request)  # another tenant's run: the 404 of an unknown one
+    run = runs.live(run_id, tenant)
     counts = dict.fromkeys(STATUSES, 0)
     if run is not None:
         for st in run.trace.steps.values():
             counts[st.status if st.status in counts else "pending"] += 1
         status, steps = run.trace.status, len(run.trace.steps)
     else:
-        stored = runs.stored(run_id)  # RunNotFound (HTTP 404) when unknown
+        stored = runs.stored(run_id, tenant)  # RunNotFound (HTTP 404) when unknown
         steps = len(stored.graph.get("nodes", []))
         counts["done"] = len(stored.outputs())
         counts["failed"] = len(stored.failures())

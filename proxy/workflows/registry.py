@@ -27,6 +27,7 @@ from flowlift.errors import Overloaded, RequestError, RunNotFound
 from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.tenants import visible
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import stored_graph
 from flowlift.proxy.workflows.outcomes import StepOutcomes
@@ -95,37 +96,51 @@ class RunRegistry:
         self.max_active = max_active
         self.store.prune(older_than_s=store_ttl_s, keep=store_keep)
 
-    def get(self, run_id: str) -> Run:
-        """The active or recently finished run ``run_id``.
+    def live(self, run_id: str, tenant: str | None = None) -> Run | None:
+        """The active or recently finished run ``run_id`` when ``tenant`` may see it
+        (:func:`~flowlift.proxy.tenants.visible`), else None."""
+        run = self.active.get(run_id) or self.finished.get(run_id)
+        return run if run is not None and visible(run.tenant, tenant) else None
+
+    def get(self, run_id: str, tenant: str | None = None) -> Run:
+        """The active or recently finished run ``run_id``, as ``tenant`` may see it.
 
         Raises:
-            RunNotFound: no such run in memory (HTTP 404).
+            RunNotFound: no such run in memory, or another tenant's (HTTP 404, the same
+                answer for both).
         """
-        run = self.active.get(run_id) or self.finished.get(run_id)
+        run = self.live(run_id, tenant)
         if run is None:
             raise RunNotFound(run_id)
         return run
 
-    def stored(self, run_id: str) -> StoredRun:
-        """The run ``run_id`` as the store holds it.
+    def stored(self, run_id: str, tenant: str | None = None) -> StoredRun:
+        """The run ``run_id`` as the store holds it, as ``tenant`` may see it.
 
         Raises:
-            RunNotFound: the store has no such run (HTTP 404).
+            RunNotFound: the store has no such run, or it is another tenant's (HTTP 404).
         """
         stored = self.store.load(run_id)
-        if stored is None:
+        if stored is None or not visible(stored.tenant, tenant):
             raise RunNotFound(run_id)
         return stored
 
+    def active_of(self, tenant: str) -> int:
+        """How many active runs ``tenant`` has."""
+        return sum(1 for run in self.active.values() if run.tenant == tenant)
+
     def start(self, graph: Graph, backends: Backends, costs: CostTracker,
-              run_plan: Plan, *, parent: Context | None = None) -> Run:
+              run_plan: Plan, *, parent: Context | None = None,
+              tenant: str | None = None, tenant_max_active: int | None = None) -> Run:
         """Create, persist and start a run of a validated, compiled graph (``parent``:
-        the caller's OpenTelemetry context, from its ``traceparent``).
+        the caller's OpenTelemetry context, from its ``traceparent``; ``tenant``: whose
+        run it is, who may have ``tenant_max_active`` runs active at once).
 
         Raises:
             RequestError: the graph's ``id`` names a run that exists, or is not a safe
                 name (:data:`_RUN_ID`: it becomes a file name under ``trace_dir``).
-            Overloaded: ``max_active`` runs are running already (429, ``Retry-After``).
+            Overloaded: ``max_active`` runs are running already, or ``tenant_max_active``
+                of the tenant's (429, ``Retry-After``).
         """
         if graph.id is not None and not _RUN_ID.fullmatch(graph.id):
             raise RequestError(f"run id {graph.id[:80]!r} must be 1-128 letters, digits, "
@@ -135,12 +150,18 @@ class RunRegistry:
             raise Overloaded(f"{len(self.active)} workflow runs are active, the most this "
                              "proxy takes (--max-runs); retry shortly", retry_after_s=1.0,
                              status=429)
+        if (tenant is not None and tenant_max_active is not None
+                and self.active_of(tenant) >= tenant_max_active):
+            raise Overloaded(f"tenant {tenant!r} has {tenant_max_active} workflow runs "
+                             "active, its max_active_runs; retry when one finishes",
+                             retry_after_s=1.0, status=429)
         if graph.id is not None and (graph.id in self.active or self.store.exists(graph.id)):
             raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
                                "fresh one", param="id")
         run = Run(graph, backends, run_plan, costs, sink=self.store.append,
                   outcomes=self.outcomes, observer=self.observer, trace_parent=parent)
-        self.store.create(run.run_id, graph.to_wire())
+        run.tenant = tenant
+        self.store.create(run.run_id, graph.to_wire(), tenant)
         self._activate(run)
         return run
 

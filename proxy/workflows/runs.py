@@ -86,6 +86,7 @@ class Run:
         outputs: step id -> output value, filled as steps finish.
         failures: step id -> error message.
         trace: the run's :class:`RunTrace`.
+        tenant: who started it (:mod:`flowlift.proxy.tenants`; None: anonymous).
     """
 
     def __init__(self, graph: Graph, backends: Backends, plan: Plan | None = None,
@@ -123,6 +124,7 @@ class Run:
         self.observer = observer
         self.trace_parent = trace_parent
         self.deadline_missed = False
+        self.tenant: str | None = restored.tenant if restored else None
         for node in graph.nodes:
             model = node.model if isinstance(node, LLMNode) else None
             self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)

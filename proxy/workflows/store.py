@@ -7,7 +7,8 @@ them; nothing that finished is run again.
 
 Tables::
 
-    runs(run_id PRIMARY KEY, graph TEXT, status TEXT, created_at REAL, updated_at REAL)
+    runs(run_id PRIMARY KEY, graph TEXT, status TEXT, created_at REAL, updated_at REAL,
+         tenant TEXT)   -- NULL: recorded without a tenant (see flowlift.proxy.tenants)
     events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
 
 One connection, WAL journal; writes are small and synchronous (an event is on disk
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import EngineError
+from flowlift.proxy.tenants import DEFAULT_TENANT
 from flowlift.proxy.workflows.events import Event
 
 _SCHEMA = """
@@ -33,6 +35,8 @@ CREATE TABLE IF NOT EXISTS events (run_id TEXT NOT NULL, seq INTEGER NOT NULL,
     name TEXT NOT NULL, data TEXT NOT NULL, PRIMARY KEY (run_id, seq));
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, updated_at);
 """
+_MIGRATIONS = (("tenant", "ALTER TABLE runs ADD COLUMN tenant TEXT"),)
+"""Columns added since the first schema: (column, statement adding it to an older file)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,7 @@ class StoredRun:
     graph: dict[str, Any]
     status: str
     events: list[Event]
+    tenant: str | None = None
 
     def outputs(self) -> dict[str, Any]:
         return {d["step_id"]: d["value"] for _, n, d in self.events if n == "step.finished"}
@@ -89,13 +94,18 @@ class RunStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(runs)")}
+            for column, statement in _MIGRATIONS:
+                if column not in columns:
+                    self._db.execute(statement)
         except (sqlite3.Error, OSError) as exc:  # OSError: its folder cannot be made
             raise EngineError(f"cannot open the run store {self.path}: {exc}") from exc
 
-    def create(self, run_id: str, graph: dict[str, Any]) -> None:
+    def create(self, run_id: str, graph: dict[str, Any], tenant: str | None = None) -> None:
         now = time.time()
-        self._db.execute("INSERT INTO runs VALUES (?, ?, 'running', ?, ?)",
-                         (run_id, json.dumps(graph), now, now))
+        self._db.execute("INSERT INTO runs (run_id, graph, status, created_at, updated_at, "
+                         "tenant) VALUES (?, ?, 'running', ?, ?, ?)",
+                         (run_id, json.dumps(graph), now, now, tenant))
 
     def append(self, run_id: str, seq: int, name: str, data: dict[str, Any]) -> None:
         self._db.execute("INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?)",
@@ -109,20 +119,22 @@ class RunStore:
                                 (run_id,)).fetchone() is not None
 
     def load(self, run_id: str) -> StoredRun | None:
-        row = self._db.execute("SELECT graph, status FROM runs WHERE run_id = ?",
+        row = self._db.execute("SELECT graph, status, tenant FROM runs WHERE run_id = ?",
                                (run_id,)).fetchone()
         if row is None:
             return None
         events = [(seq, name, json.loads(data)) for seq, name, data in self._db.execute(
             "SELECT seq, name, data FROM events WHERE run_id = ? ORDER BY seq", (run_id,))]
-        return StoredRun(run_id, json.loads(row[0]), row[1], events)
+        return StoredRun(run_id, json.loads(row[0]), row[1], events, row[2])
 
     def recent(self, *, status: str | None = None, name: str | None = None, limit: int = 20,
-             after: str | None = None, since: float | None = None
-             ) -> tuple[list[RunSummary], bool]:
+             after: str | None = None, since: float | None = None,
+             tenant: str | None = None) -> tuple[list[RunSummary], bool]:
         """Runs, newest first, with ``status`` and ``name`` (the graph's) when given,
         created at or after ``since`` (epoch s); ``after``: the id of the last run of the
-        previous page (an id the store does not hold starts from the newest).
+        previous page (an id the store does not hold starts from the newest);
+        ``tenant``: only the runs it may see (:func:`flowlift.proxy.tenants.visible`;
+        None: every run).
 
         Returns:
             Up to ``limit`` runs and whether more follow.
@@ -138,8 +150,12 @@ class RunStore:
         if since is not None:
             where.append("created_at >= ?")
             params.append(since)
-        cursor = None if after is None else self._db.execute(
-            "SELECT created_at, run_id FROM runs WHERE run_id = ?", (after,)).fetchone()
+        if tenant is not None:
+            where.append("coalesce(tenant, ?) = ?")
+            params += [DEFAULT_TENANT, tenant]
+        cursor = None if after is None else self._db.execute(  # (a run it may see)
+            "SELECT created_at, run_id FROM runs WHERE run_id = ? AND (? IS NULL OR "
+            "coalesce(tenant, ?) = ?)", (after, tenant, DEFAULT_TENANT, tenant)).fetchone()
         if cursor is not None:
             where.append("(created_at < ? OR (created_at = ? AND run_id < ?))")
             params += [cursor[0], cursor[0], cursor[1]]
