@@ -10,6 +10,8 @@ from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine
 
+pytest_plugins = ("tests.pg",)  # postgres_url, pg_url: a real PostgreSQL server
+
 # Per-example deadlines measure the machine, not the code: on a shared 2-core CI box a
 # 1 ms example can take 400 ms once. Properties are checked; speed belongs to bench/.
 settings.register_profile("flowlift", deadline=None)

@@ -1,4 +1,4 @@
-"""Durable runs: every run's graph and event log in SQLite.
+"""Durable runs: every run's graph and event log, in SQLite or PostgreSQL.
 
 The event log is the run's state (event sourcing): finished outputs are its
 ``step.finished`` events, failures its ``step.failed`` events. A proxy that restarts
@@ -10,8 +10,16 @@ Tables::
     runs(run_id PRIMARY KEY, graph TEXT, status TEXT, created_at REAL, updated_at REAL)
     events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
 
-One connection, WAL journal; writes are small and synchronous (an event is on disk
-before any client hears of it).
+:class:`RunStoreProtocol` is the contract every store keeps (tests/test_store_contract.py
+runs one suite over both); :func:`open_store` picks the store from ``--state-db``: a
+``postgresql://`` (or ``postgres://``) URL opens a
+:class:`~flowlift.proxy.workflows.store_pg.PostgresRunStore` (several proxies on one
+database), anything else a :class:`SQLiteRunStore` file (``":memory:"``: none).
+
+SQLite: one connection, WAL journal, autocommit; writes are small and synchronous (each
+``create`` and ``append`` is committed before it returns, so an event is in the
+database before any client hears of it; ``synchronous=NORMAL``: it survives the proxy's
+crash, the OS's crash may lose the last commits). Schema version: ``PRAGMA user_version``.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from flowlift.errors import EngineError
 from flowlift.proxy.workflows.events import Event
@@ -33,6 +41,8 @@ CREATE TABLE IF NOT EXISTS events (run_id TEXT NOT NULL, seq INTEGER NOT NULL,
     name TEXT NOT NULL, data TEXT NOT NULL, PRIMARY KEY (run_id, seq));
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, updated_at);
 """
+SCHEMA_VERSION = 1
+"""The stores' schema version (SQLite ``user_version``; Postgres ``flowlift_meta``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +66,7 @@ class StoredRun:
 
 @dataclass(frozen=True, slots=True)
 class RunSummary:
-    """One row of :meth:`RunStore.recent`: a run without its events (times: epoch s)."""
+    """One row of :meth:`RunStoreProtocol.recent`: a run without its events (times: epoch s)."""
 
     run_id: str
     name: str
@@ -71,7 +81,91 @@ class RunSummary:
                 "updated_at": self.updated_at}
 
 
-class RunStore:
+class RunStoreProtocol(Protocol):
+    """What the proxy asks of a run store (SQLite or PostgreSQL).
+
+    Guarantees: ``create`` and ``append`` are durable (committed) when they return, so a
+    run id is stored before it is returned and an event before any client sees it; a
+    second store object on the same database sees everything at once. Times: epoch s.
+    """
+
+    @property
+    def path(self) -> str:
+        """Where the store is: a file, ``":memory:"``, or a URL without its password."""
+        ...
+
+    def create(self, run_id: str, graph: dict[str, Any]) -> None:
+        """Store a new run (status ``running``) with its graph's wire form.
+
+        Raises:
+            Exception: the database's own error when ``run_id`` exists or it fails.
+        """
+        ...
+
+    def append(self, run_id: str, seq: int, name: str, data: dict[str, Any]) -> None:
+        """Store event ``seq`` of a run (again: replaces it); ``run.finished`` also sets
+        the run's status (``data["status"]``, default ``finished``)."""
+        ...
+
+    def exists(self, run_id: str) -> bool:
+        """Whether the store holds the run ``run_id``."""
+        ...
+
+    def load(self, run_id: str) -> StoredRun | None:
+        """The run with its events in ``seq`` order, or None when there is none."""
+        ...
+
+    def recent(self, *, status: str | None = None, name: str | None = None, limit: int = 20,
+               after: str | None = None, since: float | None = None
+               ) -> tuple[list[RunSummary], bool]:
+        """Runs newest first, filtered and paged (see :meth:`SQLiteRunStore.recent`).
+
+        Returns:
+            Up to ``limit`` runs and whether more follow.
+        """
+        ...
+
+    def unfinished(self) -> list[StoredRun]:
+        """Every run still ``running``, oldest first."""
+        ...
+
+    def prune(self, older_than_s: float, keep: int | None = None) -> int:
+        """Forget old finished runs (see :meth:`SQLiteRunStore.prune`).
+
+        Returns:
+            How many runs were forgotten.
+        """
+        ...
+
+    def problem(self) -> str | None:
+        """Why the store cannot take writes now, or None."""
+        ...
+
+    def close(self) -> None:
+        """Release the database (the object is unusable after)."""
+        ...
+
+
+def is_database_url(location: str | Path | None) -> bool:
+    """Whether a ``--state-db`` value names a PostgreSQL server (``postgresql://`` or
+    ``postgres://``) rather than a SQLite file."""
+    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
+
+
+def open_store(location: str | Path = ":memory:") -> RunStoreProtocol:
+    """The run store ``--state-db`` names: a PostgreSQL URL, a SQLite file or ``":memory:"``.
+
+    Raises:
+        EngineError: the database cannot be opened or reached (the message names it).
+    """
+    if is_database_url(location):
+        from flowlift.proxy.workflows.store_pg import PostgresRunStore
+
+        return PostgresRunStore(str(location))
+    return SQLiteRunStore(location)
+
+
+class SQLiteRunStore:
     """SQLite persistence of runs (``path=":memory:"`` for a store that dies with the
     process).
 
@@ -89,6 +183,11 @@ class RunStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(f"schema version {version} is newer than this "
+                                            f"flowlift's {SCHEMA_VERSION}")
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except (sqlite3.Error, OSError) as exc:  # OSError: its folder cannot be made
             raise EngineError(f"cannot open the run store {self.path}: {exc}") from exc
 
@@ -184,3 +283,7 @@ class RunStore:
 
     def close(self) -> None:
         self._db.close()
+
+
+RunStore = SQLiteRunStore
+"""The SQLite store under its former name (callers that construct one)."""
