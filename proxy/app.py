@@ -38,7 +38,7 @@ from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.registry import RunRegistry
-from flowlift.proxy.workflows.store import RunStore
+from flowlift.proxy.workflows.store import open_store
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -130,7 +130,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")
     state_path = config.state_path or ":memory:"
-    store = RunStore(state_path)  # (raises on an unusable --state-db: before any exporter)
+    store = open_store(state_path)  # (raises on an unusable --state-db: before any exporter)
     outcomes = StepOutcomes(state_path, default_model=backends.default_model)
     # spans and metrics (the run count is read at scrape time, once `runs` exists)
     tel = telemetry.Telemetry.for_proxy(tracer_provider, config.trace_dir, backends,

@@ -74,7 +74,8 @@ class ProxyConfig:
         body_idle_timeout_s: a request body that sends nothing for this long before it
             is whole is cut (HTTP 400 ``incomplete_body``; case N10).
         trace_dir: where each finished run's trace is written (JSON lines), or None.
-        state_path: SQLite file of durable runs; None keeps runs in memory only.
+        state_path: where durable runs live: a SQLite file, or a ``postgresql://`` URL
+            (a database several proxies share); None keeps runs in memory only.
         detached_timeout_s: a run nobody listens to for this long is cancelled.
         scheduling: ``"priority"`` (class, critical path, slack; prefix-grouped
             dispatch) or ``"fcfs"`` (the baseline).
@@ -91,7 +92,7 @@ class ProxyConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     body_idle_timeout_s: float = 30.0
     trace_dir: Path | None = None
-    state_path: Path | None = None
+    state_path: Path | str | None = None
     detached_timeout_s: float = 300.0
     scheduling: str = "priority"
     batch_prefill_budget: int = 1024

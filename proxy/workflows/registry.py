@@ -32,7 +32,7 @@ from flowlift.proxy.workflows.open_runs import stored_graph
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
-from flowlift.proxy.workflows.store import RunStore, StoredRun
+from flowlift.proxy.workflows.store import RunStoreProtocol, SQLiteRunStore, StoredRun
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
@@ -78,13 +78,13 @@ class RunRegistry:
     forgets the rest, so the store is bounded too (disk, or memory for ``:memory:``).
     """
 
-    def __init__(self, store: RunStore | None = None, trace_dir: Path | None = None,
+    def __init__(self, store: RunStoreProtocol | None = None, trace_dir: Path | None = None,
                  keep: int = 1024, ttl_s: float = 3600.0,
                  detached_timeout_s: float = 300.0,
                  outcomes: StepOutcomes | None = None, store_keep: int = 10_000,
                  store_ttl_s: float = 7 * 24 * 3600, max_active: int = 4096,
                  observer: RunObserver = NO_OBSERVER) -> None:
-        self.store = store or RunStore(":memory:")
+        self.store = store or SQLiteRunStore(":memory:")
         self.outcomes = outcomes or StepOutcomes(":memory:")
         self.active: dict[str, Run] = {}
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)

@@ -156,8 +156,12 @@ def open_store(location: str | Path = ":memory:") -> RunStoreProtocol:
     """The run store ``--state-db`` names: a PostgreSQL URL, a SQLite file or ``":memory:"``.
 
     Raises:
-        EngineError: the database cannot be opened or reached (the message names it).
+        EngineError: the database cannot be opened or reached (the message names it), or
+            ``location`` is a URL of another kind (``mysql://``...).
     """
+    if isinstance(location, str) and "://" in location and not is_database_url(location):
+        raise EngineError(f"--state-db {location.split('://')[0]}://...: a run store is a "
+                          "SQLite file or a postgresql:// URL")
     if is_database_url(location):
         from flowlift.proxy.workflows.store_pg import PostgresRunStore
 
