@@ -8,4 +8,5 @@ bash scripts/install.sh --test
 bash scripts/typecheck.sh  # the typing gate: any mypy error stops here, before the tests
 export FLOWLIFT_REQUIRE_ENGINE=1
 export FLOWLIFT_REQUIRE_CHROMIUM=1  # the page tests (tests/test_ui_chromium.py) must run
+export FLOWLIFT_REQUIRE_POSTGRES=1  # the Postgres run store's tests (tests/pg.py) must run
 exec .venv/bin/python -m pytest "$@"
