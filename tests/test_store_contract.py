@@ -211,3 +211,52 @@ def test_a_newer_schema_is_refused(open_db: Opener) -> None:
             conn.execute("PRAGMA user_version = 99")
     with pytest.raises(EngineError, match="newer"):
         open_db()
+
+
+def test_leases_give_a_run_to_one_owner_until_it_expires(open_db: Opener) -> None:
+    store, other = open_db(), open_db()
+    for rid in ("r1", "r2", "done"):
+        store.create(rid, graph())
+    store.append("done", 0, "run.finished", {"status": "succeeded"})
+    assert store.claim("r1", "proxy-a", ttl_s=30) and store.claim("r1", "proxy-a", ttl_s=30)
+    assert store.orphans("proxy-a") == ["r1", "r2"]  # its own, and a run nobody holds
+    if not store.shared:  # one proxy owns the file: every claim is granted
+        assert other.claim("r1", "proxy-b", ttl_s=30) and other.orphans("proxy-b") == [
+            "r1", "r2"]
+        assert store.renew("proxy-a", ["r1", "r2"], ttl_s=30) == {"r1", "r2"}
+        return
+    assert not other.claim("r1", "proxy-b", ttl_s=30)  # held and alive
+    assert other.orphans("proxy-b") == ["r2"]
+    assert store.renew("proxy-a", ["r1", "r2"], ttl_s=0.2) == {"r1"}  # r2: never claimed
+    time.sleep(0.4)  # proxy-a stops renewing: its lease expires
+    assert other.orphans("proxy-b") == ["r1", "r2"]
+    assert other.claim("r1", "proxy-b", ttl_s=30)
+    assert store.renew("proxy-a", ["r1"], ttl_s=30) == set()  # proxy-a learns it lost r1
+    assert not store.claim("r1", "proxy-a", ttl_s=30)
+    store.release("r1", "proxy-a")  # not its lease: nothing happens
+    assert not store.claim("r1", "proxy-c", ttl_s=30)
+    other.append("r1", 0, "run.finished", {"status": "succeeded"})  # the lease goes too
+    assert store.orphans("proxy-a") == ["r2"] and store.claim("r2", "proxy-a", ttl_s=30)
+    store.release("r2", "proxy-a")
+    assert other.claim("r2", "proxy-b", ttl_s=30)
+
+
+def test_one_of_two_racing_claimers_wins_an_expired_lease(open_db: Opener) -> None:
+    stores = [open_db() for _ in range(4)]
+    stores[0].create("r1", graph())
+    assert stores[0].claim("r1", "dead", ttl_s=0.05)
+    time.sleep(0.2)
+    won: list[str] = []
+    barrier = threading.Barrier(len(stores))
+
+    def claim(i: int) -> None:
+        barrier.wait()
+        if stores[i].claim("r1", f"proxy-{i}", ttl_s=30):
+            won.append(f"proxy-{i}")
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(won) == (1 if stores[0].shared else len(stores))

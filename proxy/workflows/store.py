@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -143,6 +144,39 @@ class RunStoreProtocol(Protocol):
 
     def close(self) -> None:
         """Release the database (the object is unusable after)."""
+        ...
+
+    # -- ownership: which proxy executes a run (leases; see store_pg) ------------------
+    @property
+    def shared(self) -> bool:
+        """Whether several proxies may use the database at once (leases are then real;
+        a store one proxy owns grants every claim)."""
+        ...
+
+    def claim(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        """Take (or renew) the lease of ``run_id`` for ``owner`` for ``ttl_s`` seconds:
+        granted when nobody holds it, its holder's lease expired, or ``owner`` holds it.
+
+        Returns:
+            Whether ``owner`` holds the lease now.
+        """
+        ...
+
+    def renew(self, owner: str, run_ids: Collection[str], ttl_s: float) -> set[str]:
+        """Extend ``owner``'s leases of ``run_ids`` by ``ttl_s`` from now (the heartbeat).
+
+        Returns:
+            The ids ``owner`` still holds (a run taken over by another is left out).
+        """
+        ...
+
+    def release(self, run_id: str, owner: str) -> None:
+        """Give up ``owner``'s lease of ``run_id`` (nothing when another holds it)."""
+        ...
+
+    def orphans(self, owner: str) -> list[str]:
+        """Ids of the runs still ``running`` that ``owner`` could claim (no lease, an
+        expired one, or its own), oldest first."""
         ...
 
 
@@ -287,6 +321,22 @@ class SQLiteRunStore:
 
     def close(self) -> None:
         self._db.close()
+
+    # -- ownership: one proxy owns a SQLite file, so every claim is granted ---------------
+    shared = False
+
+    def claim(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        return True
+
+    def renew(self, owner: str, run_ids: Collection[str], ttl_s: float) -> set[str]:
+        return set(run_ids)
+
+    def release(self, run_id: str, owner: str) -> None:
+        return None
+
+    def orphans(self, owner: str) -> list[str]:
+        return [r[0] for r in self._db.execute(
+            "SELECT run_id FROM runs WHERE status = 'running' ORDER BY created_at")]
 
 
 RunStore = SQLiteRunStore

@@ -8,6 +8,19 @@ in tables prefixed ``flowlift_`` (so the database may hold other things)::
     flowlift_runs(run_id PRIMARY KEY, graph TEXT, name TEXT, status TEXT,
                   created_at DOUBLE PRECISION, updated_at DOUBLE PRECISION)
     flowlift_events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
+    flowlift_leases(run_id PRIMARY KEY, owner TEXT, expires_at DOUBLE PRECISION)
+
+**Ownership.** A run is executed by one proxy at a time: the one holding its lease
+(``flowlift_leases``: owner, expiry in epoch s of the *database's* clock, so proxies'
+clocks need not agree). The proxy claims a run as it creates or resumes it and renews
+all its leases every third of the lease's time (the heartbeat,
+:meth:`~flowlift.proxy.workflows.registry.RunRegistry.heartbeat`); a proxy that dies
+stops renewing, and once its leases expire another proxy claims the runs and resumes
+them from the log (nothing finished runs again). A claim is one ``INSERT ... ON CONFLICT
+DO UPDATE ... WHERE`` (the holder's lease expired, or it is the claimer's): the row lock
+makes two claimers of one expired lease agree on one winner. Events are not fenced by
+the lease: a proxy that stalls past its lease's expiry and wakes up may append to a run
+another proxy took over until its next heartbeat tells it the lease is lost.
 
 Graphs and events are stored as the JSON text the proxy wrote (not ``jsonb``), so a run
 reads back byte for byte as it went in. The schema is created on first use under an
@@ -26,7 +39,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,6 +60,14 @@ CREATE TABLE IF NOT EXISTS flowlift_events (run_id TEXT NOT NULL, seq INTEGER NO
     name TEXT NOT NULL, data TEXT NOT NULL, PRIMARY KEY (run_id, seq));
 CREATE INDEX IF NOT EXISTS flowlift_runs_by_status ON flowlift_runs (status, updated_at);
 CREATE INDEX IF NOT EXISTS flowlift_runs_by_created ON flowlift_runs (created_at, run_id);
+CREATE TABLE IF NOT EXISTS flowlift_leases (run_id TEXT PRIMARY KEY, owner TEXT NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL);
+"""
+_NOW = "extract(epoch from clock_timestamp())"  # the database's clock, epoch s
+_CLAIM = f"""
+INSERT INTO flowlift_leases AS held VALUES (%s, %s, {_NOW} + %s)
+ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at
+WHERE held.owner = excluded.owner OR held.expires_at < {_NOW}
 """
 
 
@@ -115,10 +136,11 @@ class PostgresRunStore:
             conn.execute("INSERT INTO flowlift_events VALUES (%s, %s, %s, %s) "
                          "ON CONFLICT (run_id, seq) DO UPDATE SET name = excluded.name, "
                          "data = excluded.data", (run_id, seq, name, json.dumps(data)))
-            if name == "run.finished":
+            if name == "run.finished":  # (its lease goes with it: nothing left to own)
                 conn.execute("UPDATE flowlift_runs SET status = %s, updated_at = %s "
                              "WHERE run_id = %s",
                              (data.get("status", "finished"), time.time(), run_id))
+                conn.execute("DELETE FROM flowlift_leases WHERE run_id = %s", (run_id,))
 
     def exists(self, run_id: str) -> bool:
         with self._conn() as conn:
@@ -192,6 +214,7 @@ class PostgresRunStore:
                     "AND updated_at >= %s ORDER BY updated_at DESC, run_id DESC OFFSET %s",
                     (cutoff, keep))]
             if ids:
+                conn.execute("DELETE FROM flowlift_leases WHERE run_id = ANY(%s)", (ids,))
                 conn.execute("DELETE FROM flowlift_events WHERE run_id = ANY(%s)", (ids,))
                 conn.execute("DELETE FROM flowlift_runs WHERE run_id = ANY(%s)", (ids,))
         return len(ids)
@@ -207,3 +230,32 @@ class PostgresRunStore:
 
     def close(self) -> None:
         self._pool.close()
+
+    # -- ownership (see the module docstring) -----------------------------------------
+    shared = True
+
+    def claim(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        with self._conn() as conn:
+            return conn.execute(_CLAIM, (run_id, owner, ttl_s)).rowcount == 1
+
+    def renew(self, owner: str, run_ids: Collection[str], ttl_s: float) -> set[str]:
+        if not run_ids:
+            return set()
+        with self._conn() as conn:
+            return {r[0] for r in conn.execute(
+                f"UPDATE flowlift_leases SET expires_at = {_NOW} + %s "
+                "WHERE owner = %s AND run_id = ANY(%s) RETURNING run_id",
+                (ttl_s, owner, list(run_ids)))}
+
+    def release(self, run_id: str, owner: str) -> None:
+        with self._conn() as conn:
+            conn.execute("DELETE FROM flowlift_leases WHERE run_id = %s AND owner = %s",
+                         (run_id, owner))
+
+    def orphans(self, owner: str) -> list[str]:
+        with self._conn() as conn:
+            return [r[0] for r in conn.execute(
+                "SELECT r.run_id FROM flowlift_runs r LEFT JOIN flowlift_leases l "
+                "ON l.run_id = r.run_id WHERE r.status = 'running' AND (l.run_id IS NULL "
+                f"OR l.owner = %s OR l.expires_at < {_NOW}) ORDER BY r.created_at, r.run_id",
+                (owner,))]
