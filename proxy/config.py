@@ -86,6 +86,9 @@ class ProxyConfig:
         max_sessions, session_ttl_s: bounds of the ``X-Flowlift-Session`` table (sessions
             kept; seconds a session lives after its last turn).
         max_runs: workflow runs active at once before ``POST /v1/workflows`` answers 429.
+        lease_ttl_s: on a shared (PostgreSQL) state database, how long a run's lease lasts
+            unrenewed: a proxy renews its leases every third of it, and another proxy
+            takes the runs of one that stopped renewing for this long.
     """
 
     max_concurrency: int = 16
@@ -102,6 +105,7 @@ class ProxyConfig:
     max_sessions: int = 10_000
     session_ttl_s: float = 1800.0
     max_runs: int = 4096
+    lease_ttl_s: float = 15.0
 
 
 class _Strict(BaseModel):

@@ -82,3 +82,101 @@ async def test_a_proxy_on_postgres_keeps_its_runs_in_the_database(
     outcomes = StepOutcomes(pg_url, default_model="fake-model")
     assert outcomes.counts("a", "fake-model").items == 1  # learned in the database
     outcomes.close()
+
+
+# -- two proxies on one database: one dies mid-run, the other takes its runs over -------
+
+RUNS = 12
+
+
+def chain(i: int) -> dict[str, object]:
+    """Three dependent steps (each about 0.6-1.2 s on the fake engine at 0.1 s a chunk)."""
+    ref = {"kind": "llm", "model": "fake-model"}
+    return {"name": "takeover", "id": f"wf-t-{i}", "nodes": [
+        llm("s0", f"run {i} begins"),
+        {**ref, "id": "s1", "messages": [{"role": "user", "content": [{"ref": "s0"}]}]},
+        {**ref, "id": "s2", "messages": [{"role": "user", "content": [{"ref": "s1"}]}]}]}
+
+
+def _finished_steps(store: PostgresRunStore) -> dict[str, set[str]]:
+    out = {}
+    for i in range(RUNS):
+        stored = store.load(f"wf-t-{i}")
+        out[f"wf-t-{i}"] = set() if stored is None else set(stored.outputs())
+    return out
+
+
+async def _submit(base: str, i: int) -> None:
+    """POST a run to proxy A and follow it until A dies (the stream breaks then)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=60) as http, http.stream(
+                "POST", f"{base}/v1/workflows", json=chain(i)) as resp:
+            async for _ in resp.aiter_bytes():
+                pass
+    except httpx.HTTPError:
+        return
+
+
+async def _wait_for(check, timeout_s: float, what: str) -> None:
+    import asyncio
+    import time
+
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout_s, what
+        await asyncio.sleep(0.05)
+
+
+async def test_a_killed_proxys_runs_finish_on_the_other_without_rerunning_steps(
+        aiohttp_client, pg_url: str, tmp_path: Path) -> None:
+    import asyncio
+
+    from flowlift.proxy import create_app
+    from flowlift.testing import FakeEngine, running_proxy
+
+    engine_b = FakeEngine(["fake-model"], delay_s=0.02)
+    app_b = create_app({"fake-model": engine_b},
+                       ProxyConfig(state_path=pg_url, lease_ttl_s=1.0))
+    client_b = await aiohttp_client(app_b)
+    await app_b[STATE].ready.wait()
+    reader = PostgresRunStore(pg_url)
+    with running_proxy("--engine", "fake", "--fake-delay-s", "0.1", "--state-db", pg_url,
+                       "--lease-ttl-s", "1", "--log-level", "warning",
+                       log_path=tmp_path / "proxy-a.log", ready_timeout_s=60) as (base, proc):
+        clients = [asyncio.create_task(_submit(base, i)) for i in range(RUNS)]
+        await _wait_for(lambda: all(len(s) >= 1 for s in _finished_steps(reader).values()),
+                        30, "proxy A did not finish a first step of every run")
+        await asyncio.sleep(0.5)  # B beats at least once while A is alive...
+        assert not app_b[STATE].runs.active and not engine_b.requests  # ...and steals none
+        proc.kill()  # kill -9: no suspend, no lease released, nothing more written
+        proc.wait(timeout=10)
+    await asyncio.gather(*clients)
+    done_on_a = _finished_steps(reader)
+    unfinished = [rid for rid, steps in done_on_a.items() if len(steps) < 3]
+    assert len(unfinished) >= RUNS // 2, f"A finished too much before the kill: {done_on_a}"
+
+    runs_b = app_b[STATE].runs
+    await _wait_for(lambda: set(unfinished) <= set(runs_b.active), 10,
+                    "proxy B did not take the runs over after A's leases expired")
+
+    async def reconnect(rid: str) -> None:  # a client back, on B: a parked run resumes
+        events = parse_sse(await (await client_b.get(f"/v1/workflows/{rid}/events")).text())
+        assert events[-1][0] == "run.finished", rid
+        assert events[-1][1]["status"] == "succeeded", (rid, events[-1])
+
+    await asyncio.gather(*(reconnect(rid) for rid in done_on_a))
+
+    asked = [r.request_id.rsplit(":", 2)[:2] for r in engine_b.requests]
+    assert sorted({rid for rid, _ in asked}) == sorted(unfinished)
+    assert len(asked) == len({tuple(a) for a in asked}), "B ran a step twice"
+    for rid, step in asked:
+        assert step not in done_on_a[rid], f"{rid}:{step} finished on A and ran again on B"
+    for rid in done_on_a:
+        stored = reader.load(rid)
+        assert stored is not None and stored.status == "succeeded"
+        assert set(stored.outputs()) == {"s0", "s1", "s2"}
+        finished = [d["step_id"] for _, n, d in stored.events if n == "step.finished"]
+        assert len(finished) == len(set(finished)) == 3, (rid, finished)
+    reader.close()

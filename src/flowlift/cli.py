@@ -124,7 +124,8 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "scheduling": args.scheduling, "batch_prefill_budget": args.batch_prefill_budget,
              "batch_cap_when_interactive": args.batch_cap_when_interactive,
              "max_queue": args.max_queue, "max_sessions": args.max_sessions,
-             "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs}
+             "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs,
+             "lease_ttl_s": args.lease_ttl_s}
     flags = {name: value for name, value in given.items() if value is not None}
     flags["state_path"] = None if args.state_db == ":memory:" else state_db
     return flags
@@ -583,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="SQLite file of durable runs (default "
                             "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none), or "
                             "a postgresql:// URL: a database several proxies share")
+    serve.add_argument("--lease-ttl-s", type=_seconds, default=None,
+                       help="with a postgresql:// --state-db: seconds a run's lease lasts "
+                            "unrenewed before another proxy takes the run over (default 15)")
     serve.add_argument("--scheduling", choices=("priority", "fcfs"), default=None,
                        help="dispatch order (default priority; fcfs: the baseline, for "
                             "benchmarks)")
