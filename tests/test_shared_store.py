@@ -180,3 +180,41 @@ async def test_a_killed_proxys_runs_finish_on_the_other_without_rerunning_steps(
         finished = [d["step_id"] for _, n, d in stored.events if n == "step.finished"]
         assert len(finished) == len(set(finished)) == 3, (rid, finished)
     reader.close()
+
+
+async def test_heartbeats_hand_a_run_over_and_the_loser_stops_it(pg_url: str) -> None:
+    import asyncio
+
+    from flowlift.costs import CostTracker
+    from flowlift.graph import Graph
+    from flowlift.proxy.dispatch.backends import Backends
+    from flowlift.proxy.workflows.planning import plan
+    from flowlift.proxy.workflows.registry import RunRegistry
+    from flowlift.testing import FakeEngine
+
+    graph = Graph.model_validate({"id": "wf-h", "nodes": [
+        {"kind": "llm", "id": "a", "messages": [{"role": "user", "content": [
+            {"text": "a long prompt " * 20}]}]}]})
+    stores = [PostgresRunStore(pg_url), PostgresRunStore(pg_url)]
+    backends = [Backends({"m": FakeEngine(["m"], delay_s=0.2)}) for _ in stores]
+    reg_a, reg_b = (RunRegistry(s, lease_ttl_s=0.5) for s in stores)
+    costs = CostTracker()
+    run_a = reg_a.start(graph, backends[0], costs, plan(graph, backends[0], costs))
+    assert reg_b.heartbeat(backends[1], costs) == []  # A's lease is alive
+    assert reg_a.heartbeat(backends[0], costs) == [] and "wf-h" in reg_a.active  # renewed
+    await asyncio.sleep(0.8)  # A misses its beats (a stalled event loop): the lease expires
+    (run_b,) = reg_b.heartbeat(backends[1], costs)
+    assert run_b.run_id == "wf-h" and "wf-h" in reg_b.active
+    assert reg_a.heartbeat(backends[0], costs) == []  # A learns it lost the run...
+    await asyncio.wait([run_a.task], timeout=5)
+    assert "wf-h" not in reg_a.active and run_a.task.done()  # ...and stops it
+    assert stores[0].load("wf-h").status == "running"  # type: ignore[union-attr]
+    assert not stores[0].claim("wf-h", reg_a.owner, 30)  # B holds it
+    run_b.suspend()  # B shuts down cleanly: the lease is released as the run stops
+    await asyncio.wait([run_b.task], timeout=5)
+    (again,) = reg_a.resume_all(backends[0], costs)  # at once, no expiry to wait for
+    assert again.run_id == "wf-h"
+    again.cancel()
+    await asyncio.wait([again.task], timeout=5)
+    for store in stores:
+        store.close()

@@ -198,6 +198,7 @@ class RunRegistry:
         """Move a finished run to the finished table and write its trace (once)."""
         if self.active.pop(run.run_id, None) is None:
             return
+        self.store.release(run.run_id, self.owner)  # (suspended: another proxy may take it)
         self.finished[run.run_id] = run
         log_end(run)
         learn_lengths(run, self.outcomes)

@@ -49,6 +49,9 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from flowlift.errors import EngineError
 from flowlift.proxy.workflows.store import SCHEMA_VERSION, RunSummary, StoredRun
+from flowlift.tracing import get_logger
+
+log = get_logger("flowlift.runs")
 
 _LOCK_KEY = 0x666C6F77  # pg_advisory_xact_lock key of the schema creation ("flow")
 _SCHEMA = """
@@ -248,9 +251,14 @@ class PostgresRunStore:
                 (ttl_s, owner, list(run_ids)))}
 
     def release(self, run_id: str, owner: str) -> None:
-        with self._conn() as conn:
-            conn.execute("DELETE FROM flowlift_leases WHERE run_id = %s AND owner = %s",
-                         (run_id, owner))
+        """Best effort: a lease this cannot release (the store closed, the database
+        away) expires by itself."""
+        try:
+            with self._conn() as conn:
+                conn.execute("DELETE FROM flowlift_leases WHERE run_id = %s AND owner = %s",
+                             (run_id, owner))
+        except psycopg.Error as exc:  # (PoolClosed, PoolTimeout are psycopg errors too)
+            log.warning("run_lease_not_released", workflow_id=run_id, error=str(exc))
 
     def orphans(self, owner: str) -> list[str]:
         with self._conn() as conn:
