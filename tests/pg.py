@@ -70,7 +70,8 @@ def postgres_url() -> Iterator[str]:
             pytest.fail(f"FLOWLIFT_REQUIRE_POSTGRES=1 but {message}")
         pytest.skip(message)
     prefix, user = _as_user()
-    root = Path(tempfile.mkdtemp(prefix="flowlift-pg-"))  # /tmp: the server user reaches it
+    # under /tmp, not pytest's root-only folders: the server's user must reach it
+    root = Path(tempfile.mkdtemp(prefix="flowlift-pg-", dir="/tmp" if user else None))
     if user is not None:
         os.chown(root, user.pw_uid, user.pw_gid)
     data, port = root / "data", _free_port()
