@@ -54,6 +54,22 @@ def test_outcomes_persist_and_two_proxies_add_up(kind: str, tmp_path: Path,
     again.close()
 
 
+def test_serve_on_an_unreachable_database_exits_2_with_one_line() -> None:
+    import subprocess
+    import sys
+
+    from flowlift.testing import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-m", "flowlift.cli", "serve", "--engine", "fake", "--port",
+         str(free_port()), "--state-db", "postgresql://flowlift:s3cret@127.0.0.1:1/runs"],
+        capture_output=True, text=True, timeout=120)
+    err = done.stderr
+    assert done.returncode == 2, err
+    assert "cannot open the run store postgresql://flowlift@127.0.0.1:1/runs" in err
+    assert "s3cret" not in err and "Traceback" not in err
+
+
 def test_an_unreachable_outcome_database_is_an_engine_error() -> None:
     with pytest.raises(EngineError) as caught:
         StepOutcomes("postgresql://u:s3cret@127.0.0.1:1/db")

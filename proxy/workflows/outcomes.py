@@ -97,7 +97,10 @@ class _Database:
             import psycopg
             from psycopg_pool import ConnectionPool
 
+            from flowlift.proxy.workflows.store_pg import check_reachable
+
             self.errors: tuple[type[Exception], ...] = (psycopg.Error,)  # (pool's too)
+            check_reachable(location, 10.0)
             self._pool: Any = ConnectionPool(location, min_size=1, max_size=1, open=False,
                                              kwargs={"autocommit": True},
                                              name="flowlift-outcomes")

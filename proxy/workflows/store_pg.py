@@ -38,13 +38,13 @@ database restart is dropped and replaced), and every write commits before it ret
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from flowlift.errors import EngineError
@@ -75,13 +75,22 @@ WHERE held.owner = excluded.owner OR held.expires_at < {_NOW}
 
 
 def redact(url: str) -> str:
-    """``url`` without its password (for messages and ``path``)."""
-    try:
-        params = conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        return url.split("@")[-1]
-    params.pop("password", None)
-    return make_conninfo("", **params)
+    """``url`` without its password (for messages and ``path``): ``postgresql://u:pw@h/db``
+    -> ``postgresql://u@h/db``; a conninfo's ``password=...`` -> ``password=***``."""
+    url = re.sub(r"(://[^/@:]*):[^/@]*@", r"\1@", url)
+    url = re.sub(r"([?&]password=)[^&]*", r"\1***", url)
+    return re.sub(r"(password\s*=\s*)\S+", r"\1***", url)
+
+
+def check_reachable(url: str, timeout_s: float) -> None:
+    """One connection attempt, so that an unreachable server is reported with its own
+    reason at once (a pool retries until its timeout and says only that it timed out).
+
+    Raises:
+        psycopg.Error: the server cannot be reached or refuses the connection.
+    """
+    with psycopg.connect(url, connect_timeout=max(1, round(timeout_s))):
+        return
 
 
 class PostgresRunStore:
@@ -101,9 +110,13 @@ class PostgresRunStore:
                  max_connections: int = 4) -> None:
         self._url = url
         self.path = redact(url)
-        self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
-            url, min_size=1, max_size=max_connections, open=False,
-            kwargs={"autocommit": True}, name="flowlift-runs")
+        try:
+            check_reachable(url, connect_timeout_s)
+            self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
+                url, min_size=1, max_size=max_connections, open=False,
+                kwargs={"autocommit": True}, name="flowlift-runs")
+        except psycopg.Error as exc:  # unreachable, refused, a malformed URL
+            raise EngineError(f"cannot open the run store {self.path}: {exc}") from exc
         try:
             self._pool.open(wait=True, timeout=connect_timeout_s)
             self._create_schema()
