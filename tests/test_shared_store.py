@@ -102,7 +102,7 @@ async def test_a_proxy_on_postgres_keeps_its_runs_in_the_database(
 
 # -- two proxies on one database: one dies mid-run, the other takes its runs over -------
 
-RUNS = 12
+RUNS = 50
 
 
 def chain(i: int) -> dict[str, object]:
@@ -159,6 +159,7 @@ async def test_a_killed_proxys_runs_finish_on_the_other_without_rerunning_steps(
     await app_b[STATE].ready.wait()
     reader = PostgresRunStore(pg_url)
     with running_proxy("--engine", "fake", "--fake-delay-s", "0.1", "--state-db", pg_url,
+                       "--max-concurrency", "64",
                        "--lease-ttl-s", "1", "--log-level", "warning",
                        log_path=tmp_path / "proxy-a.log", ready_timeout_s=60) as (base, proc):
         clients = [asyncio.create_task(_submit(base, i)) for i in range(RUNS)]
