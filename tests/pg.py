@@ -35,9 +35,9 @@ def server_bin() -> Path | None:
     found = shutil.which("initdb")
     if found and shutil.which("pg_ctl"):
         return Path(found).resolve().parent
-    versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-                      key=lambda p: int(Path(p).parts[3]) if Path(p).parts[3].isdigit() else 0)
-    return Path(versions[-1]).parent if versions else None
+    found_bins = [Path(p).parent for p in glob.glob("/usr/lib/postgresql/*/bin/initdb")]
+    numbered = [(int(b.parent.name), b) for b in found_bins if b.parent.name.isdigit()]
+    return max(numbered)[1] if numbered else None
 
 
 def _free_port() -> int:
