@@ -39,7 +39,7 @@ from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.registry import RunRegistry
-from flowlift.proxy.workflows.store import RunStore
+from flowlift.proxy.workflows.store import open_store
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -80,12 +80,28 @@ async def _sweep(app: web.Application, every_s: float = 5.0) -> None:
         app[STATE].runs.sweep()
 
 
+async def _heartbeat(app: web.Application) -> None:
+    """On a shared store: renew this proxy's run leases every third of their time, and
+    take over the runs of proxies that stopped renewing (RunRegistry.heartbeat)."""
+    state: ProxyState = app[STATE]
+    await state.ready.wait()
+    while True:
+        await asyncio.sleep(max(state.runs.lease_ttl_s / 3, 0.1))
+        try:
+            state.runs.heartbeat(state.backends, state.costs)
+        except Exception:  # a database hiccup: the next beat tries again
+            log.exception("run_heartbeat_failed")
+
+
 async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     loader = asyncio.create_task(_load_engines(app))
     sweeper = asyncio.create_task(_sweep(app))
+    beat = asyncio.create_task(_heartbeat(app)) if app[STATE].runs.store.shared else None
     yield
     loader.cancel()
     sweeper.cancel()
+    if beat is not None:
+        beat.cancel()
     state: ProxyState = app[STATE]
     for run in list(state.runs.active.values()):
         run.suspend()  # persisted runs resume when the proxy starts again
@@ -131,13 +147,14 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")
     state_path = config.state_path or ":memory:"
-    store = RunStore(state_path)  # (raises on an unusable --state-db: before any exporter)
+    store = open_store(state_path)  # (raises on an unusable --state-db: before any exporter)
     outcomes = StepOutcomes(state_path, default_model=backends.default_model)
     # spans and metrics (the run count is read at scrape time, once `runs` exists)
     tel = telemetry.Telemetry.for_proxy(tracer_provider, config.trace_dir, backends,
                                         active_runs=lambda: len(runs.active))
     runs = RunRegistry(store, config.trace_dir, detached_timeout_s=config.detached_timeout_s,
-                       outcomes=outcomes, max_active=config.max_runs, observer=tel)
+                       outcomes=outcomes, max_active=config.max_runs, observer=tel,
+                       lease_ttl_s=config.lease_ttl_s)
     # The whole middleware stack, outermost first.
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
         tel.request_middleware(),  # a span per OpenAI request (refused ones too), metrics

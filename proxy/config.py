@@ -82,7 +82,8 @@ class ProxyConfig:
         body_idle_timeout_s: a request body that sends nothing for this long before it
             is whole is cut (HTTP 400 ``incomplete_body``; case N10).
         trace_dir: where each finished run's trace is written (JSON lines), or None.
-        state_path: SQLite file of durable runs; None keeps runs in memory only.
+        state_path: where durable runs live: a SQLite file, or a ``postgresql://`` URL
+            (a database several proxies share); None keeps runs in memory only.
         detached_timeout_s: a run nobody listens to for this long is cancelled.
         scheduling: ``"priority"`` (class, critical path, slack; prefix-grouped
             dispatch) or ``"fcfs"`` (the baseline).
@@ -95,13 +96,16 @@ class ProxyConfig:
         max_sessions, session_ttl_s: bounds of the ``X-Flowlift-Session`` table (sessions
             kept; seconds a session lives after its last turn).
         max_runs: workflow runs active at once before ``POST /v1/workflows`` answers 429.
+        lease_ttl_s: on a shared (PostgreSQL) state database, how long a run's lease lasts
+            unrenewed: a proxy renews its leases every third of it, and another proxy
+            takes the runs of one that stopped renewing for this long.
     """
 
     max_concurrency: int = 16
     max_body_bytes: int = 32 * 1024 * 1024
     body_idle_timeout_s: float = 30.0
     trace_dir: Path | None = None
-    state_path: Path | None = None
+    state_path: Path | str | None = None
     detached_timeout_s: float = 300.0
     scheduling: str = "priority"
     batch_prefill_budget: int = 1024
@@ -112,6 +116,7 @@ class ProxyConfig:
     max_sessions: int = 10_000
     session_ttl_s: float = 1800.0
     max_runs: int = 4096
+    lease_ttl_s: float = 15.0
 
 
 class _Strict(BaseModel):

@@ -33,6 +33,22 @@ if [[ $want_test == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 
+pg_server_found() {
+  command -v initdb >/dev/null 2>&1 || compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null
+}
+if [[ $want_test == 1 ]] && ! pg_server_found; then
+  # tests/pg.py starts a real PostgreSQL server (initdb into a temporary folder) for the
+  # shared run store's tests (tests/test_store_contract.py, tests/test_shared_store.py)
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "flowlift install: postgresql (apt-get) for the shared run store's tests"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+  else
+    echo "flowlift install: no PostgreSQL server binaries (initdb) and not root: install" \
+      "Debian's postgresql package (scripts/test.sh requires it)" >&2
+  fi
+fi
+
 if [[ ! -x "$VENV/bin/python" ]]; then
   echo "flowlift install: creating $VENV"
   "$PYTHON" -m venv "$VENV"

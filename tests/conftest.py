@@ -18,6 +18,7 @@ from flowlift.testing import FakeEngine
 # the model again wherever pytest is started from.
 os.environ.setdefault("FLOWLIFT_CACHE_DIR",
                       str(Path(__file__).resolve().parent.parent / ".cache" / "flowlift"))
+pytest_plugins = ("tests.pg",)  # postgres_url, pg_url: a real PostgreSQL server
 
 # Per-example deadlines measure the machine, not the code: on a shared 2-core CI box a
 # 1 ms example can take 400 ms once. Properties are checked; speed belongs to bench/.

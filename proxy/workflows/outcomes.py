@@ -19,6 +19,12 @@ takes the median (p50) as the step's expected output length (p90 is reported too
 Steps are keyed by their name (``@step`` function name, e.g. ``extract``), not their
 id, so all items of a batch pool their counts; models by the name the graph uses
 (``small``, ``large``), so two aliases of one served model keep separate rates.
+
+On a PostgreSQL state database (``--state-db postgresql://...``) the same two tables,
+prefixed ``flowlift_``, live in it: every proxy on the database adds to the counts (each
+increment is atomic), so they learn together; each proxy reads them once at start, and
+the output lengths are a last-writer-wins list (a proxy writes back the lengths it
+holds). Outcome writes are advisory: one that fails is logged, never fails a step.
 """
 
 from __future__ import annotations
@@ -29,36 +35,130 @@ import sqlite3
 import statistics
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from flowlift.compiler import OutputLengths
 from flowlift.errors import EngineError
 from flowlift.escalation import OutcomeCounts
+from flowlift.proxy.workflows.store import is_database_url
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.outcomes")
 
+KEEP_LENGTHS = 200
+
+
+class _Dialect(NamedTuple):
+    """The SQL of one database: ``{t}`` is the table prefix, ``?`` a parameter."""
+
+    schema: str
+    prefix: str
+    real: str
+
+    def sql(self, text: str) -> str:
+        out = text.replace("{t}", self.prefix).replace("REAL", self.real)
+        return out if self.prefix == "" else out.replace("?", "%s")
+
+
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS step_outcomes (step TEXT NOT NULL, model TEXT NOT NULL,
+CREATE TABLE IF NOT EXISTS {t}step_outcomes (step TEXT NOT NULL, model TEXT NOT NULL,
     items INTEGER NOT NULL, failures INTEGER NOT NULL, attempts INTEGER NOT NULL,
     updated_at REAL NOT NULL, PRIMARY KEY (step, model));
-CREATE TABLE IF NOT EXISTS step_output_tokens (step TEXT NOT NULL, model TEXT NOT NULL,
+CREATE TABLE IF NOT EXISTS {t}step_output_tokens (step TEXT NOT NULL, model TEXT NOT NULL,
     tokens TEXT NOT NULL, updated_at REAL NOT NULL, PRIMARY KEY (step, model));
 """
-KEEP_LENGTHS = 200
+_SQLITE = _Dialect(_SCHEMA, "", "REAL")
+_POSTGRES = _Dialect(_SCHEMA, "flowlift_", "DOUBLE PRECISION")
 _UPSERT = """
-INSERT INTO step_outcomes VALUES (?, ?, 1, ?, ?, ?)
-ON CONFLICT (step, model) DO UPDATE SET items = items + 1,
-    failures = failures + excluded.failures, attempts = attempts + excluded.attempts,
+INSERT INTO {t}step_outcomes VALUES (?, ?, 1, ?, ?, ?)
+ON CONFLICT (step, model) DO UPDATE SET items = {t}step_outcomes.items + 1,
+    failures = {t}step_outcomes.failures + excluded.failures,
+    attempts = {t}step_outcomes.attempts + excluded.attempts,
     updated_at = excluded.updated_at
 """
+_UPSERT_TOKENS = """
+INSERT INTO {t}step_output_tokens VALUES (?, ?, ?, ?)
+ON CONFLICT (step, model) DO UPDATE SET tokens = excluded.tokens,
+    updated_at = excluded.updated_at
+"""
+
+
+class _Database:
+    """One SQLite connection, or a one-connection psycopg pool (reconnects after a
+    database restart); ``errors``: the exceptions a failed statement raises."""
+
+    def __init__(self, location: str) -> None:
+        self.dialect = _POSTGRES if is_database_url(location) else _SQLITE
+        self._sqlite: sqlite3.Connection | None = None
+        if self.dialect is _POSTGRES:
+            import psycopg
+            from psycopg_pool import ConnectionPool
+
+            from flowlift.proxy.workflows.store_pg import check_reachable
+
+            self.errors: tuple[type[Exception], ...] = (psycopg.Error,)  # (pool's too)
+            check_reachable(location, 10.0)
+            self._pool: Any = ConnectionPool(location, min_size=1, max_size=1, open=False,
+                                             kwargs={"autocommit": True},
+                                             name="flowlift-outcomes")
+            try:
+                self._pool.open(wait=True, timeout=10.0)
+            except psycopg.Error:
+                self._pool.close()
+                raise
+        else:
+            self.errors = (sqlite3.Error, OSError)  # OSError: its folder cannot be made
+            if location != ":memory:":
+                Path(location).parent.mkdir(parents=True, exist_ok=True)
+            self._sqlite = sqlite3.connect(location, isolation_level=None,
+                                           check_same_thread=False, timeout=5.0)
+
+    def _conn(self) -> AbstractContextManager[Any]:
+        return self._pool.connection() if self._sqlite is None else _same(self._sqlite)
+
+    def script(self, text: str) -> None:
+        with self._conn() as conn:
+            if self._sqlite is None:
+                conn.execute(self.dialect.sql(text))
+            else:
+                conn.executescript(self.dialect.sql(text))
+
+    def execute(self, text: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Run one statement (committed when it returns); its rows, if any."""
+        with self._conn() as conn:
+            cur = conn.execute(self.dialect.sql(text), params)
+            return list(cur.fetchall()) if cur.description else []
+
+    def close(self) -> None:
+        if self._sqlite is None:
+            self._pool.close()
+        else:
+            self._sqlite.close()
+
+
+def _shown(location: str) -> str:
+    """``location`` as messages and logs show it (a URL without its password)."""
+    if not is_database_url(location):
+        return location
+    from flowlift.proxy.workflows.store_pg import redact
+
+    return redact(location)
+
+
+@contextmanager
+def _same(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    yield conn
 
 
 class StepOutcomes:
     """Counts per (step, model), read once at start and written through on each record.
 
     Args:
-        path: the SQLite file (the proxy's state database) or ``":memory:"``.
+        path: the proxy's state database: a SQLite file, ``":memory:"`` or a
+            ``postgresql://`` URL (the tables are then prefixed ``flowlift_``).
         default_model: the name recorded for steps that name no model.
 
     Raises:
@@ -67,19 +167,24 @@ class StepOutcomes:
 
     def __init__(self, path: str | Path = ":memory:", *, default_model: str | None = None
                  ) -> None:
-        self.path = str(path)
+        self.path = _shown(str(path))
         self.default_model = default_model or "default"
+        errors: tuple[type[Exception], ...] = (sqlite3.Error, OSError)
         try:
-            if self.path != ":memory:":
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, isolation_level=None,
-                                       check_same_thread=False, timeout=5.0)
-            self._db.executescript(_SCHEMA)
+            if is_database_url(str(path)):
+                import psycopg
+
+                errors = (psycopg.Error,)
+            self._db = _Database(str(path))
+        except errors as exc:
+            raise EngineError(f"cannot open the outcome store {self.path}: {exc}") from exc
+        try:
+            self._db.script(_SCHEMA)
             rows = self._db.execute(
-                "SELECT step, model, items, failures, attempts FROM step_outcomes").fetchall()
-            lengths = self._db.execute(
-                "SELECT step, model, tokens FROM step_output_tokens").fetchall()
-        except sqlite3.Error as exc:
+                "SELECT step, model, items, failures, attempts FROM {t}step_outcomes")
+            lengths = self._db.execute("SELECT step, model, tokens FROM {t}step_output_tokens")
+        except errors as exc:
+            self._db.close()
             raise EngineError(f"cannot open the outcome store {self.path}: {exc}") from exc
         self._counts = {(s, m): OutcomeCounts(i, f, a) for s, m, i, f, a in rows}
         self._lengths: dict[tuple[str, str], deque[int]] = {
@@ -94,7 +199,7 @@ class StepOutcomes:
                                           old.attempts + attempts)
         try:
             self._db.execute(_UPSERT, (*key, failed, attempts, time.time()))
-        except sqlite3.Error as exc:  # advisory counts: a busy database never fails a step
+        except self._db.errors as exc:  # advisory counts: a busy database never fails a step
             log.warning("outcome_store_write_failed", path=self.path, error=str(exc))
 
     def record_output(self, step: str, model: str | None, completion_tokens: int) -> None:
@@ -103,9 +208,8 @@ class StepOutcomes:
         kept = self._lengths.setdefault(key, deque(maxlen=KEEP_LENGTHS))
         kept.append(int(completion_tokens))
         try:
-            self._db.execute("INSERT OR REPLACE INTO step_output_tokens VALUES (?, ?, ?, ?)",
-                             (*key, json.dumps(list(kept)), time.time()))
-        except sqlite3.Error as exc:  # advisory, as the counts
+            self._db.execute(_UPSERT_TOKENS, (*key, json.dumps(list(kept)), time.time()))
+        except self._db.errors as exc:  # advisory, as the counts
             log.warning("outcome_store_write_failed", path=self.path, error=str(exc))
 
     def lengths(self, step: str, model: str | None) -> OutputLengths | None:

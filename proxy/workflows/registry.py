@@ -4,6 +4,9 @@
 * ``resume_all`` restarts every run the store holds as unfinished (after a crash or a
   restart): finished steps keep their outputs and are not run again. A resumed run is
   parked until its client reconnects, so orphans never take engine capacity.
+* ``heartbeat`` (shared stores: several proxies on one database) renews the leases of
+  the runs this proxy executes, stops those another proxy took over, and takes over the
+  runs whose proxy stopped renewing (see :mod:`flowlift.proxy.workflows.store_pg`).
 * ``sweep`` cancels runs that nobody has listened to for ``detached_timeout_s`` (their
   client went away and did not come back), so orphans do not wait forever; an open run
   whose app vanished before closing it goes the same way.
@@ -12,8 +15,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +39,7 @@ from flowlift.proxy.workflows.open_runs import stored_graph
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
-from flowlift.proxy.workflows.store import RunStore, StoredRun
+from flowlift.proxy.workflows.store import RunStoreProtocol, SQLiteRunStore, StoredRun
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
@@ -79,13 +85,15 @@ class RunRegistry:
     forgets the rest, so the store is bounded too (disk, or memory for ``:memory:``).
     """
 
-    def __init__(self, store: RunStore | None = None, trace_dir: Path | None = None,
+    def __init__(self, store: RunStoreProtocol | None = None, trace_dir: Path | None = None,
                  keep: int = 1024, ttl_s: float = 3600.0,
                  detached_timeout_s: float = 300.0,
                  outcomes: StepOutcomes | None = None, store_keep: int = 10_000,
                  store_ttl_s: float = 7 * 24 * 3600, max_active: int = 4096,
-                 observer: RunObserver = NO_OBSERVER) -> None:
-        self.store = store or RunStore(":memory:")
+                 observer: RunObserver = NO_OBSERVER, lease_ttl_s: float = 15.0) -> None:
+        self.store = store or SQLiteRunStore(":memory:")
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.lease_ttl_s = lease_ttl_s
         self.outcomes = outcomes or StepOutcomes(":memory:")
         self.active: dict[str, Run] = {}
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
@@ -162,14 +170,21 @@ class RunRegistry:
                   outcomes=self.outcomes, observer=self.observer, trace_parent=parent)
         run.tenant = tenant
         self.store.create(run.run_id, graph.to_wire(), tenant)
+        self.store.claim(run.run_id, self.owner, self.lease_ttl_s)
         self._activate(run)
         return run
 
     def resume_all(self, backends: Backends, costs: CostTracker) -> list[Run]:
-        """Restart every unfinished run in the store (an open run with the nodes
-        appended to it, still open unless it was closed)."""
+        """Restart every unfinished run in the store that no other live proxy holds (an
+        open run with the nodes appended to it, still open unless it was closed)."""
         resumed = []
-        for stored in self.store.unfinished():
+        for run_id in self.store.orphans(self.owner):
+            if run_id in self.active or not self.store.claim(run_id, self.owner,
+                                                             self.lease_ttl_s):
+                continue
+            stored = self.store.load(run_id)
+            if stored is None:  # pruned meanwhile
+                continue
             graph = stored_graph(stored)
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
                       run_id=stored.run_id, sink=self.store.append, restored=stored,
@@ -180,6 +195,21 @@ class RunRegistry:
                      steps=len(graph.nodes))
         return resumed
 
+    def heartbeat(self, backends: Backends, costs: CostTracker) -> list[Run]:
+        """Renew this proxy's leases (shared stores), suspend the runs another proxy took
+        over (their lease expired unrenewed), and take over the runs whose lease expired.
+
+        Returns:
+            The runs taken over (parked until their client reconnects, as at start).
+        """
+        held = self.store.renew(self.owner, list(self.active), self.lease_ttl_s)
+        for run_id, run in list(self.active.items()):
+            if run_id not in held and not run.finished:
+                log.warning("run_lease_lost", workflow_id=run_id)
+                self.active.pop(run_id)
+                run.suspend()
+        return self.resume_all(backends, costs)
+
     def _activate(self, run: Run) -> None:
         self.active[run.run_id] = run
         run.detached_since = time.monotonic()
@@ -189,6 +219,7 @@ class RunRegistry:
         """Move a finished run to the finished table and write its trace (once)."""
         if self.active.pop(run.run_id, None) is None:
             return
+        self.store.release(run.run_id, self.owner)  # (suspended: another proxy may take it)
         self.finished[run.run_id] = run
         log_end(run)
         learn_lengths(run, self.outcomes)

@@ -1,4 +1,4 @@
-"""Durable runs: every run's graph and event log in SQLite.
+"""Durable runs: every run's graph and event log, in SQLite or PostgreSQL.
 
 The event log is the run's state (event sourcing): finished outputs are its
 ``step.finished`` events, failures its ``step.failed`` events. A proxy that restarts
@@ -11,8 +11,16 @@ Tables::
          tenant TEXT)   -- NULL: recorded without a tenant (see flowlift.proxy.tenants)
     events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
 
-One connection, WAL journal; writes are small and synchronous (an event is on disk
-before any client hears of it).
+:class:`RunStoreProtocol` is the contract every store keeps (tests/test_store_contract.py
+runs one suite over both); :func:`open_store` picks the store from ``--state-db``: a
+``postgresql://`` (or ``postgres://``) URL opens a
+:class:`~flowlift.proxy.workflows.store_pg.PostgresRunStore` (several proxies on one
+database), anything else a :class:`SQLiteRunStore` file (``":memory:"``: none).
+
+SQLite: one connection, WAL journal, autocommit; writes are small and synchronous (each
+``create`` and ``append`` is committed before it returns, so an event is in the
+database before any client hears of it; ``synchronous=NORMAL``: it survives the proxy's
+crash, the OS's crash may lose the last commits). Schema version: ``PRAGMA user_version``.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from flowlift.errors import EngineError
 from flowlift.proxy.tenants import DEFAULT_TENANT
@@ -37,6 +46,8 @@ CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, updated_at);
 """
 _MIGRATIONS = (("tenant", "ALTER TABLE runs ADD COLUMN tenant TEXT"),)
 """Columns added since the first schema: (column, statement adding it to an older file)."""
+SCHEMA_VERSION = 1
+"""The stores' schema version (SQLite ``user_version``; Postgres ``flowlift_meta``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +72,7 @@ class StoredRun:
 
 @dataclass(frozen=True, slots=True)
 class RunSummary:
-    """One row of :meth:`RunStore.recent`: a run without its events (times: epoch s)."""
+    """One row of :meth:`RunStoreProtocol.recent`: a run without its events (times: epoch s)."""
 
     run_id: str
     name: str
@@ -76,7 +87,129 @@ class RunSummary:
                 "updated_at": self.updated_at}
 
 
-class RunStore:
+class RunStoreProtocol(Protocol):
+    """What the proxy asks of a run store (SQLite or PostgreSQL).
+
+    Guarantees: ``create`` and ``append`` are durable (committed) when they return, so a
+    run id is stored before it is returned and an event before any client sees it; a
+    second store object on the same database sees everything at once. Times: epoch s.
+    """
+
+    @property
+    def path(self) -> str:
+        """Where the store is: a file, ``":memory:"``, or a URL without its password."""
+        ...
+
+    def create(self, run_id: str, graph: dict[str, Any], tenant: str | None = None) -> None:
+        """Store a new run (status ``running``) with its graph's wire form and the tenant
+        that started it (None: the anonymous one).
+
+        Raises:
+            Exception: the database's own error when ``run_id`` exists or it fails.
+        """
+        ...
+
+    def append(self, run_id: str, seq: int, name: str, data: dict[str, Any]) -> None:
+        """Store event ``seq`` of a run (again: replaces it); ``run.finished`` also sets
+        the run's status (``data["status"]``, default ``finished``)."""
+        ...
+
+    def exists(self, run_id: str) -> bool:
+        """Whether the store holds the run ``run_id``."""
+        ...
+
+    def load(self, run_id: str) -> StoredRun | None:
+        """The run with its events in ``seq`` order, or None when there is none."""
+        ...
+
+    def recent(self, *, status: str | None = None, name: str | None = None, limit: int = 20,
+               after: str | None = None, since: float | None = None,
+               tenant: str | None = None) -> tuple[list[RunSummary], bool]:
+        """Runs newest first, filtered and paged (see :meth:`SQLiteRunStore.recent`).
+
+        Returns:
+            Up to ``limit`` runs and whether more follow.
+        """
+        ...
+
+    def unfinished(self) -> list[StoredRun]:
+        """Every run still ``running``, oldest first."""
+        ...
+
+    def prune(self, older_than_s: float, keep: int | None = None) -> int:
+        """Forget old finished runs (see :meth:`SQLiteRunStore.prune`).
+
+        Returns:
+            How many runs were forgotten.
+        """
+        ...
+
+    def problem(self) -> str | None:
+        """Why the store cannot take writes now, or None."""
+        ...
+
+    def close(self) -> None:
+        """Release the database (the object is unusable after)."""
+        ...
+
+    # -- ownership: which proxy executes a run (leases; see store_pg) ------------------
+    @property
+    def shared(self) -> bool:
+        """Whether several proxies may use the database at once (leases are then real;
+        a store one proxy owns grants every claim)."""
+        ...
+
+    def claim(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        """Take (or renew) the lease of ``run_id`` for ``owner`` for ``ttl_s`` seconds:
+        granted when nobody holds it, its holder's lease expired, or ``owner`` holds it.
+
+        Returns:
+            Whether ``owner`` holds the lease now.
+        """
+        ...
+
+    def renew(self, owner: str, run_ids: Collection[str], ttl_s: float) -> set[str]:
+        """Extend ``owner``'s leases of ``run_ids`` by ``ttl_s`` from now (the heartbeat).
+
+        Returns:
+            The ids ``owner`` still holds (a run taken over by another is left out).
+        """
+        ...
+
+    def release(self, run_id: str, owner: str) -> None:
+        """Give up ``owner``'s lease of ``run_id`` (nothing when another holds it)."""
+        ...
+
+    def orphans(self, owner: str) -> list[str]:
+        """Ids of the runs still ``running`` that ``owner`` could claim (no lease, an
+        expired one, or its own), oldest first."""
+        ...
+
+
+def is_database_url(location: str | Path | None) -> bool:
+    """Whether a ``--state-db`` value names a PostgreSQL server (``postgresql://`` or
+    ``postgres://``) rather than a SQLite file."""
+    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
+
+
+def open_store(location: str | Path = ":memory:") -> RunStoreProtocol:
+    """The run store ``--state-db`` names: a PostgreSQL URL, a SQLite file or ``":memory:"``.
+
+    Raises:
+        EngineError: the database cannot be opened or reached (the message names it), or
+            ``location`` is a URL of another kind (``mysql://``...).
+    """
+    if isinstance(location, str) and "://" in location and not is_database_url(location):
+        raise EngineError(f"--state-db {location.split('://')[0]}://...: a run store is a "
+                          "SQLite file or a postgresql:// URL")
+    if is_database_url(location):
+        from flowlift.proxy.workflows.store_pg import PostgresRunStore
+
+        return PostgresRunStore(str(location))
+    return SQLiteRunStore(location)
+
+
+class SQLiteRunStore:
     """SQLite persistence of runs (``path=":memory:"`` for a store that dies with the
     process).
 
@@ -98,6 +231,11 @@ class RunStore:
             for column, statement in _MIGRATIONS:
                 if column not in columns:
                     self._db.execute(statement)
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(f"schema version {version} is newer than this "
+                                            f"flowlift's {SCHEMA_VERSION}")
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except (sqlite3.Error, OSError) as exc:  # OSError: its folder cannot be made
             raise EngineError(f"cannot open the run store {self.path}: {exc}") from exc
 
@@ -200,3 +338,23 @@ class RunStore:
 
     def close(self) -> None:
         self._db.close()
+
+    # -- ownership: one proxy owns a SQLite file, so every claim is granted ---------------
+    shared = False
+
+    def claim(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        return True
+
+    def renew(self, owner: str, run_ids: Collection[str], ttl_s: float) -> set[str]:
+        return set(run_ids)
+
+    def release(self, run_id: str, owner: str) -> None:
+        return None
+
+    def orphans(self, owner: str) -> list[str]:
+        return [r[0] for r in self._db.execute(
+            "SELECT run_id FROM runs WHERE status = 'running' ORDER BY created_at")]
+
+
+RunStore = SQLiteRunStore
+"""The SQLite store under its former name (callers that construct one)."""

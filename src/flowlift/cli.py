@@ -118,7 +118,9 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
     """
     from flowlift.local_engine.models import cache_dir
 
-    state_db = Path(args.state_db) if args.state_db else cache_dir() / "state.sqlite"
+    state_db: Path | str = cache_dir() / "state.sqlite"
+    if args.state_db:  # a postgresql:// URL stays a string (a Path would fold its //)
+        state_db = args.state_db if "://" in args.state_db else Path(args.state_db)
     given = {"max_concurrency": args.max_concurrency,
              "max_body_bytes": (None if args.max_body_mb is None
                                 else int(args.max_body_mb * 1024 * 1024)),
@@ -126,7 +128,8 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "scheduling": args.scheduling, "batch_prefill_budget": args.batch_prefill_budget,
              "batch_cap_when_interactive": args.batch_cap_when_interactive,
              "max_queue": args.max_queue, "max_sessions": args.max_sessions,
-             "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs}
+             "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs,
+             "lease_ttl_s": args.lease_ttl_s}
     flags = {name: value for name, value in given.items() if value is not None}
     flags["state_path"] = None if args.state_db == ":memory:" else state_db
     return flags
@@ -378,8 +381,8 @@ def _local_compile_options(args: argparse.Namespace) -> CompileOptions:
             raise ValueError(f"--price {item!r}: write MODEL=PRICE, e.g. --price large=0.6")
         prices[name] = price
     opts = CompileOptions(price=prices.get)
-    db = Path(args.state_db) if args.state_db else cache_dir() / "state.sqlite"
-    if db.is_file():
+    db = args.state_db or cache_dir() / "state.sqlite"
+    if "://" in str(db) or Path(db).is_file():
         from dataclasses import replace
 
         from flowlift.proxy.workflows.outcomes import StepOutcomes
@@ -592,7 +595,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "finish before the runs still going are checkpointed (default 30)")
     serve.add_argument("--state-db", default=None,
                        help="SQLite file of durable runs (default "
-                            "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none)")
+                            "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none), or "
+                            "a postgresql:// URL: a database several proxies share")
+    serve.add_argument("--lease-ttl-s", type=_seconds, default=None,
+                       help="with a postgresql:// --state-db: seconds a run's lease lasts "
+                            "unrenewed before another proxy takes the run over (default 15)")
     serve.add_argument("--scheduling", choices=("priority", "fcfs"), default=None,
                        help="dispatch order (default priority; fcfs: the baseline, for "
                             "benchmarks)")

@@ -33,7 +33,7 @@ import httpx
 from flowlift.credentials import CLI_HINT, add_api_key_argument, bearer_headers, cli_key
 
 if TYPE_CHECKING:  # imported where used: the CLI's help loads no proxy code
-    from flowlift.proxy.workflows.store import RunStore
+    from flowlift.proxy.workflows.store import RunStoreProtocol
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -86,24 +86,38 @@ def _ask(args: argparse.Namespace, method: str, path: str,
     return dict(doc)
 
 
-def _offline(args: argparse.Namespace) -> RunStore:
-    """The run store of the state database, opened for reading.
+def _offline(args: argparse.Namespace) -> RunStoreProtocol:
+    """The run store of the state database (a file, or a ``postgresql://`` URL), opened
+    for reading.
 
     Raises:
-        CommandFailed: (status 2) no proxy answered and there is no state database.
+        CommandFailed: (status 2) no proxy answered and there is no state database, or
+            the database cannot be reached.
     """
-    path = state_db_path(getattr(args, "state_db", None))
+    given = getattr(args, "state_db", None)
+    if given and "://" in given:
+        from flowlift.errors import EngineError
+        from flowlift.proxy.workflows.store import open_store
+
+        print(f"flowlift: no proxy answers at {args.base_url}; reading the database",
+              file=sys.stderr)
+        try:
+            return open_store(given)
+        except EngineError as exc:
+            raise CommandFailed(f"no proxy answers at {args.base_url} and {exc}",
+                                status=2) from exc
+    path = state_db_path(given)
     if path is None or not path.is_file():
         where = f" and {path} does not exist" if path else \
             " and no state database was found (give --state-db)"
         raise CommandFailed(f"no proxy answers at {args.base_url}{where}", status=2)
-    from flowlift.proxy.workflows.store import RunStore
+    from flowlift.proxy.workflows.store import SQLiteRunStore
 
     print(f"flowlift: no proxy answers at {args.base_url}; reading {path}", file=sys.stderr)
-    return RunStore(path)
+    return SQLiteRunStore(path)
 
 
-def offline_run(store: RunStore, run_id: str) -> dict[str, Any]:
+def offline_run(store: RunStoreProtocol, run_id: str) -> dict[str, Any]:
     """A run read from the state database, shaped as ``GET /v1/workflows/{id}``'s answer
     (without the compiler's report).
 

@@ -1,0 +1,291 @@
+"""Durable runs in PostgreSQL: the run store several proxies can share (``--state-db
+postgresql://user@host/db``).
+
+The same event-sourced log as :class:`~flowlift.proxy.workflows.store.SQLiteRunStore`,
+in tables prefixed ``flowlift_`` (so the database may hold other things)::
+
+    flowlift_meta(key PRIMARY KEY, value)            -- ('schema_version', '1')
+    flowlift_runs(run_id PRIMARY KEY, graph TEXT, name TEXT, status TEXT,
+                  created_at DOUBLE PRECISION, updated_at DOUBLE PRECISION)
+    flowlift_events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
+    flowlift_leases(run_id PRIMARY KEY, owner TEXT, expires_at DOUBLE PRECISION)
+
+**Ownership.** A run is executed by one proxy at a time: the one holding its lease
+(``flowlift_leases``: owner, expiry in epoch s of the *database's* clock, so proxies'
+clocks need not agree). The proxy claims a run as it creates or resumes it and renews
+all its leases every third of the lease's time (the heartbeat,
+:meth:`~flowlift.proxy.workflows.registry.RunRegistry.heartbeat`); a proxy that dies
+stops renewing, and once its leases expire another proxy claims the runs and resumes
+them from the log (nothing finished runs again). A claim is one ``INSERT ... ON CONFLICT
+DO UPDATE ... WHERE`` (the holder's lease expired, or it is the claimer's): the row lock
+makes two claimers of one expired lease agree on one winner. Events are not fenced by
+the lease: a proxy that stalls past its lease's expiry and wakes up may append to a run
+another proxy took over until its next heartbeat tells it the lease is lost.
+
+Graphs and events are stored as the JSON text the proxy wrote (not ``jsonb``), so a run
+reads back byte for byte as it went in. The schema is created on first use under an
+advisory lock (two proxies starting together do not race).
+
+Synchronous psycopg 3, as the SQLite store is synchronous: the run's event sink
+(:class:`~flowlift.proxy.workflows.runs.Run`) calls ``append`` from the event loop and
+the event must be committed before the run goes on, so each call blocks the loop for one
+round trip to the database (a fraction of a millisecond on a local network). Connections
+come from a :class:`psycopg_pool.ConnectionPool` (autocommit; a connection broken by a
+database restart is dropped and replaced), and every write commits before it returns
+(``synchronous_commit`` as the server sets it: on by default, so committed means on disk).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from flowlift.errors import EngineError
+from flowlift.proxy.tenants import DEFAULT_TENANT
+from flowlift.proxy.workflows.store import SCHEMA_VERSION, RunSummary, StoredRun
+from flowlift.tracing import get_logger
+
+log = get_logger("flowlift.runs")
+
+_LOCK_KEY = 0x666C6F77  # pg_advisory_xact_lock key of the schema creation ("flow")
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS flowlift_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS flowlift_runs (run_id TEXT PRIMARY KEY, graph TEXT NOT NULL,
+    name TEXT NOT NULL, status TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL, tenant TEXT);
+ALTER TABLE flowlift_runs ADD COLUMN IF NOT EXISTS tenant TEXT;
+CREATE TABLE IF NOT EXISTS flowlift_events (run_id TEXT NOT NULL, seq INTEGER NOT NULL,
+    name TEXT NOT NULL, data TEXT NOT NULL, PRIMARY KEY (run_id, seq));
+CREATE INDEX IF NOT EXISTS flowlift_runs_by_status ON flowlift_runs (status, updated_at);
+CREATE INDEX IF NOT EXISTS flowlift_runs_by_created ON flowlift_runs (created_at, run_id);
+CREATE TABLE IF NOT EXISTS flowlift_leases (run_id TEXT PRIMARY KEY, owner TEXT NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL);
+"""
+_NOW = "extract(epoch from clock_timestamp())"  # the database's clock, epoch s
+_CLAIM = f"""
+INSERT INTO flowlift_leases AS held VALUES (%s, %s, {_NOW} + %s)
+ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at
+WHERE held.owner = excluded.owner OR held.expires_at < {_NOW}
+"""
+
+
+def redact(url: str) -> str:
+    """``url`` without its password (for messages and ``path``): ``postgresql://u:pw@h/db``
+    -> ``postgresql://u@h/db``; a conninfo's ``password=...`` -> ``password=***``."""
+    url = re.sub(r"(://[^/@:]*):[^/@]*@", r"\1@", url)
+    url = re.sub(r"([?&]password=)[^&]*", r"\1***", url)
+    return re.sub(r"(password\s*=\s*)\S+", r"\1***", url)
+
+
+def check_reachable(url: str, timeout_s: float) -> None:
+    """One connection attempt, so that an unreachable server is reported with its own
+    reason at once (a pool retries until its timeout and says only that it timed out).
+
+    Raises:
+        psycopg.Error: the server cannot be reached or refuses the connection.
+    """
+    with psycopg.connect(url, connect_timeout=max(1, round(timeout_s))):
+        return
+
+
+class PostgresRunStore:
+    """Persistence of runs in a PostgreSQL database (see the module docstring).
+
+    Args:
+        url: a libpq URL or conninfo (``postgresql://user:pw@host:5432/db``).
+        connect_timeout_s: how long opening waits for the first connection.
+        max_connections: the pool's bound (the proxy's loop uses one at a time).
+
+    Raises:
+        EngineError: the server cannot be reached, refuses us, or holds a newer schema
+            (the message names the URL without its password).
+    """
+
+    def __init__(self, url: str, *, connect_timeout_s: float = 10.0,
+                 max_connections: int = 4) -> None:
+        self._url = url
+        self.path = redact(url)
+        try:
+            check_reachable(url, connect_timeout_s)
+            self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
+                url, min_size=1, max_size=max_connections, open=False,
+                kwargs={"autocommit": True}, name="flowlift-runs")
+        except psycopg.Error as exc:  # unreachable, refused, a malformed URL
+            raise EngineError(f"cannot open the run store {self.path}: {exc}") from exc
+        try:
+            self._pool.open(wait=True, timeout=connect_timeout_s)
+            self._create_schema()
+        except (psycopg.Error, PoolTimeout) as exc:
+            self._pool.close()
+            raise EngineError(f"cannot open the run store {self.path}: {exc}") from exc
+
+    @contextmanager
+    def _conn(self) -> Iterator[psycopg.Connection[tuple[Any, ...]]]:
+        with self._pool.connection() as conn:
+            yield conn
+
+    def _create_schema(self) -> None:
+        with self._conn() as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+            conn.execute(_SCHEMA)
+            conn.execute("INSERT INTO flowlift_meta VALUES ('schema_version', %s) "
+                         "ON CONFLICT (key) DO NOTHING", (str(SCHEMA_VERSION),))
+            row = conn.execute("SELECT value FROM flowlift_meta "
+                               "WHERE key = 'schema_version'").fetchone()
+        if row is None or int(row[0]) > SCHEMA_VERSION:
+            raise EngineError(f"the run store {self.path} has schema version "
+                              f"{row and row[0]}, newer than this flowlift's {SCHEMA_VERSION}")
+
+    def create(self, run_id: str, graph: dict[str, Any], tenant: str | None = None) -> None:
+        now = time.time()
+        with self._conn() as conn:
+            conn.execute("INSERT INTO flowlift_runs (run_id, graph, name, status, created_at, "
+                         "updated_at, tenant) VALUES (%s, %s, %s, 'running', %s, %s, %s)",
+                         (run_id, json.dumps(graph), str(graph.get("name") or ""), now, now,
+                          tenant))
+
+    def append(self, run_id: str, seq: int, name: str, data: dict[str, Any]) -> None:
+        with self._conn() as conn, conn.transaction():
+            conn.execute("INSERT INTO flowlift_events VALUES (%s, %s, %s, %s) "
+                         "ON CONFLICT (run_id, seq) DO UPDATE SET name = excluded.name, "
+                         "data = excluded.data", (run_id, seq, name, json.dumps(data)))
+            if name == "run.finished":  # (its lease goes with it: nothing left to own)
+                conn.execute("UPDATE flowlift_runs SET status = %s, updated_at = %s "
+                             "WHERE run_id = %s",
+                             (data.get("status", "finished"), time.time(), run_id))
+                conn.execute("DELETE FROM flowlift_leases WHERE run_id = %s", (run_id,))
+
+    def exists(self, run_id: str) -> bool:
+        with self._conn() as conn:
+            return conn.execute("SELECT 1 FROM flowlift_runs WHERE run_id = %s",
+                                (run_id,)).fetchone() is not None
+
+    def load(self, run_id: str) -> StoredRun | None:
+        with self._conn() as conn:
+            row = conn.execute("SELECT graph, status, tenant FROM flowlift_runs "
+                               "WHERE run_id = %s", (run_id,)).fetchone()
+            if row is None:
+                return None
+            events = [(seq, name, json.loads(data)) for seq, name, data in conn.execute(
+                "SELECT seq, name, data FROM flowlift_events WHERE run_id = %s ORDER BY seq",
+                (run_id,))]
+        return StoredRun(run_id, json.loads(row[0]), row[1], events, row[2])
+
+    def recent(self, *, status: str | None = None, name: str | None = None, limit: int = 20,
+               after: str | None = None, since: float | None = None,
+               tenant: str | None = None) -> tuple[list[RunSummary], bool]:
+        """Runs, newest first, with ``status`` and ``name`` (the graph's) when given,
+        created at or after ``since`` (epoch s); ``after``: the id of the last run of the
+        previous page (an id the store does not hold starts from the newest);
+        ``tenant``: only the runs it may see (None: every run).
+
+        Returns:
+            Up to ``limit`` runs and whether more follow.
+        """
+        where: list[str] = ["TRUE"]
+        params: list[Any] = []
+        for column, value in (("status = %s", status), ("name = %s", name),
+                              ("created_at >= %s", since)):
+            if value is not None:
+                where.append(column)
+                params.append(value)
+        if tenant is not None:
+            where.append("coalesce(tenant, %s) = %s")
+            params += [DEFAULT_TENANT, tenant]
+        with self._conn() as conn:
+            cursor = None if after is None else conn.execute(  # (a run it may see)
+                "SELECT created_at, run_id FROM flowlift_runs WHERE run_id = %s AND "
+                "(%s::text IS NULL OR coalesce(tenant, %s) = %s)",
+                (after, tenant, DEFAULT_TENANT, tenant)).fetchone()
+            if cursor is not None:
+                where.append("(created_at, run_id) < (%s, %s)")
+                params += [cursor[0], cursor[1]]
+            rows = conn.execute(
+                "SELECT run_id, name, status, created_at, updated_at FROM flowlift_runs "
+                f"WHERE {' AND '.join(where)} ORDER BY created_at DESC, run_id DESC "
+                "LIMIT %s", (*params, limit + 1)).fetchall()
+        return [RunSummary(*row) for row in rows[:limit]], len(rows) > limit
+
+    def unfinished(self) -> list[StoredRun]:
+        with self._conn() as conn:
+            ids = [r[0] for r in conn.execute(
+                "SELECT run_id FROM flowlift_runs WHERE status = 'running' "
+                "ORDER BY created_at, run_id")]
+        return [run for rid in ids if (run := self.load(rid)) is not None]
+
+    def prune(self, older_than_s: float, keep: int | None = None) -> int:
+        """Forget finished runs last updated more than ``older_than_s`` ago and, with
+        ``keep``, all but the ``keep`` most recently finished. Runs still running are
+        never pruned.
+
+        Returns:
+            How many runs were forgotten.
+        """
+        cutoff = time.time() - older_than_s
+        with self._conn() as conn, conn.transaction():
+            ids = [r[0] for r in conn.execute(
+                "SELECT run_id FROM flowlift_runs WHERE status != 'running' "
+                "AND updated_at < %s", (cutoff,))]
+            if keep is not None:
+                ids += [r[0] for r in conn.execute(
+                    "SELECT run_id FROM flowlift_runs WHERE status != 'running' "
+                    "AND updated_at >= %s ORDER BY updated_at DESC, run_id DESC OFFSET %s",
+                    (cutoff, keep))]
+            if ids:
+                conn.execute("DELETE FROM flowlift_leases WHERE run_id = ANY(%s)", (ids,))
+                conn.execute("DELETE FROM flowlift_events WHERE run_id = ANY(%s)", (ids,))
+                conn.execute("DELETE FROM flowlift_runs WHERE run_id = ANY(%s)", (ids,))
+        return len(ids)
+
+    def problem(self) -> str | None:
+        """Why the store cannot take writes now (closed, unreachable), or None."""
+        try:
+            with self._pool.connection(timeout=2.0) as conn:
+                conn.execute("SELECT 1 FROM flowlift_runs LIMIT 1").fetchall()
+        except (psycopg.Error, PoolTimeout) as exc:
+            return f"{self.path}: {exc}"
+        return None
+
+    def close(self) -> None:
+        self._pool.close()
+
+    # -- ownership (see the module docstring) -----------------------------------------
+    shared = True
+
+    def claim(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        with self._conn() as conn:
+            return conn.execute(_CLAIM, (run_id, owner, ttl_s)).rowcount == 1
+
+    def renew(self, owner: str, run_ids: Collection[str], ttl_s: float) -> set[str]:
+        if not run_ids:
+            return set()
+        with self._conn() as conn:
+            return {r[0] for r in conn.execute(
+                f"UPDATE flowlift_leases SET expires_at = {_NOW} + %s "
+                "WHERE owner = %s AND run_id = ANY(%s) RETURNING run_id",
+                (ttl_s, owner, list(run_ids)))}
+
+    def release(self, run_id: str, owner: str) -> None:
+        """Best effort: a lease this cannot release (the store closed, the database
+        away) expires by itself."""
+        try:
+            with self._conn() as conn:
+                conn.execute("DELETE FROM flowlift_leases WHERE run_id = %s AND owner = %s",
+                             (run_id, owner))
+        except psycopg.Error as exc:  # (PoolClosed, PoolTimeout are psycopg errors too)
+            log.warning("run_lease_not_released", workflow_id=run_id, error=str(exc))
+
+    def orphans(self, owner: str) -> list[str]:
+        with self._conn() as conn:
+            return [r[0] for r in conn.execute(
+                "SELECT r.run_id FROM flowlift_runs r LEFT JOIN flowlift_leases l "
+                "ON l.run_id = r.run_id WHERE r.status = 'running' AND (l.run_id IS NULL "
+                f"OR l.owner = %s OR l.expires_at < {_NOW}) ORDER BY r.created_at, r.run_id",
+                (owner,))]

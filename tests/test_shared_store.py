@@ -1,0 +1,237 @@
+"""The proxy on a PostgreSQL state database (``--state-db postgresql://...``): the flag,
+the runs and the learned outcomes in the database (a real server: tests/pg.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowlift.cli import build_parser, serve_flags
+from flowlift.errors import EngineError
+from flowlift.proxy import ProxyConfig
+from flowlift.proxy.state import STATE
+from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.workflows.store import SQLiteRunStore, open_store
+from flowlift.proxy.workflows.store_pg import PostgresRunStore
+from flowlift.testing import parse_sse
+
+
+def llm(node_id: str, text: str) -> dict[str, object]:
+    return {"kind": "llm", "id": node_id, "model": "fake-model",
+            "messages": [{"role": "user", "content": [{"text": text}]}]}
+
+
+def test_state_db_url_stays_a_url_and_other_schemes_are_refused(tmp_path: Path) -> None:
+    url = "postgresql://flowlift:pw@db.example:5432/runs"
+    args = build_parser().parse_args(["serve", "--state-db", url])
+    assert serve_flags(args)["state_path"] == url  # not Path(url): that folds the //
+    args = build_parser().parse_args(["serve", "--state-db", str(tmp_path / "s.db")])
+    assert serve_flags(args)["state_path"] == tmp_path / "s.db"
+    with pytest.raises(EngineError, match="postgresql://"):
+        open_store("mysql://h/db")
+    assert isinstance(open_store(tmp_path / "s.db"), SQLiteRunStore)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_outcomes_persist_and_two_proxies_add_up(kind: str, tmp_path: Path,
+                                                 request: pytest.FixtureRequest) -> None:
+    where = (str(tmp_path / "state.sqlite") if kind == "sqlite"
+             else request.getfixturevalue("pg_url"))
+    first, second = StepOutcomes(where), StepOutcomes(where)
+    first.record("extract", "small", accepted=True, attempts=1)
+    second.record("extract", "small", accepted=False, attempts=3)
+    first.record_output("extract", "small", 40)
+    first.record_output("extract", "small", 60)
+    first.close()
+    second.close()
+    again = StepOutcomes(where)
+    counts = again.counts("extract", "small")
+    assert (counts.items, counts.failures, counts.attempts) == (2, 1, 4)
+    lengths = again.lengths("extract", "small")
+    assert lengths is not None and lengths.p50 == 50.0
+    assert again.counts("extract", None).items == 0
+    again.close()
+
+
+def test_serve_on_an_unreachable_database_exits_2_with_one_line() -> None:
+    import subprocess
+    import sys
+
+    from flowlift.testing import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-m", "flowlift.cli", "serve", "--engine", "fake", "--port",
+         str(free_port()), "--state-db", "postgresql://flowlift:s3cret@127.0.0.1:1/runs"],
+        capture_output=True, text=True, timeout=120)
+    err = done.stderr
+    assert done.returncode == 2, err
+    assert "cannot open the run store postgresql://flowlift@127.0.0.1:1/runs" in err
+    assert "s3cret" not in err and "Traceback" not in err
+
+
+def test_an_unreachable_outcome_database_is_an_engine_error() -> None:
+    with pytest.raises(EngineError) as caught:
+        StepOutcomes("postgresql://u:s3cret@127.0.0.1:1/db")
+    assert "s3cret" not in str(caught.value)
+
+
+async def test_a_proxy_on_postgres_keeps_its_runs_in_the_database(
+        aiohttp_client, make_app, pg_url: str) -> None:
+    app = make_app(ProxyConfig(state_path=pg_url))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    assert isinstance(app[STATE].runs.store, PostgresRunStore)
+    resp = await client.post("/v1/workflows", json={
+        "name": "pg", "id": "wf-pg-1", "nodes": [llm("a", "hello"), llm("b", "world")]})
+    events = parse_sse(await resp.text())
+    assert events[-1][0] == "run.finished" and events[-1][1]["status"] == "succeeded"
+    listed = await (await client.get("/v1/workflows", params={"name": "pg"})).json()
+    assert [r["id"] for r in listed["data"]] == ["wf-pg-1"]
+    await client.close()  # the app's cleanup closes the store and the outcomes
+
+    store = open_store(pg_url)  # what another proxy on the database sees
+    stored = store.load("wf-pg-1")
+    assert stored is not None and stored.status == "succeeded"
+    assert stored.outputs() == {"a": "echo: hello", "b": "echo: world"}
+    store.close()
+    outcomes = StepOutcomes(pg_url, default_model="fake-model")
+    assert outcomes.counts("a", "fake-model").items == 1  # learned in the database
+    outcomes.close()
+
+
+# -- two proxies on one database: one dies mid-run, the other takes its runs over -------
+
+RUNS = 50
+
+
+def chain(i: int) -> dict[str, object]:
+    """Three dependent steps (each about 0.6-1.2 s on the fake engine at 0.1 s a chunk)."""
+    ref = {"kind": "llm", "model": "fake-model"}
+    return {"name": "takeover", "id": f"wf-t-{i}", "nodes": [
+        llm("s0", f"run {i} begins"),
+        {**ref, "id": "s1", "messages": [{"role": "user", "content": [{"ref": "s0"}]}]},
+        {**ref, "id": "s2", "messages": [{"role": "user", "content": [{"ref": "s1"}]}]}]}
+
+
+def _finished_steps(store: PostgresRunStore) -> dict[str, set[str]]:
+    out = {}
+    for i in range(RUNS):
+        stored = store.load(f"wf-t-{i}")
+        out[f"wf-t-{i}"] = set() if stored is None else set(stored.outputs())
+    return out
+
+
+async def _submit(base: str, i: int) -> None:
+    """POST a run to proxy A and follow it until A dies (the stream breaks then)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=60) as http, http.stream(
+                "POST", f"{base}/v1/workflows", json=chain(i)) as resp:
+            async for _ in resp.aiter_bytes():
+                pass
+    except httpx.HTTPError:
+        return
+
+
+async def _wait_for(check, timeout_s: float, what: str) -> None:
+    import asyncio
+    import time
+
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout_s, what
+        await asyncio.sleep(0.05)
+
+
+async def test_a_killed_proxys_runs_finish_on_the_other_without_rerunning_steps(
+        aiohttp_client, pg_url: str, tmp_path: Path) -> None:
+    import asyncio
+
+    from flowlift.proxy import create_app
+    from flowlift.testing import FakeEngine, running_proxy
+
+    engine_b = FakeEngine(["fake-model"], delay_s=0.02)
+    app_b = create_app({"fake-model": engine_b},
+                       ProxyConfig(state_path=pg_url, lease_ttl_s=1.0))
+    client_b = await aiohttp_client(app_b)
+    await app_b[STATE].ready.wait()
+    reader = PostgresRunStore(pg_url)
+    with running_proxy("--engine", "fake", "--fake-delay-s", "0.1", "--state-db", pg_url,
+                       "--max-concurrency", "64",
+                       "--lease-ttl-s", "1", "--log-level", "warning",
+                       log_path=tmp_path / "proxy-a.log", ready_timeout_s=60) as (base, proc):
+        clients = [asyncio.create_task(_submit(base, i)) for i in range(RUNS)]
+        await _wait_for(lambda: all(len(s) >= 1 for s in _finished_steps(reader).values()),
+                        30, "proxy A did not finish a first step of every run")
+        await asyncio.sleep(0.5)  # B beats at least once while A is alive...
+        assert not app_b[STATE].runs.active and not engine_b.requests  # ...and steals none
+        proc.kill()  # kill -9: no suspend, no lease released, nothing more written
+        proc.wait(timeout=10)
+    await asyncio.gather(*clients)
+    done_on_a = _finished_steps(reader)
+    unfinished = [rid for rid, steps in done_on_a.items() if len(steps) < 3]
+    assert len(unfinished) >= RUNS // 2, f"A finished too much before the kill: {done_on_a}"
+
+    runs_b = app_b[STATE].runs
+    await _wait_for(lambda: set(unfinished) <= set(runs_b.active), 10,
+                    "proxy B did not take the runs over after A's leases expired")
+
+    async def reconnect(rid: str) -> None:  # a client back, on B: a parked run resumes
+        events = parse_sse(await (await client_b.get(f"/v1/workflows/{rid}/events")).text())
+        assert events[-1][0] == "run.finished", rid
+        assert events[-1][1]["status"] == "succeeded", (rid, events[-1])
+
+    await asyncio.gather(*(reconnect(rid) for rid in done_on_a))
+
+    asked = [r.request_id.rsplit(":", 2)[:2] for r in engine_b.requests]
+    assert sorted({rid for rid, _ in asked}) == sorted(unfinished)
+    assert len(asked) == len({tuple(a) for a in asked}), "B ran a step twice"
+    for rid, step in asked:
+        assert step not in done_on_a[rid], f"{rid}:{step} finished on A and ran again on B"
+    for rid in done_on_a:
+        stored = reader.load(rid)
+        assert stored is not None and stored.status == "succeeded"
+        assert set(stored.outputs()) == {"s0", "s1", "s2"}
+        finished = [d["step_id"] for _, n, d in stored.events if n == "step.finished"]
+        assert len(finished) == len(set(finished)) == 3, (rid, finished)
+    reader.close()
+
+
+async def test_heartbeats_hand_a_run_over_and_the_loser_stops_it(pg_url: str) -> None:
+    import asyncio
+
+    from flowlift.costs import CostTracker
+    from flowlift.graph import Graph
+    from flowlift.proxy.dispatch.backends import Backends
+    from flowlift.proxy.workflows.planning import plan
+    from flowlift.proxy.workflows.registry import RunRegistry
+    from flowlift.testing import FakeEngine
+
+    graph = Graph.model_validate({"id": "wf-h", "nodes": [
+        {"kind": "llm", "id": "a", "messages": [{"role": "user", "content": [
+            {"text": "a long prompt " * 20}]}]}]})
+    stores = [PostgresRunStore(pg_url), PostgresRunStore(pg_url)]
+    backends = [Backends({"m": FakeEngine(["m"], delay_s=0.2)}) for _ in stores]
+    reg_a, reg_b = (RunRegistry(s, lease_ttl_s=0.5) for s in stores)
+    costs = CostTracker()
+    run_a = reg_a.start(graph, backends[0], costs, plan(graph, backends[0], costs))
+    assert reg_b.heartbeat(backends[1], costs) == []  # A's lease is alive
+    assert reg_a.heartbeat(backends[0], costs) == [] and "wf-h" in reg_a.active  # renewed
+    await asyncio.sleep(0.8)  # A misses its beats (a stalled event loop): the lease expires
+    (run_b,) = reg_b.heartbeat(backends[1], costs)
+    assert run_b.run_id == "wf-h" and "wf-h" in reg_b.active
+    assert reg_a.heartbeat(backends[0], costs) == []  # A learns it lost the run...
+    await asyncio.wait([run_a.task], timeout=5)
+    assert "wf-h" not in reg_a.active and run_a.task.done()  # ...and stops it
+    assert stores[0].load("wf-h").status == "running"  # type: ignore[union-attr]
+    assert not stores[0].claim("wf-h", reg_a.owner, 30)  # B holds it
+    run_b.suspend()  # B shuts down cleanly: the lease is released as the run stops
+    await asyncio.wait([run_b.task], timeout=5)
+    (again,) = reg_a.resume_all(backends[0], costs)  # at once, no expiry to wait for
+    assert again.run_id == "wf-h"
+    again.cancel()
+    await asyncio.wait([again.task], timeout=5)
+    for store in stores:
+        store.close()
