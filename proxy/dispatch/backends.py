@@ -23,7 +23,7 @@ import httpx
 
 from flowlift.errors import ConfigError, ModelNotFound, Overloaded
 from flowlift.local_engine.base import Engine
-from flowlift.proxy.config import EmbeddedSpec, FileConfig
+from flowlift.proxy.config import EmbeddedSpec, FileConfig, UpstreamSpec
 from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.upstream import Upstream
@@ -131,7 +131,7 @@ class Backends:
 
     def _configure(self, config: FileConfig, transport: httpx.AsyncBaseTransport | None) -> None:
         for name, spec in config.backends.items():
-            if not isinstance(spec, EmbeddedSpec):
+            if isinstance(spec, UpstreamSpec):  # batch backends: flowlift.proxy.dispatch.batch
                 self.upstreams[name] = Upstream(name, spec, config.upstream_key(name),
                                                 transport=transport)
         for model, model_spec in config.models.items():
