@@ -77,8 +77,8 @@ def dags(draw: st.DrawFn) -> list[StepEstimate]:
     return steps
 
 
-tier_lists = st.lists(st.sampled_from(ALL + [TierProfile("priority", 2, 8),
-                                             TierProfile("local", 0.1, 0.1, 0, 5)]),
+tier_lists = st.lists(st.sampled_from([*ALL, TierProfile("priority", 2, 8),
+                                       TierProfile("local", 0.1, 0.1, 0, 5)]),
                       min_size=1, max_size=5, unique_by=lambda t: t.tier)
 
 

@@ -9,9 +9,9 @@ planned duration (the fast estimate plus the tier's p90 turnaround, plus a margi
 deferred tiers) still ends by the step's latest finish; a step with no such tier gets the
 fastest. Among tiers of one price the slower wins (batch before flex: it keeps the
 synchronous tiers' rate limits for the steps that need them), so hours of slack go to
-batch and minutes to flex. Because a step's earliest start never passes its latest start when every parent
-keeps to its own latest finish, a plan never misses the deadline under the estimates when
-the all-fast plan does not (the property tests hold it to that).
+batch and minutes to flex. Because a step's earliest start never passes its latest start
+when every parent keeps to its own latest finish, a plan never misses the deadline under
+the estimates when the all-fast plan does not (the property tests hold it to that).
 
 Turnaround per tier is learned from finished work (:class:`TurnaroundBook`: p50/p90 of
 the last observations), with the configured priors until enough is measured.
