@@ -27,6 +27,7 @@ kind           what came back                              advice
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -241,7 +242,7 @@ class BatchClient:
         self._http = httpx.AsyncClient(base_url=spec.base_url.rstrip("/") + "/",
                                        headers=headers, transport=transport,
                                        timeout=httpx.Timeout(60.0, connect=10.0))
-        self._sleep = sleep
+        self._sleep = sleep or asyncio.sleep
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -250,8 +251,7 @@ class BatchClient:
         async for attempt in AsyncRetrying(
                 retry=retry_if_exception(_retryable), reraise=True,
                 wait=wait_exponential_jitter(initial=1.0, max=self.spec.poll_max_s),
-                stop=lambda state: state.attempt_number >= 5,
-                **({"sleep": self._sleep} if self._sleep else {})):
+                stop=lambda state: state.attempt_number >= 5, sleep=self._sleep):
             with attempt:
                 response = await self._http.request(method, path, **kwargs)
                 if response.status_code >= 400:
@@ -306,7 +306,7 @@ class BatchClient:
                 wait=wait_exponential_jitter(initial=self.spec.poll_initial_s,
                                              max=self.spec.poll_max_s,
                                              jitter=self.spec.poll_initial_s),
-                stop=stop_never, reraise=True, **({"sleep": self._sleep} if self._sleep else {})):
+                stop=stop_never, reraise=True, sleep=self._sleep):
             with attempt:
                 batch = await self.get(batch_id)
             outcome = attempt.retry_state.outcome

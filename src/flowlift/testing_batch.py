@@ -221,7 +221,9 @@ class FakeBatchAPI:
                              else "expired", batch.created_sim + end)
         status = batch.finished.get("status", "in_progress")
         done = self._done_lines(batch, now)
-        at = lambda s: self._epoch + int(s)  # noqa: E731
+
+        def at(sim_s: float) -> int:
+            return self._epoch + int(sim_s)
         view: dict[str, Any] = {
             "id": batch.id, "object": "batch", "endpoint": batch.endpoint, "errors": None,
             "input_file_id": batch.input_file_id, "completion_window": "24h",
