@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,6 +40,7 @@ def clock() -> Clock:
     return Clock()
 
 
+@contextlib.asynccontextmanager
 async def _client(api: FakeBatchAPI) -> AsyncIterator[tuple[BatchClient, Clock]]:
     server = TestServer(api.app())
     await server.start_server()
@@ -121,7 +123,7 @@ def test_read_outcomes_classifies_every_kind() -> None:
 async def test_a_batch_completes_after_its_turnaround_with_every_line(clock: Clock) -> None:
     api = FakeBatchAPI(clock=clock, time_scale=10.0,
                        turnaround=lambda rng: 600.0)  # 60 s of the fake clock
-    async for client, _ in _client(api):
+    async with _client(api) as (client, _):
         (file,) = pack(lines(3))
         file_id, batch_id = await client.submit(file)
         assert (await client.get(batch_id))["status"] == "in_progress"
@@ -147,7 +149,7 @@ async def test_partial_failures_go_to_the_error_file(clock: Clock) -> None:
                 "q1": LineError(500, "server_error", "boom"),
                 "q2": MALFORMED}.get(text, "fine")
     api = FakeBatchAPI(clock=clock, responder=responder, turnaround=lambda rng: 5.0)
-    async for client, _ in _client(api):
+    async with _client(api) as (client, _):
         (file,) = pack(lines(4))
         _, batch_id = await client.submit(file)
         final = await client.wait(batch_id)
@@ -162,7 +164,7 @@ async def test_partial_failures_go_to_the_error_file(clock: Clock) -> None:
 
 async def test_an_expired_batch_keeps_its_finished_lines(clock: Clock) -> None:
     api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 2 * 86400.0)
-    async for client, _ in _client(api):
+    async with _client(api) as (client, _):
         (file,) = pack(lines(4))
         _, batch_id = await client.submit(file)
         client.spec = client.spec.model_copy(update={"poll_max_s": 3600.0})
@@ -175,7 +177,7 @@ async def test_an_expired_batch_keeps_its_finished_lines(clock: Clock) -> None:
 
 async def test_a_cancelled_batch_keeps_its_finished_lines(clock: Clock) -> None:
     api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 100.0)
-    async for client, _ in _client(api):
+    async with _client(api) as (client, _):
         (file,) = pack(lines(4))
         _, batch_id = await client.submit(file)
         clock.t = 50.0
@@ -191,7 +193,7 @@ async def test_a_cancelled_batch_keeps_its_finished_lines(clock: Clock) -> None:
 
 async def test_the_fake_refuses_what_the_real_api_refuses(clock: Clock) -> None:
     api = FakeBatchAPI(clock=clock)
-    async for client, _ in _client(api):
+    async with _client(api) as (client, _):
         with pytest.raises(UpstreamError, match="does not exist"):
             await client.create("file-nope")
         http = httpx.AsyncClient(base_url=client.spec.base_url + "/")
@@ -236,3 +238,90 @@ def test_config_declares_tiers_prices_and_batch_backends(monkeypatch: Any) -> No
     with pytest.raises(ConfigError, match="max_lines_per_file"):
         parse_config({"backends": {"b": {"kind": "openai-batch", "base_url": "http://x",
                                          "max_lines_per_file": 60_000}}})
+
+
+class Recorder:
+    def __init__(self, die_on_submit: bool = False) -> None:
+        self.events: list[tuple[str, Any]] = []
+        self.die_on_submit = die_on_submit
+
+    def uploaded(self, file_id: str, model: str, custom_ids: Any) -> None:
+        self.events.append(("uploaded", (file_id, model, tuple(custom_ids))))
+
+    def submitted(self, submission: Any) -> None:
+        if self.die_on_submit:  # the process dies between create and the journal write
+            raise SystemExit("killed")
+        self.events.append(("submitted", submission))
+
+    def finished(self, done: Any) -> None:
+        self.events.append(("finished", done.status))
+
+
+async def test_the_pool_packs_lines_ready_together_into_one_file_per_model(
+        clock: Clock) -> None:
+    import asyncio
+
+    from flowlift.proxy.dispatch.batch_pool import BatchPool
+    api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 30.0)
+    async with _client(api) as (client, _):
+        journal = Recorder()
+        seen: list[float] = []
+        pool = BatchPool(client, journal=journal, collect_s=0.01,
+                         on_finished=lambda d: seen.append(d.turnaround_s))
+        got = await asyncio.gather(*(pool.outcome(x) for x in lines(3, "a") + lines(2, "b")))
+        assert [o.kind for o in got] == [Kind.OK] * 5
+        assert len(api.batches) == 2  # one file per model
+        assert [e[0] for e in journal.events].count("uploaded") == 2
+        assert [e[0] for e in journal.events].count("submitted") == 2
+        assert seen == [30.0, 30.0]
+        await pool.aclose()
+
+
+async def test_a_restart_resumes_polling_and_never_submits_a_line_twice(
+        clock: Clock) -> None:
+    import asyncio
+
+    from flowlift.proxy.dispatch.batch_pool import BatchPool
+    api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 30.0)
+    async with _client(api) as (client, _):
+        dying = BatchPool(client, journal=Recorder(die_on_submit=True))
+        with pytest.raises(SystemExit):
+            await dying._submit_file(pack(lines(3))[0])
+        await dying.aclose()
+        assert len(api.batches) == 1
+        (file_id,) = [f for f in api.files if api.files[f] == pack(lines(3))[0].data]
+        # the restarted proxy read "uploaded" from the journal, not "submitted"
+        journal = Recorder()
+        pool = BatchPool(client, journal=journal)
+        sub = await pool.adopt(file_id, "m", pack(lines(3))[0].custom_ids)
+        assert sub is not None and sub.batch_id in api.batches
+        got = await asyncio.gather(*(pool.wait_line(c) for c in sub.custom_ids))
+        assert [o.kind for o in got] == [Kind.OK] * 3
+        assert len(api.batches) == 1  # nothing submitted twice
+        # a journaled submission is resumed as is, without a POST
+        posts = sum(1 for m, p in api.requests if m == "POST")
+        again = BatchPool(client)
+        again.resume(sub)
+        assert (await again.wait_line(sub.custom_ids[0])).kind is Kind.OK
+        assert sum(1 for m, p in api.requests if m == "POST") == posts
+        assert await pool.adopt("file-never", "m", ["x:y:1"]) is None
+        await pool.aclose()
+        await again.aclose()
+
+
+async def test_a_batch_whose_lines_are_all_abandoned_is_cancelled(clock: Clock) -> None:
+    import asyncio
+
+    from flowlift.proxy.dispatch.batch_pool import BatchPool
+    api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 100.0)
+    async with _client(api) as (client, _):
+        pool = BatchPool(client)
+        (sub,) = await pool.submit(lines(2))
+        clock.t = 60.0
+        await pool.abandon(sub.custom_ids[0])
+        assert api.batches[sub.batch_id].cancelled_sim is None  # one line still wanted
+        await pool.abandon(sub.custom_ids[1])
+        assert api.batches[sub.batch_id].cancelled_sim == 60.0
+        got = await asyncio.gather(*(pool.wait_line(c) for c in sub.custom_ids))
+        assert [o.kind for o in got] == [Kind.OK, Kind.CANCELLED]  # finished line kept
+        await pool.aclose()

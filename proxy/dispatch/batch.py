@@ -286,6 +286,18 @@ class BatchClient:
         """The batch object now."""
         return dict((await self._call("GET", f"batches/{batch_id}")).json())
 
+    async def list_batches(self, *, page: int = 100) -> list[dict[str, Any]]:
+        """Every batch of the account, newest first (``GET /batches``, paged by
+        ``after``)."""
+        out: list[dict[str, Any]] = []
+        params: dict[str, Any] = {"limit": page}
+        while True:
+            listing = (await self._call("GET", "batches", params=params)).json()
+            out.extend(listing.get("data") or [])
+            if not listing.get("has_more") or not listing.get("data"):
+                return out
+            params = {"limit": page, "after": listing["data"][-1]["id"]}
+
     async def cancel(self, batch_id: str) -> dict[str, Any]:
         """Ask to cancel a batch (finished lines are still returned); the batch object."""
         return dict((await self._call("POST", f"batches/{batch_id}/cancel")).json())

@@ -6,6 +6,7 @@
     GET  /v1/files/{id}/content     the file's bytes
     POST /v1/batches                {"input_file_id", "endpoint": "/v1/chat/completions",
                                      "completion_window": "24h", "metadata"?}
+    GET  /v1/batches                newest first; ``limit``, ``after`` (paged)
     GET  /v1/batches/{id}           the batch object (status computed from the clock)
     POST /v1/batches/{id}/cancel    cancelling -> cancelled (finished lines kept)
 
@@ -138,6 +139,7 @@ class FakeBatchAPI:
         app.router.add_post("/v1/files", self._upload)
         app.router.add_get("/v1/files/{id}/content", self._content)
         app.router.add_post("/v1/batches", self._create)
+        app.router.add_get("/v1/batches", self._list)
         app.router.add_get("/v1/batches/{id}", self._get)
         app.router.add_post("/v1/batches/{id}/cancel", self._cancel)
         return app
@@ -195,6 +197,18 @@ class FakeBatchAPI:
         if batch is None:
             return _error(404, "no such batch")
         return web.json_response(self._view(batch))
+
+    async def _list(self, request: web.Request) -> web.Response:
+        limit = int(request.query.get("limit", "20"))
+        ids = sorted(self.batches, reverse=True)
+        after = request.query.get("after")
+        if after in self.batches:
+            ids = ids[ids.index(after) + 1:]
+        page = [self._view(self.batches[i]) for i in ids[:limit]]
+        return web.json_response({"object": "list", "data": page,
+                                  "first_id": page[0]["id"] if page else None,
+                                  "last_id": page[-1]["id"] if page else None,
+                                  "has_more": len(ids) > limit})
 
     async def _cancel(self, request: web.Request) -> web.Response:
         batch = self.batches.get(request.match_info["id"])
