@@ -325,3 +325,20 @@ async def test_a_batch_whose_lines_are_all_abandoned_is_cancelled(clock: Clock) 
         got = await asyncio.gather(*(pool.wait_line(c) for c in sub.custom_ids))
         assert [o.kind for o in got] == [Kind.OK, Kind.CANCELLED]  # finished line kept
         await pool.aclose()
+
+
+async def test_a_completed_batch_returns_every_line_whatever_the_float_rounding(
+        clock: Clock) -> None:
+    # (created + turnaround) - created < turnaround in floats for the first pair
+    cases = [(42057.1580830845, 2589.1675029296334), (0.1, 0.7), (5.0, 1 / 3)]
+    turnarounds = iter([t for _, t in cases])
+    api = FakeBatchAPI(clock=clock, turnaround=lambda rng: next(turnarounds))
+    async with _client(api) as (client, _):
+        for k, (created, _) in enumerate(cases):
+            clock.t = created
+            (file,) = pack(lines(7, run=f"r{k}"))
+            _, batch_id = await client.submit(file)
+            final = await client.wait(batch_id)
+            assert final["status"] == "completed" and not final["error_file_id"]
+            got = await client.outcomes(final, file.custom_ids)
+            assert {o.kind for o in got.values()} == {Kind.OK}

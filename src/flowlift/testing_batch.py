@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -74,17 +75,24 @@ def fixed_turnaround(seconds: float) -> Turnaround:
 
 
 def lognormal_turnaround(median_s: float = 420.0, p90_s: float = 3600.0,
-                         cap_s: float = WINDOW_S * 1.02) -> Turnaround:
+                         cap_s: float = WINDOW_S * 1.02, tail_share: float = 0.0
+                         ) -> Turnaround:
     """A log-normal turnaround with the given median and 90th percentile (seconds),
-    capped at ``cap_s`` (the default lets about 0.3% of batches expire past 24 h).
+    capped at ``cap_s`` (past the 24-hour window a batch expires); with probability
+    ``tail_share`` a draw comes instead from a log-uniform tail between ``p90_s`` and
+    ``cap_s`` (a heavier tail than the log-normal's own).
 
     The defaults are OpenRouter's published figures over 230k batches: median 7 minutes,
     90% under an hour, a tail to the 24-hour limit.
     """
-    import math
     mu = math.log(median_s)
     sigma = (math.log(p90_s) - mu) / 1.2815515655446004  # z of the 90th percentile
-    return lambda rng: min(rng.lognormvariate(mu, sigma), cap_s)
+
+    def draw(rng: random.Random) -> float:
+        if tail_share and rng.random() < tail_share:
+            return math.exp(rng.uniform(math.log(p90_s), math.log(cap_s)))
+        return min(rng.lognormvariate(mu, sigma), cap_s)
+    return draw
 
 
 @dataclass(slots=True)
@@ -218,8 +226,7 @@ class FakeBatchAPI:
             batch.cancelled_sim = self.now_sim()
         return web.json_response(self._view(batch))
 
-    def _done_lines(self, batch: _Batch, at_sim: float) -> int:
-        elapsed = at_sim - batch.created_sim
+    def _done_lines(self, batch: _Batch, elapsed: float) -> int:
         if elapsed >= batch.turnaround_s:
             return len(batch.lines)
         return int(len(batch.lines) * max(elapsed, 0.0) / batch.turnaround_s)
@@ -229,12 +236,12 @@ class FakeBatchAPI:
         end = min(batch.turnaround_s, WINDOW_S)
         if not batch.finished:
             if batch.cancelled_sim is not None:
-                self._finish(batch, "cancelled", batch.cancelled_sim)
+                self._finish(batch, "cancelled", batch.cancelled_sim - batch.created_sim)
             elif now - batch.created_sim >= end:
                 self._finish(batch, "completed" if batch.turnaround_s <= WINDOW_S
-                             else "expired", batch.created_sim + end)
+                             else "expired", end)
         status = batch.finished.get("status", "in_progress")
-        done = self._done_lines(batch, now)
+        done = self._done_lines(batch, now - batch.created_sim)
 
         def at(sim_s: float) -> int:
             return self._epoch + int(sim_s)
@@ -251,8 +258,9 @@ class FakeBatchAPI:
             view.update(batch.finished["fields"])
         return view
 
-    def _finish(self, batch: _Batch, status: str, at_sim: float) -> None:
-        done = self._done_lines(batch, at_sim)
+    def _finish(self, batch: _Batch, status: str, elapsed: float) -> None:
+        done = self._done_lines(batch, elapsed)
+        at_sim = batch.created_sim + elapsed
         out: list[str] = []
         err: list[str] = []
         for i, line in enumerate(batch.lines):
