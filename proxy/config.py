@@ -30,6 +30,7 @@ file (``flowlift serve --config flowlift.toml``)::
                                          # provider that rejects stream_options
     tier = "standard"                    # service tier: "priority" | "standard" | "flex"
                                          # (flex sends service_tier "flex")
+    offers_flex = true                   # deferrable steps may ask service_tier "flex"
     input_price_per_1k = 0.15            # optional prices per 1,000 input/output tokens
     output_price_per_1k = 0.6
 
@@ -173,7 +174,11 @@ class UpstreamSpec(_Priced):
     rename: dict[str, str] = Field(default_factory=dict)
     stream_usage: bool = True
     tier: Literal["priority", "standard", "flex"] = "standard"
-    """``flex`` sends ``service_tier: "flex"`` (slower, cheaper; capacity 429s)."""
+    """``flex`` sends ``service_tier: "flex"`` on every request (slower, cheaper;
+    capacity 429s)."""
+    offers_flex: bool = False
+    """The backend also takes ``service_tier: "flex"`` for the steps the tier planner
+    defers (flex on a standard backend)."""
 
 
 class BatchSpec(_Priced):

@@ -73,6 +73,8 @@ class StepEstimate:
     fast_s: float
     input_tokens: float = 0.0
     output_tokens: float = 0.0
+    tiers: tuple[TierProfile, ...] | None = None
+    """The tiers this step may use (its model's backends); None: the plan's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,9 +175,9 @@ def plan_tiers(steps: Sequence[StepEstimate], deadline_s: float,
     Args:
         steps: the steps still to plan (finished ones belong in ``finished_s``).
         deadline_s: the run's deadline, seconds from its start.
-        tiers: the tiers available; the fastest of them (:data:`SPEED_ORDER`) is the
-            fast tier of the estimates, ``standard`` (else the fast tier) the baseline
-            of ``standard_cost``.
+        tiers: the tiers available (a step's own ``tiers`` win); the fastest of them
+            (:data:`SPEED_ORDER`) is the fast tier of the estimates, ``standard`` (else
+            the fast tier) the baseline of ``standard_cost``.
         now_s: no step starts before this (re-planning during a run).
         finished_s: parent step -> the time it finished.
 
@@ -187,22 +189,20 @@ def plan_tiers(steps: Sequence[StepEstimate], deadline_s: float,
         GraphError: a dependency cycle.
         ValueError: ``tiers`` is empty or names an unknown tier.
     """
-    if not tiers:
-        raise ValueError("no tiers to plan on")
-    unknown = [t.tier for t in tiers if t.tier not in SPEED_ORDER]
-    if unknown:
-        raise ValueError(f"unknown tiers: {unknown} (known: {', '.join(SPEED_ORDER)})")
-    fast = min(tiers, key=lambda t: SPEED_ORDER.index(t.tier))
-    base = next((t for t in tiers if t.tier == "standard"), fast)
+    for listed in [tiers, *(s.tiers for s in steps if s.tiers is not None)]:
+        _check(listed)
     latest = latest_starts(steps, deadline_s)
     done = dict(finished_s or {})
     finish: dict[str, float] = {}
     plans: dict[str, StepPlan] = {}
     feasible = True
     for s in _order(steps):
+        options = s.tiers or tiers
+        fast = min(options, key=lambda t: SPEED_ORDER.index(t.tier))
+        base = next((t for t in options if t.tier == "standard"), fast)
         start = max([now_s] + [finish.get(d, done.get(d, now_s)) for d in s.deps])
         latest_finish = latest[s.step_id] + s.fast_s
-        by_price = sorted(tiers, key=lambda t: (t.cost(s.input_tokens, s.output_tokens),
+        by_price = sorted(options, key=lambda t: (t.cost(s.input_tokens, s.output_tokens),
                                                 t.cost(1000, 1000),
                                                 -SPEED_ORDER.index(t.tier)))
         tier = next((t for t in by_price
@@ -216,6 +216,14 @@ def plan_tiers(steps: Sequence[StepEstimate], deadline_s: float,
                                     base.cost(s.input_tokens, s.output_tokens))
     return TierPlan(plans, deadline_s, sum(p.cost for p in plans.values()),
                     sum(p.standard_cost for p in plans.values()), feasible)
+
+
+def _check(tiers: Sequence[TierProfile]) -> None:
+    if not tiers:
+        raise ValueError("no tiers to plan on")
+    unknown = [t.tier for t in tiers if t.tier not in SPEED_ORDER]
+    if unknown:
+        raise ValueError(f"unknown tiers: {unknown} (known: {', '.join(SPEED_ORDER)})")
 
 
 def _duration(tier: TierProfile, fast: TierProfile, fast_s: float) -> float:
