@@ -33,6 +33,7 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.proxy.dispatch.attempts import Admit, Opened, open_answer
+from flowlift.proxy.dispatch.flex import tier_fields
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.upstream import translate, unretryable
 from flowlift.proxy.openai import chunks
@@ -149,7 +150,9 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
     try:
         return await open_answer(
             backends, route, path="/chat/completions",
-            body_for=lambda up: orjson.dumps({**body, "model": up.upstream_model(route.model)}),
+            body_for=lambda up: orjson.dumps({
+                **body, "model": up.upstream_model(route.model),
+                **tier_fields(up.spec, body, deferred=request.service_tier == "flex")}),
             headers=headers, stream="events", affinity=request.session_id, admit=admit)
     except UpstreamError as exc:
         raise unretryable(exc, route.model) or EngineError(
