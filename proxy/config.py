@@ -42,6 +42,11 @@ file (``flowlift serve --config flowlift.toml``)::
     output_price_per_1k = 0.3
     poll_initial_s = 5                   # polling backs off from here ...
     poll_max_s = 300                     # ... to here (capped exponential with jitter)
+    turnaround_p50_s = 420               # priors of the planner until measured
+    turnaround_p90_s = 3600
+    margin_s = 3600                      # kept free after the p90 when planning batch
+    watchdog_guard_s = 60                # a late line moves to standard this long before
+                                         # its step's slack is gone
 
     [models."llama-3-8b"]
     backends = ["vllm-a", "vllm-b"]      # replicas: session affinity, else least loaded
@@ -190,6 +195,14 @@ class BatchSpec(_Priced):
     tier: Literal["batch"] = "batch"
     poll_initial_s: float = Field(default=5.0, gt=0)
     poll_max_s: float = Field(default=300.0, gt=0)
+    turnaround_p50_s: float = Field(default=420.0, gt=0)
+    """Prior of the median turnaround until measured (OpenRouter's published 7 min)."""
+    turnaround_p90_s: float = Field(default=3600.0, gt=0)
+    """Prior of the 90th percentile (published: 90% within an hour)."""
+    margin_s: float = Field(default=3600.0, ge=0)
+    """Kept free after the p90 when the planner puts a step on batch."""
+    watchdog_guard_s: float = Field(default=60.0, ge=0)
+    """The watchdog moves a waiting line this long before its step's slack is gone."""
     max_lines_per_file: int = Field(default=50_000, ge=1, le=50_000)
     max_bytes_per_file: int = Field(default=200 * 1024 * 1024, ge=1024,
                                     le=200 * 1024 * 1024)

@@ -342,3 +342,21 @@ async def test_a_completed_batch_returns_every_line_whatever_the_float_rounding(
             assert final["status"] == "completed" and not final["error_file_id"]
             got = await client.outcomes(final, file.custom_ids)
             assert {o.kind for o in got.values()} == {Kind.OK}
+
+
+async def test_a_line_abandoned_before_its_file_is_sent_is_never_submitted(
+        clock: Clock) -> None:
+    import asyncio
+
+    from flowlift.proxy.dispatch.batch_pool import BatchPool
+    api = FakeBatchAPI(clock=clock)
+    async with _client(api) as (client, _):
+        pool = BatchPool(client, collect_s=0.05)
+        (line,) = lines(1)
+        waiting = asyncio.ensure_future(pool.outcome(line))
+        await asyncio.sleep(0)
+        await pool.abandon(line.custom_id)
+        assert (await waiting).kind is Kind.CANCELLED
+        await asyncio.sleep(0.1)
+        assert not api.batches and not api.files
+        await pool.aclose()

@@ -250,7 +250,7 @@ class BatchClient:
     async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         async for attempt in AsyncRetrying(
                 retry=retry_if_exception(_retryable), reraise=True,
-                wait=wait_exponential_jitter(initial=1.0, max=self.spec.poll_max_s),
+                wait=wait_exponential_jitter(multiplier=1.0, max=self.spec.poll_max_s),
                 stop=lambda state: state.attempt_number >= 5, sleep=self._sleep):
             with attempt:
                 response = await self._http.request(method, path, **kwargs)
@@ -315,7 +315,7 @@ class BatchClient:
             return batch
         async for attempt in AsyncRetrying(
                 retry=retry_if_result(lambda b: b.get("status") not in FINAL_STATUSES),
-                wait=wait_exponential_jitter(initial=self.spec.poll_initial_s,
+                wait=wait_exponential_jitter(multiplier=self.spec.poll_initial_s,
                                              max=self.spec.poll_max_s,
                                              jitter=self.spec.poll_initial_s),
                 stop=stop_never, reraise=True, sleep=self._sleep):

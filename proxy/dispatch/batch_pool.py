@@ -22,7 +22,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from flowlift.proxy.dispatch.batch import BatchClient, BatchFile, BatchLine, Outcome, pack
+from flowlift.proxy.dispatch.batch import (
+    BatchClient,
+    BatchFile,
+    BatchLine,
+    Kind,
+    Outcome,
+    pack,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +76,54 @@ class NoJournal:
         return None
 
 
+class JournalRouter:
+    """A pool's journal that hands each line's record to the run it belongs to (the run
+    id is the first part of its ``custom_id``, ``run:step:attempt``).
+
+    Each registered run gets ``record(event, data)`` calls with ``event`` one of
+    ``uploaded``, ``submitted``, ``finished`` and ``data`` holding ``custom_id``,
+    ``step_id``, ``model``, ``file_id``, then ``batch_id``, then ``status``, ``kind``
+    and ``usage`` (the line's token counts, when it has them). Lines of runs not
+    registered are not recorded.
+    """
+
+    def __init__(self) -> None:
+        self._runs: dict[str, Callable[[str, dict[str, Any]], None]] = {}
+
+    def register(self, run_id: str, record: Callable[[str, dict[str, Any]], None]) -> None:
+        self._runs[run_id] = record
+
+    def unregister(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+
+    def _each(self, event: str, custom_ids: Sequence[str], data: dict[str, Any],
+              per_line: Callable[[str], dict[str, Any]] | None = None) -> None:
+        for cid in custom_ids:
+            run_id, _, rest = cid.partition(":")
+            record = self._runs.get(run_id)
+            if record is not None:
+                record(event, {"custom_id": cid, "step_id": rest.rpartition(":")[0],
+                               **data, **(per_line(cid) if per_line else {})})
+
+    def uploaded(self, file_id: str, model: str, custom_ids: Sequence[str]) -> None:
+        self._each("uploaded", custom_ids, {"file_id": file_id, "model": model})
+
+    def submitted(self, submission: Submission) -> None:
+        self._each("submitted", submission.custom_ids,
+                   {"file_id": submission.file_id, "model": submission.model,
+                    "batch_id": submission.batch_id})
+
+    def finished(self, done: Finished) -> None:
+        def line(cid: str) -> dict[str, Any]:
+            outcome = done.outcomes[cid]
+            usage = (outcome.completion or {}).get("usage")
+            return {"kind": str(outcome.kind),
+                    "usage": usage if isinstance(usage, Mapping) else None}
+        self._each("finished", list(done.outcomes),
+                   {"batch_id": done.submission.batch_id, "status": done.status,
+                    "turnaround_s": done.turnaround_s}, line)
+
+
 _FINAL_AT = ("completed_at", "expired_at", "cancelled_at", "failed_at")
 
 
@@ -107,6 +162,7 @@ class BatchPool:
         self._waiting: dict[str, _Waiting] = {}
         self._futures: dict[str, asyncio.Future[Outcome]] = {}
         self._batch_of: dict[str, Submission] = {}
+        self._polled: dict[str, Submission] = {}  # batch id -> the lines waited for
         self._abandoned: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -171,11 +227,20 @@ class BatchPool:
         return sub
 
     def resume(self, sub: Submission) -> None:
-        """Wait for a batch submitted earlier (after a restart: from the journal)."""
+        """Wait for a batch submitted earlier (after a restart: from the journal). A
+        batch already waited for adds ``sub``'s lines to those it resolves."""
         for cid in sub.custom_ids:
             self._future(cid)
-            self._batch_of[cid] = sub
-        self._spawn(self._wait(sub))
+        known = self._polled.get(sub.batch_id)
+        if known is not None:
+            merged = dict.fromkeys(known.custom_ids + sub.custom_ids)
+            self._polled[sub.batch_id] = Submission(sub.batch_id, sub.file_id, sub.model,
+                                                    tuple(merged))
+        else:
+            self._polled[sub.batch_id] = sub
+            self._spawn(self._wait(sub.batch_id))
+        for cid in self._polled[sub.batch_id].custom_ids:
+            self._batch_of[cid] = self._polled[sub.batch_id]
 
     async def adopt(self, file_id: str, model: str, custom_ids: Sequence[str]
                     ) -> Submission | None:
@@ -190,9 +255,11 @@ class BatchPool:
                 return sub
         return None
 
-    async def _wait(self, sub: Submission) -> None:
+    async def _wait(self, batch_id: str) -> None:
+        sub = self._polled[batch_id]
         try:
-            batch = await self.client.wait(sub.batch_id)
+            batch = await self.client.wait(batch_id)
+            sub = self._polled.pop(batch_id)
             outcomes = await self.client.outcomes(batch, sub.custom_ids)
         except Exception as exc:
             for cid in sub.custom_ids:
@@ -213,11 +280,24 @@ class BatchPool:
         """The outcome of a line already submitted (or resumed)."""
         return await asyncio.shield(self._future(custom_id))
 
+    def waiting(self, custom_id: str) -> bool:
+        """Whether this pool is waiting for (or has) ``custom_id``'s outcome."""
+        return custom_id in self._futures
+
     async def abandon(self, custom_id: str) -> None:
         """The caller no longer needs ``custom_id`` (the watchdog moved it to a faster
-        tier); when every line of its batch is abandoned, the batch is cancelled. Its
-        outcome still resolves (finished lines are kept and billed)."""
+        tier): a line not submitted yet never is (its outcome: ``cancelled``); when every
+        line of its batch is abandoned, the batch is cancelled. Its outcome still
+        resolves (finished lines are kept and billed)."""
         self._abandoned.add(custom_id)
+        for waiting in self._waiting.values():  # not submitted yet: it never will be
+            kept = [x for x in waiting.lines if x.custom_id != custom_id]
+            if len(kept) < len(waiting.lines):
+                waiting.lines = kept
+                future = self._future(custom_id)
+                if not future.done():
+                    future.set_result(Outcome(custom_id, Kind.CANCELLED,
+                                              message="abandoned before submission"))
         sub = self._batch_of.get(custom_id)
         if sub is not None and self._abandoned.issuperset(sub.custom_ids):
             with contextlib.suppress(Exception):
@@ -233,4 +313,5 @@ class BatchPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-__all__ = ["BatchPool", "Finished", "Journal", "NoJournal", "Submission", "turnaround_s"]
+__all__ = ["BatchPool", "Finished", "Journal", "JournalRouter", "NoJournal", "Submission",
+           "turnaround_s"]

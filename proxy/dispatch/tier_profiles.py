@@ -37,6 +37,10 @@ def _offered(spec: EmbeddedSpec | UpstreamSpec | BatchSpec, model: ModelSpec,
     prices = (fallback if spec.input_price_per_1k is None else spec.input_price_per_1k,
               fallback if spec.output_price_per_1k is None else spec.output_price_per_1k)
     out = [_tier(spec.tier, *prices, book)]
+    if isinstance(spec, BatchSpec) and (book is None or book.quantiles("batch") ==
+                                        TURNAROUND_PRIORS["batch"]):  # not yet measured
+        out = [TierProfile("batch", *prices, spec.turnaround_p50_s, spec.turnaround_p90_s,
+                           spec.margin_s)]
     if isinstance(spec, UpstreamSpec) and spec.offers_flex and spec.tier != "flex":
         ratio = PRICE_FACTOR["flex"] / factor  # flex of this backend: its price, halved
         out.append(_tier("flex", prices[0] * ratio, prices[1] * ratio, book))

@@ -1,0 +1,133 @@
+"""Workflow steps on their planned tier (flowlift.proxy.workflows.tiering): batch steps
+through the fake Batch API, durable step.batch records, the watchdog, resuming."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from aiohttp.test_utils import TestServer
+
+from flowlift.local_engine.base import ChatMessage, GenerationRequest
+from flowlift.proxy import create_app
+from flowlift.proxy.config import parse_config
+from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.batch import BatchLine, pack
+from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.state import STATE
+from flowlift.proxy.workflows.tiering import TieredDispatcher
+from flowlift.testing import FakeBatchAPI, parse_sse
+from tests.upstream_fake import FakeUpstream, chunk, sse_bytes
+
+
+def config(std_url: str, batch_url: str, **batch: Any) -> dict[str, Any]:
+    return {"backends": {
+        "std": {"kind": "openai", "base_url": std_url},
+        "b": {"kind": "openai-batch", "base_url": batch_url, "poll_initial_s": 0.02,
+              "poll_max_s": 0.05, **batch}},
+        "models": {"up": {"backends": ["std"], "batch": "b", "price_per_1k_tokens": 1.0}}}
+
+
+def chain(n: int, deadline_s: float) -> dict[str, Any]:
+    nodes = []
+    for i in range(n):
+        content: list[dict[str, Any]] = [{"text": f"step {i} "}]
+        if i:
+            content.append({"ref": f"s{i - 1}"})
+        nodes.append({"kind": "llm", "id": f"s{i}", "model": "up",
+                      "messages": [{"role": "user", "content": content}],
+                      "params": {"max_tokens": 16}})
+    return {"deadline_s": deadline_s, "nodes": nodes}
+
+
+def standard_answer() -> FakeUpstream:
+    return FakeUpstream([FakeUpstream.stream(sse_bytes(
+        chunk({"role": "assistant", "content": "from standard"}), chunk({}, "stop"),
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}))])
+
+
+async def proxy(aiohttp_client: Any, aiohttp_server: Any, api: FakeBatchAPI,
+                std: FakeUpstream, **batch: Any) -> Any:
+    std_url = str((await aiohttp_server(std.app())).make_url("/v1"))
+    batch_url = str((await aiohttp_server(api.app())).make_url("/v1"))
+    app = create_app({}, file_config=parse_config(config(std_url, batch_url, **batch)))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    return client
+
+
+async def test_a_day_of_deadline_runs_the_chain_on_the_batch_tier(
+        aiohttp_client: Any, aiohttp_server: Any) -> None:
+    api = FakeBatchAPI(turnaround=lambda rng: 0.05)
+    std = standard_answer()
+    client = await proxy(aiohttp_client, aiohttp_server, api, std)
+    compiled = await (await client.post("/v1/workflows:compile", json=chain(3, 86400))).json()
+    assert compiled["tier_plan"]["by_tier"] == {"batch": 3}
+    events = parse_sse(await (await client.post("/v1/workflows", json=chain(3, 86400))).text())
+    values = {d["step_id"]: d["value"] for e, d in events if e == "step.finished"}
+    assert values == {f"s{i}": f"echo: step {i} " + ("" if i == 0 else values[f"s{i - 1}"])
+                      for i in range(3)}
+    assert not std.received  # nothing on the standard tier
+    assert len(api.batches) == 3  # one batch per stage (each step waits for its parent)
+    records = [d for e, d in events if e == "step.batch"]
+    assert [r["state"] for r in records if r["step_id"] == "s0"] == [
+        "uploaded", "submitted", "finished"]
+    finished = next(r for r in records if r["state"] == "finished")
+    assert finished["kind"] == "ok" and finished["usage"]["completion_tokens"] > 0
+
+
+async def test_the_watchdog_moves_a_late_batch_step_to_standard_and_cancels_the_batch(
+        aiohttp_client: Any, aiohttp_server: Any) -> None:
+    api = FakeBatchAPI(turnaround=lambda rng: 600.0)  # never back in time
+    std = standard_answer()
+    client = await proxy(aiohttp_client, aiohttp_server, api, std, turnaround_p50_s=0.2,
+                         turnaround_p90_s=0.5, margin_s=0.2, watchdog_guard_s=1.0)
+    events = parse_sse(await (await client.post("/v1/workflows", json=chain(1, 4.0))).text())
+    assert [d["value"] for e, d in events if e == "step.finished"] == ["from standard"]
+    assert len(std.received) == 1
+    (batch,) = api.batches.values()
+    assert batch.cancelled_sim is not None  # its only line was abandoned
+    assert events[-1][1]["status"] == "succeeded"
+    states = [d["state"] for e, d in events if e == "step.batch"]
+    assert states[:2] == ["uploaded", "submitted"]
+
+
+async def test_a_restarted_run_waits_for_its_submitted_line_and_submits_nothing() -> None:
+    api = FakeBatchAPI(turnaround=lambda rng: 0.05)
+    server = TestServer(api.app())
+    await server.start_server()
+    url = str(server.make_url("/v1"))
+    backends = Backends({}, config=parse_config(config("http://std.invalid/v1", url)))
+    pool = backends.batch_pools["b"]
+    # before the restart: the line was submitted and journaled as a step.batch event
+    (file,) = pack([BatchLine("run1:s0:1", {"model": "up", "messages": [
+        {"role": "user", "content": "earlier"}]})])
+    file_id, batch_id = await pool.client.submit(file)
+    history = [(1, "step.batch", {"state": "uploaded", "custom_id": "run1:s0:1",
+                                  "step_id": "s0", "model": "up", "file_id": file_id}),
+               (2, "step.batch", {"state": "submitted", "custom_id": "run1:s0:1",
+                                  "step_id": "s0", "model": "up", "file_id": file_id,
+                                  "batch_id": batch_id})]
+    emitted: list[tuple[str, dict[str, Any]]] = []
+
+    def emit(name: str, data: dict[str, Any]) -> int:
+        emitted.append((name, data))
+        return len(emitted)
+    dispatcher = TieredDispatcher(backends, run_id="run1", tiers={"s0": "batch"},
+                                  slack_s=lambda step: 3600.0, emit=emit, history=history)
+    posts_before = [r for r in api.requests if r[0] == "POST"]
+    request = GenerationRequest("run1:s0:1", "up", [ChatMessage("user", "earlier")],
+                                service_tier="batch")
+    text = ""
+    async with contextlib.aclosing(dispatcher.generate(
+            request, priority=Priority.of("batch"))) as chunks:
+        async for c in chunks:
+            text += c.text
+    assert text == "echo: earlier"
+    assert [r for r in api.requests if r[0] == "POST"] == posts_before  # nothing new
+    assert emitted[-1][1]["state"] == "finished"
+    dispatcher.close()
+    await backends.aclose()
+    await server.close()
+    await asyncio.sleep(0)
