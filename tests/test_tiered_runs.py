@@ -131,3 +131,31 @@ async def test_a_restarted_run_waits_for_its_submitted_line_and_submits_nothing(
     await backends.aclose()
     await server.close()
     await asyncio.sleep(0)
+
+
+async def test_a_step_planned_on_flex_moves_to_standard_when_flex_has_no_capacity(
+        aiohttp_client: Any, aiohttp_server: Any) -> None:
+    from aiohttp import web
+    ok = FakeUpstream.stream(sse_bytes(
+        chunk({"role": "assistant", "content": "from standard"}), chunk({}, "stop")))
+    busy = FakeUpstream.json({"error": {"message": "flex capacity", "type": "rate_limit"}},
+                             status=429, headers={"retry-after": "0"})
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        flex = (await request.json()).get("service_tier") == "flex"
+        return await (busy if flex else ok)(request)
+    std = FakeUpstream([answer])
+    url = str((await aiohttp_server(std.app())).make_url("/v1"))
+    app = create_app({}, file_config=parse_config({
+        "backends": {"std": {"kind": "openai", "base_url": url, "offers_flex": True}},
+        "models": {"up": {"backends": ["std"], "max_attempts": 2,
+                          "price_per_1k_tokens": 1.0}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    compiled = await (await client.post("/v1/workflows:compile", json=chain(1, 1200))).json()
+    assert compiled["tier_plan"]["by_tier"] == {"flex": 1}
+    events = parse_sse(await (await client.post("/v1/workflows", json=chain(1, 1200))).text())
+    assert [d["value"] for e, d in events if e == "step.finished"] == ["from standard"]
+    tiers = [r.json().get("service_tier") for r in std.received]
+    assert tiers == ["flex", "flex", None]  # backed off once on flex, then standard
+    assert [d["to"] for e, d in events if e == "step.tier"] == ["standard"]

@@ -423,10 +423,10 @@ class Run:
 
     @functools.cached_property
     def _dispatcher(self) -> StepDispatcher:
-        """The run's dispatcher: tiered (:mod:`.tiering`) when the plan puts a step on
-        batch and the proxy has a batch backend."""
+        """The run's dispatcher: tiered (:mod:`.tiering`) when the plan defers a step
+        (batch or flex)."""
         tiers = planned_tiers(self.plan.report.tier_plan if self.plan else None)
-        if "batch" not in tiers.values() or not self.backends.batch_pools:
+        if not {"batch", "flex"} & set(tiers.values()):
             return StepDispatcher(self.backends)
         return TieredDispatcher(self.backends, run_id=self.run_id, tiers=tiers,
                                 slack_s=self._slack_s, emit=self.log.emit,

@@ -18,6 +18,9 @@ config offers tiers). :class:`TieredDispatcher` wraps the run's
   the line is abandoned and the step also runs on the fast tier; whichever answer comes
   first is kept; the other is still accounted (the batch line's usage is in its
   ``step.batch`` event);
+* a step planned on ``flex`` asks ``service_tier: "flex"`` of a backend that offers
+  it; when flex has no capacity (its 429s backed off until the route gave up) or fails
+  before any output, the step moves to ``standard`` (a ``step.tier`` event);
 * a line that comes back failed (a validation error, an expired or cancelled batch, a
   malformed line) runs on the fast tier at once; contract retries (later tries) run on
   the fast tier too.
@@ -27,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from typing import Any
 
+from flowlift.errors import FlowliftError
 from flowlift.local_engine.base import GenerationChunk, GenerationRequest, Usage
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.batch import Advice, BatchLine, Outcome, parse_custom_id
@@ -128,16 +133,35 @@ class TieredDispatcher(StepDispatcher):
                        prefill_tokens: int = 0, started: Callable[[], None] = _nothing,
                        ) -> AsyncGenerator[GenerationChunk, None]:
         pool = self.backends.batch_pool(self.backends.canonical(request.model))
-        if request.service_tier != "batch" or pool is None or request.tools:
+        if request.service_tier == "batch" and pool is not None and not request.tools:
+            started()
+            for chunk in await self._deferred(pool, request, priority, prefill_tokens):
+                yield chunk
+            return
+        if request.service_tier == "batch":  # no batch backend for this model
+            request = dataclasses.replace(request, service_tier=None)
+        produced = False
+        try:
             async with contextlib.aclosing(super().generate(
                     request, priority=priority, prefill_tokens=prefill_tokens,
                     started=started)) as chunks:
                 async for chunk in chunks:
+                    produced = True
                     yield chunk
-            return
-        started()
-        for chunk in await self._deferred(pool, request, priority, prefill_tokens):
-            yield chunk
+        except FlowliftError as exc:
+            if request.service_tier != "flex" or produced:
+                raise
+            # flex had no capacity (429s backed off until the route gave up) or failed:
+            # the step moves to standard
+            step_id = parse_custom_id(request.request_id)[1]
+            self.moved.add(step_id)
+            self._emit("step.tier", {"step_id": step_id, "from": "flex", "to": "standard",
+                                     "why": exc.message})
+            async with contextlib.aclosing(super().generate(
+                    dataclasses.replace(request, service_tier=None), priority=priority,
+                    prefill_tokens=prefill_tokens, started=started)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     async def _deferred(self, pool: BatchPool, request: GenerationRequest,
                         priority: Priority, prefill_tokens: int) -> list[GenerationChunk]:
@@ -203,11 +227,8 @@ class TieredDispatcher(StepDispatcher):
 
     async def _fast(self, request: GenerationRequest, priority: Priority,
                     prefill_tokens: int) -> list[GenerationChunk]:
-        fast = GenerationRequest(
-            request_id=request.request_id + ".fast", model=request.model,
-            messages=request.messages, sampling=request.sampling,
-            constraint=request.constraint, priority=request.priority,
-            session_id=request.session_id, prompt=request.prompt, tools=request.tools)
+        fast = dataclasses.replace(request, request_id=request.request_id + ".fast",
+                                   service_tier=None)
         out: list[GenerationChunk] = []
         async with contextlib.aclosing(StepDispatcher.generate(
                 self, fast, priority=priority, prefill_tokens=prefill_tokens)) as chunks:
