@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestServer
 
 from flowlift.local_engine.base import ChatMessage, GenerationRequest
@@ -17,7 +18,7 @@ from flowlift.proxy.dispatch.batch import BatchLine, pack
 from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.state import STATE
 from flowlift.proxy.workflows.tiering import TieredDispatcher
-from flowlift.testing import FakeBatchAPI, parse_sse
+from flowlift.testing import MALFORMED, FakeBatchAPI, LineError, parse_sse
 from tests.upstream_fake import FakeUpstream, chunk, sse_bytes
 
 
@@ -159,3 +160,35 @@ async def test_a_step_planned_on_flex_moves_to_standard_when_flex_has_no_capacit
     tiers = [r.json().get("service_tier") for r in std.received]
     assert tiers == ["flex", "flex", None]  # backed off once on flex, then standard
     assert [d["to"] for e, d in events if e == "step.tier"] == ["standard"]
+
+
+@pytest.mark.parametrize("kind,answer,turnaround_s", [
+    ("invalid", LineError(400, "invalid_request_error", "bad"), 0.05),
+    ("failed", LineError(500, "server_error", "boom"), 0.05),
+    ("malformed", MALFORMED, 0.05),
+    ("expired", "late", 2 * 86400.0)])
+async def test_a_batch_line_that_fails_is_answered_on_the_fast_tier(
+        aiohttp_client: Any, aiohttp_server: Any, kind: str, answer: Any,
+        turnaround_s: float) -> None:
+    api = FakeBatchAPI(turnaround=lambda rng: turnaround_s, time_scale=2e5,
+                       responder=lambda body: answer)
+    std = standard_answer()
+    client = await proxy(aiohttp_client, aiohttp_server, api, std)
+    events = parse_sse(await (await client.post("/v1/workflows", json=chain(1, 86400))).text())
+    assert [d["value"] for e, d in events if e == "step.finished"] == ["from standard"]
+    assert len(std.received) == 1 and len(api.batches) == 1  # never the batch tier again
+    finished = [d for e, d in events if e == "step.batch" and d["state"] == "finished"]
+    assert [d["kind"] for d in finished] == [kind]
+
+
+async def test_a_contract_failure_on_the_batch_tier_is_retried_on_the_fast_tier(
+        aiohttp_client: Any, aiohttp_server: Any) -> None:
+    api = FakeBatchAPI(turnaround=lambda rng: 0.05)  # answers "echo: ...": not yes|no
+    std = FakeUpstream([FakeUpstream.stream(sse_bytes(
+        chunk({"role": "assistant", "content": "yes"}), chunk({}, "stop")))])
+    client = await proxy(aiohttp_client, aiohttp_server, api, std)
+    graph = chain(1, 86400)
+    graph["nodes"][0].update(contract={"regex": "yes|no"}, retries=2)
+    events = parse_sse(await (await client.post("/v1/workflows", json=graph)).text())
+    assert [d["value"] for e, d in events if e == "step.finished"] == ["yes"]
+    assert len(api.batches) == 1 and len(std.received) == 1
