@@ -45,6 +45,7 @@ def test_a_day_of_deadline_puts_the_model_steps_on_batch_at_half_the_cost() -> N
     assert plan.cost_ratio == pytest.approx(0.5)
     text = format_report(report)
     assert "tiers: batch 4, local 1; expected cost" in text and "(0.50x)" in text
+    assert plan.watchdog_risk > 0 and "risk that the watchdog moves a step" in text
     assert "tier=batch" in text
 
 

@@ -127,3 +127,15 @@ def test_the_watchdog_moves_a_deferred_step_when_its_latest_start_comes() -> Non
     assert must_move(plan.latest_start_s - 100, plan, guard_s=100)
     std = plan_tiers(chain(2), 30, ALL).steps["s0"]
     assert not must_move(10**6, std)  # a synchronous step is never moved
+
+
+def test_overrun_probability_follows_the_fitted_lognormal() -> None:
+    from flowlift.tiers import overrun_probability, watchdog_risk
+    assert overrun_probability(BATCH, 420) == pytest.approx(0.5)
+    assert overrun_probability(BATCH, 3600) == pytest.approx(0.1)
+    assert overrun_probability(BATCH, 7200) < 0.05
+    assert overrun_probability(STANDARD, 1) == 0.0
+    plan = plan_tiers(chain(7), 24 * 3600, ALL)
+    one = overrun_probability(BATCH, BATCH.turnaround_p90_s + BATCH.margin_s)
+    assert watchdog_risk(plan, {"batch": BATCH}) == pytest.approx(1 - (1 - one) ** 7)
+    assert watchdog_risk(plan_tiers(chain(3), 40, ALL), {"standard": STANDARD}) == 0.0

@@ -52,7 +52,7 @@ from flowlift.report import (
     TierPlanReport,
     TierStepReport,
 )
-from flowlift.tiers import StepEstimate, TierProfile, plan_tiers
+from flowlift.tiers import StepEstimate, TierProfile, plan_tiers, watchdog_risk
 
 Tokenize = Callable[[str, str], Sequence[int]]
 
@@ -430,7 +430,9 @@ def _tier_plan(graph: Graph, opts: CompileOptions, order: list[str],
                           else here)
              for nid in order]
     plan = plan_tiers(steps, graph.deadline_s, here)
+    profiles = {t.tier: t for s in steps for t in s.tiers or ()}
     return TierPlanReport(
+        watchdog_risk=round(watchdog_risk(plan, profiles), 4),
         feasible=plan.feasible, cost=round(plan.cost, 6),
         standard_cost=round(plan.standard_cost, 6),
         cost_ratio=round(plan.cost / plan.standard_cost, 3) if plan.standard_cost else None,

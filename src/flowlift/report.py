@@ -94,6 +94,9 @@ class TierPlanReport(_Report):
     standard_cost: float
     cost_ratio: float | None
     by_tier: dict[str, int]
+    watchdog_risk: float = 0.0
+    """Probability that some deferred step outlasts its planned window (from each tier's
+    turnaround p50/p90) and the watchdog moves it to the fast tier."""
     steps: list[TierStepReport]
 
 
@@ -162,7 +165,8 @@ def _tier_lines(r: CompileReport) -> list[str]:
         return []
     ratio = f" ({t.cost_ratio:.2f}x)" if t.cost_ratio is not None else ""
     return [f"tiers: {', '.join(f'{k} {v}' for k, v in sorted(t.by_tier.items()))}; "
-            f"expected cost {t.cost:.4g} vs all-standard {t.standard_cost:.4g}{ratio}"
+            f"expected cost {t.cost:.4g} vs all-standard {t.standard_cost:.4g}{ratio}; "
+            f"{t.watchdog_risk:.0%} risk that the watchdog moves a step to the fast tier"
             + ("" if t.feasible else "; deadline NOT feasible even all on the fast tier")]
 
 

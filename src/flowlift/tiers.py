@@ -271,6 +271,37 @@ class TurnaroundBook:
                            p50, p90, base.margin_s)
 
 
+def overrun_probability(profile: TierProfile, window_s: float) -> float:
+    """Probability that one unit of work on ``profile``'s tier takes longer than
+    ``window_s`` seconds, under a log-normal fitted to its p50 and p90 (0 for a tier
+    with no turnaround)."""
+    p50, p90 = profile.turnaround_p50_s, profile.turnaround_p90_s
+    if p50 <= 0 or p90 <= p50:
+        return 0.0 if window_s >= p90 else 1.0
+    if window_s <= 0:
+        return 1.0
+    sigma = (math.log(p90) - math.log(p50)) / _Z90
+    z = (math.log(window_s) - math.log(p50)) / sigma
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def watchdog_risk(plan: TierPlan, tiers: Mapping[str, TierProfile]) -> float:
+    """Probability that at least one deferred step of ``plan`` outlasts its planned
+    window (turnaround p90 plus margin) and the watchdog must move it to the fast tier
+    (the deadline still holds under the estimates: this is the risk of paying the fast
+    price, not of missing), the steps taken as independent."""
+    keep = 1.0
+    for step in plan.steps.values():
+        profile = tiers.get(step.tier)
+        if profile is not None and step.tier in DEFERRED:
+            keep *= 1.0 - overrun_probability(
+                profile, profile.turnaround_p90_s + profile.margin_s)
+    return 1.0 - keep
+
+
+_Z90: Final = 1.2815515655446004
+
+
 def _quantile(xs: Sequence[float], q: float) -> float:
     pos = q * (len(xs) - 1)
     lo, hi = math.floor(pos), math.ceil(pos)
@@ -289,5 +320,5 @@ def steps_from(deps: Mapping[str, Iterable[str]], fast_s: Mapping[str, float],
 
 
 __all__ = ["DEFERRED", "SPEED_ORDER", "StepEstimate", "StepPlan", "TierPlan",
-           "TierProfile", "TurnaroundBook", "latest_starts", "must_move", "plan_tiers",
-           "steps_from"]
+           "TierProfile", "TurnaroundBook", "latest_starts", "must_move",
+           "overrun_probability", "plan_tiers", "steps_from", "watchdog_risk"]
