@@ -192,3 +192,41 @@ async def test_a_contract_failure_on_the_batch_tier_is_retried_on_the_fast_tier(
     events = parse_sse(await (await client.post("/v1/workflows", json=graph)).text())
     assert [d["value"] for e, d in events if e == "step.finished"] == ["yes"]
     assert len(api.batches) == 1 and len(std.received) == 1
+
+
+async def test_a_batch_step_ready_too_late_for_batch_is_planned_again_on_the_fast_tier(
+        aiohttp_server: Any) -> None:
+    api = FakeBatchAPI(turnaround=lambda rng: 0.05)
+    std = standard_answer()
+    std_url = str((await aiohttp_server(std.app())).make_url("/v1"))
+    batch_url = str((await aiohttp_server(api.app())).make_url("/v1"))
+    backends = Backends({}, config=parse_config(config(std_url, batch_url)))
+    emitted: list[tuple[str, dict[str, Any]]] = []
+
+    def emit(name: str, data: dict[str, Any]) -> int:
+        emitted.append((name, data))
+        return len(emitted)
+    slack = {"s0": 600.0}  # its parents ran late: ten minutes left, not a batch window
+    dispatcher = TieredDispatcher(backends, run_id="r", tiers={"s0": "batch"},
+                                  slack_s=slack.get, emit=emit)
+    request = GenerationRequest("r:s0:1", "up", [ChatMessage("user", "hi")],
+                                service_tier="batch")
+    text = ""
+    async with contextlib.aclosing(dispatcher.generate(
+            request, priority=Priority.of("batch"))) as chunks:
+        async for c in chunks:
+            text += c.text
+    assert text == "from standard" and not api.batches
+    assert emitted == [("step.tier", {"step_id": "s0", "from": "batch", "to": "standard",
+                                      "why": "600 s of slack left when the step was ready"})]
+    dispatcher.close()
+    await backends.aclose()
+
+
+async def test_finished_batches_teach_the_planner_their_turnaround(
+        aiohttp_client: Any, aiohttp_server: Any) -> None:
+    api = FakeBatchAPI(turnaround=lambda rng: 50.0, time_scale=1000.0)  # 50 ms real
+    client = await proxy(aiohttp_client, aiohttp_server, api, standard_answer())
+    await (await client.post("/v1/workflows", json=chain(3, 86400))).read()
+    backends = client.app[STATE].backends
+    assert list(backends.turnarounds._seen["batch"]) == [50.0, 50.0, 50.0]

@@ -28,6 +28,7 @@ from flowlift.proxy.dispatch.batch import BatchClient
 from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
 from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
+from flowlift.proxy.dispatch.tier_profiles import default_book
 from flowlift.proxy.dispatch.upstream import Upstream
 from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
 
@@ -103,6 +104,7 @@ class Backends:
         self.upstreams: dict[str, Upstream] = {}
         self.batch_pools: dict[str, BatchPool] = {}  # openai-batch backend -> its pool
         self.batch_journal = JournalRouter()  # their lines' records, routed to the runs
+        self.turnarounds = default_book()  # per tier, learned from finished batches
         self.routes: dict[str, Route] = {}
         for model, engine in engines.items():
             self.add(model, engine)
@@ -140,7 +142,10 @@ class Backends:
                                                 transport=transport)
             elif isinstance(spec, BatchSpec):
                 client = BatchClient(spec, config.upstream_key(name), transport=transport)
-                self.batch_pools[name] = BatchPool(client, journal=self.batch_journal)
+                self.batch_pools[name] = BatchPool(
+                    client, journal=self.batch_journal,
+                    on_finished=lambda done: self.turnarounds.observe("batch",
+                                                                      done.turnaround_s))
         for model, model_spec in config.models.items():
             route = Route(model, self._names(config, model_spec.backends, model),
                           self._names(config, model_spec.fallbacks, model),

@@ -50,7 +50,8 @@ def compile_options(backends: Backends, costs: CostTracker,
                           output_lengths=(outcomes.lengths if outcomes is not None
                                           else no_lengths),
                           tiers=lambda model: model_tiers(backends.config,
-                                                          backends.canonical(model)))
+                                                          backends.canonical(model),
+                                                          backends.turnarounds))
 
 
 def plan(graph: Graph, backends: Backends, costs: CostTracker,

@@ -18,6 +18,8 @@ config offers tiers). :class:`TieredDispatcher` wraps the run's
   the line is abandoned and the step also runs on the fast tier; whichever answer comes
   first is kept; the other is still accounted (the batch line's usage is in its
   ``step.batch`` event);
+* when a deferred step becomes ready its tier is planned again from the slack left then
+  (a batch step whose parents ran late goes to flex or standard: a ``step.tier`` event);
 * a step planned on ``flex`` asks ``service_tier: "flex"`` of a backend that offers
   it; when flex has no capacity (its 429s backed off until the route gave up) or fails
   before any output, the step moves to ``standard`` (a ``step.tier`` event);
@@ -41,6 +43,7 @@ from flowlift.proxy.dispatch.batch import Advice, BatchLine, Outcome, parse_cust
 from flowlift.proxy.dispatch.batch_pool import BatchPool, Submission
 from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
+from flowlift.proxy.dispatch.tier_profiles import model_tiers
 from flowlift.proxy.dispatch.upstream_engine import chat_body
 from flowlift.report import TierPlanReport
 
@@ -133,6 +136,8 @@ class TieredDispatcher(StepDispatcher):
                        prefill_tokens: int = 0, started: Callable[[], None] = _nothing,
                        ) -> AsyncGenerator[GenerationChunk, None]:
         pool = self.backends.batch_pool(self.backends.canonical(request.model))
+        if request.service_tier in ("batch", "flex"):
+            request = self._replan(request)
         if request.service_tier == "batch" and pool is not None and not request.tools:
             started()
             for chunk in await self._deferred(pool, request, priority, prefill_tokens):
@@ -191,6 +196,31 @@ class TieredDispatcher(StepDispatcher):
             watchdog.cancel()
             if not line.done():
                 line.cancel()
+
+    def _replan(self, request: GenerationRequest) -> GenerationRequest:
+        """The step's tier again now that it is ready (its parents done): a deferred
+        tier only while the slack left still holds its p90 turnaround and margin (a
+        ``step.tier`` event when it changes). A line already submitted stays."""
+        step_id = parse_custom_id(request.request_id)[1]
+        slack = self.slack_s(step_id)
+        record = self.records.get(step_id)
+        if slack is None or (record is not None and record.get("state") != "finished"):
+            return request
+        offered = {t.tier: t for t in model_tiers(
+            self.backends.config, self.backends.canonical(request.model),
+            self.backends.turnarounds)}
+        tier: str | None = None
+        for name in ("batch", "flex")[("batch", "flex").index(str(request.service_tier)):]:
+            profile = offered.get(name)
+            if profile is not None and slack >= profile.turnaround_p90_s + profile.margin_s:
+                tier = name
+                break
+        if tier == request.service_tier:
+            return request
+        self._emit("step.tier", {"step_id": step_id, "from": request.service_tier,
+                                 "to": tier or "standard",
+                                 "why": f"{slack:.0f} s of slack left when the step was ready"})
+        return dataclasses.replace(request, service_tier=tier)
 
     def _custom_id(self, step_id: str, request: GenerationRequest) -> str:
         record = self.records.get(step_id)
