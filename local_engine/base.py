@@ -209,6 +209,9 @@ class GenerationChunk:
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     tool_calls: tuple[ToolCall, ...] | None = None
+    service_tier: str | None = None
+    """Last chunk of an upstream answer: the ``service_tier`` the provider says served
+    it (``"flex"``, ``"default"``...), when it said."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,10 @@ async def test_a_day_of_deadline_runs_the_chain_on_the_batch_tier(
         "uploaded", "submitted", "finished"]
     finished = next(r for r in records if r["state"] == "finished")
     assert finished["kind"] == "ok" and finished["usage"]["completion_tokens"] > 0
+    costs = [d for e, d in events if e == "step.cost"]
+    assert [d["served"] for d in costs] == ["batch"] * 3
+    first = costs[0]  # the model's price (1.0 per 1k tokens), halved on batch
+    assert first["cost"] == (first["prompt_tokens"] + first["completion_tokens"]) * 0.0005
 
 
 async def test_the_watchdog_moves_a_late_batch_step_to_standard_and_cancels_the_batch(
@@ -127,7 +131,8 @@ async def test_a_restarted_run_waits_for_its_submitted_line_and_submits_nothing(
             text += c.text
     assert text == "echo: earlier"
     assert [r for r in api.requests if r[0] == "POST"] == posts_before  # nothing new
-    assert emitted[-1][1]["state"] == "finished"
+    assert [d["state"] for e, d in emitted if e == "step.batch"] == ["finished"]
+    assert [d["served"] for e, d in emitted if e == "step.cost"] == ["batch"]
     dispatcher.close()
     await backends.aclose()
     await server.close()
@@ -160,6 +165,30 @@ async def test_a_step_planned_on_flex_moves_to_standard_when_flex_has_no_capacit
     tiers = [r.json().get("service_tier") for r in std.received]
     assert tiers == ["flex", "flex", None]  # backed off once on flex, then standard
     assert [d["to"] for e, d in events if e == "step.tier"] == ["standard"]
+    assert [(d["asked"], d["served"]) for e, d in events if e == "step.cost"] == [
+        ("standard", "standard")]
+
+
+@pytest.mark.parametrize("said,served,price", [("flex", "flex", 0.0005),
+                                               ("default", "standard", 0.001)])
+async def test_a_flex_answer_is_priced_at_the_tier_it_says_served_it(
+        aiohttp_client: Any, aiohttp_server: Any, said: str, served: str,
+        price: float) -> None:
+    std = FakeUpstream([FakeUpstream.stream(sse_bytes(
+        chunk({"role": "assistant", "content": "ok"}, service_tier=said),
+        chunk({}, "stop", service_tier=said),
+        {"choices": [], "service_tier": said,
+         "usage": {"prompt_tokens": 600, "completion_tokens": 400}}))])
+    url = str((await aiohttp_server(std.app())).make_url("/v1"))
+    app = create_app({}, file_config=parse_config({
+        "backends": {"std": {"kind": "openai", "base_url": url, "offers_flex": True}},
+        "models": {"up": {"backends": ["std"], "price_per_1k_tokens": 1.0}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    events = parse_sse(await (await client.post("/v1/workflows", json=chain(1, 1200))).text())
+    (cost,) = [d for e, d in events if e == "step.cost"]
+    assert (cost["asked"], cost["served"]) == ("flex", served)
+    assert cost["cost"] == pytest.approx(1000 * price)
 
 
 @pytest.mark.parametrize("kind,answer,turnaround_s", [
@@ -217,8 +246,9 @@ async def test_a_batch_step_ready_too_late_for_batch_is_planned_again_on_the_fas
         async for c in chunks:
             text += c.text
     assert text == "from standard" and not api.batches
-    assert emitted == [("step.tier", {"step_id": "s0", "from": "batch", "to": "standard",
-                                      "why": "600 s of slack left when the step was ready"})]
+    assert [x for x in emitted if x[0] == "step.tier"] == [
+        ("step.tier", {"step_id": "s0", "from": "batch", "to": "standard",
+                       "why": "600 s of slack left when the step was ready"})]
     dispatcher.close()
     await backends.aclose()
 

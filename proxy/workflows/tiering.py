@@ -23,6 +23,8 @@ config offers tiers). :class:`TieredDispatcher` wraps the run's
 * a step planned on ``flex`` asks ``service_tier: "flex"`` of a backend that offers
   it; when flex has no capacity (its 429s backed off until the route gave up) or fails
   before any output, the step moves to ``standard`` (a ``step.tier`` event);
+* every answer is priced at the tier it says served it (a ``step.cost`` event: a flex
+  request served at ``default`` costs standard);
 * a line that comes back failed (a validation error, an expired or cancelled batch, a
   malformed line) runs on the fast tier at once; contract retries (later tries) run on
   the fast tier too.
@@ -41,6 +43,7 @@ from flowlift.local_engine.base import GenerationChunk, GenerationRequest, Usage
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.batch import Advice, BatchLine, Outcome, parse_custom_id
 from flowlift.proxy.dispatch.batch_pool import BatchPool, Submission
+from flowlift.proxy.dispatch.flex import cost, served_tier
 from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
 from flowlift.proxy.dispatch.tier_profiles import model_tiers
@@ -143,11 +146,20 @@ class TieredDispatcher(StepDispatcher):
             for chunk in await self._deferred(pool, request, priority, prefill_tokens):
                 yield chunk
             return
+        async with contextlib.aclosing(self._sync(request, priority, prefill_tokens,
+                                                  started)) as chunks:
+            async for chunk in chunks:
+                self._account(request, chunk)
+                yield chunk
+
+    async def _sync(self, request: GenerationRequest, priority: Priority,
+                    prefill_tokens: int, started: Callable[[], None],
+                    ) -> AsyncGenerator[GenerationChunk, None]:
         if request.service_tier == "batch":  # no batch backend for this model
             request = dataclasses.replace(request, service_tier=None)
         produced = False
         try:
-            async with contextlib.aclosing(super().generate(
+            async with contextlib.aclosing(StepDispatcher.generate(self,
                     request, priority=priority, prefill_tokens=prefill_tokens,
                     started=started)) as chunks:
                 async for chunk in chunks:
@@ -162,9 +174,10 @@ class TieredDispatcher(StepDispatcher):
             self.moved.add(step_id)
             self._emit("step.tier", {"step_id": step_id, "from": "flex", "to": "standard",
                                      "why": exc.message})
-            async with contextlib.aclosing(super().generate(
-                    dataclasses.replace(request, service_tier=None), priority=priority,
-                    prefill_tokens=prefill_tokens, started=started)) as chunks:
+            async with contextlib.aclosing(StepDispatcher.generate(
+                    self, dataclasses.replace(request, service_tier=None),
+                    priority=priority, prefill_tokens=prefill_tokens,
+                    started=started)) as chunks:
                 async for chunk in chunks:
                     yield chunk
 
@@ -178,7 +191,7 @@ class TieredDispatcher(StepDispatcher):
             await asyncio.wait({line, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if line.done() and not line.exception() and \
                     line.result().advice is Advice.ACCEPT:
-                return [completion_chunk(line.result())]
+                return self._accepted(request, line.result())
             if not line.done():  # the watchdog: the fast tier too, the first answer wins
                 self.moved.add(step_id)
                 await pool.abandon(self._custom_id(step_id, request))
@@ -187,15 +200,39 @@ class TieredDispatcher(StepDispatcher):
             while True:
                 done, _ = await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
                 if fast in done:
+                    for chunk in fast.result():
+                        self._account(request, chunk, "standard")
                     return fast.result()
                 if not line.exception() and line.result().advice is Advice.ACCEPT:
                     fast.cancel()
-                    return [completion_chunk(line.result())]
+                    return self._accepted(request, line.result())
                 racers = {fast}
         finally:
             watchdog.cancel()
             if not line.done():
                 line.cancel()
+
+    def _account(self, request: GenerationRequest, chunk: GenerationChunk,
+                 asked: str | None = None) -> None:
+        """A ``step.cost`` event for an answer's last chunk: its tokens priced at the tier
+        the answer says served it (``served_tier``), else the tier asked."""
+        if chunk.finish_reason is None or chunk.usage is None:
+            return
+        step_id = parse_custom_id(request.request_id)[1]
+        if asked is None:  # a flex step moved to standard asked standard in the end
+            asked = "standard" if step_id in self.moved else request.service_tier
+        asked = asked or "standard"
+        served = served_tier({"service_tier": chunk.service_tier}, asked)
+        offered = {t.tier: t for t in model_tiers(
+            self.backends.config, self.backends.canonical(request.model),
+            self.backends.turnarounds)}
+        price = cost(chunk.usage.prompt_tokens, chunk.usage.completion_tokens, served,
+                     offered)
+        self._emit("step.cost", {"step_id": step_id,
+                                 "asked": asked, "served": served,
+                                 "prompt_tokens": chunk.usage.prompt_tokens,
+                                 "completion_tokens": chunk.usage.completion_tokens,
+                                 "cost": None if price is None else round(price, 8)})
 
     def _replan(self, request: GenerationRequest) -> GenerationRequest:
         """The step's tier again now that it is ready (its parents done): a deferred
@@ -221,6 +258,12 @@ class TieredDispatcher(StepDispatcher):
                                  "to": tier or "standard",
                                  "why": f"{slack:.0f} s of slack left when the step was ready"})
         return dataclasses.replace(request, service_tier=tier)
+
+    def _accepted(self, request: GenerationRequest, outcome: Outcome
+                  ) -> list[GenerationChunk]:
+        chunk = completion_chunk(outcome)
+        self._account(request, chunk, "batch")
+        return [chunk]
 
     def _custom_id(self, step_id: str, request: GenerationRequest) -> str:
         record = self.records.get(step_id)
