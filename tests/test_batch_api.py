@@ -360,3 +360,23 @@ async def test_a_line_abandoned_before_its_file_is_sent_is_never_submitted(
         await asyncio.sleep(0.1)
         assert not api.batches and not api.files
         await pool.aclose()
+
+
+async def test_the_pool_forgets_the_lines_it_answered(clock: Clock) -> None:
+    import asyncio
+
+    from flowlift.proxy.dispatch.batch_pool import BatchPool
+    api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 10.0)
+    async with _client(api) as (client, _):
+        pool = BatchPool(client, collect_s=0.01)
+        read = lines(3)
+        got = await asyncio.gather(*(pool.outcome(x) for x in read[:2]))
+        assert [o.kind for o in got] == [Kind.OK, Kind.OK]
+        (sub,) = await pool.submit(read[2:])
+        await pool.abandon(sub.custom_ids[0])  # its only line: the batch is cancelled
+        for _ in range(50):
+            if not pool._futures:
+                break
+            await asyncio.sleep(0.01)
+        assert not pool._futures and not pool._batch_of and not pool._abandoned
+        await pool.aclose()

@@ -181,7 +181,19 @@ class BatchPool:
         if waiting.flush is None:
             loop = asyncio.get_running_loop()
             waiting.flush = loop.call_later(self.collect_s, self._flush, model)
-        return await asyncio.shield(future)
+        return await self._read(line.custom_id, future)
+
+    async def _read(self, cid: str, future: asyncio.Future[Outcome]) -> Outcome:
+        """The line's outcome, once; then the pool forgets the line (a long-lived proxy
+        keeps nothing of the lines it answered)."""
+        outcome = await asyncio.shield(future)
+        self._forget(cid)
+        return outcome
+
+    def _forget(self, cid: str) -> None:
+        self._futures.pop(cid, None)
+        self._batch_of.pop(cid, None)
+        self._abandoned.discard(cid)
 
     def _future(self, cid: str) -> asyncio.Future[Outcome]:
         future = self._futures.get(cid)
@@ -275,10 +287,12 @@ class BatchPool:
             future = self._future(cid)
             if not future.done():
                 future.set_result(outcome)
+            if cid in self._abandoned:  # nobody reads it any more
+                self._forget(cid)
 
     async def wait_line(self, custom_id: str) -> Outcome:
         """The outcome of a line already submitted (or resumed)."""
-        return await asyncio.shield(self._future(custom_id))
+        return await self._read(custom_id, self._future(custom_id))
 
     def waiting(self, custom_id: str) -> bool:
         """Whether this pool is waiting for (or has) ``custom_id``'s outcome."""
