@@ -424,10 +424,12 @@ def _tier_plan(graph: Graph, opts: CompileOptions, order: list[str],
     if opts.tiers is None or not graph.deadline_s:
         return None
     here = (TierProfile("local", 0.0, 0.0),)
+    offered: dict[str, tuple[TierProfile, ...]] = {}  # per model, asked once
+    for model in set(model_of.values()):
+        offered[model] = tuple(opts.tiers(model)) or here
     steps = [StepEstimate(nid, deps[nid], cost[nid] / 1000, prompt_tok.get(nid, 0.0),
                           out_tok.get(nid, 0.0) if nid in model_of else 0.0,
-                          tuple(opts.tiers(model_of[nid]) or here) if nid in model_of
-                          else here)
+                          offered[model_of[nid]] if nid in model_of else here)
              for nid in order]
     plan = plan_tiers(steps, graph.deadline_s, here)
     profiles = {t.tier: t for s in steps for t in s.tiers or ()}
