@@ -11,6 +11,8 @@ file (``flowlift serve --config flowlift.toml``)::
 
     [backends.local]
     kind = "embedded"                    # the in-process engine (--engine / --model)
+    idle = false                         # true: steps with hours of slack may wait in
+                                         # the engine's idle class (tier "idle")
 
     [backends.vllm-a]
     kind = "openai"                      # any OpenAI-compatible upstream
@@ -146,6 +148,11 @@ class _Priced(_Strict):
 class EmbeddedSpec(_Priced):
     kind: Literal["embedded"]
     tier: Literal["local"] = "local"
+    idle: bool = False
+    """Offer the ``idle`` mode to the tier planner: a step with the slack for it runs
+    only when nothing of a higher class waits on the engine."""
+    idle_turnaround_p50_s: float = Field(default=30.0, gt=0)
+    idle_turnaround_p90_s: float = Field(default=600.0, gt=0)
 
 
 def _check_url(value: str) -> str:

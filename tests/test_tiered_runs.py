@@ -260,3 +260,28 @@ async def test_finished_batches_teach_the_planner_their_turnaround(
     await (await client.post("/v1/workflows", json=chain(3, 86400))).read()
     backends = client.app[STATE].backends
     assert list(backends.turnarounds._seen["batch"]) == [50.0, 50.0, 50.0]
+
+
+async def test_a_step_with_hours_of_slack_waits_in_the_engines_idle_class(
+        aiohttp_client: Any) -> None:
+    from flowlift.testing import FakeEngine
+    engine = FakeEngine(["m"])
+    app = create_app({"m": engine}, file_config=parse_config({
+        "backends": {"local": {"kind": "embedded", "idle": True}},
+        "models": {"m": {"backends": ["local"]}}}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    graph = chain(2, 86400)
+    for node in graph["nodes"]:
+        node["model"] = "m"
+    compiled = await (await client.post("/v1/workflows:compile", json=graph)).json()
+    assert compiled["tier_plan"]["by_tier"] == {"idle": 2}
+    events = parse_sse(await (await client.post("/v1/workflows", json=graph)).text())
+    assert len([e for e, _ in events if e == "step.finished"]) == 2
+    # the engine's queue order: idle after every batch step (rank 2 of the class)
+    assert all(r.priority >= 2_000_000_000 - 1_000_000_000 for r in engine.requests)
+    assert [d["served"] for e, d in events if e == "step.cost"] == ["idle", "idle"]
+    tight = parse_sse(await (await client.post("/v1/workflows", json={
+        **graph, "deadline_s": 120})).text())  # minutes: local, in the run's own class
+    assert all(r.priority < 1_000_000_000 for r in engine.requests[2:])
+    assert len([e for e, _ in tight if e == "step.finished"]) == 2

@@ -19,7 +19,7 @@ PRICE_FACTOR: Final = {"priority": 2.0, "standard": 1.0, "flex": 0.5, "batch": 0
 TURNAROUND_PRIORS: Final = {"batch": (420.0, 3600.0), "flex": (20.0, 120.0)}
 """Tier -> (p50_s, p90_s) until measured. Batch: OpenRouter's published figures over
 230k batches (median 7 minutes, 90% within an hour); flex: a guess (minutes)."""
-MARGIN_S: Final = {"batch": 3600.0, "flex": 300.0}
+MARGIN_S: Final = {"batch": 3600.0, "flex": 300.0, "idle": 300.0}
 """Kept free after a deferred tier's p90 when planning (seconds)."""
 
 
@@ -41,6 +41,9 @@ def _offered(spec: EmbeddedSpec | UpstreamSpec | BatchSpec, model: ModelSpec,
                                         TURNAROUND_PRIORS["batch"]):  # not yet measured
         out = [TierProfile("batch", *prices, spec.turnaround_p50_s, spec.turnaround_p90_s,
                            spec.margin_s)]
+    if isinstance(spec, EmbeddedSpec) and spec.idle:
+        out.append(TierProfile("idle", *prices, spec.idle_turnaround_p50_s,
+                               spec.idle_turnaround_p90_s, MARGIN_S["idle"]))
     if isinstance(spec, UpstreamSpec) and spec.offers_flex and spec.tier != "flex":
         ratio = PRICE_FACTOR["flex"] / factor  # flex of this backend: its price, halved
         out.append(_tier("flex", prices[0] * ratio, prices[1] * ratio, book))

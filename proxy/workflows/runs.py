@@ -424,9 +424,9 @@ class Run:
     @functools.cached_property
     def _dispatcher(self) -> StepDispatcher:
         """The run's dispatcher: tiered (:mod:`.tiering`) when the plan defers a step
-        (batch or flex)."""
+        (batch, flex or idle)."""
         tiers = planned_tiers(self.plan.report.tier_plan if self.plan else None)
-        if not {"batch", "flex"} & set(tiers.values()):
+        if not {"batch", "flex", "idle"} & set(tiers.values()):
             return StepDispatcher(self.backends)
         return TieredDispatcher(self.backends, run_id=self.run_id, tiers=tiers,
                                 slack_s=self._slack_s, emit=self.log.emit,

@@ -20,6 +20,8 @@ config offers tiers). :class:`TieredDispatcher` wraps the run's
   ``step.batch`` event);
 * when a deferred step becomes ready its tier is planned again from the slack left then
   (a batch step whose parents ran late goes to flex or standard: a ``step.tier`` event);
+* a step planned on ``idle`` (an embedded backend with ``idle = true``) waits in the
+  engine's idle class: it runs when nothing of a higher class waits;
 * a step planned on ``flex`` asks ``service_tier: "flex"`` of a backend that offers
   it; when flex has no capacity (its 429s backed off until the route gave up) or fails
   before any output, the step moves to ``standard`` (a ``step.tier`` event);
@@ -44,11 +46,12 @@ from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.batch import Advice, BatchLine, Outcome, parse_custom_id
 from flowlift.proxy.dispatch.batch_pool import BatchPool, Submission
 from flowlift.proxy.dispatch.flex import cost, served_tier
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.scheduler import CLASS_RANK, Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
 from flowlift.proxy.dispatch.tier_profiles import model_tiers
 from flowlift.proxy.dispatch.upstream_engine import chat_body
 from flowlift.report import TierPlanReport
+from flowlift.tiers import SPEED_ORDER
 
 EVENT = "step.batch"
 
@@ -139,8 +142,13 @@ class TieredDispatcher(StepDispatcher):
                        prefill_tokens: int = 0, started: Callable[[], None] = _nothing,
                        ) -> AsyncGenerator[GenerationChunk, None]:
         pool = self.backends.batch_pool(self.backends.canonical(request.model))
-        if request.service_tier in ("batch", "flex"):
+        if request.service_tier in ("batch", "flex", "idle"):
             request = self._replan(request)
+        asked: str | None = None
+        if request.service_tier == "idle":  # the local engine's idle class
+            asked = "idle"
+            priority = dataclasses.replace(priority, class_rank=CLASS_RANK["idle"])
+            request = dataclasses.replace(request, service_tier=None)
         if request.service_tier == "batch" and pool is not None and not request.tools:
             started()
             for chunk in await self._deferred(pool, request, priority, prefill_tokens):
@@ -149,7 +157,7 @@ class TieredDispatcher(StepDispatcher):
         async with contextlib.aclosing(self._sync(request, priority, prefill_tokens,
                                                   started)) as chunks:
             async for chunk in chunks:
-                self._account(request, chunk)
+                self._account(request, chunk, asked)
                 yield chunk
 
     async def _sync(self, request: GenerationRequest, priority: Priority,
@@ -219,13 +227,14 @@ class TieredDispatcher(StepDispatcher):
         if chunk.finish_reason is None or chunk.usage is None:
             return
         step_id = parse_custom_id(request.request_id)[1]
-        if asked is None:  # a flex step moved to standard asked standard in the end
-            asked = "standard" if step_id in self.moved else request.service_tier
-        asked = asked or "standard"
-        served = served_tier({"service_tier": chunk.service_tier}, asked)
         offered = {t.tier: t for t in model_tiers(
             self.backends.config, self.backends.canonical(request.model),
             self.backends.turnarounds)}
+        if asked is None:  # a flex step moved to standard asked standard in the end
+            asked = "standard" if step_id in self.moved else request.service_tier
+        # nothing asked: the route's fast tier (standard, or local for the engine)
+        asked = asked or min(offered, key=SPEED_ORDER.index, default="standard")
+        served = served_tier({"service_tier": chunk.service_tier}, asked)
         price = cost(chunk.usage.prompt_tokens, chunk.usage.completion_tokens, served,
                      offered)
         self._emit("step.cost", {"step_id": step_id,
@@ -247,7 +256,8 @@ class TieredDispatcher(StepDispatcher):
             self.backends.config, self.backends.canonical(request.model),
             self.backends.turnarounds)}
         tier: str | None = None
-        for name in ("batch", "flex")[("batch", "flex").index(str(request.service_tier)):]:
+        order = ("idle",) if request.service_tier == "idle" else ("batch", "flex")
+        for name in order[order.index(str(request.service_tier)):]:
             profile = offered.get(name)
             if profile is not None and slack >= profile.turnaround_p90_s + profile.margin_s:
                 tier = name

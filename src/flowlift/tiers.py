@@ -29,9 +29,10 @@ from typing import Final
 
 from flowlift.errors import GraphError
 
-SPEED_ORDER: Final = ("priority", "local", "standard", "flex", "batch")
-"""Tiers from fastest to slowest."""
-DEFERRED: Final = frozenset({"flex", "batch"})
+SPEED_ORDER: Final = ("priority", "local", "standard", "flex", "batch", "idle")
+"""Tiers from fastest to slowest (``idle``: the local engine's deferrable mode, running
+only when nothing of a higher class waits)."""
+DEFERRED: Final = frozenset({"flex", "batch", "idle"})
 
 
 @dataclass(frozen=True, slots=True)
