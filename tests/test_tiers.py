@@ -139,3 +139,11 @@ def test_overrun_probability_follows_the_fitted_lognormal() -> None:
     one = overrun_probability(BATCH, BATCH.turnaround_p90_s + BATCH.margin_s)
     assert watchdog_risk(plan, {"batch": BATCH}) == pytest.approx(1 - (1 - one) ** 7)
     assert watchdog_risk(plan_tiers(chain(3), 40, ALL), {"standard": STANDARD}) == 0.0
+
+
+def test_steps_from_plain_maps() -> None:
+    from flowlift.tiers import steps_from
+    steps = steps_from({"b": ["a"]}, {"a": 1.0, "b": 2.0}, {"a": (10.0, 5.0)})
+    assert steps == [StepEstimate("a", frozenset(), 1.0, 10.0, 5.0),
+                     StepEstimate("b", frozenset({"a"}), 2.0)]
+    assert latest_starts(steps, 10) == {"a": 7.0, "b": 8.0}
