@@ -98,7 +98,9 @@ async def test_the_watchdog_moves_a_late_batch_step_to_standard_and_cancels_the_
     assert states[:2] == ["uploaded", "submitted"]
 
 
-async def test_a_restarted_run_waits_for_its_submitted_line_and_submits_nothing() -> None:
+@pytest.mark.parametrize("finished_before", [False, True])
+async def test_a_restarted_run_waits_for_its_submitted_line_and_submits_nothing(
+        finished_before: bool) -> None:
     api = FakeBatchAPI(turnaround=lambda rng: 0.05)
     server = TestServer(api.app())
     await server.start_server()
@@ -114,6 +116,11 @@ async def test_a_restarted_run_waits_for_its_submitted_line_and_submits_nothing(
                (2, "step.batch", {"state": "submitted", "custom_id": "run1:s0:1",
                                   "step_id": "s0", "model": "up", "file_id": file_id,
                                   "batch_id": batch_id})]
+    if finished_before:  # the batch ended, the step's answer was not recorded yet
+        await pool.client.wait(batch_id)
+        history.append((3, "step.batch", {"state": "finished", "custom_id": "run1:s0:1",
+                                          "step_id": "s0", "batch_id": batch_id,
+                                          "status": "completed", "kind": "ok"}))
     emitted: list[tuple[str, dict[str, Any]]] = []
 
     def emit(name: str, data: dict[str, Any]) -> int:

@@ -43,7 +43,7 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.local_engine.base import GenerationChunk, GenerationRequest, Usage
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.batch import Advice, BatchLine, Outcome, parse_custom_id
+from flowlift.proxy.dispatch.batch import Advice, BatchLine, Kind, Outcome, parse_custom_id
 from flowlift.proxy.dispatch.batch_pool import BatchPool, Submission
 from flowlift.proxy.dispatch.flex import cost, served_tier
 from flowlift.proxy.dispatch.scheduler import CLASS_RANK, Priority
@@ -246,12 +246,14 @@ class TieredDispatcher(StepDispatcher):
     def _replan(self, request: GenerationRequest) -> GenerationRequest:
         """The step's tier again now that it is ready (its parents done): a deferred
         tier only while the slack left still holds its p90 turnaround and margin (a
-        ``step.tier`` event when it changes). A line already submitted stays."""
+        ``step.tier`` event when it changes). A line already submitted (or answered
+        before a restart) stays."""
         step_id = parse_custom_id(request.request_id)[1]
         slack = self.slack_s(step_id)
         record = self.records.get(step_id)
-        if slack is None or (record is not None and record.get("state") != "finished"):
-            return request
+        if slack is None or (record is not None and (record.get("state") != "finished"
+                                                     or record.get("kind") == "ok")):
+            return request  # a line of it is out there (or back): read it, not again
         offered = {t.tier: t for t in model_tiers(
             self.backends.config, self.backends.canonical(request.model),
             self.backends.turnarounds)}
@@ -282,11 +284,15 @@ class TieredDispatcher(StepDispatcher):
     async def _line(self, pool: BatchPool, request: GenerationRequest,
                     step_id: str) -> Outcome:
         record = self.records.get(step_id)
-        if record is not None and record.get("state") != "finished":
+        if record is not None:
             cid = str(record["custom_id"])
             if pool.waiting(cid):
                 return await pool.wait_line(cid)
-            if record.get("batch_id"):  # submitted before a restart: wait, never resubmit
+            if record.get("state") == "finished" and record.get("kind") != "ok":
+                return Outcome(cid, Kind(str(record.get("kind"))),
+                               message="the line failed before the restart")
+            if record.get("batch_id"):  # submitted before a restart (finished or not):
+                # read it again, never resubmit
                 pool.resume(Submission(str(record["batch_id"]), str(record["file_id"]),
                                        str(record["model"]), (cid,)))
                 return await pool.wait_line(cid)
