@@ -129,6 +129,9 @@ class GenerationRequest:
         prompt: raw prompt text used instead of ``messages``, with no chat template
             (the tokenizer's usual special tokens, e.g. a BOS, are still added).
         tools: functions the model may call instead of answering (see the module).
+        service_tier: the tier the step was planned on (:mod:`flowlift.tiers`); an
+            upstream that ``offers_flex`` is asked ``service_tier: "flex"`` for
+            ``"flex"``. Engines ignore it.
     """
 
     request_id: str
@@ -140,6 +143,7 @@ class GenerationRequest:
     session_id: str | None = None
     prompt: str | None = None
     tools: tuple[ToolDef, ...] = ()
+    service_tier: str | None = None
 
 
 def require_plain(request: GenerationRequest) -> None:
@@ -205,6 +209,9 @@ class GenerationChunk:
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     tool_calls: tuple[ToolCall, ...] | None = None
+    service_tier: str | None = None
+    """Last chunk of an upstream answer: the ``service_tier`` the provider says served
+    it (``"flex"``, ``"default"``...), when it said."""
 
 
 @dataclass(frozen=True, slots=True)

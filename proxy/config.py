@@ -12,6 +12,8 @@ file (``flowlift serve --config flowlift.toml``)::
 
     [backends.local]
     kind = "embedded"                    # the in-process engine (--engine / --model)
+    idle = false                         # true: steps with hours of slack may wait in
+                                         # the engine's idle class (tier "idle")
 
     [backends.vllm-a]
     kind = "openai"                      # any OpenAI-compatible upstream
@@ -29,6 +31,25 @@ file (``flowlift serve --config flowlift.toml``)::
     stream_usage = true                  # ask streams' usage (stream_options.include_usage)
                                          # even when the client did not; false for a
                                          # provider that rejects stream_options
+    tier = "standard"                    # service tier: "priority" | "standard" | "flex"
+                                         # (flex sends service_tier "flex")
+    offers_flex = true                   # deferrable steps may ask service_tier "flex"
+    input_price_per_1k = 0.15            # optional prices per 1,000 input/output tokens
+    output_price_per_1k = 0.6
+
+    [backends.openai-batch]
+    kind = "openai-batch"                # the OpenAI Batch API (files + batches, 24h window)
+    base_url = "https://api.openai.com/v1"
+    api_key_env = "OPENAI_API_KEY"
+    input_price_per_1k = 0.075           # tier is always "batch"
+    output_price_per_1k = 0.3
+    poll_initial_s = 5                   # polling backs off from here ...
+    poll_max_s = 300                     # ... to here (capped exponential with jitter)
+    turnaround_p50_s = 420               # priors of the planner until measured
+    turnaround_p90_s = 3600
+    margin_s = 3600                      # kept free after the p90 when planning batch
+    watchdog_guard_s = 60                # a late line moves to standard this long before
+                                         # its step's slack is gone
 
     [tenants.acme]                       # keys -> tenants (proxy/tenants.py): a tenant
     api_key_env = "ACME_KEYS"            # sees only its own runs, sessions, pages
@@ -42,6 +63,7 @@ file (``flowlift serve --config flowlift.toml``)::
     total_timeout_s = 600                # the request's whole budget, retries included
     max_attempts = 4
     price_per_1k_tokens = 0.6            # optional: the unit of cascade cost estimates
+    batch = "openai-batch"               # optional: the batch backend of deferrable steps
 
 Every problem is reported at once, naming its field (``ConfigError``); upstream keys are
 read from the environment when the file is loaded, so a missing secret fails at start.
@@ -137,11 +159,38 @@ class TenantSpec(_Strict):
     burst: int | None = Field(default=None, ge=1)
 
 
-class EmbeddedSpec(_Strict):
+Tier = Literal["priority", "standard", "flex", "batch", "local"]
+"""A backend's service tier, fastest and dearest first; the embedded engine is ``local``."""
+
+
+class _Priced(_Strict):
+    input_price_per_1k: float | None = Field(default=None, ge=0)
+    """Price of 1,000 prompt tokens on this backend (any currency; None: unpriced)."""
+    output_price_per_1k: float | None = Field(default=None, ge=0)
+    """Price of 1,000 completion tokens on this backend."""
+
+
+class EmbeddedSpec(_Priced):
     kind: Literal["embedded"]
+    tier: Literal["local"] = "local"
+    idle: bool = False
+    """Offer the ``idle`` mode to the tier planner: a step with the slack for it runs
+    only when nothing of a higher class waits on the engine."""
+    idle_turnaround_p50_s: float = Field(default=30.0, gt=0)
+    idle_turnaround_p90_s: float = Field(default=600.0, gt=0)
 
 
-class UpstreamSpec(_Strict):
+def _check_url(value: str) -> str:
+    try:
+        url = httpx.URL(value)
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ValueError(f"not a URL ({exc})") from None
+    if not url.host:
+        raise ValueError("the URL names no host")
+    return value
+
+
+class UpstreamSpec(_Priced):
     """An OpenAI-compatible upstream (OpenAI, a vLLM or SGLang fleet, llama.cpp server)."""
 
     kind: Literal["openai"]
@@ -150,13 +199,7 @@ class UpstreamSpec(_Strict):
     @field_validator("base_url")
     @classmethod
     def _parsable(cls, value: str) -> str:
-        try:
-            url = httpx.URL(value)
-        except (httpx.InvalidURL, ValueError) as exc:
-            raise ValueError(f"not a URL ({exc})") from None
-        if not url.host:
-            raise ValueError("the URL names no host")
-        return value
+        return _check_url(value)
     api_key_env: str | None = None
     connect_timeout_s: float = Field(default=5.0, gt=0)
     first_token_timeout_s: float = Field(default=60.0, gt=0)
@@ -167,9 +210,42 @@ class UpstreamSpec(_Strict):
     cooldown_s: float = Field(default=30.0, ge=0)
     rename: dict[str, str] = Field(default_factory=dict)
     stream_usage: bool = True
+    tier: Literal["priority", "standard", "flex"] = "standard"
+    """``flex`` sends ``service_tier: "flex"`` on every request (slower, cheaper;
+    capacity 429s)."""
+    offers_flex: bool = False
+    """The backend also takes ``service_tier: "flex"`` for the steps the tier planner
+    defers (flex on a standard backend)."""
 
 
-BackendSpec = Annotated[EmbeddedSpec | UpstreamSpec, Field(discriminator="kind")]
+class BatchSpec(_Priced):
+    """The OpenAI Batch API (:mod:`flowlift.proxy.dispatch.batch`): always tier ``batch``."""
+
+    kind: Literal["openai-batch"]
+    base_url: str = Field(pattern=r"^https?://")
+    api_key_env: str | None = None
+    tier: Literal["batch"] = "batch"
+    poll_initial_s: float = Field(default=5.0, gt=0)
+    poll_max_s: float = Field(default=300.0, gt=0)
+    turnaround_p50_s: float = Field(default=420.0, gt=0)
+    """Prior of the median turnaround until measured (OpenRouter's published 7 min)."""
+    turnaround_p90_s: float = Field(default=3600.0, gt=0)
+    """Prior of the 90th percentile (published: 90% within an hour)."""
+    margin_s: float = Field(default=3600.0, ge=0)
+    """Kept free after the p90 when the planner puts a step on batch."""
+    watchdog_guard_s: float = Field(default=60.0, ge=0)
+    """The watchdog moves a waiting line this long before its step's slack is gone."""
+    max_lines_per_file: int = Field(default=50_000, ge=1, le=50_000)
+    max_bytes_per_file: int = Field(default=200 * 1024 * 1024, ge=1024,
+                                    le=200 * 1024 * 1024)
+
+    @field_validator("base_url")
+    @classmethod
+    def _parsable(cls, value: str) -> str:
+        return _check_url(value)
+
+
+BackendSpec = Annotated[EmbeddedSpec | UpstreamSpec | BatchSpec, Field(discriminator="kind")]
 
 
 class ModelSpec(_Strict):
@@ -180,6 +256,8 @@ class ModelSpec(_Strict):
     price_per_1k_tokens: float | None = Field(default=None, ge=0)
     """Price of 1,000 tokens (prompt + completion) on this model, in any currency: the
     unit of the compiler's cascade cost estimate."""
+    batch: str | None = None
+    """The ``openai-batch`` backend that runs this model's deferrable steps, or None."""
 
 
 class FileConfig(_Strict):
@@ -204,6 +282,13 @@ class FileConfig(_Strict):
                     if ref not in self.backends:
                         problems.append(f"models.{name}.{field}: no backend named {ref!r} "
                                         f"(defined: {', '.join(self.backends) or 'none'})")
+                    elif isinstance(self.backends[ref], BatchSpec):
+                        problems.append(f"models.{name}.{field}: {ref!r} is a batch "
+                                        f"backend; name it in models.{name}.batch instead")
+            if spec.batch is not None and not isinstance(self.backends.get(spec.batch),
+                                                         BatchSpec):
+                problems.append(f"models.{name}.batch: {spec.batch!r} is not a backend of "
+                                'kind "openai-batch"')
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -296,13 +381,14 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> FileConfig:
     except ValidationError as exc:
         lines = []
         for err in exc.errors(include_url=False):
-            loc = ".".join(str(p) for p in err["loc"] if p not in ("embedded", "openai"))
+            loc = ".".join(str(p) for p in err["loc"]
+                           if p not in ("embedded", "openai", "openai-batch"))
             lines.append(f"{loc or '(file)'}: {err['msg']}")
         raise ConfigError(f"{source}: " + "; ".join(lines),
                           param=lines[0].split(":")[0]) from None
     missing = [f"backends.{name}.api_key_env: environment variable {spec.api_key_env} "
                "is not set" for name, spec in config.backends.items()
-               if isinstance(spec, UpstreamSpec) and spec.api_key_env
+               if isinstance(spec, UpstreamSpec | BatchSpec) and spec.api_key_env
                and spec.api_key_env not in os.environ]
     if config.server.api_keys_env and not config.proxy_keys():
         missing.append(f"server.api_keys_env: environment variable "

@@ -23,9 +23,12 @@ import httpx
 
 from flowlift.errors import ConfigError, ModelNotFound, Overloaded
 from flowlift.local_engine.base import Engine
-from flowlift.proxy.config import EmbeddedSpec, FileConfig
+from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamSpec
+from flowlift.proxy.dispatch.batch import BatchClient
+from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
 from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
+from flowlift.proxy.dispatch.tier_profiles import default_book
 from flowlift.proxy.dispatch.upstream import Upstream
 from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
 
@@ -99,6 +102,9 @@ class Backends:
         self.config = config
         self.max_queue = max_queue  # merged by flowlift.proxy.config.settings (flag > file)
         self.upstreams: dict[str, Upstream] = {}
+        self.batch_pools: dict[str, BatchPool] = {}  # openai-batch backend -> its pool
+        self.batch_journal = JournalRouter()  # their lines' records, routed to the runs
+        self.turnarounds = default_book()  # per tier, learned from finished batches
         self.routes: dict[str, Route] = {}
         for model, engine in engines.items():
             self.add(model, engine)
@@ -131,9 +137,15 @@ class Backends:
 
     def _configure(self, config: FileConfig, transport: httpx.AsyncBaseTransport | None) -> None:
         for name, spec in config.backends.items():
-            if not isinstance(spec, EmbeddedSpec):
+            if isinstance(spec, UpstreamSpec):
                 self.upstreams[name] = Upstream(name, spec, config.upstream_key(name),
                                                 transport=transport)
+            elif isinstance(spec, BatchSpec):
+                client = BatchClient(spec, config.upstream_key(name), transport=transport)
+                self.batch_pools[name] = BatchPool(
+                    client, journal=self.batch_journal,
+                    on_finished=lambda done: self.turnarounds.observe("batch",
+                                                                      done.turnaround_s))
         for model, model_spec in config.models.items():
             route = Route(model, self._names(config, model_spec.backends, model),
                           self._names(config, model_spec.fallbacks, model),
@@ -207,6 +219,11 @@ class Backends:
         """The slot pool of ``route``'s upstream backends (None: it has none)."""
         return self._pools.get(route.model)
 
+    def batch_pool(self, model: str) -> BatchPool | None:
+        """The batch pool of ``model``'s ``batch`` backend (None: it has none)."""
+        spec = self.config.models.get(model) if self.config is not None else None
+        return None if spec is None or spec.batch is None else self.batch_pools[spec.batch]
+
     def local(self, name: str) -> Local | None:
         """The embedded backend behind backend ``name``, or None for an upstream."""
         backend = self._embedded.get(name)
@@ -253,6 +270,10 @@ class Backends:
         return has_untried(route, available=lambda n: self.available(n, now), tried=tried)
 
     async def aclose(self) -> None:
-        """Close every upstream's connection pool (the engines close on their own)."""
+        """Close every upstream's connection pool and stop waiting for batches (they run
+        on; a restarted proxy resumes them). The engines close on their own."""
         for up in self.upstreams.values():
             await up.aclose()
+        for pool in self.batch_pools.values():
+            await pool.aclose()
+            await pool.client.aclose()

@@ -25,6 +25,7 @@ from aiohttp import web
 from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
+from flowlift.proxy.dispatch.flex import tier_fields
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.sse_bytes import (
     complete_prefix,
@@ -52,6 +53,8 @@ EmbeddedCall = Callable[[Local], Awaitable[web.StreamResponse]]
 
 
 USAGE_PATHS = frozenset({"/chat/completions", "/completions"})
+TIERED_PATHS = frozenset({"/chat/completions", "/responses"})
+"""Where a flex or priority backend's ``service_tier`` is sent."""
 """Where a stream's usage comes in a chunk of its own when asked for
 (``stream_options.include_usage``)."""
 
@@ -74,8 +77,12 @@ def _usage_asked(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str,
-              extra: dict[str, Any] | None = None) -> bytes:
+              extra: dict[str, Any] | None = None, path: str = "") -> bytes:
     target = upstream.upstream_model(model)
+    # a flex or priority backend's service_tier (generation endpoints only)
+    tier = tier_fields(upstream.spec, data) if path in TIERED_PATHS else {}
+    if tier:
+        extra = {**(extra or {}), **tier}
     if target == model and extra is None:
         return raw
     return orjson.dumps({**data, **(extra or {}), "model": target})
@@ -109,7 +116,7 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
         opened = await open_answer(
             backends, route, path=path, headers=headers,
             body_for=lambda up: _body_for(up, raw, data, route.model,
-                                          extra if up.spec.stream_usage else None),
+                                          extra if up.spec.stream_usage else None, path),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity)
     except UpstreamError as exc:
         return upstream_error_response(exc)

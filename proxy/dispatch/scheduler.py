@@ -29,7 +29,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-CLASS_RANK = {"interactive": 0, "batch": 1}
+CLASS_RANK = {"interactive": 0, "batch": 1, "idle": 2}
+"""``idle``: deferrable work of the local tier (:mod:`flowlift.tiers`), after all batch
+work: it runs when nothing of a higher class waits."""
 
 
 @dataclass(frozen=True, order=True, slots=True)

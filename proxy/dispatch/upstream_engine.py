@@ -33,6 +33,7 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.proxy.dispatch.attempts import Admit, Opened, open_answer
+from flowlift.proxy.dispatch.flex import tier_fields
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.upstream import translate, unretryable
 from flowlift.proxy.openai import chunks
@@ -94,7 +95,8 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
     return body
 
 
-def _read_event(data: str, backend: str) -> tuple[chunks.ChunkChoice | None, Usage | None]:
+def _read_event(data: str, backend: str
+                ) -> tuple[chunks.ChunkChoice | None, Usage | None, str | None]:
     """(choice 0, usage) of one chat.completion.chunk (read by
     :func:`flowlift.proxy.openai.chunks.parse_event`).
 
@@ -106,7 +108,7 @@ def _read_event(data: str, backend: str) -> tuple[chunks.ChunkChoice | None, Usa
         raise EngineError(f"backend {backend!r} sent a stream event that is not JSON")
     if chunk.error is not None:
         raise EngineError(f"backend {backend!r}: {chunk.error or 'an error without a message'}")
-    return chunk.choice(0), chunk.usage
+    return chunk.choice(0), chunk.usage, chunk.service_tier
 
 
 def idempotency_key(request: GenerationRequest) -> str | None:
@@ -149,7 +151,9 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
     try:
         return await open_answer(
             backends, route, path="/chat/completions",
-            body_for=lambda up: orjson.dumps({**body, "model": up.upstream_model(route.model)}),
+            body_for=lambda up: orjson.dumps({
+                **body, "model": up.upstream_model(route.model),
+                **tier_fields(up.spec, body, deferred=request.service_tier == "flex")}),
             headers=headers, stream="events", affinity=request.session_id, admit=admit)
     except UpstreamError as exc:
         raise unretryable(exc, route.model) or EngineError(
@@ -203,12 +207,13 @@ class UpstreamEngine(Engine):
         failure: str | None = None
         usage = Usage()
         calls: tuple[ToolCall, ...] | None = None
+        tier: str | None = None
         try:
             async for chunk in self._read(opened):
                 if isinstance(chunk, GenerationChunk):
                     yield chunk
                 else:
-                    finish, usage, calls = chunk
+                    finish, usage, calls, tier = chunk
         except (TimeoutError, httpx.HTTPError) as exc:
             failure = str(translate(exc, opened.upstream.name, stage="mid-stream"))
         finally:
@@ -227,21 +232,26 @@ class UpstreamEngine(Engine):
         if finish == "content_filter":
             raise ContentRefused(f"model {self.route.model!r}: the answer was cut by the "
                                  "provider's content filter")
-        yield GenerationChunk("", finish_reason=finish, usage=usage, tool_calls=calls)
+        yield GenerationChunk("", finish_reason=finish, usage=usage, tool_calls=calls,
+                              service_tier=tier)
 
     @staticmethod
     async def _read(opened: Opened) -> AsyncIterator[
-            GenerationChunk | tuple[str | None, Usage, tuple[ToolCall, ...] | None]]:
-        """Text chunks as they arrive, then ``(finish_reason, usage, tool calls)``; the
+            GenerationChunk
+            | tuple[str | None, Usage, tuple[ToolCall, ...] | None, str | None]]:
+        """Text chunks as they arrive, then ``(finish_reason, usage, tool calls, served
+        service tier)``; the
         stream is read to its end so the connection goes back to the pool."""
         finish: str | None = None
         usage = Usage()
         calls = chunks.ToolCallPieces()
+        tier: str | None = None
         idle_s = opened.upstream.spec.idle_timeout_s
         event = opened.first
         while event is not None and event.data != "[DONE]":
-            choice, usage_now = _read_event(event.data, opened.upstream.name)
+            choice, usage_now, tier_now = _read_event(event.data, opened.upstream.name)
             usage = usage_now or usage
+            tier = tier_now or tier
             if choice is not None:
                 finish = choice.finish_reason or finish
                 calls.add(choice.tool_calls)
@@ -253,7 +263,7 @@ class UpstreamEngine(Engine):
             async with asyncio.timeout(idle_s):
                 async for _ in opened.events:  # type: ignore[union-attr]
                     pass
-        yield finish, usage, calls.calls()
+        yield finish, usage, calls.calls(), tier
 
     def running(self) -> int:
         return len(self._open)

@@ -70,6 +70,7 @@ class Chunk:
         status: a Responses API response's ``status`` (``"completed"``,
             ``"incomplete"``, ``"failed"``, ``"in_progress"``...; ``"failed"`` for an
             ``error`` event), or None for anything else.
+        service_tier: the ``service_tier`` the provider says served it, or None.
     """
 
     choices: tuple[ChunkChoice, ...] = ()
@@ -78,6 +79,7 @@ class Chunk:
     usage_json: Mapping[str, Any] | None = None
     error: str | None = None
     status: str | None = None
+    service_tier: str | None = None
 
     def choice(self, index: int = 0) -> ChunkChoice | None:
         """The (first) choice with this ``index``, or None."""
@@ -105,7 +107,9 @@ def parse(doc: Mapping[str, Any]) -> Chunk:
                  usage=None if usage_json is None else _usage(usage_json),
                  usage_json=usage_json,
                  error=_error(doc["error"]) if "error" in doc else None,
-                 status=_status(doc, holder))
+                 status=_status(doc, holder),
+                 service_tier=tier if isinstance(tier := holder.get("service_tier"), str)
+                 else None)
 
 
 def _status(doc: Mapping[str, Any], holder: Mapping[str, Any]) -> str | None:

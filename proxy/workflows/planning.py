@@ -17,6 +17,7 @@ from flowlift.compiler import (
 from flowlift.costs import CostModel, CostTracker
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.tier_profiles import model_tiers
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 
 
@@ -47,7 +48,10 @@ def compile_options(backends: Backends, costs: CostTracker,
                           outcomes=outcomes.counts if outcomes is not None else no_outcomes,
                           price=priced.get,
                           output_lengths=(outcomes.lengths if outcomes is not None
-                                          else no_lengths))
+                                          else no_lengths),
+                          tiers=lambda model: model_tiers(backends.config,
+                                                          backends.canonical(model),
+                                                          backends.turnarounds))
 
 
 def plan(graph: Graph, backends: Backends, costs: CostTracker,

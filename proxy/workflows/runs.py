@@ -67,6 +67,7 @@ from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.replay import restore_trace
 from flowlift.proxy.workflows.store import StoredRun
+from flowlift.proxy.workflows.tiering import TieredDispatcher, planned_tiers
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
 
 log = get_logger("flowlift.runs")
@@ -305,6 +306,9 @@ class Run:
                 self._failed(node.id, f"{why}{spent}", kind)
 
     def _close(self, status: str) -> None:
+        tiered = self.__dict__.get("_dispatcher")
+        if isinstance(tiered, TieredDispatcher):
+            tiered.close()
         self.trace.finish(status)
         self.observer.run_closed(self)  # spans and metrics; never raises
         self._emit(("run.finished", {
@@ -432,7 +436,22 @@ class Run:
 
     @functools.cached_property
     def _dispatcher(self) -> StepDispatcher:
-        return StepDispatcher(self.backends)
+        """The run's dispatcher: tiered (:mod:`.tiering`) when the plan defers a step
+        (batch, flex or idle)."""
+        tiers = planned_tiers(self.plan.report.tier_plan if self.plan else None)
+        if not {"batch", "flex", "idle"} & set(tiers.values()):
+            return StepDispatcher(self.backends)
+        return TieredDispatcher(self.backends, run_id=self.run_id, tiers=tiers,
+                                slack_s=self._slack_s, emit=self.log.emit,
+                                history=self.log.history())
+
+    def _slack_s(self, step_id: str) -> float | None:
+        """Seconds ``step_id`` could still wait before its fast-tier path misses the
+        deadline (None: no deadline)."""
+        if self.clock is None:
+            return None
+        remaining_ms = self.plan.tail_ms.get(step_id, 0.0) if self.plan else 0.0
+        return self.clock.left_s() - remaining_ms / 1000.0
 
     async def _attempt(self, node: LLMNode, want: str | None,
                        messages: Sequence[ChatMessage], *, logprobs: bool,
@@ -488,7 +507,9 @@ class Run:
                         if contract else None),
             session_id=self.run_id,
             priority=0 if self.backends.fcfs else priority.engine_priority(),
-            tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()))
+            tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()),
+            service_tier=(self._dispatcher.tier_of(node.id, number)
+                          if isinstance(self._dispatcher, TieredDispatcher) else None))
 
     def _observe(self, model: str, at: AttemptTrace) -> None:
         if self.costs is None or at.first_token_ms is None or at.finished_ms is None:

@@ -53,7 +53,10 @@ from flowlift.report import (
     NodeReport,
     PrefixGroupReport,
     ResidencyReport,
+    TierPlanReport,
+    TierStepReport,
 )
+from flowlift.tiers import StepEstimate, TierProfile, plan_tiers, watchdog_risk
 
 Tokenize = Callable[[str, str], Sequence[int]]
 
@@ -116,6 +119,8 @@ class CompileOptions:
         price: ``model -> price per 1,000 tokens`` or ``None`` (unpriced).
         output_lengths: ``(step name, model) -> OutputLengths`` learned from finished
             runs, or None; the estimate of a step's output is its median.
+        tiers: ``model -> service tiers`` its backends offer (:mod:`flowlift.tiers`), or
+            None; with a deadline, the report then plans each step's tier.
     """
 
     default_model: str = "default"
@@ -128,6 +133,7 @@ class CompileOptions:
                                                           OutcomeCounts())
     price: Callable[[str], float | None] = field(default=lambda model: None)
     output_lengths: Callable[[str, str], OutputLengths | None] = field(default=no_lengths)
+    tiers: Callable[[str], Sequence[TierProfile]] | None = None
 
 
 def no_outcomes(step: str, model: str | None) -> OutcomeCounts:
@@ -411,9 +417,42 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
                 for w in size_warnings(n, functools.partial(_count, opts, model_of[nid]))]
     report = report.model_copy(update={"cascades": cascades,
                                        "cascade_totals": cascade_totals(cascades),
-                                       "open": graph.open, "warnings": warnings})
+                                       "open": graph.open, "warnings": warnings,
+                                       "tier_plan": _tier_plan(graph, opts, order, deps,
+                                                               model_of, cost, prompt_tok,
+                                                               out_tok)})
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
                 prefix_group=group_of, group_leader=leader, report=report)
+
+
+def _tier_plan(graph: Graph, opts: CompileOptions, order: list[str],
+               deps: dict[str, frozenset[str]], model_of: dict[str, str],
+               cost: dict[str, float], prompt_tok: dict[str, float],
+               out_tok: dict[str, float]) -> TierPlanReport | None:
+    """Each step's service tier under the graph's deadline (:func:`flowlift.tiers.plan_tiers`;
+    steps other than model calls run where they are, at no price)."""
+    if opts.tiers is None or not graph.deadline_s:
+        return None
+    here = (TierProfile("local", 0.0, 0.0),)
+    offered: dict[str, tuple[TierProfile, ...]] = {}  # per model, asked once
+    for model in set(model_of.values()):
+        offered[model] = tuple(opts.tiers(model)) or here
+    steps = [StepEstimate(nid, deps[nid], cost[nid] / 1000, prompt_tok.get(nid, 0.0),
+                          out_tok.get(nid, 0.0) if nid in model_of else 0.0,
+                          offered[model_of[nid]] if nid in model_of else here)
+             for nid in order]
+    plan = plan_tiers(steps, graph.deadline_s, here)
+    profiles = {t.tier: t for s in steps for t in s.tiers or ()}
+    return TierPlanReport(
+        watchdog_risk=round(watchdog_risk(plan, profiles), 4),
+        feasible=plan.feasible, cost=round(plan.cost, 6),
+        standard_cost=round(plan.standard_cost, 6),
+        cost_ratio=round(plan.cost / plan.standard_cost, 3) if plan.standard_cost else None,
+        by_tier=plan.by_tier(),
+        steps=[TierStepReport(step_id=p.step_id, tier=p.tier, start_s=round(p.start_s, 1),
+                              latest_start_s=round(p.latest_start_s, 1),
+                              cost=round(p.cost, 6), standard_cost=round(p.standard_cost, 6))
+               for p in plan.steps.values()])
 
 
 def _cascade(node: LLMNode, opts: CompileOptions, uncached: float, prompt: float,

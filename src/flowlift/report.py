@@ -76,6 +76,30 @@ class CascadeReport(_Report):
     last_only_price: float | None = None
 
 
+class TierStepReport(_Report):
+    step_id: str
+    tier: str
+    start_s: float
+    latest_start_s: float
+    cost: float
+    standard_cost: float
+
+
+class TierPlanReport(_Report):
+    """The service tier of each step under the run's deadline (:mod:`flowlift.tiers`):
+    expected cost against every step on ``standard``."""
+
+    feasible: bool
+    cost: float
+    standard_cost: float
+    cost_ratio: float | None
+    by_tier: dict[str, int]
+    watchdog_risk: float = 0.0
+    """Probability that some deferred step outlasts its planned window (from each tier's
+    turnaround p50/p90) and the watchdog moves it to the fast tier."""
+    steps: list[TierStepReport]
+
+
 class CompileReport(_Report):
     """Everything the compiler found about one graph."""
 
@@ -103,6 +127,8 @@ class CompileReport(_Report):
     warnings: list[str] = []
     """Problems found before anything runs (a contract's output that cannot fit the
     step's ``max_tokens``: :func:`flowlift.output_size.size_warnings`)."""
+    tier_plan: TierPlanReport | None = None
+    """Each step's service tier under the deadline (None: no deadline or no tiers)."""
 
 
 def _s(ms: float) -> str:
@@ -136,6 +162,17 @@ def _cascade_lines(r: CompileReport) -> list[str]:
     return lines
 
 
+def _tier_lines(r: CompileReport) -> list[str]:
+    t = r.tier_plan
+    if t is None:
+        return []
+    ratio = f" ({t.cost_ratio:.2f}x)" if t.cost_ratio is not None else ""
+    return [f"tiers: {', '.join(f'{k} {v}' for k, v in sorted(t.by_tier.items()))}; "
+            f"expected cost {t.cost:.4g} vs all-standard {t.standard_cost:.4g}{ratio}; "
+            f"{t.watchdog_risk:.0%} risk that the watchdog moves a step to the fast tier"
+            + ("" if t.feasible else "; deadline NOT feasible even all on the fast tier")]
+
+
 def format_report(r: CompileReport, max_rows: int = 40) -> str:
     """A readable terminal summary of a compile report."""
     lines = [f"workflow {r.name!r} ({r.workflow_class}): {r.steps} steps in {r.levels} "
@@ -164,14 +201,18 @@ def format_report(r: CompileReport, max_rows: int = 40) -> str:
     if r.warnings:
         lines.append(f"warnings: {len(r.warnings)}")
         lines += [f"  {w}" for w in r.warnings[:10]]
+    lines += _tier_lines(r)
     if r.breaks:
         lines.append(f"chain breaks: {len(r.breaks)}")
         lines += [f"  {b.step_id}: {b.reason}" for b in r.breaks[:5]]
     lines.append("")
     lines.append(f"{'step':<24} {'lvl':>3} {'model':<22} {'est s':>7} {'start s':>8} "
                  f"{'rest s':>7} {'prompt':>6} {'out':>4}  notes")
+    tiers = {t.step_id: t.tier for t in r.tier_plan.steps} if r.tier_plan else {}
     for n in r.nodes[:max_rows]:
-        notes = " ".join(x for x in ("*critical" if n.critical else "",
+        tier = tiers.get(n.step_id)
+        notes = " ".join(x for x in (f"tier={tier}" if tier else "",
+                                     "*critical" if n.critical else "",
                                      f"prefix#{n.prefix_group}" if n.prefix_group is not None
                                      else "", f"=={n.same_as}" if n.same_as else "") if x)
         lines.append(f"{n.step_id[:24]:<24} {n.level:>3} {(n.model or '-')[:22]:<22} "

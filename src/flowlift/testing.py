@@ -12,6 +12,9 @@ returns :func:`tool_calls_text`.
 :func:`capture_spans` records flowlift's OpenTelemetry spans in memory while it is
 active (like ``structlog.testing.capture_logs``); ``CapturedSpans.named("chat m")``,
 ``.children(span)`` and ``.spans`` read them.
+
+:class:`FakeBatchAPI` (from :mod:`flowlift.testing_batch`) fakes the OpenAI Batch API:
+files, batches, time-scaled turnaround, partial failures, expiry, malformed lines.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ from flowlift.local_engine.base import (
     Usage,
     require_plain,
 )
+from flowlift.testing_batch import MALFORMED as MALFORMED  # re-exported
+from flowlift.testing_batch import FakeBatchAPI as FakeBatchAPI
+from flowlift.testing_batch import LineError as LineError
+from flowlift.testing_batch import echo_responder as echo_responder
+from flowlift.testing_batch import fixed_turnaround as fixed_turnaround
+from flowlift.testing_batch import lognormal_turnaround as lognormal_turnaround
 from flowlift.tracing.spans import CapturedSpans as CapturedSpans  # re-exported
 from flowlift.tracing.spans import capture_spans as capture_spans
 
