@@ -129,6 +129,8 @@ class GenerationRequest:
         prompt: raw prompt text used instead of ``messages``, with no chat template
             (the tokenizer's usual special tokens, e.g. a BOS, are still added).
         tools: functions the model may call instead of answering (see the module).
+        tool_choice: with ``tools``: ``"auto"`` (answer or call) or ``"required"``
+            (call at least one), OpenAI's meanings.
     """
 
     request_id: str
@@ -140,6 +142,7 @@ class GenerationRequest:
     session_id: str | None = None
     prompt: str | None = None
     tools: tuple[ToolDef, ...] = ()
+    tool_choice: Literal["auto", "required"] = "auto"
 
 
 def require_plain(request: GenerationRequest) -> None:

@@ -471,7 +471,8 @@ class Run:
                         if contract else None),
             session_id=self.run_id,
             priority=0 if self.backends.fcfs else priority.engine_priority(),
-            tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()))
+            tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()),
+            tool_choice=node.tool_choice)
 
     def _observe(self, model: str, at: AttemptTrace) -> None:
         if self.costs is None or at.first_token_ms is None or at.finished_ms is None:
