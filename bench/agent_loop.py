@@ -36,7 +36,7 @@ token for a and b; c and d stream no token before a tool call is whole, so their
 ``Server-Timing`` engine time stands in). Reported per variant: per-turn median and
 p90, end to end, cached / prompt tokens; and the ratio of each variant to a.
 
-    .venv/bin/python bench/agent_loop.py [--turns 6 35] [--reps 1] [--max-tokens 32]
+    .venv/bin/python bench/agent_loop.py [--turns 6 35] [--reps 1] [--max-tokens 40]
         [--rtt-ms 80] [--far-turns 6 35]
     .venv/bin/python bench/agent_loop.py --smoke   # seconds, fake engine: plumbing only
 """
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--far-turns", type=int, nargs="*", default=None,
                         help="session lengths through the delay line (default: --turns)")
     parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--max-tokens", type=int, default=32,
+    parser.add_argument("--max-tokens", type=int, default=40,
                         help="per turn; a forced tool call is ~20 tokens of JSON")
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument("--smoke", action="store_true",
@@ -385,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{s['turn_latency_p90_s']} s, e2e {s['end_to_end_median_s']} s, "
                           f"cached/prompt {s['cached_over_prompt']}", flush=True)
                 print(f"  over a: {out['ratios_over_a']}", flush=True)
-    if name is not None:
-        save(name, results)
+                if name is not None:  # after each size: a partial run keeps its figures
+                    save(name, results)
     return 0
 
 

@@ -34,7 +34,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -94,8 +94,14 @@ def first_sentence(text: str, limit: int = 160) -> str:
     return " ".join(head.split())[:limit]
 
 
+# Short arguments: a small model repeats itself, and a tool call cut by max_tokens is
+# no call at all; the engine's constrained decoding keeps strings within these bounds.
+Query = Annotated[str, Field(min_length=1, max_length=48)]
+ModuleName = Annotated[str, Field(min_length=1, max_length=24)]
+
+
 @tool
-def search(query: str) -> list[tuple[str, str]]:
+def search(query: Query) -> list[tuple[str, str]]:
     """Search the Python standard library's module documentation. Returns the 3 best
     matching modules as [module name, its first sentence] pairs."""
     return [(name, first_sentence(corpus()[name].text))
@@ -103,7 +109,7 @@ def search(query: str) -> list[tuple[str, str]]:
 
 
 @tool
-def read(module: str) -> str:
+def read(module: ModuleName) -> str:
     """Read the documentation of one module, by the name search returned."""
     doc = corpus().get(module.strip())
     if doc is None:  # a text result, not an exception: the model can try again
@@ -116,7 +122,7 @@ SYSTEM = ("You answer questions about the Python standard library from its docum
           "the module's name and a short reason.")
 
 
-@step(tools=[search, read], max_turns=MAX_TURNS, max_tokens=96)
+@step(tools=[search, read], max_turns=MAX_TURNS, max_tokens=128)
 def research(question: str) -> list[dict[str, str]]:
     """The agent step: the proxy loops over the model's tool calls."""
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
@@ -126,7 +132,7 @@ class Action(BaseModel):
     """What the explicit loop's model decides each turn."""
 
     tool: Literal["search", "read", "answer"]
-    input: str = Field(max_length=120)
+    input: str = Field(min_length=1, max_length=100)
 
 
 LOOP_SYSTEM = (f"{SYSTEM} Each turn reply with one JSON object: "
@@ -135,7 +141,7 @@ LOOP_SYSTEM = (f"{SYSTEM} Each turn reply with one JSON object: "
                '{"tool": "answer", "input": <module name and reason>} to answer.')
 
 
-@step(output=Action, max_tokens=96, retries=1)
+@step(output=Action, max_tokens=128, retries=1)
 def decide(question: str, notes: str) -> list[dict[str, str]]:
     """One turn of the explicit loop: the question and what the tools returned so far."""
     user = question if not notes else f"{question}\n\nWhat you found so far:\n{notes}"
@@ -158,17 +164,17 @@ class Outcome:
             rf"(?<![\w.]){re.escape(self.question.module)}(?![\w])", self.answer) is not None
 
 
-async def loop_agent(question: Question) -> Outcome:
-    """The agent as an explicit loop: await ``decide``, run the tool it asks for, loop.
+async def loop_agent(out: Outcome) -> Outcome:
+    """The agent as an explicit loop: await ``decide``, run the tool it asks for, loop;
+    fills ``out`` (its turns so far stay counted when a step fails).
 
     Each tool call is a ``@tool`` step of the run; its output goes into the next turn's
     prompt as a reference, so it ships and runs with that turn (one flush per turn)."""
-    out = Outcome(question)
     notes: list[str] = []
     action = None
     for turn in range(1, MAX_TURNS + 1):
         out.turns = turn
-        action = await decide(question.text, "\n".join(notes))
+        action = await decide(out.question.text, "\n".join(notes))
         if action.tool == "answer":
             out.answer = action.input
             return out
@@ -182,10 +188,12 @@ async def loop_agent(question: Question) -> Outcome:
 
 async def guarded(question: Question) -> Outcome:
     """:func:`loop_agent`, with a failed step reported on the question's row."""
+    out = Outcome(question)
     try:
-        return await loop_agent(question)
+        return await loop_agent(out)
     except FlowliftError as exc:
-        return Outcome(question, error=f"{type(exc).__name__}: {exc}")
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
 
 
 def _step_outcomes(wf: Any, vars_: list[Any], questions: list[Question]) -> list[Outcome]:
