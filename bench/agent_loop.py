@@ -4,7 +4,8 @@ A session is ``--turns`` model turns (6 and 35 by default); each turn's answer c
 tool, and the answer and the tool's result join the conversation for the next turn
 (the stateful-inference paper's agent sessions). The tool is a deterministic Python
 function returning fixed shell output of realistic size (``bench/agent_session.py``'s
-texts, ~40-70 tokens each). Every variant sends the same conversation with the same
+texts, 10-55 tokens each; a 35-turn session ends near 3,800 prompt tokens, inside
+SmolLM2's 4,096-token context). Every variant sends the same conversation with the same
 tool definition, ``max_tokens``, greedy decoding and ``tool_choice="required"`` on
 every turn (so a 135M model calls the tool each turn and every session has exactly
 ``--turns`` turns; the last turn's call is not run):
@@ -104,7 +105,7 @@ class Stamps:
         so every variant gets the same text whatever command the model picked)."""
         with self.lock:
             n, self.calls = self.calls, self.calls + 1
-        return f"Tool result (call {n + 1}):\n{TOOLS[n % len(TOOLS)]}"
+        return TOOLS[n % len(TOOLS)]
 
 
 STAMPS = Stamps()
@@ -159,10 +160,14 @@ def run_agent_step(base: str, sid: str, turns: int, max_tokens: int) -> dict[str
 
 def _trace_row(a: dict[str, Any]) -> dict[str, Any]:
     first, started = a.get("first_token_ms"), a.get("started_ms")
+    done = a.get("finished_ms") or a.get("generated_ms")
     return {"prompt_tokens": a.get("prompt_tokens", 0),
             "cached_tokens": a.get("cached_tokens", 0),
+            "completion_tokens": a.get("completion_tokens", 0),
             "engine_ttft_ms": (round(first - started, 1)
-                               if first is not None and started is not None else None)}
+                               if first is not None and started is not None else None),
+            "engine_ms": (round(done - started, 1)
+                          if done is not None and started is not None else None)}
 
 
 # -- b. open run -----------------------------------------------------------------------
@@ -236,6 +241,7 @@ def run_chat(base: str, sid: str, turns: int, max_tokens: int, *,
             m = re.search(r"engine;dur=([\d.]+)", r.headers.get("server-timing", ""))
             rows.append({"prompt_tokens": usage["prompt_tokens"],
                          "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                         "completion_tokens": usage["completion_tokens"],
                          "engine_ms": float(m.group(1)) if m else None})
             calls = body["choices"][0]["message"].get("tool_calls") or []
             if not calls:
@@ -266,6 +272,7 @@ def summarize(sessions: list[dict[str, Any]]) -> dict[str, Any]:
     ttft = [t["engine_ttft_ms"] for t in later if t.get("engine_ttft_ms") is not None]
     engine = [t["engine_ms"] for t in later if t.get("engine_ms") is not None]
     prompt = sum(t["prompt_tokens"] for t in later)
+    completion = [t.get("completion_tokens") for t in later if t.get("completion_tokens")]
     out: dict[str, Any] = {
         "sessions": len(sessions), "turns_done": [s["turns_done"] for s in sessions],
         "errors": [s["error"] for s in sessions if s["error"]],
@@ -276,6 +283,7 @@ def summarize(sessions: list[dict[str, Any]]) -> dict[str, Any]:
         if any(s["end_to_end_s"] is not None for s in sessions) else None,
         "prompt_tokens": prompt, "cached_tokens": sum(t["cached_tokens"] for t in later),
         "cached_over_prompt": round(sum(t["cached_tokens"] for t in later) / max(1, prompt), 3),
+        "completion_tokens_median": statistics.median(completion) if completion else None,
     }
     if ttft:
         out["engine_ttft_median_ms"] = round(statistics.median(ttft), 1)
