@@ -179,9 +179,10 @@ def _turn_step(max_tokens: int) -> Any:
     return turn
 
 
-def _run_calls(calls: list[dict[str, Any]], k: int) -> list[Message]:
+def _run_calls(calls: list[dict[str, Any]]) -> list[Message]:
     """The assistant message calling ``calls`` and the tool results (plain Python)."""
-    ids = [f"call_{k}_{i}" for i in range(len(calls))]
+    # ids shaped as the proxy's own (call_ + 24 hex digits): the same prompt lengths as a
+    ids = [f"call_{secrets.token_hex(12)}" for _ in calls]
     out = [Message(role="assistant", tool_calls=[
         ToolCall(id=i, function=FunctionCall(name=c["name"], arguments=json.dumps(
             c["arguments"]))) for i, c in zip(ids, calls, strict=True)])]
@@ -206,7 +207,7 @@ def run_open_run(base: str, sid: str, turns: int, max_tokens: int) -> dict[str, 
                 break
             STAMPS.mark()
             if k < turns - 1:
-                convo += _run_calls(answer["tool_calls"], k)
+                convo += _run_calls(answer["tool_calls"])
     records = {r["step_id"]: r for r in wf.trace if r.get("type") == "step"}
     rows = [_trace_row(records[f"turn_{k + 1}"]) for k in range(len(STAMPS.times))]
     return _session(t0, STAMPS.times, rows, wf.run_id, error)
@@ -331,6 +332,30 @@ def measure(base: str, turns: int, reps: int, max_tokens: int, where: str
     return {"summary": summary, "ratios_over_a": ratios(summary), "sessions": sessions}
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """A RESULTS.md table of a results file: one row per (where, turns, variant)."""
+    lines = ["| where | turns | variant | per-turn median / p90 (s) | end to end (s) | "
+             "x of a (turn median / e2e) | engine TTFT median (ms) | engine time median "
+             "(ms) | cached / prompt tokens (turns 2..N) | turns done |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, out in results.items():
+        if not key.endswith(tuple(f"_turns_{n}" for n in range(1, 201))):
+            continue
+        where, turns = key.rsplit("_turns_", 1)
+        for v in VARIANTS:
+            s = out["summary"][v]
+            r = out["ratios_over_a"].get(v, {"turn_latency_median_s": 1.0,
+                                              "end_to_end_median_s": 1.0})
+            lines.append(
+                f"| {where} | {turns} | {v} | {s['turn_latency_median_s']} / "
+                f"{s['turn_latency_p90_s']} | {s['end_to_end_median_s']} | "
+                f"{r['turn_latency_median_s']} / {r['end_to_end_median_s']} | "
+                f"{s.get('engine_ttft_median_ms', 'n/a')} | {s.get('engine_ms_median', 'n/a')} | "
+                f"{s['cached_tokens']} / {s['prompt_tokens']} ({s['cached_over_prompt']}) | "
+                f"{', '.join(map(str, s['turns_done']))} |")
+    return "\n".join(lines)
+
+
 @contextlib.contextmanager
 def fake_proxy() -> Iterator[str]:
     """``flowlift serve --engine fake`` (its log in a temporary folder)."""
@@ -349,12 +374,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=40,
                         help="per turn; a forced tool call is ~20 tokens of JSON")
     parser.add_argument("--rtt-ms", type=float, default=80.0)
+    parser.add_argument("--table", metavar="JSON", default=None,
+                        help="only print a results file as a markdown table")
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine, 3 and 4 turns, 20 ms: the plumbing in seconds")
     parser.add_argument("--out", default=None,
                         help="results name in bench/results (default agent_loop; with "
                              "--smoke nothing is written unless --out is given)")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        print(markdown(json.loads(Path(args.table).read_text())))
+        return 0
     if args.smoke:
         args.turns, args.far_turns, args.rtt_ms, args.reps = [3, 4], [3], 20.0, 1
     far_turns = args.turns if args.far_turns is None else args.far_turns
