@@ -132,6 +132,8 @@ class GenerationRequest:
         service_tier: the tier the step was planned on (:mod:`flowlift.tiers`); an
             upstream that ``offers_flex`` is asked ``service_tier: "flex"`` for
             ``"flex"``. Engines ignore it.
+        tool_choice: with ``tools``: ``"auto"`` (answer or call) or ``"required"``
+            (call at least one), OpenAI's meanings.
     """
 
     request_id: str
@@ -144,6 +146,7 @@ class GenerationRequest:
     prompt: str | None = None
     tools: tuple[ToolDef, ...] = ()
     service_tier: str | None = None
+    tool_choice: Literal["auto", "required"] = "auto"
 
 
 def require_plain(request: GenerationRequest) -> None:

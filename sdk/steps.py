@@ -116,7 +116,8 @@ class Step(Generic[P]):
                  params: Params, name: str | None, cascade: tuple[str, ...] | None = None,
                  retries: int = 0, min_confidence: float | None = None,
                  tools: Sequence[Tool[Any, Any]] = (), max_turns: int = 10,
-                 tool_errors: Literal["return", "raise"] = "return") -> None:
+                 tool_errors: Literal["return", "raise"] = "return",
+                 tool_choice: Literal["auto", "required"] = "auto") -> None:
         self.fn = fn
         self.model = model
         self.cascade = cascade
@@ -126,6 +127,7 @@ class Step(Generic[P]):
         self.params = params
         self.name = name or fn.__name__
         self.max_turns, self.tool_errors = max_turns, tool_errors
+        self.tool_choice = tool_choice
         self._tools: dict[str, Tool[Any, Any]] = {}
         self.tool_specs: tuple[ToolSpec, ...] | None = None
         if tools:
@@ -150,7 +152,7 @@ class Step(Generic[P]):
                        contract=self.spec.contract, retries=self.retries,
                        cascade=self.cascade, min_confidence=self.min_confidence,
                        tools=self.tool_specs, max_turns=self.max_turns,
-                       tool_errors=self.tool_errors)
+                       tool_errors=self.tool_errors, tool_choice=self.tool_choice)
         if self._tools:
             wf.agent_tools[node.id] = self._tools
         return wf.add_node(node, parse=self.spec.parse, fields=self.spec.fields)
@@ -184,7 +186,8 @@ def step(*, model: str | Sequence[str] | None = None, output: Any = None,
          retries: int = 0, min_confidence: float | None = None,
          tools: Sequence[Tool[Any, Any]] = (), max_turns: int = 10,
          tool_errors: Literal["return", "raise"] = "return",
-         max_tokens_ceiling: int | None = None
+         max_tokens_ceiling: int | None = None,
+         tool_choice: Literal["auto", "required"] = "auto"
          ) -> Callable[[Callable[P, Any]], Step[P]]: ...
 
 
@@ -194,7 +197,8 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
          name: str | None = None, retries: int = 0,
          min_confidence: float | None = None, tools: Sequence[Tool[Any, Any]] = (),
          max_turns: int = 10, tool_errors: Literal["return", "raise"] = "return",
-         max_tokens_ceiling: int | None = None) -> Any:
+         max_tokens_ceiling: int | None = None,
+         tool_choice: Literal["auto", "required"] = "auto") -> Any:
     """Mark a function that returns a prompt as an LLM step.
 
     Args:
@@ -226,11 +230,15 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
         max_tokens_ceiling: tokens: how far a retry may raise ``max_tokens`` after an
             output was cut off (``finish_reason: "length"``) and failed its contract;
             default twice ``max_tokens``. Each such retry doubles the budget up to it.
+        tool_choice: OpenAI's ``tool_choice`` on every turn: ``"auto"`` (answer or
+            call) or ``"required"`` (each turn must call a tool, so the loop runs
+            ``max_turns`` turns and then fails with ``StepFailed``: a fixed number of
+            tool rounds, as ``bench/agent_loop.py`` uses).
 
     Raises:
         UserError: for an unsupported ``output``, bad sampling values, an empty cascade,
             a bad ``retries`` / ``min_confidence``, or bad ``tools`` / ``max_turns`` /
-            ``tool_errors``.
+            ``tool_errors`` / ``tool_choice`` (``"required"`` without tools).
     """
     try:
         spec = output_spec(output)
@@ -261,17 +269,17 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
     except ValueError as exc:
         raise UserError(f"bad sampling parameters: {exc}", param="params") from None
 
-    _check_agent(max_turns, tool_errors)
+    _check_agent(max_turns, tool_errors, tool_choice, bool(tools))
 
     def wrap(f: Callable[P, Any]) -> Step[P]:
         return Step(f, model=model, spec=spec, params=params, name=name, cascade=cascade,
                     retries=retries, min_confidence=min_confidence, tools=tools,
-                    max_turns=max_turns, tool_errors=tool_errors)
+                    max_turns=max_turns, tool_errors=tool_errors, tool_choice=tool_choice)
 
     return wrap(fn) if fn is not None else wrap
 
 
-def _check_agent(max_turns: Any, tool_errors: Any) -> None:
+def _check_agent(max_turns: Any, tool_errors: Any, tool_choice: Any, has_tools: bool) -> None:
     if isinstance(max_turns, bool) or not isinstance(max_turns, int) \
             or not 1 <= max_turns <= 200:
         raise UserError(f"max_turns={max_turns!r}: must be a whole number 1 to 200",
@@ -280,6 +288,10 @@ def _check_agent(max_turns: Any, tool_errors: Any) -> None:
         raise UserError(f"tool_errors={tool_errors!r}: must be \"return\" (the error goes "
                         "back to the model) or \"raise\" (the step fails)",
                         param="tool_errors")
+    if tool_choice not in ("auto", "required") or (tool_choice == "required"
+                                                   and not has_tools):
+        raise UserError(f"tool_choice={tool_choice!r}: must be \"auto\" or \"required\" "
+                        "(\"required\" needs tools=[...])", param="tool_choice")
 
 
 def tool(fn: Callable[P, R] | None = None, /, *, name: str | None = None) -> Any:

@@ -445,3 +445,60 @@ async def test_the_embedded_engines_take_tools_only_as_constrained_json():
                     GenerationRequest("r2", "m", [ChatMessage("tool", "x", tool_call_id="c")])):
         with pytest.raises(RequestError, match="StepDispatcher"):
             await anext(engine.generate(request))
+
+
+async def test_tool_choice_required_constrains_every_turn_to_calls(client, engine):
+    """OpenAI's ``tool_choice="required"`` on every turn: the engine's schema has no
+    ``content`` answer, and the tools are described as to be called now; the loop runs
+    its ``max_turns`` turns and fails as a loop that never answers."""
+    seen = scripted(engine, *[tool_calls_text(("search", {"query": f"q{i}"}))
+                              for i in range(3)])
+
+    @step(tools=[search], max_turns=3, tool_choice="required")
+    def forced(q):
+        return q
+
+    with pytest.raises(WorkflowFailed):
+        async with workflow("agent", base_url=base_url(client)):
+            out = forced("q")
+    with pytest.raises(StepFailed, match="after 3 turns"):
+        _ = out.value
+    assert len(seen) == 3 and CALLED == [("search", "q0"), ("search", "q1")]
+    for request in seen:
+        schema = request.constraint.json_schema
+        assert "anyOf" not in schema and schema["required"] == ["tool_calls"]
+        assert "Call one or more of these functions now" in request.messages[0].content
+
+
+def test_tool_choice_is_auto_or_required_with_tools():
+    with pytest.raises(UserError, match="tool_choice"):
+        step(tool_choice="required")(lambda q: q)
+    with pytest.raises(UserError, match="tool_choice"):
+        step(tools=[search], tool_choice="any")(lambda q: q)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs tools"):
+        LLMNode.model_validate({"id": "a", "name": "a", "tool_choice": "required",
+                                "messages": [{"role": "user", "content": [{"text": "q"}]}]})
+
+
+async def test_tool_choice_required_reaches_an_upstream_model(aiohttp_client):
+    bodies: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return _sse({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                     "function": {"name": "search",
+                                                  "arguments": '{"query": "x"}'}}]},
+                    finish="tool_calls")
+
+    app = _upstream_app(handler)
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+
+    @step(model="up-model", tools=[search], max_turns=2, tool_choice="required")
+    def remote(q):
+        return q
+
+    with pytest.raises(WorkflowFailed):
+        async with workflow("agent", base_url=base_url(client)):
+            remote("q")
+    assert [b["tool_choice"] for b in bodies] == ["required", "required"]

@@ -71,7 +71,8 @@ class ToolTurn:
     def __init__(self, request: GenerationRequest) -> None:
         plan = ToolPlan(tuple(Tool(type="function", function=FunctionDef(
             name=t.name, description=t.description or None, parameters=t.parameters))
-            for t in request.tools), "auto", True, content_schema(request.constraint))
+            for t in request.tools), request.tool_choice, True,
+            content_schema(request.constraint))
         self._decoder = ToolOutputDecoder(plan)
         self.request = dataclasses.replace(
             request, tools=(), messages=engine_messages([_history(m) for m in

@@ -66,6 +66,8 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.parameters}}
             for t in request.tools]
+        if request.tool_choice != "auto":
+            body["tool_choice"] = request.tool_choice
     if s.max_tokens is not None:
         body["max_tokens"] = s.max_tokens
     for key, value in (("stop", list(s.stop)), ("seed", s.seed),

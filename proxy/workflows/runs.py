@@ -509,7 +509,8 @@ class Run:
             priority=0 if self.backends.fcfs else priority.engine_priority(),
             tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()),
             service_tier=(self._dispatcher.tier_of(node.id, number)
-                          if isinstance(self._dispatcher, TieredDispatcher) else None))
+                          if isinstance(self._dispatcher, TieredDispatcher) else None),
+            tool_choice=node.tool_choice)
 
     def _observe(self, model: str, at: AttemptTrace) -> None:
         if self.costs is None or at.first_token_ms is None or at.finished_ms is None:

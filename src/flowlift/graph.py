@@ -218,6 +218,10 @@ class LLMNode(_Model):
     tool_errors: Literal["return", "raise"] = "return"
     """A tool that raises: its error text goes back to the model (``return``), or the
     step fails (``raise``)."""
+    tool_choice: Literal["auto", "required"] = "auto"
+    """OpenAI's ``tool_choice`` for every turn: ``auto`` (the model answers or calls
+    tools) or ``required`` (each turn must call a tool: the loop runs ``max_turns`` turns
+    and then fails as any loop that never answers)."""
 
     @model_validator(mode="after")
     def _cascade_head(self) -> LLMNode:
@@ -228,13 +232,15 @@ class LLMNode(_Model):
         names = [t.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise ValueError(f"tool names must be unique, got {names}")
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError('tool_choice "required" needs tools')
         return self
 
     @model_serializer(mode="wrap")
     def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
         return _drop(handler(self), {"retries": 0, "cascade": None, "min_confidence": None,
                                      "tools": None, "max_turns": 10,
-                                     "tool_errors": "return"})
+                                     "tool_errors": "return", "tool_choice": "auto"})
 
     def models(self) -> tuple[str | None, ...]:
         """The models this step may run on, in order (``None``: the default model)."""
