@@ -52,7 +52,7 @@ def _run(base: str) -> tuple[str, float, float]:
 
 def test_second_run_plans_its_critical_path_within_30_percent(tmp_path):
     db = tmp_path / "state.sqlite"
-    with running_proxy("--engine", "fake", "--state-db", str(db), "--fake-delay-s", "0.02",
+    with running_proxy("--engine", "fake", "--state-db", str(db), "--fake-delay-s", "0.05",
                        log_path=tmp_path / "proxy.log", ready_timeout_s=60) as (base, _):
         _, first_planned, first_measured = _run(base)
         run_id, planned, measured = _run(base)

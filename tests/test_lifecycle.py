@@ -305,7 +305,8 @@ def test_missing_config_file_and_unopenable_state_db(tmp_path, capsys):
                                                      str(tmp_path / "none.toml"))
     blocker = tmp_path / "file"
     blocker.write_text("")
-    rc = cli.main(["serve", "--engine", "fake", "--state-db", str(blocker / "state.sqlite")])
+    rc = cli.main(["serve", "--engine", "fake", "--port", str(free_port()),  # (not 8470:
+                   "--state-db", str(blocker / "state.sqlite")])  # another proxy may have it)
     err = capsys.readouterr().err
     assert rc == 2 and "cannot open the run store" in err and "Traceback" not in err
 

@@ -215,7 +215,10 @@ def test_graph_documents_run_to_their_end_or_are_rejected_by_name(base):
         RAN[f"workflows ran {status}"] += 1
 
     fuzz()
-    assert RAN["workflows 400"] > 10 and RAN["workflows ran succeeded"] > 50, RAN
+    # (the fake engine cuts constrained outputs at max_tokens, 1-16 here, as vLLM does:
+    # some runs end failed on their contracts; both kinds ran to their end)
+    ran = RAN["workflows ran succeeded"] + RAN["workflows ran failed"]
+    assert RAN["workflows 400"] > 10 and ran > 40 and RAN["workflows ran succeeded"] > 25, RAN
 
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
