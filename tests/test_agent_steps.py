@@ -178,6 +178,22 @@ async def test_max_turns_fails_the_step_naming_it_the_turns_and_the_last_tool(cl
     assert CALLED == [("search", "a")]  # the last turn's calls are not run
 
 
+async def test_a_tool_call_cut_off_at_max_tokens_is_no_answer(client, engine):
+    scripted(engine, tool_calls_text(("search", {"query": "a long query " * 20})))
+
+    @step(tools=[search], max_turns=3, max_tokens=4)
+    def cut(q):
+        return q
+
+    with pytest.raises(WorkflowFailed):
+        async with workflow("agent", base_url=base_url(client)):
+            out = cut("q")
+    with pytest.raises(StepFailed, match=r"'cut_1'.*turn 1's tool call was cut off at "
+                                         r"max_tokens=4"):
+        _ = out.value
+    assert CALLED == []
+
+
 async def test_a_tool_that_raises_returns_its_error_to_the_model(client, engine):
     seen = scripted(engine, tool_calls_text(("lookup", {"city": "Atlantis"})), "unknown")
 

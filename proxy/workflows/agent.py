@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -38,6 +39,10 @@ from flowlift.proxy.workflows.cascade import Generated
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import Event
 from flowlift.tracing import AttemptTrace, RunTrace, ToolCallTrace
+
+_TOOL_JSON = re.compile(r'\s*\{\s*"tool_calls"')
+"""The start of the constrained JSON of a turn that calls tools (the embedded engine's
+tool-call format, :mod:`flowlift.proxy.openai.chat_completion.tools`)."""
 
 
 class ToolRaised(ToolError):
@@ -144,6 +149,7 @@ class AgentLoop:
                                                           max_tokens=max_tokens)
             out.trace.turn = self.turns
             if not out.tool_calls:
+                self._check_not_cut(out)
                 return out
             out.trace.outcome = "tool_calls"
             calls = out.tool_calls
@@ -163,6 +169,19 @@ class AgentLoop:
                          f"{self.node.max_turns} turns "
                          f"(max_turns={self.node.max_turns}): every turn called tools; the "
                          f"last tool asked for was {last_tool!r}")
+
+    def _check_not_cut(self, out: Generated) -> None:
+        """A turn cut off at ``max_tokens`` inside its tool-call JSON is no answer.
+
+        Raises:
+            StepFailed: naming the step, the turn and the budget (never the broken JSON
+                taken for the step's output).
+        """
+        if out.trace.finish_reason == "length" and _TOOL_JSON.match(out.text):
+            raise StepFailed(self.node.id, f"agent step {self.node.id!r}: turn {self.turns}'s "
+                             "tool call was cut off at max_tokens="
+                             f"{self.node.params.max_tokens} before its JSON ended; raise "
+                             "the step's max_tokens")
 
     def _replay(self, model: str | None) -> Generated | None:
         """A turn the run's log already holds (a resumed run), as a generation."""
