@@ -149,7 +149,7 @@ def run_agent_step(base: str, sid: str, turns: int, max_tokens: int) -> dict[str
         with workflow("bench-agent-step", base_url=base, progress=False) as wf:
             agent(sid)
     except WorkflowFailed:
-        error = next(iter(wf.failures.values()), "failed")
+        error = str(next(iter(wf.failures.values()), "failed"))
     end = time.perf_counter()
     record = next(r for r in wf.trace if r.get("step_id") == "agent_1")
     rows = [_trace_row(a) for a in record["attempts"]]

@@ -205,7 +205,7 @@ def _step_outcomes(wf: Any, vars_: list[Any], questions: list[Question]) -> list
         try:
             out.answer = str(var.value)
         except FlowliftError as exc:
-            out.error = wf.failures.get(var.step_id) or str(exc)
+            out.error = str(wf.failures.get(var.step_id) or exc)
         outs.append(out)
     return outs
 

@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{len(wf.failures)} step(s) failed, in {n_rows} document(s) "
               "(rows marked !):")
         for step_id, error in wf.failures.items():
-            print(f"  {step_id}: {_cut(error, 200)}")
+            print(f"  {step_id}: {_cut(str(error), 200)}")
         return 1
     return 0
 
