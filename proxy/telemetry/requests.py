@@ -49,6 +49,7 @@ CHARS_PER_TOKEN = 4
 text with OpenAI-style BPE vocabularies averages about 4 characters a token)."""
 _MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"|"status":\s*"(?:incomplete|failed)"'
                        rb'|"type":\s*"error"')
+_MAY_HOLD_TEXT = re.compile(_MAY_HOLD.pattern.decode())
 
 
 def _ns(t: float) -> int:
@@ -154,8 +155,11 @@ class RequestTrace:
             self.events += events.count(b"data:")
             self.done = self.done or finished(events)
             if first or _MAY_HOLD.search(events):
-                for data in data_fields(events):
-                    chunk = chunks.parse_event(data) if data.startswith("{") else None
+                for data in data_fields(events):  # (a write may hold the whole stream)
+                    if not data.startswith("{") or (
+                            self.response_model is not None and not _MAY_HOLD_TEXT.search(data)):
+                        continue  # a content delta: nothing to note but the model, once
+                    chunk = chunks.parse_event(data)
                     if chunk is not None:
                         self._note(chunk)
 
