@@ -85,7 +85,7 @@ def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
 def _busy(runs: RunRegistry) -> list[Run]:
     """Runs doing work: not those parked after a restart until their client reconnects."""
     return [r for r in runs.active.values()
-            if not (r.resumed and not r.log.listened.is_set())]
+            if not (r.parked and not r.log.listened.is_set())]
 
 
 async def drain(app: web.Application, grace_s: float, hurry: asyncio.Event) -> Drain:

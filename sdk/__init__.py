@@ -1,9 +1,21 @@
 """The flowlift SDK: ``@step``, ``@tool`` and ``workflow``."""
 
 from flowlift.sdk.contracts import Regex
+from flowlift.sdk.detached import aattach, attach
 from flowlift.sdk.steps import Step, Tool, step, tool
 from flowlift.sdk.variables import SemanticVariable
 from flowlift.sdk.workflow import Workflow, current_workflow, workflow
 
-__all__ = ["Regex", "SemanticVariable", "Step", "Tool", "Workflow", "current_workflow", "step",
-           "tool", "workflow"]
+__all__ = [
+           "Regex",
+           "SemanticVariable",
+           "Step",
+           "Tool",
+           "Workflow",
+           "aattach",
+           "attach",
+           "current_workflow",
+           "step",
+           "tool",
+           "workflow",
+]

@@ -94,6 +94,11 @@ class Workflow:
         progress: draw done / running / queued / failed counts to stderr while it runs
             (:mod:`flowlift.sdk.progress`); None: when ``$FLOWLIFT_PROGRESS=1`` (set by
             ``flowlift run``).
+        detach: submit at block exit and return at once with ``wf.run_id`` set, not
+            waiting for results: the run outlives this script (the proxy never cancels
+            it for want of a listener); read its outputs later with
+            :func:`flowlift.attach` or ``flowlift result RUN_ID``. Its ``@tool`` steps
+            wait for a client that has the functions (:mod:`flowlift.sdk.detached`).
 
     Attributes (after the run):
         run_id, status, trace (list of records), failures ({step_id: StepFailed}: typed
@@ -109,7 +114,8 @@ class Workflow:
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
                  tool_workers: int = 8, submit: bool = True,
                  reconnect_s: float = 300.0, progress: bool | None = None,
-                 api_key: str | None = None, strict_deadline: bool = False) -> None:
+                 api_key: str | None = None, strict_deadline: bool = False,
+                 detach: bool = False) -> None:
         self.name = name
         self.base_url = (base_url or default_base_url()).rstrip("/")
         self._api_key = api_key or default_api_key()
@@ -123,6 +129,7 @@ class Workflow:
         self.submit = submit
         self.reconnect_s = reconnect_s
         self.progress = progress
+        self.detach = detach
         self.nonce = secrets.token_hex(6)
         self.nodes: list[Node] = []
         self.tools: dict[str, Tool[Any, Any]] = {}
@@ -182,7 +189,7 @@ class Workflow:
                               "function inside its `with workflow(...)` block"])
         return Graph(name=self.name, workflow_class=self.workflow_class,
                      deadline_s=self.deadline_s, strict_deadline=self.strict_deadline,
-                     metadata=self.metadata, nodes=tuple(self.nodes))
+                     metadata=self.metadata, detached=self.detach, nodes=tuple(self.nodes))
 
     @property
     def _growing(self) -> bool:
@@ -253,6 +260,21 @@ class Workflow:
     # -- results -------------------------------------------------------------------
     def has_output(self, step_id: str) -> bool:
         return step_id in self._outputs or step_id in self.failures
+
+    @property
+    def outputs(self) -> dict[str, Any]:
+        """The finished steps' outputs so far, ``{step_id: value}`` (parsed where the
+        step has an output type)."""
+        return dict(self._outputs)
+
+    def value(self, step_id: str) -> Any:
+        """Step ``step_id``'s output (an attached run's, by its wire id).
+
+        Raises:
+            StepFailed: the step failed (its typed failure).
+            SemanticVariableError: the step has no output yet.
+        """
+        return self.value_of(step_id)
 
     def value_of(self, step_id: str, path: tuple[str, ...] = ()) -> Any:
         if step_id in self.failures:
@@ -369,6 +391,11 @@ class Workflow:
         if exc_type is not None or not self.submit:
             self.status = "abandoned" if exc_type is not None else "recorded"
             return
+        if self.detach:
+            from flowlift.sdk.detached import submit_detached
+
+            submit_detached(self)
+            return
         from flowlift.sdk.client import run_sync
 
         run_sync(self)
@@ -396,6 +423,11 @@ class Workflow:
             return
         if exc_type is not None or not self.submit:
             self.status = "abandoned" if exc_type is not None else "recorded"
+            return
+        if self.detach:
+            from flowlift.sdk.detached import asubmit_detached
+
+            await asubmit_detached(self)
             return
         from flowlift.sdk.client import run_async
 

@@ -3,13 +3,15 @@
 * ``start`` creates a run (persisted before it starts) and starts it.
 * ``resume_all`` restarts every run the store holds as unfinished (after a crash or a
   restart): finished steps keep their outputs and are not run again. A resumed run is
-  parked until its client reconnects, so orphans never take engine capacity.
+  parked until its client reconnects, so orphans never take engine capacity (a
+  ``detached`` graph's run is not: it runs on without its client).
 * ``heartbeat`` (shared stores: several proxies on one database) renews the leases of
   the runs this proxy executes, stops those another proxy took over, and takes over the
   runs whose proxy stopped renewing (see :mod:`flowlift.proxy.workflows.store_pg`).
 * ``sweep`` cancels runs that nobody has listened to for ``detached_timeout_s`` (their
   client went away and did not come back), so orphans do not wait forever; an open run
-  whose app vanished before closing it goes the same way.
+  whose app vanished before closing it goes the same way. A ``detached`` graph's run is
+  never swept: it is meant to outlive its client.
 """
 
 from __future__ import annotations
@@ -248,7 +250,7 @@ class RunRegistry:
         self.store.prune(older_than_s=self.store_ttl_s, keep=self.store_keep)
         now = time.monotonic()
         for run in list(self.active.values()):
-            if run.log.listeners:
+            if run.log.listeners or run.graph.detached:
                 run.detached_since = None
             elif run.detached_since is None:
                 run.detached_since = now

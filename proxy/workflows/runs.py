@@ -109,6 +109,7 @@ class Run:
         self.log = EventLog(None if sink is None else functools.partial(sink, self.run_id),
                             restored.events if restored else ())
         self.resumed = restored is not None
+        self.parked = self.resumed and not graph.detached  # waits for its client to return
         self.outputs: dict[str, Any] = restored.outputs() if restored else {}
         self.failures: dict[str, str] = restored.failures() if restored else {}
         self.detached_since: float | None = None
@@ -174,7 +175,7 @@ class Run:
 
     # -- execution -------------------------------------------------------------------
     async def _execute(self) -> None:
-        if self.resumed:  # parked until its client reconnects (or the sweep cancels it)
+        if self.parked:  # until its client reconnects (or the sweep cancels it)
             try:
                 await self.log.listened.wait()
             except asyncio.CancelledError:

@@ -25,7 +25,16 @@ from flowlift.errors import (
     UserError,
     WorkflowFailed,
 )
-from flowlift.sdk import Regex, SemanticVariable, Workflow, step, tool, workflow
+from flowlift.sdk import (
+    Regex,
+    SemanticVariable,
+    Workflow,
+    aattach,
+    attach,
+    step,
+    tool,
+    workflow,
+)
 
 __version__ = "0.1.0"
 
@@ -52,6 +61,8 @@ __all__ = [
     "Workflow",
     "WorkflowFailed",
     "__version__",
+    "aattach",
+    "attach",
     "step",
     "tool",
     "workflow",

@@ -6,8 +6,12 @@
 * ``flowlift cancel RUN_ID`` -- cancel a running run (``DELETE /v1/workflows/{id}``).
 * ``flowlift export RUN_ID --format jsonl|csv`` -- one row per step: its output (or
   error) and its resolved prompt, the messages its model actually received.
+* ``flowlift result RUN_ID [-o FILE]`` -- the run's outputs as one JSON document
+  ``{"run_id", "status", "outputs": {step_id: value}, "failures": {step_id: reason}}``
+  (a detached run's results, :mod:`flowlift.sdk.detached`); exit status 1 while it is
+  still running or when it did not succeed (the document is written all the same).
 
-``runs``, ``show`` and ``export`` (and ``flowlift trace``) read the proxy's state database
+``runs``, ``show``, ``export``, ``result`` (and ``flowlift trace``) read the proxy's state database
 directly when no proxy answers at ``--base-url``: ``--state-db PATH``, else the first of
 ``runs/state.sqlite`` (what ``flowlift run`` starts its proxy with) and
 ``$FLOWLIFT_CACHE_DIR/state.sqlite`` (``flowlift serve``'s default) that exists.
@@ -268,6 +272,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def result_doc(doc: dict[str, Any]) -> dict[str, Any]:
+    """``flowlift result``'s document from a run (``GET /v1/workflows/{id}``'s answer)."""
+    return {"run_id": doc["run_id"], "status": doc.get("status"),
+            "outputs": doc.get("outputs") or {}, "failures": doc.get("failures") or {}}
+
+
+def cmd_result(args: argparse.Namespace) -> int:
+    doc = result_doc(fetch_run(args, args.run_id))
+    text = json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    if args.output and args.output != "-":
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(f"flowlift: wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    if doc["status"] != "succeeded":
+        print(f"flowlift result: run {args.run_id} is {doc['status']}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def guarded(command: Command) -> Command:
     """``command`` with :class:`CommandFailed` printed (``flowlift NAME: message``) and
     turned into its exit status."""
@@ -296,7 +320,8 @@ def add_common(p: argparse.ArgumentParser, default_base_url: str, *,
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                 default_base_url: str) -> None:
-    """Register ``runs``, ``show``, ``cancel`` and ``export`` on the CLI's subcommands."""
+    """Register ``runs``, ``show``, ``cancel``, ``export`` and ``result`` on the CLI's
+    subcommands."""
     p = sub.add_parser("runs", help="recent workflow runs, newest first")
     p.add_argument("--state", choices=("running", "succeeded", "failed", "cancelled"),
                    default=None, help="only runs in this state")
@@ -325,6 +350,13 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                    help="write here instead of stdout")
     add_common(p, default_base_url)
     p.set_defaults(func=guarded(cmd_export))
+
+    p = sub.add_parser("result", help="a run's outputs as JSON (e.g. a detached run's)")
+    p.add_argument("run_id", help="the run's id (wf-...)")
+    p.add_argument("--output", "-o", default=None, metavar="FILE",
+                   help="write here instead of stdout")
+    add_common(p, default_base_url)
+    p.set_defaults(func=guarded(cmd_result))
 
 
 def _limit(text: str) -> int:

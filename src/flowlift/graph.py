@@ -282,6 +282,9 @@ class Graph(_Model):
         open: the graph is what is known so far of a run that grows: more nodes may be
             appended (``POST /v1/workflows/{run_id}/nodes``) until the run is closed
             (``POST .../close``); the run finishes only once closed.
+        detached: the run outlives its client: the proxy never cancels it for want of a
+            listener and runs it on after a restart without waiting for the client
+            (``@tool`` steps still wait for a client to run them: attach to deliver).
         strict_deadline: refuse the run (HTTP 400) when the compiler finds ``deadline_s``
             infeasible, instead of running it with a warning.
     """
@@ -295,16 +298,17 @@ class Graph(_Model):
     strict_deadline: bool = False
     metadata: dict[str, Any] = {}
     open: bool = False
+    detached: bool = False
     nodes: tuple[Node, ...] = Field(min_length=1)
 
     def node_map(self) -> dict[str, LLMNode | ToolNode | InputNode]:
         return {n.id: n for n in self.nodes}
 
     def to_wire(self) -> dict[str, Any]:
-        """The JSON-ready document (``class`` spelled as on the wire; ``open`` only when
-        true, so a whole graph reads as it did before open runs existed)."""
-        return self.model_dump(mode="json", by_alias=True,
-                               exclude=None if self.open else {"open"})
+        """The JSON-ready document (``class`` spelled as on the wire; ``open`` and
+        ``detached`` only when true, so a whole graph reads as it did before them)."""
+        unset = {f for f in ("open", "detached") if not getattr(self, f)}
+        return self.model_dump(mode="json", by_alias=True, exclude=unset or None)
 
     def to_json(self, indent: int | None = 2) -> str:
         """The graph as JSON text: what ``POST /v1/workflows`` and ``flowlift compile``

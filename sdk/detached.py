@@ -1,0 +1,129 @@
+"""Detached runs: submit a graph and leave; follow a run later from anywhere.
+
+* :func:`submit_detached` (``workflow(..., detach=True)`` at block exit) posts the
+  graph with ``"detached": true`` and returns once the proxy has started the run: the
+  proxy never cancels it for want of a listener and runs it on after a restart.
+* :func:`attach` / :func:`aattach` follow a run by id (its events replayed from the
+  start, ``GET /v1/workflows/{run_id}/events``) and return a :class:`Workflow` whose
+  ``.outputs`` and ``.value(step_id)`` hold the results; a failed run raises
+  :class:`~flowlift.errors.WorkflowFailed` as a normal run does.
+
+``@tool`` steps of a detached run need a client that has the functions: they wait (the
+run's trace marks them ``waiting_tool``) until the same script runs them. An attached
+object has no tool functions, so it leaves them waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from httpx_sse import aconnect_sse, connect_sse
+
+from flowlift.sdk.client import _TIMEOUT, _AsyncDriver, _require_finished, _run_sync, _Session
+from flowlift.sdk.workflow import Workflow
+
+
+def submit_detached(wf: Workflow) -> str:
+    """Post ``wf``'s graph (detached) and return its run id as soon as the run started.
+
+    Raises:
+        RequestError, GraphError, AuthenticationError: the proxy refused the graph.
+        RunError: no run started within ``wf.reconnect_s`` seconds.
+    """
+    transport = wf.transport if isinstance(wf.transport, httpx.BaseTransport) else None
+    sess = _Session(wf)
+    with httpx.Client(base_url=wf.base_url, transport=transport, timeout=_TIMEOUT,
+                      headers=wf.http_headers()) as client:
+        while wf.run_id is None:
+            method, url, kwargs = sess.request()
+            try:
+                with connect_sse(client, method, url, **kwargs) as source:
+                    resp = source.response
+                    if sess.admit(resp.status_code, resp.headers, resp.read):
+                        for sse in source.iter_sse():
+                            sess.handle(sse)
+                            if wf.run_id is not None:
+                                break
+            except httpx.TransportError as exc:
+                time.sleep(sess.lost(exc))
+                continue
+            if wf.run_id is None:
+                time.sleep(sess.lost(None))
+    return wf.run_id
+
+
+async def asubmit_detached(wf: Workflow) -> str:
+    """:func:`submit_detached` for async code."""
+    transport = (wf.transport if isinstance(wf.transport, httpx.AsyncBaseTransport)
+                 else None)
+    sess = _Session(wf)
+    async with httpx.AsyncClient(base_url=wf.base_url, transport=transport,
+                                 timeout=_TIMEOUT, headers=wf.http_headers()) as client:
+        while wf.run_id is None:
+            method, url, kwargs = sess.request()
+            try:
+                async with aconnect_sse(client, method, url, **kwargs) as source:
+                    resp = source.response
+                    body = b"" if resp.status_code == 200 else await resp.aread()
+                    if sess.admit(resp.status_code, resp.headers, lambda b=body: b):
+                        async for sse in source.aiter_sse():
+                            sess.handle(sse)
+                            if wf.run_id is not None:
+                                break
+            except httpx.TransportError as exc:
+                await asyncio.sleep(sess.lost(exc))
+                continue
+            if wf.run_id is None:
+                await asyncio.sleep(sess.lost(None))
+    return wf.run_id
+
+
+def _attached(run_id: str, base_url: str | None, api_key: str | None,
+              transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None,
+              reconnect_s: float) -> Workflow:
+    wf = Workflow(run_id, base_url=base_url, api_key=api_key, transport=transport,
+                  submit=False, reconnect_s=reconnect_s, progress=False)
+    wf.run_id, wf.status = run_id, "running"
+    return wf
+
+
+def attach(run_id: str, *, base_url: str | None = None, api_key: str | None = None,
+           transport: httpx.BaseTransport | None = None,
+           reconnect_s: float = 300.0) -> Workflow:
+    """Follow run ``run_id`` to its end (blocking) and return it with its outputs.
+
+    Args:
+        run_id: the run's id (``wf.run_id`` of the detached workflow, ``flowlift runs``).
+        base_url: the proxy (default ``$FLOWLIFT_BASE_URL`` or ``http://127.0.0.1:8470``).
+        api_key: the proxy's API key (default ``$FLOWLIFT_API_KEY``).
+        transport: an ``httpx`` transport (tests inject one).
+        reconnect_s: how long to keep reconnecting after a lost event stream.
+
+    Returns:
+        The finished run: ``.outputs`` ({step_id: raw value}), ``.value(step_id)``,
+        ``.status``, ``.trace``.
+
+    Raises:
+        RequestError: no such run (HTTP 404).
+        WorkflowFailed: some step failed (``.failures`` says which and why).
+        RunError: the event stream ended before the run did.
+    """
+    wf = _attached(run_id, base_url, api_key, transport, reconnect_s)
+    _run_sync(wf, {}, None)
+    wf._check_failed()
+    return wf
+
+
+async def aattach(run_id: str, *, base_url: str | None = None, api_key: str | None = None,
+                  transport: httpx.AsyncBaseTransport | None = None,
+                  reconnect_s: float = 300.0) -> Workflow:
+    """:func:`attach` for async code (same arguments, result and errors)."""
+    wf = _attached(run_id, base_url, api_key, transport, reconnect_s)
+    async with httpx.AsyncClient(base_url=wf.base_url, transport=transport,
+                                 timeout=_TIMEOUT, headers=wf.http_headers()) as client:
+        await _AsyncDriver(wf, client).run()
+    _require_finished(wf)
+    wf._check_failed()
+    return wf

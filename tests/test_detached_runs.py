@@ -1,0 +1,148 @@
+"""Detached runs (issue 17 section 3): a run that outlives its script -- never swept
+for want of a listener, not parked after a restart; submitted with
+``workflow(..., detach=True)``, followed later with ``flowlift.attach`` / ``aattach``,
+its outputs written by ``flowlift result``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+import flowlift
+from flowlift import WorkflowFailed, step, tool, workflow
+from flowlift.cli import main
+from flowlift.costs import CostTracker
+from flowlift.graph import Graph
+from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.workflows.planning import plan
+from flowlift.proxy.workflows.registry import RunRegistry
+from flowlift.proxy.workflows.store import RunStore
+from flowlift.testing import FakeEngine
+
+GONE = "http://127.0.0.1:9"  # nothing answers there
+
+
+def _graph(detached: bool, *, tool_step: bool = False) -> Graph:
+    nodes: list[dict] = [{"kind": "llm", "id": "a", "model": "m", "messages": [
+        {"role": "user", "content": [{"text": "hi"}]}]}]
+    if tool_step:
+        nodes.append({"kind": "tool", "id": "t", "name": "lookup", "args": [{"ref": "a"}]})
+    return Graph.model_validate({"detached": detached, "nodes": nodes})
+
+
+@step(model="fake-model", max_tokens=20)
+def write(topic):
+    return f"Write about {topic}"
+
+
+@tool
+def lookup(text):
+    return f"looked up {text}"
+
+
+def test_detached_is_on_the_wire_only_when_true():
+    assert _graph(True).to_wire()["detached"] is True
+    assert "detached" not in _graph(False).to_wire()
+    assert Graph.model_validate(_graph(True).to_wire()).detached
+
+
+@pytest.mark.parametrize("detached", [True, False])
+async def test_a_detached_run_outlives_the_sweep_a_normal_one_does_not(detached):
+    store = RunStore(":memory:")
+    engine = FakeEngine(["m"])
+    registry = RunRegistry(store, detached_timeout_s=0.0)
+    graph = _graph(detached, tool_step=True)  # the tool step waits: nobody runs it
+    backends, costs = Backends({"m": engine}), CostTracker()
+    run = registry.start(graph, backends, costs, plan(graph, backends, costs))
+    await asyncio.sleep(0.05)
+    registry.sweep()  # notes nobody listens
+    registry.sweep()  # past the (zero) timeout
+    await asyncio.sleep(0.05)
+    if not detached:
+        await asyncio.wait([run.task])
+        assert store.load(run.run_id).status == "cancelled"
+        return
+    assert not run.finished and run.trace.steps["t"].status == "waiting_tool"
+    run.deliver_tool_result("t", "found")
+    await asyncio.wait_for(asyncio.wait([run.task]), 5)
+    assert store.load(run.run_id).status == "succeeded"
+    assert run.outputs["t"] == "found"
+
+
+@pytest.mark.parametrize("detached", [True, False])
+async def test_a_resumed_detached_run_runs_on_without_its_client(detached):
+    store = RunStore(":memory:")
+    store.create("wf-old", _graph(detached).to_wire())
+    engine = FakeEngine(["m"])
+    registry = RunRegistry(store, detached_timeout_s=0.0)
+    (run,) = registry.resume_all(Backends({"m": engine}), CostTracker())
+    await asyncio.sleep(0.05)  # (a task cancelled before it first runs records nothing)
+    registry.sweep()
+    registry.sweep()
+    await asyncio.wait_for(asyncio.wait([run.task]), 5)
+    assert store.load("wf-old").status == ("succeeded" if detached else "cancelled")
+    assert bool(engine.requests) is detached
+
+
+async def test_detach_returns_at_once_and_attach_reads_the_outputs(client):
+    base = str(client.make_url("")).rstrip("/")
+    async with workflow("detached", base_url=base, detach=True) as wf:
+        a = write("rivers")
+        b = write(a)
+    assert wf.run_id and wf.status == "running" and not wf.outputs
+    attached = await flowlift.aattach(wf.run_id, base_url=base)
+    assert attached.status == "succeeded"
+    assert set(attached.outputs) == {a.step_id, b.step_id}
+    assert attached.value(b.step_id).startswith("echo: ")
+
+    again = await asyncio.to_thread(flowlift.attach, wf.run_id, base_url=base)
+    assert again.outputs == attached.outputs  # replayed from the start, run finished
+
+
+async def test_sync_detach_returns_with_the_run_id(client):
+    base = str(client.make_url("")).rstrip("/")
+
+    def submit():
+        with workflow("detached-sync", base_url=base, detach=True) as wf:
+            write("hills")
+        return wf
+
+    wf = await asyncio.to_thread(submit)
+    assert wf.run_id and wf.status == "running"
+    attached = await flowlift.aattach(wf.run_id, base_url=base)
+    assert len(attached.outputs) == 1
+
+
+async def test_attached_run_that_fails_raises_and_its_tool_waits(client):
+    base = str(client.make_url("")).rstrip("/")
+    async with workflow("with-tool", base_url=base, detach=True) as wf:
+        lookup(write("lakes"))
+    follower = asyncio.ensure_future(flowlift.aattach(wf.run_id, base_url=base))
+    await asyncio.sleep(0.3)
+    assert not follower.done(), "the tool step should wait for a client with the function"
+    shown = await client.get(f"/v1/workflows/{wf.run_id}")
+    steps = [r for r in (await shown.json())["trace"] if r.get("type") == "step"]
+    assert "waiting_tool" in {r["status"] for r in steps}
+    await client.delete(f"/v1/workflows/{wf.run_id}")
+    with pytest.raises(WorkflowFailed):
+        await asyncio.wait_for(follower, 5)
+
+
+async def test_flowlift_result_writes_outputs_offline(tmp_path, capsys):
+    db = tmp_path / "state.sqlite"
+    store = RunStore(db)
+    store.create("wf-done", _graph(True).to_wire())
+    registry = RunRegistry(store)
+    (run,) = registry.resume_all(Backends({"m": FakeEngine(["m"])}), CostTracker())
+    await asyncio.wait_for(asyncio.wait([run.task]), 5)
+    out = tmp_path / "out.json"
+    assert await asyncio.to_thread(main, ["result", "wf-done", "--base-url", GONE,
+                                         "--state-db", str(db), "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["status"] == "succeeded" and set(doc["outputs"]) == {"a"}
+    assert doc["failures"] == {}
+    assert await asyncio.to_thread(main, ["result", "wf-nope", "--base-url", GONE,
+                                         "--state-db", str(db)]) == 1
+    assert "wf-nope" in capsys.readouterr().err
