@@ -13,6 +13,7 @@ import pytest
 import flowlift
 from flowlift import WorkflowFailed, step, tool, workflow
 from flowlift.cli import main
+from flowlift.cli_runs import show_text
 from flowlift.costs import CostTracker
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
@@ -125,6 +126,7 @@ async def test_attached_run_that_fails_raises_and_its_tool_waits(client):
     shown = await client.get(f"/v1/workflows/{wf.run_id}")
     steps = [r for r in (await shown.json())["trace"] if r.get("type") == "step"]
     assert "waiting_tool" in {r["status"] for r in steps}
+    assert "waiting for a client to run @tool steps: " in show_text(await shown.json())
     await client.delete(f"/v1/workflows/{wf.run_id}")
     with pytest.raises(WorkflowFailed):
         await asyncio.wait_for(follower, 5)

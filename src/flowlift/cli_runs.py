@@ -187,7 +187,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def show_text(doc: dict[str, Any]) -> str:
-    """``flowlift show``'s text: a status line, the outputs, the failures with reasons."""
+    """``flowlift show``'s text: a status line, the ``@tool`` steps waiting for a client,
+    the outputs, the failures with reasons."""
     from flowlift.tracing.summary import stage_summary
 
     head: dict[str, Any] = next((r for r in doc.get("trace") or [] if r.get("type") == "run"),
@@ -199,6 +200,10 @@ def show_text(doc: dict[str, Any]) -> str:
              f"tokens: {tokens['prompt']} prompt ({tokens['cached']} cached), "
              f"{tokens['completion']} generated"]
     outputs, failures = doc.get("outputs") or {}, doc.get("failures") or {}
+    waiting = [r["step_id"] for r in doc.get("trace") or []
+               if r.get("type") == "step" and r.get("status") == "waiting_tool"]
+    if waiting:  # e.g. a detached run's @tool steps: they need a script with the functions
+        lines.append("waiting for a client to run @tool steps: " + ", ".join(waiting))
     if outputs:
         lines.append(f"outputs ({len(outputs)}):")
         lines += [f"  {sid}: {_preview(value)}" for sid, value in outputs.items()]
