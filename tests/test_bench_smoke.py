@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SMOKED = ["batch_pipeline.py", "mixed_load.py", "tiers.py"]
+SMOKED = ["agent_session.py", "batch_pipeline.py", "cascade.py", "chain_rtt.py", "mixed_load.py",
+          "tiers.py"]
 
 
 def _results() -> list[tuple[str, int]]:
