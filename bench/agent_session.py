@@ -18,6 +18,7 @@ the per-turn ratio stateless / reuse, for a 6-turn and a 35-turn session. The se
 reports 2.1x per turn for 6 turns and 4.2x median for 35 (against vLLM/SGLang on GPUs).
 
     .venv/bin/python bench/agent_session.py [--turns 6 35] [--max-tokens 12]
+    .venv/bin/python bench/agent_session.py --smoke   # seconds, fake engine: plumbing only
 """
 
 from __future__ import annotations
@@ -161,7 +162,11 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=None,
                         help="the engine's KV block size (flowlift serve --block-size; "
                              "default: vLLM's, 128 on CPU)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="fake engine, one 3-turn session, nothing saved")
     args = parser.parse_args()
+    if args.smoke:
+        args.turns, args.max_tokens = [3], 6
     results: dict[str, Any] = {
         "max_tokens": args.max_tokens, "arms": {
             "reuse": "same session, X-Flowlift-Session, engine prefix cache",
@@ -172,7 +177,8 @@ def main() -> int:
     extra = ("--block-size", str(args.block_size)) if args.block_size else ()
     name = f"agent_session_bs{args.block_size}" if args.block_size else "agent_session"
     results["block_size"] = args.block_size
-    with proxy("--max-concurrency", "4", *extra, name=name) as base, \
+    with proxy("--max-concurrency", "4", *extra, name=name,
+               engine="fake" if args.smoke else "vllm") as base, \
             httpx.Client(base_url=base, timeout=600) as client:
         chat(client, [{"role": "user", "content": "warm up"}], 4, None)
         for turns in args.turns:
@@ -182,7 +188,7 @@ def main() -> int:
             out["wall_s"] = round(time.monotonic() - t0, 1)
             results[f"turns_{turns}"] = out
             print({k: v for k, v in out.items() if k not in ("turns",)}, flush=True)
-    save(name, results)
+    save(name, results, smoke=args.smoke)
     return 0
 
 

@@ -14,6 +14,10 @@ prefix cache. The engine lower bound is the unique work over the engine's measur
 ceiling: uncached prompt tokens / max prefill tok/s + generated tokens / max decode tok/s.
 
     .venv/bin/python bench/batch_pipeline.py [--docs 32]
+    .venv/bin/python bench/batch_pipeline.py --smoke   # seconds, fake engine: plumbing only
+
+The proxy serves the example's config (examples/stdlib_docs/flowlift.toml): its
+``classify`` is a ``small -> large`` cascade, so those model names must exist.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import openai
 
-from bench.harness import engine_ceiling, proxy, save
+from bench.harness import EXAMPLE_CONFIG, engine_ceiling, proxy, save
 from examples.stdlib_docs import pipeline as ex
 from examples.stdlib_docs.corpus import AREAS, load_documents
 from flowlift import workflow
@@ -162,11 +166,16 @@ def main() -> int:
     parser.add_argument("--docs", type=int, default=32)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 16])
     parser.add_argument("--skip-sequential", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="fake engine, 3 documents, gather(2) only, nothing saved")
     args = parser.parse_args()
+    if args.smoke:
+        args.docs, args.concurrency, args.skip_sequential = 3, [2], True
     docs = load_documents(args.docs)
     ex.corpus_index()
     results: dict[str, Any] = {"documents": len(docs)}
-    with proxy(name="batch_pipeline") as base:
+    with proxy("--config", str(EXAMPLE_CONFIG), name="batch_pipeline",
+               engine="fake" if args.smoke else "vllm") as base:
         results["ceiling"] = asyncio.run(engine_ceiling(base))
         print("engine ceiling", results["ceiling"], flush=True)
         _set_preamble("flowlift")
@@ -194,7 +203,7 @@ def main() -> int:
         ratios["sequential_over_flowlift"] = results["sequential"]["makespan_s"] / fl["makespan_s"]
     results["ratios"] = {k: round(v, 2) for k, v in ratios.items()}
     print(json.dumps(results["ratios"]))
-    save("batch_pipeline", results)
+    save("batch_pipeline", results, smoke=args.smoke)
     return 0
 
 

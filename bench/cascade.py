@@ -23,7 +23,9 @@ The models, honestly (no larger chat model is available offline here):
 
 Run: ``.venv/bin/python bench/cascade.py --engine vllm`` (a few minutes on 2 CPU
 cores: one engine load, 3 x 42 labels plus the escalations) or ``--engine fake``
-(seconds). Writes ``bench/results/cascade.<engine>.json``.
+(seconds). Writes ``bench/results/cascade.<engine>.json``. ``--smoke``: the fake
+engine on 8 documents, one floor, its log and results in a temporary folder (the
+plumbing in seconds; tests/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -261,28 +263,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="first N documents")
     parser.add_argument("--floors", default="0.7,0.8",
                         help="confidence floors of the cascade runs (default 0.7,0.8)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="fake engine, 8 documents, floor 0.7, nothing in bench/results")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.engine, args.limit, args.floors = "fake", 8, "0.7"
     docs = load_documents(args.limit)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     shims = {role: Shim(role, args.engine) for role in
              (("small", "large") if args.engine == "fake" else ("large",))}
     ports = {role: free_port() for role in shims}
     for role, shim in shims.items():
         shim.serve(ports[role])
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "cascade.toml"
-        cfg.write_text(config_toml(ports))
-        serve = ("--config", str(cfg), "--engine", args.engine, "--state-db",
-                 str(Path(tmp) / "state.sqlite"), "--log-level", "warning")
-        with running_proxy(*serve, log_path=RESULTS / "cascade.log") as (base, _):
-            for shim in shims.values():
-                shim.proxy_url = base
-            os.environ["FLOWLIFT_BASE_URL"] = base
-            floors = [float(f) for f in args.floors.split(",")]
-            rows = [run_mode("small", docs), run_mode("large", docs),
-                    *(run_mode("cascade", docs, f) for f in floors)]
-            graph = cascade_graph(docs, floors[0])
-            report = httpx.post(f"{base}/v1/workflows:compile", json=graph, timeout=120).json()
+        out_dir = Path(tmp) if args.smoke else RESULTS
+        out_dir.mkdir(parents=True, exist_ok=True)
+        summary = run_all(args, docs, Path(tmp), out_dir, ports, shims)
+        report(summary, out_dir / f"cascade.{args.engine}.json")
+    return 0
+
+
+def run_all(args: argparse.Namespace, docs: list[Document], tmp: Path, out_dir: Path,
+            ports: dict[str, int], shims: dict[str, Shim]) -> dict[str, Any]:
+    """The proxy (with the shims as upstreams), every mode's run and the compiler's
+    report after them; returns the summary."""
+    cfg = tmp / "cascade.toml"
+    cfg.write_text(config_toml(ports))
+    serve = ("--config", str(cfg), "--engine", args.engine, "--state-db",
+             str(tmp / "state.sqlite"), "--log-level", "warning")
+    with running_proxy(*serve, log_path=out_dir / "cascade.log") as (base, _):
+        for shim in shims.values():
+            shim.proxy_url = base
+        os.environ["FLOWLIFT_BASE_URL"] = base
+        floors = [float(f) for f in args.floors.split(",")]
+        rows = [run_mode("small", docs), run_mode("large", docs),
+                *(run_mode("cascade", docs, f) for f in floors)]
+        graph = cascade_graph(docs, floors[0])
+        compiled = httpx.post(f"{base}/v1/workflows:compile", json=graph,
+                              timeout=120).json()
     small, large, cascades = rows[0], rows[1], rows[2:]
     summary = {
         "engine": args.engine, "documents": len(docs), "prices_per_1k": PRICES,
@@ -292,9 +309,15 @@ def main(argv: list[str] | None = None) -> int:
             "pass_rate_delta": round(c["pass_rate"] - large["pass_rate"], 4)}
             for c in cascades],
         "calibration": calibration(docs, small, cascades[0]),
-        "compiler_after_runs": report.get("cascade_totals"),
-        "learned_failure_rates": (report.get("cascades") or [{}])[0].get("failure_rates")}
-    out = RESULTS / f"cascade.{args.engine}.json"
+        "compiler_after_runs": compiled.get("cascade_totals"),
+        "learned_failure_rates": (compiled.get("cascades") or [{}])[0].get("failure_rates"),
+        "floors": floors}
+    return summary
+
+
+def report(summary: dict[str, Any], out: Path) -> None:
+    """Write ``summary`` to ``out`` and print its table."""
+    rows, floors = summary["modes"], summary["floors"]
     out.write_text(json.dumps(summary, indent=1))
     print(f"\n{'mode':<12} {'pass':>6} {'contract fail':>13} {'escalated':>9} {'tokens':>7} "
           f"{'cost':>8} {'wall s':>7}")
@@ -306,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compiler's estimate after the runs (floor {floors[0]}): "
           f"{summary['compiler_after_runs']}")
     print(f"written to {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Reported: makespan, the sum of model time (engine time per call: the trace for
 flowlift, the ``Server-Timing`` header for app-driven) and their ratio.
 
     .venv/bin/python bench/chain_rtt.py [--steps 30] [--rtt-ms 80]
+    .venv/bin/python bench/chain_rtt.py --smoke   # seconds, fake engine: plumbing only
 """
 
 from __future__ import annotations
@@ -119,9 +120,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rtt-ms", type=float, default=80.0)
+    parser.add_argument("--smoke", action="store_true",
+                        help="fake engine, 4 steps, 20 ms, nothing saved")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.rtt_ms = 4, 20.0
     results: dict[str, Any] = {"steps": args.steps, "rtt_ms": args.rtt_ms}
-    with proxy(name="chain_rtt") as base:
+    with proxy(name="chain_rtt", engine="fake" if args.smoke else "vllm") as base:
         port = int(base.rsplit(":", 1)[1])
         line = DelayLine(port, args.rtt_ms / 2000.0)
         far = f"http://127.0.0.1:{line.port}"
@@ -138,7 +143,7 @@ def main() -> int:
     results["upstream_connections_per_workflow"] = (
         "n/a here: the engine is in process; for upstream models the count is checked by "
         "tests/test_upstream_routing.py -k connections (0 new connections after warm-up)")
-    save("chain_rtt", results)
+    save("chain_rtt", results, smoke=args.smoke)
     return 0
 
 

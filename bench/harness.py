@@ -1,5 +1,9 @@
 """Shared benchmark plumbing: start a real proxy (embedded vLLM engine) once, measure
-the engine's ceiling, write results as JSON next to RESULTS.md."""
+the engine's ceiling, write results as JSON next to RESULTS.md.
+
+Every benchmark also has a ``--smoke`` mode (``proxy(..., engine="fake")``, results in a
+temporary folder) that tests/test_bench_smoke.py runs, so a benchmark that stops
+running fails the test suite."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +21,7 @@ import openai
 
 from flowlift.testing import free_port, running_proxy
 
-__all__ = ["RESULTS", "engine_ceiling", "free_port", "pct", "proxy", "save"]
+__all__ = ["EXAMPLE_CONFIG", "RESULTS", "engine_ceiling", "free_port", "pct", "proxy", "save"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -25,18 +30,52 @@ RESULTS = ROOT / "bench" / "results"
 os.environ.setdefault("FLOWLIFT_CACHE_DIR", str(ROOT / ".cache" / "flowlift"))
 
 
+EXAMPLE_CONFIG = ROOT / "examples" / "stdlib_docs" / "flowlift.toml"
+
+
 @contextlib.contextmanager
-def proxy(*extra: str, name: str = "proxy") -> Iterator[str]:
-    """A ``flowlift serve`` with the real engine; yields its base URL."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    log = RESULTS / f"{name}.log"
-    log.unlink(missing_ok=True)
+def proxy(*extra: str, name: str = "proxy", engine: str = "vllm") -> Iterator[str]:
+    """A ``flowlift serve``; yields its base URL.
+
+    Args:
+        extra: more ``flowlift serve`` flags.
+        name: the log's name (``bench/results/<name>.log`` with the real engine).
+        engine: ``"vllm"`` (the real engine; log in bench/results) or ``"fake"``
+            (``--engine fake`` for smoke runs: log in a temporary folder, nothing is
+            written into bench/results).
+
+    Raises:
+        RuntimeError: the proxy did not become ready (from ``running_proxy``).
+    """
     t0 = time.monotonic()
-    args = ("--state-db", ":memory:", "--log-level", "warning", *extra)
-    with running_proxy(*args, log_path=log) as (base, _):
-        print(f"[{name}] proxy ready in {time.monotonic() - t0:.0f} s ({' '.join(extra)})",
-              flush=True)
+    chosen = ("--engine", "fake") if engine == "fake" else ()  # else serve's own default
+    args = (*chosen, "--state-db", ":memory:", "--log-level", "warning", *extra)
+    with contextlib.ExitStack() as stack:
+        if engine == "fake":
+            log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / f"{name}.log"
+        else:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            log = RESULTS / f"{name}.log"
+            log.unlink(missing_ok=True)
+        base, _ = stack.enter_context(running_proxy(
+            *args, log_path=log, ready_timeout_s=120 if engine == "fake" else 900))
+        print(f"[{name}] proxy ({engine}) ready in {time.monotonic() - t0:.0f} s "
+              f"({' '.join(extra)})", flush=True)
         yield base
+
+
+def save(name: str, data: dict[str, Any], *, smoke: bool = False) -> Path | None:
+    """Write ``bench/results/<name>.json`` (with a ``when`` stamp); a smoke run writes
+    nothing and returns None."""
+    if smoke:
+        print(f"smoke: {name} results not saved", flush=True)
+        return None
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    data = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), **data}
+    path.write_text(json.dumps(data, indent=2))
+    print(f"results: {path}")
+    return path
 
 
 async def engine_ceiling(base: str, concurrency: int = 16) -> dict[str, float]:
@@ -69,15 +108,6 @@ async def engine_ceiling(base: str, concurrency: int = 16) -> dict[str, float]:
     await client.close()
     return {"prefill_tps": round(prefill_tps, 1), "decode_tps": round(decode_tps, 1),
             "concurrency": concurrency}
-
-
-def save(name: str, data: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    data = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), **data}
-    path.write_text(json.dumps(data, indent=2))
-    print(f"results: {path}")
-    return path
 
 
 def pct(values: list[float], q: float) -> float:

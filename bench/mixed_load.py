@@ -13,6 +13,10 @@ Reported: interactive p50/p99 latency loaded vs unloaded, batch throughput (step
 mixed vs alone, for both schedulers.
 
     .venv/bin/python bench/mixed_load.py [--docs 24] [--interactive 8]
+    .venv/bin/python bench/mixed_load.py --smoke   # seconds, fake engine: plumbing only
+
+The proxies serve the example's config (examples/stdlib_docs/flowlift.toml): its
+``classify`` is a ``small -> large`` cascade, so those model names must exist.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import pct, proxy, save
+from bench.harness import EXAMPLE_CONFIG, pct, proxy, save
 from examples.stdlib_docs import pipeline as ex
 from examples.stdlib_docs.corpus import load_documents
 from flowlift import step, workflow
@@ -64,8 +68,10 @@ BASE_PREAMBLE = ex.PREAMBLE
 
 
 def scenario(scheduling: str, docs: list[Any], n_interactive: int,
-             every_s: float) -> dict[str, Any]:
-    with proxy("--scheduling", scheduling, name=f"mixed_{scheduling}") as base:
+             every_s: float, engine: str = "vllm",
+             extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    with proxy("--scheduling", scheduling, *extra, "--config", str(EXAMPLE_CONFIG),
+               name=f"mixed_{scheduling}", engine=engine) as base:
         interactive(base, -1)  # warm-up
         alone = [interactive(base, i) for i in range(4)]
         batch_alone = batch(base, docs, f"{scheduling} alone")
@@ -104,17 +110,25 @@ def main() -> int:
     parser.add_argument("--docs", type=int, default=24)
     parser.add_argument("--interactive", type=int, default=8)
     parser.add_argument("--every-s", type=float, default=4.0)
+    parser.add_argument("--smoke", action="store_true",
+                        help="fake engine (0.03 s a token), 4 documents, 2 arrivals 0.1 s "
+                             "apart, nothing saved")
     args = parser.parse_args()
+    extra: tuple[str, ...] = ()
+    if args.smoke:
+        args.docs, args.interactive, args.every_s = 4, 2, 0.1
+        extra = ("--fake-delay-s", "0.03")  # the batch still runs when the arrivals come
     docs = load_documents(args.docs)
     results: dict[str, Any] = {"documents": len(docs), "batch_steps": 2 * len(docs)}
     for scheduling in ("priority", "fcfs"):
-        results[scheduling] = scenario(scheduling, docs, args.interactive, args.every_s)
+        results[scheduling] = scenario(scheduling, docs, args.interactive, args.every_s,
+                                       engine="fake" if args.smoke else "vllm", extra=extra)
     p, f = results["priority"], results["fcfs"]
     results["fcfs_over_priority_interactive_p50_loaded"] = round(
         f["interactive_loaded_s"]["p50"] / p["interactive_loaded_s"]["p50"], 2)
     results["priority_over_fcfs_batch_throughput_mixed"] = round(
         p["batch_mixed"]["steps_per_s"] / f["batch_mixed"]["steps_per_s"], 2)
-    save("mixed_load", results)
+    save("mixed_load", results, smoke=args.smoke)
     return 0
 
 

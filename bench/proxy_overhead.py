@@ -29,7 +29,8 @@ Pinning: this process (the load generator) runs on core 0; the fake upstream and
 proxy under test on core 1 (``os.sched_setaffinity``; needs >= 2 cores, else unpinned).
 
     .venv/bin/python bench/proxy_overhead.py            # full run, ~3-5 min
-    .venv/bin/python bench/proxy_overhead.py --quick    # smoke run, ~30 s + LiteLLM start
+    .venv/bin/python bench/proxy_overhead.py --quick    # short run, ~30 s + LiteLLM start
+    .venv/bin/python bench/proxy_overhead.py --smoke    # seconds, no LiteLLM, nothing saved
     .venv/bin/python bench/proxy_overhead.py --quick --paths bare,flowlift --profile cprofile
 
 Writes ``bench/results/proxy_overhead.json`` (``--quick``: ``$TMPDIR/proxy_overhead.quick.json``)
@@ -136,13 +137,14 @@ class Server:
     why: str | None = None
     version: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    log_dir: Path = RESULTS          # its log: proxy_overhead.<name>.log here
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
     def start(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        self.log = RESULTS / f"proxy_overhead.{self.name}.log"
+        self.log = self.log_dir / f"proxy_overhead.{self.name}.log"
         out = self.log.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                      env={**os.environ, **(env or {})},
@@ -189,26 +191,16 @@ async def wait_ready(session: aiohttp.ClientSession, srv: Server, timeout_s: flo
     raise RuntimeError(f"not ready after {timeout_s:.0f} s (last: {last}); log: {srv.log_tail()}")
 
 
-def flowlift_has_config() -> tuple[bool, str]:
-    exe = ROOT / ".venv" / "bin" / "flowlift"
-    if not exe.exists():
-        return False, f"{exe} not found (run scripts/install.sh)"
-    out = subprocess.run([str(exe), "serve", "--help"], capture_output=True, text=True,
-                         timeout=120)
-    if "--config" not in out.stdout:
-        return False, ("`flowlift serve` has no --config option yet (OpenAI upstream "
-                       "backends not implemented)")
-    return True, ""
-
-
 def flowlift_toml(upstream: str) -> str:
     src = (BENCH / "proxy_overhead.toml").read_text()
     return re.sub(r'base_url = "[^"]*"', f'base_url = "{upstream}/v1"', src)
 
 
-def start_servers(tmp: Path, wanted: list[str], profile: str | None) -> dict[str, Server]:
-    """Starts every wanted server (not waiting for readiness)."""
-    up = Server("upstream")
+def start_servers(tmp: Path, wanted: list[str], profile: str | None,
+                  log_dir: Path = RESULTS) -> dict[str, Server]:
+    """Starts every wanted server (not waiting for readiness); their logs go to
+    ``log_dir``."""
+    up = Server("upstream", log_dir=log_dir)
     port = free_port()
     up.start([PY, str(BENCH / "fake_upstream.py"), "--port", str(port), "--chunks", "20"])
     up.base = f"http://127.0.0.1:{port}"
@@ -218,7 +210,7 @@ def start_servers(tmp: Path, wanted: list[str], profile: str | None) -> dict[str
     servers["direct"] = direct
 
     if "bare" in wanted:
-        s = Server("bare")
+        s = Server("bare", log_dir=log_dir)
         port = free_port()
         s.start([PY, str(BENCH / "bare_forwarder.py"), "--upstream", up.base,
                  "--port", str(port)])
@@ -227,23 +219,19 @@ def start_servers(tmp: Path, wanted: list[str], profile: str | None) -> dict[str
         servers["bare"] = s
 
     if "flowlift" in wanted:
-        s = Server("flowlift")
-        ok, why = flowlift_has_config()
-        if ok:
-            cfg = tmp / "proxy_overhead.toml"
-            cfg.write_text(flowlift_toml(up.base))
-            port = free_port()
-            args = ["serve", "--config", str(cfg), "--port", str(port),
-                    "--state-db", ":memory:", "--log-level", "warning"]
-            if profile == "cprofile":  # CPU-time profile, written when the server stops
-                s.extra["profile_file"] = str(CPROFILE_OUT.relative_to(ROOT))
-                s.start([PY, "-c", CPROFILE_WRAPPER, str(CPROFILE_OUT), *args])
-            else:
-                s.start([str(ROOT / ".venv" / "bin" / "flowlift"), *args])
-            s.base = f"http://127.0.0.1:{port}"
-            s.extra["config"] = cfg.read_text()
-        else:
-            s.why = why
+        s = Server("flowlift", log_dir=log_dir)
+        cfg = tmp / "proxy_overhead.toml"
+        cfg.write_text(flowlift_toml(up.base))
+        port = free_port()
+        args = ["serve", "--config", str(cfg), "--port", str(port),
+                "--state-db", ":memory:", "--log-level", "warning"]
+        if profile == "cprofile":  # CPU-time profile, written when the server stops
+            s.extra["profile_file"] = str(CPROFILE_OUT.relative_to(ROOT))
+            s.start([PY, "-c", CPROFILE_WRAPPER, str(CPROFILE_OUT), *args])
+        else:  # this interpreter's flowlift (a worktree has no .venv/bin/flowlift)
+            s.start([PY, "-m", "flowlift.cli", *args])
+        s.base = f"http://127.0.0.1:{port}"
+        s.extra["config"] = cfg.read_text()
         with contextlib.suppress(Exception):
             from importlib.metadata import version
             git = ["git", "-C", str(ROOT)]
@@ -256,7 +244,7 @@ def start_servers(tmp: Path, wanted: list[str], profile: str | None) -> dict[str
         servers["flowlift"] = s
 
     if "litellm" in wanted:
-        s = Server("litellm")
+        s = Server("litellm", log_dir=log_dir)
         exe = LITELLM_VENV / "bin" / "litellm"
         if not exe.exists():
             s.why = f"{exe} not found: run `bash bench/setup_litellm.sh` first"
@@ -481,12 +469,12 @@ def table(results: dict[str, Any], paths: list[str]) -> str:
 # --------------------------------------------------------------------------- main
 
 @contextlib.contextmanager
-def running(wanted: list[str],
-            profile: str | None) -> Iterator[tuple[dict[str, Server], Path]]:
+def running(wanted: list[str], profile: str | None,
+            smoke: bool = False) -> Iterator[tuple[dict[str, Server], Path]]:
     tmp = Path(tempfile.mkdtemp(prefix="proxy_overhead."))
     servers: dict[str, Server] = {}
     try:
-        servers = start_servers(tmp, wanted, profile)
+        servers = start_servers(tmp, wanted, profile, log_dir=tmp if smoke else RESULTS)
         yield servers, tmp
     finally:
         for s in reversed(list(servers.values())):
@@ -548,9 +536,12 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
     wanted = [p for p in PATHS if p in a.paths]
     t_start = time.monotonic()
     load0 = list(os.getloadavg())
-    with running(wanted, a.profile) as (servers, _tmp):
+    with running(wanted, a.profile, a.smoke) as (servers, _tmp):
         await wait_all(servers, wanted, a.ready_timeout)
         paths = [p for p in wanted if servers[p].available]
+        if a.smoke and paths != wanted:  # a smoke run checks that every path still runs
+            raise SystemExit("smoke: paths did not start: " + "; ".join(
+                f"{p}: {servers[p].why}" for p in wanted if p not in paths))
         print(f"servers up after {time.monotonic() - t_start:.0f} s; pinning: "
               + (f"load generator on core {LOADGEN_CORE}, fake upstream + proxies on core "
                  f"{SERVER_CORE}" if PINNED else "none (fewer than 2 cores)"), flush=True)
@@ -708,7 +699,10 @@ def summarize_cprofile(path: Path, top: int = 40) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run (~30 s)")
+    p.add_argument("--quick", action="store_true", help="short run (~30 s)")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds: direct,bare,flowlift only, a few requests, nothing saved "
+                   "(tests/test_bench_smoke.py runs it)")
     p.add_argument("--requests", type=int, help="sequential requests per path and mode")
     p.add_argument("--warmup", type=int, help="warm-up requests per path and mode")
     p.add_argument("--slow-ms", type=float, default=20.0,
@@ -728,6 +722,9 @@ def main() -> None:
     p.add_argument("--out", help="results name in bench/results (default: proxy_overhead; "
                    "--quick: a file in the temp dir, not under bench/results)")
     a = p.parse_args()
+    if a.smoke:
+        a.quick, a.paths, a.profile, a.out = True, "direct,bare,flowlift", None, None
+        a.requests, a.warmup, a.duration, a.slow_requests = 20, 5, 0.3, 10
     q = a.quick
     a.requests = a.requests or (150 if q else 2000)
     a.warmup = a.warmup if a.warmup is not None else (20 if q else 200)
@@ -737,13 +734,16 @@ def main() -> None:
     a.paths = ["direct", *(x for x in a.paths.split(",") if x in PATHS and x != "direct")]
     if PINNED:
         os.sched_setaffinity(0, {LOADGEN_CORE})
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    if not a.smoke:
+        RESULTS.mkdir(parents=True, exist_ok=True)
     try:
         import uvloop
         data = uvloop.run(bench(a))
     except ImportError:
         data = asyncio.run(bench(a))
-    if (q or a.profile) and not a.out:
+    if a.smoke:
+        print("smoke: proxy_overhead results not saved")
+    elif (q or a.profile) and not a.out:
         path = Path(tempfile.gettempdir()) / (
             "proxy_overhead." + ("profile" if a.profile else "quick") + ".json")
         path.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), **data},

@@ -21,6 +21,7 @@ and this load generator to core 0 when there are two cores.
 
     .venv/bin/python bench/tracing_overhead.py [--requests 300] [--runs 30]
     .venv/bin/python bench/tracing_overhead.py --export-only   # the in-process figures
+    .venv/bin/python bench/tracing_overhead.py --smoke   # seconds: plumbing only, no file
 
 Writes ``bench/results/tracing_overhead.json`` and prints a table.
 """
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
-from bench.harness import RESULTS, pct, save
+from bench.harness import pct, save
 from flowlift.testing import free_port, running_proxy
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -154,7 +155,7 @@ def export_cost(runs: int = 50, steps: int = 24) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def both(tmp: Path):
+def both(tmp: Path, pin: bool = True):
     port = free_port()
     upstream = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fake_upstream.py"),
                                  "--port", str(port), "--chunks", "20"])
@@ -170,7 +171,7 @@ def both(tmp: Path):
                 cm = running_proxy(*common, log_path=tmp / "untraced.log")
                 with cm as (untraced, p2):
                     os.environ.pop("OTEL_SDK_DISABLED", None)
-                    if (os.cpu_count() or 1) >= 2:
+                    if pin and (os.cpu_count() or 1) >= 2:
                         for pid in (p1.pid, p2.pid, upstream.pid):
                             os.sched_setaffinity(pid, {1})
                         os.sched_setaffinity(0, {0})
@@ -188,12 +189,16 @@ async def main() -> None:
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--export-only", action="store_true",
                     help="only the in-process span building / serialising figures")
+    ap.add_argument("--smoke", action="store_true",
+                    help="5 requests, 2 runs, no core pinning, nothing saved")
     a = ap.parse_args()
-    cost = export_cost()
+    if a.smoke:
+        a.requests, a.runs = 5, 2
+    cost = export_cost(runs=5 if a.smoke else 50)
     print("per 24-step run: " + ", ".join(f"{k} {v:.2f}" for k, v in cost.items()))
     if a.export_only:
         return
-    with tempfile.TemporaryDirectory() as d, both(Path(d)) as servers:
+    with tempfile.TemporaryDirectory() as d, both(Path(d), pin=not a.smoke) as servers:
         results: dict[str, Any] = {
             kind: await measure(servers, kind, a.runs if kind == "workflow" else a.requests
                                 * (4 if kind.startswith("forward") else 1))
@@ -211,8 +216,7 @@ async def main() -> None:
               f"{t['p99_ms'] / u['p99_ms']:>8.2f} "
               f"{t['cpu_ms_per_request'] / max(u['cpu_ms_per_request'], 1e-9):>11.2f}")
     print(f"spans exported by the traced proxy: {results['spans_exported']}")
-    save("tracing_overhead", {"args": vars(a), "in_process": cost, **results})
-    print(f"written: {RESULTS / 'tracing_overhead.json'}")
+    save("tracing_overhead", {"args": vars(a), "in_process": cost, **results}, smoke=a.smoke)
 
 
 if __name__ == "__main__":

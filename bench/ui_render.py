@@ -6,6 +6,7 @@ and the median is reported with the page's size. Pure rendering, no server: what
 proxy adds to ``GET /ui/workflows/{id}`` on top of ``GET /v1/workflows/{id}``.
 
     .venv/bin/python bench/ui_render.py [--docs 42 250 1000] [--repeat 5]
+    .venv/bin/python bench/ui_render.py --smoke   # 10 documents, once: seconds
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--docs", type=int, nargs="+", default=[42, 250, 1000])
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="10 documents, drawn once")
     args = ap.parse_args()
+    if args.smoke:
+        args.docs, args.repeat = [10], 1
     rows = []
     for docs in args.docs:
         doc, deps = synthetic(docs)

@@ -1,5 +1,6 @@
 """Benchmarks' ``--smoke`` modes run end to end on the fake engine (plumbing only: no
-figure is checked)."""
+figure is checked), so a benchmark that stops running fails the suite. bench/*.sh need
+the real engine and have no smoke."""
 
 from __future__ import annotations
 
@@ -7,12 +8,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+SMOKED = ["agent_session.py", "batch_pipeline.py", "cascade.py", "chain_rtt.py",
+          "make_batch_graph.py", "mixed_load.py", "proxy_overhead.py", "tiers.py",
+          "tracing_overhead.py", "ui_render.py"]
+
+
+def _results() -> list[tuple[str, int]]:
+    return sorted((p.name, p.stat().st_mtime_ns) for p in (ROOT / "bench" / "results").glob("*"))
+
+
+def _smoke(script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, f"bench/{script}", "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_agent_loop_smoke_exits_0():
-    done = subprocess.run([sys.executable, "bench/agent_loop.py", "--smoke"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = _smoke("agent_loop.py")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for variant in ("a_agent_step", "b_open_run", "c_chat_completions", "d_stateless"):
         assert variant in done.stdout
+
+
+@pytest.mark.parametrize("script", SMOKED)
+def test_bench_smoke_exits_0(script):
+    before = _results()
+    done = _smoke(script)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert _results() == before  # a smoke run writes nothing into bench/results
