@@ -134,6 +134,9 @@ class GenerationRequest:
             ``"flex"``. Engines ignore it.
         tool_choice: with ``tools``: ``"auto"`` (answer or call) or ``"required"``
             (call at least one), OpenAI's meanings.
+        expected_output_tokens: the step's expected output length (the plan's), tokens;
+            None: unknown. Engines ignore it; upstream hints carry it
+            (:mod:`flowlift.proxy.dispatch.hints`).
     """
 
     request_id: str
@@ -147,6 +150,7 @@ class GenerationRequest:
     tools: tuple[ToolDef, ...] = ()
     service_tier: str | None = None
     tool_choice: Literal["auto", "required"] = "auto"
+    expected_output_tokens: int | None = None
 
 
 def require_plain(request: GenerationRequest) -> None:

@@ -34,6 +34,10 @@ file (``flowlift serve --config flowlift.toml``)::
     tier = "standard"                    # service tier: "priority" | "standard" | "flex"
                                          # (flex sends service_tier "flex")
     offers_flex = true                   # deferrable steps may ask service_tier "flex"
+    hints = ["vllm-priority"]            # scheduler hints in the engine's own fields:
+                                         # "vllm-priority" (servers started with
+                                         # --scheduling-policy priority), "sglang-session",
+                                         # "dynamo" (nvext.agent_hints); none by default
     input_price_per_1k = 0.15            # optional prices per 1,000 input/output tokens
     output_price_per_1k = 0.6
 
@@ -216,6 +220,12 @@ class UpstreamSpec(_Priced):
     offers_flex: bool = False
     """The backend also takes ``service_tier: "flex"`` for the steps the tier planner
     defers (flex on a standard backend)."""
+    hints: list[Literal["vllm-priority", "sglang-session", "dynamo"]] = Field(
+        default_factory=list)
+    """Scheduler hints written into workflow steps' requests in the engine's own fields
+    (:mod:`flowlift.proxy.dispatch.hints`): vLLM ``priority``, SGLang ``session_id`` (with
+    ``/open_session`` and ``/close_session``), Dynamo ``nvext.agent_hints``. None by
+    default: a server that does not take a field may reject it."""
 
 
 class BatchSpec(_Priced):

@@ -26,6 +26,7 @@ from flowlift.local_engine.base import Engine
 from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamSpec
 from flowlift.proxy.dispatch.batch import BatchClient
 from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
+from flowlift.proxy.dispatch.hints import SessionBook
 from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.tier_profiles import default_book
@@ -102,6 +103,7 @@ class Backends:
         self.config = config
         self.max_queue = max_queue  # merged by flowlift.proxy.config.settings (flag > file)
         self.upstreams: dict[str, Upstream] = {}
+        self.sessions = SessionBook()  # SGLang sessions opened for runs (dispatch.hints)
         self.batch_pools: dict[str, BatchPool] = {}  # openai-batch backend -> its pool
         self.batch_journal = JournalRouter()  # their lines' records, routed to the runs
         self.turnarounds = default_book()  # per tier, learned from finished batches
@@ -272,6 +274,7 @@ class Backends:
     async def aclose(self) -> None:
         """Close every upstream's connection pool and stop waiting for batches (they run
         on; a restarted proxy resumes them). The engines close on their own."""
+        await self.sessions.aclose()
         for up in self.upstreams.values():
             await up.aclose()
         for pool in self.batch_pools.values():

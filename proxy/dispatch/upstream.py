@@ -131,14 +131,20 @@ class Upstream:
         url = self._urls.get(path)
         if url is None:
             url = self._urls[path] = httpx.URL(self.spec.base_url.rstrip("/") + path)
+        return self.request_at(url, body, headers)
+
+    def request_at(self, url: httpx.URL | str, body: bytes,
+                   headers: Mapping[str, str] | None = None) -> httpx.Request:
+        """A POST of ``body`` (JSON) to ``url`` (anywhere on the upstream's server, e.g.
+        SGLang's ``/open_session`` beside ``/v1``), with the upstream's key."""
         all_headers = self._headers.copy()
         all_headers["content-length"] = str(len(body))
-        for name, value in headers.items():
+        for name, value in (headers or {}).items():
             all_headers[name] = value
         # stream= rather than content=: the body is already bytes, and content= re-derives
         # every header (4x the cost of this whole function, measured)
-        return httpx.Request("POST", url, headers=all_headers, stream=httpx.ByteStream(body),
-                             extensions=self._extensions)
+        return httpx.Request("POST", url, headers=all_headers,
+                             stream=httpx.ByteStream(body), extensions=self._extensions)
 
     async def send(self, request: httpx.Request) -> httpx.Response:
         """Send through the transport itself: the client's redirect, auth, cookie and

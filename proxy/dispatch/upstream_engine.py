@@ -34,8 +34,10 @@ from flowlift.local_engine.base import (
 )
 from flowlift.proxy.dispatch.attempts import Admit, Opened, open_answer
 from flowlift.proxy.dispatch.flex import tier_fields
+from flowlift.proxy.dispatch.hints import StepHints, hint_fields
 from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.upstream import translate, unretryable
+from flowlift.proxy.dispatch.scheduler import Slot
+from flowlift.proxy.dispatch.upstream import Upstream, translate, unretryable
 from flowlift.proxy.openai import chunks
 from flowlift.tracing.spans import inject
 
@@ -150,13 +152,32 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
     if key is not None:
         headers["idempotency-key"] = key
     inject(headers)  # the workflow run's span: the upstream request joins its trace
+    if request.session_id is not None:  # SGLang sessions of the opted-in replicas
+        await backends.sessions.open((backends.upstreams[n] for n in route.backends
+                                      if n in backends.upstreams), request.session_id)
+    granted: list[Slot] = []  # the slot an attempt was granted: its priority may have
+    #                           been promoted while it waited (runs.Run.mark_awaited)
+
+    async def admitted() -> Slot:
+        assert admit is not None
+        slot = await admit()
+        granted.append(slot)
+        return slot
+
+    def body_for(up: Upstream) -> bytes:
+        priority = (granted[-1].priority.engine_priority()
+                    if granted and not backends.fcfs else None)
+        return orjson.dumps({
+            **body, "model": up.upstream_model(route.model),
+            **tier_fields(up.spec, body, deferred=request.service_tier == "flex"),
+            **hint_fields(up.spec, StepHints.of(request, priority), body,
+                          session_open=backends.sessions.is_open(up.name,
+                                                                 request.session_id))})
     try:
         return await open_answer(
-            backends, route, path="/chat/completions",
-            body_for=lambda up: orjson.dumps({
-                **body, "model": up.upstream_model(route.model),
-                **tier_fields(up.spec, body, deferred=request.service_tier == "flex")}),
-            headers=headers, stream="events", affinity=request.session_id, admit=admit)
+            backends, route, path="/chat/completions", body_for=body_for,
+            headers=headers, stream="events", affinity=request.session_id,
+            admit=None if admit is None else admitted)
     except UpstreamError as exc:
         raise unretryable(exc, route.model) or EngineError(
             f"model {route.model!r}: {exc.message}") from None

@@ -126,6 +126,7 @@ class Run:
         self.observer = observer
         self.trace_parent = trace_parent
         self.deadline_missed = False
+        self._output_tokens: dict[int, dict[str, int]] = {}  # plan -> step -> tokens
         self.tenant: str | None = restored.tenant if restored else None
         for node in graph.nodes:
             model = node.model if isinstance(node, LLMNode) else None
@@ -311,6 +312,7 @@ class Run:
         if isinstance(tiered, TieredDispatcher):
             tiered.close()
         self.trace.finish(status)
+        self.backends.sessions.end(self.run_id, self.backends.upstreams)  # SGLang's, if any
         self.observer.run_closed(self)  # spans and metrics; never raises
         self._emit(("run.finished", {
             "run_id": self.run_id, "status": status, "failures": self.failures,
@@ -511,7 +513,19 @@ class Run:
             tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()),
             service_tier=(self._dispatcher.tier_of(node.id, number)
                           if isinstance(self._dispatcher, TieredDispatcher) else None),
-            tool_choice=node.tool_choice)
+            tool_choice=node.tool_choice,
+            expected_output_tokens=self._expected_output_tokens(node.id))
+
+    def _expected_output_tokens(self, step_id: str) -> int | None:
+        """The plan's output length of ``step_id`` (its learned median, contract bound or
+        ``max_tokens``), for the engines' hints; None without a plan."""
+        if self.plan is None:
+            return None
+        lengths = self._output_tokens.get(id(self.plan))
+        if lengths is None:  # one table per plan (a growing run's plan is replaced)
+            lengths = {n.step_id: n.output_tokens for n in self.plan.report.nodes}
+            self._output_tokens = {id(self.plan): lengths}
+        return lengths.get(step_id)
 
     def _observe(self, model: str, at: AttemptTrace) -> None:
         if self.costs is None or at.first_token_ms is None or at.finished_ms is None:
