@@ -251,7 +251,7 @@ def _flowlift_sidecars() -> list[tuple[str, dict, dict]]:
 
 
 def test_sidecars_bind_loopback_probe_by_exec_and_outlive_the_grace_period():
-    sidecars = _flowlift_sidecars()
+    sidecars = _flowlift_sidecars()  # the gateway is no sidecar: it serves the cluster
     assert len(sidecars) == 2
     entry = _json_list(dict(_instructions(ROOT / "Dockerfile"))["ENTRYPOINT"])
     for name, pod, c in sidecars:
@@ -264,21 +264,75 @@ def test_sidecars_bind_loopback_probe_by_exec_and_outlive_the_grace_period():
         assert pod["terminationGracePeriodSeconds"] > args.grace_s, name
 
 
+def _doc(kind: str, name: str) -> dict:
+    return next(d for _, d in _docs() if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def _engine_args() -> list[str]:
+    return _doc("StatefulSet", "flowlift-engine")["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+
+
 def test_config_maps_are_configs_the_proxy_accepts(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "k")
+    monkeypatch.setenv("FLOWLIFT_API_KEYS", "k")
     configs = {d["metadata"]["name"]: d["data"]["flowlift.toml"] for _, d in _docs()
                if d["kind"] == "ConfigMap"}
-    assert len(configs) == 2
+    assert len(configs) == 3
     parsed = {name: parse_config(tomllib.loads(text), source=name)
               for name, text in configs.items()}
-    # the pool config names each replica of the engine StatefulSet by its stable DNS name
-    sts = next(d for _, d in _docs() if d["kind"] == "StatefulSet")
+    # the pool configs name each replica of the engine StatefulSet by its stable DNS name
+    sts = _doc("StatefulSet", "flowlift-engine")
     svc, ns = sts["spec"]["serviceName"], sts["metadata"]["namespace"]
     port = sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
-    served = next(a.split("=", 1)[1] for a in sts["spec"]["template"]["spec"]["containers"][0]
-                  ["args"] if a.startswith("--served-model-name="))
-    pool = parsed["flowlift-pool-config"]
-    urls = sorted(b.base_url for b in pool.backends.values() if isinstance(b, UpstreamSpec))
-    assert urls == [f"http://{sts['metadata']['name']}-{i}.{svc}.{ns}.svc:{port}/v1"
-                    for i in range(sts["spec"]["replicas"])]
-    assert pool.models[served].backends == sorted(pool.backends)
+    served = next(a.split("=", 1)[1] for a in _engine_args()
+                  if a.startswith("--served-model-name="))
+    for name in ("flowlift-pool-config", "flowlift-gateway-config"):
+        pool = parsed[name]
+        ups = [b for b in pool.backends.values() if isinstance(b, UpstreamSpec)]
+        assert sorted(b.base_url for b in ups) == [
+            f"http://{sts['metadata']['name']}-{i}.{svc}.{ns}.svc:{port}/v1"
+            for i in range(sts["spec"]["replicas"])], name
+        assert pool.models[served].backends == sorted(pool.backends), name
+        # vLLM rejects a non-zero priority unless the server schedules by priority
+        assert all(b.hints == ["vllm-priority"] for b in ups), name
+    assert "--scheduling-policy=priority" in _engine_args()
+
+
+def test_the_gateway_runs_replicas_on_one_database_behind_a_service():
+    gateway = _doc("Deployment", "flowlift-gateway")
+    assert gateway["spec"]["replicas"] >= 2
+    pod = gateway["spec"]["template"]["spec"]
+    proxy = pod["containers"][0]
+    env = {e["name"]: e for e in proxy["env"]}
+    entry = _json_list(dict(_instructions(ROOT / "Dockerfile"))["ENTRYPOINT"])
+    # Kubernetes expands $(VAR) in args from the container's env: the URL is a Secret's
+    args = build_parser().parse_args(entry[1:] + [
+        a.replace("$(FLOWLIFT_STATE_DB)", "postgresql://u:p@db/flowlift")
+        for a in proxy["args"]])
+    assert args.state_db == "postgresql://u:p@db/flowlift"
+    assert "$(FLOWLIFT_STATE_DB)" in proxy["args"]
+    assert env["FLOWLIFT_STATE_DB"]["valueFrom"]["secretKeyRef"]["key"] == "url"
+    assert args.host == "0.0.0.0" and args.engine == "none" and args.lease_ttl_s > 0
+    assert pod["terminationGracePeriodSeconds"] > args.grace_s
+    for probe_name, path in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"),
+                             ("livenessProbe", "/healthz")):
+        assert proxy[probe_name]["httpGet"]["path"] == path, probe_name
+    # the Service reaches the replicas on the port the proxy listens on
+    service = _doc("Service", "flowlift-gateway")
+    labels = pod.get("labels") or gateway["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == proxy["ports"][0]["name"]
+    assert proxy["ports"][0]["containerPort"] == args.port
+    # the engines admit the gateway (flowlift.dev/proxy) and so does the database
+    for policy in ("flowlift-engine", "flowlift-postgres"):
+        allowed = _doc("NetworkPolicy", policy)["spec"]["ingress"][0]["from"][0][
+            "podSelector"]["matchLabels"]
+        assert allowed.items() <= labels.items(), policy
+    # the bundled database is the one the Secret's example URL names
+    postgres = _doc("StatefulSet", "flowlift-postgres")
+    pg_env = {e["name"]: e.get("value") for e in
+              postgres["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert pg_env["POSTGRES_USER"] == pg_env["POSTGRES_DB"] == "flowlift"
+    assert postgres["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"][
+        "storage"]
