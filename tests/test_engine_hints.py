@@ -66,6 +66,12 @@ class Engines:
             return httpx.Response(self.open_status, json=body["session_id"])
         if request.url.path == "/close_session":
             return httpx.Response(200, json={"success": True})
+        if body.get("stream") is not True:
+            return httpx.Response(200, json={
+                "id": "c", "object": "chat.completion", "model": body["model"],
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "ok"}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
         return _sse()
 
     def chats(self, host: str) -> list[dict[str, Any]]:
@@ -270,3 +276,35 @@ async def test_a_run_carries_its_scheduler_order_and_session_to_the_engines(aioh
     await _run(client, _chain("m-plain"))
     assert all(not {"priority", "session_id", "nvext"} & set(body)
                for body in engines.chats("plain.invalid"))
+
+
+# -- drop-in requests ----------------------------------------------------------------------
+def test_a_request_with_no_order_gets_no_priority_anywhere():
+    every = spec("vllm-priority", "sglang-session", "dynamo")
+    assert hint_fields(every, StepHints(None), {}) == {}
+    assert hint_fields(every, StepHints(None, "s-1"), {}, session_open=True) == {
+        "session_id": "s-1"}
+
+
+async def test_a_drop_in_session_names_its_sglang_session_and_nothing_else(aiohttp_client):
+    engines = Engines()
+    app = create_app({}, file_config=parse_config(config()),
+                     transport=httpx.MockTransport(engines.handler))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    sent = {"messages": [{"role": "user", "content": "hi"}], "stream": False,
+            "priority": 3}
+    for name in ENGINES:
+        for _ in range(2):
+            resp = await client.post("/v1/chat/completions",
+                                     json={**sent, "model": f"m-{name}"},
+                                     headers={"X-Flowlift-Session": "agent-7"})
+            assert resp.status == 200, await resp.text()
+    assert engines.calls("sglang.invalid") == [
+        ("/open_session", {"capacity_of_str_len": SESSION_CAPACITY_CHARS,
+                           "session_id": "agent-7", "timeout": SESSION_TIMEOUT_S}),
+        *[("/v1/chat/completions", {**sent, "model": "m-sglang", "session_id": "agent-7"})]
+        * 2]
+    for name in ("vllm", "dynamo", "plain"):  # the client's own priority, nothing added
+        assert engines.calls(f"{name}.invalid") == [
+            ("/v1/chat/completions", {**sent, "model": f"m-{name}"})] * 2, name

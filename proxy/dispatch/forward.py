@@ -26,6 +26,7 @@ from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.flex import tier_fields
+from flowlift.proxy.dispatch.hints import StepHints, hint_fields
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.sse_bytes import (
     complete_prefix,
@@ -77,10 +78,14 @@ def _usage_asked(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str,
-              extra: dict[str, Any] | None = None, path: str = "") -> bytes:
+              extra: dict[str, Any] | None = None, path: str = "",
+              session: str | None = None) -> bytes:
     target = upstream.upstream_model(model)
     # a flex or priority backend's service_tier (generation endpoints only)
     tier = tier_fields(upstream.spec, data) if path in TIERED_PATHS else {}
+    if session is not None:  # the SGLang session open on this backend (dispatch.hints)
+        tier = {**tier, **hint_fields(upstream.spec, StepHints(None, session), data,
+                                      session_open=True)}
     if tier:
         extra = {**(extra or {}), **tier}
     if target == model and extra is None:
@@ -112,11 +117,16 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
     headers = forwarded_headers(request.headers)
     inject(headers)  # the proxy's own span (a child of the caller's) is the upstream's parent
     extra = _usage_asked(path, data)
+    sessions = backends.sessions
+    if affinity is not None and path in USAGE_PATHS:  # generations: SGLang sessions
+        await sessions.open((backends.upstreams[n] for n in route.backends
+                             if n in backends.upstreams), affinity)
     try:
         opened = await open_answer(
             backends, route, path=path, headers=headers,
-            body_for=lambda up: _body_for(up, raw, data, route.model,
-                                          extra if up.spec.stream_usage else None, path),
+            body_for=lambda up: _body_for(
+                up, raw, data, route.model, extra if up.spec.stream_usage else None, path,
+                affinity if sessions.is_open(up.name, affinity) else None),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity)
     except UpstreamError as exc:
         return upstream_error_response(exc)

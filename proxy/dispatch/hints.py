@@ -9,9 +9,11 @@ config opts in (``hints = [...]`` on an ``openai`` backend; none by default).
   interactive before batch, then the longest remaining critical path), the same number
   the embedded vLLM engine gets.
 * ``"sglang-session"``: the top-level ``session_id`` of SGLang (``GenerateReqInput``),
-  the run id, on every turn of the run; the session is opened on each opted-in replica
-  of the route with ``POST /open_session`` before the run's first request there and
-  closed with ``POST /close_session`` when the run ends (:class:`SessionBook`).
+  the run id, on every turn of the run (a drop-in request: its ``X-Flowlift-Session``
+  or joined workflow id); the session is opened on each opted-in replica of the route
+  with ``POST /open_session`` before its first request there and closed with ``POST
+  /close_session`` when the run ends (:class:`SessionBook`; a drop-in session by
+  SGLang's own ``timeout``).
 * ``"dynamo"``: NVIDIA Dynamo's ``nvext.agent_hints``: ``priority`` (Dynamo's scale:
   *higher* is more important, an i32, so flowlift's order negated), ``osl`` (the
   step's expected output tokens: the plan's learned median, its contract's bound or its
@@ -64,13 +66,14 @@ class StepHints:
     """What the scheduler knows about one upstream request.
 
     Attributes:
-        priority: flowlift's queue order as one integer (lower runs earlier).
+        priority: flowlift's queue order as one integer (lower runs earlier); None: the
+            proxy has no order for it (a drop-in request), none is written.
         session_id: the run (or session) the request belongs to; None: none.
         expected_output_tokens: the step's expected output length, tokens; None: unknown.
         next_turn: a later request continues this one's conversation (an agent turn).
     """
 
-    priority: int
+    priority: int | None
     session_id: str | None = None
     expected_output_tokens: int | None = None
     next_turn: bool = False
@@ -101,23 +104,31 @@ def hint_fields(spec: UpstreamSpec, hints: StepHints, body: Mapping[str, Any], *
         Top-level fields to merge into the body (``nvext`` merged with the body's own).
     """
     out: dict[str, Any] = {}
-    if "vllm-priority" in spec.hints and "priority" not in body:
+    if "vllm-priority" in spec.hints and hints.priority is not None and "priority" not in body:
         out["priority"] = hints.priority
     if ("sglang-session" in spec.hints and session_open and hints.session_id
             and "session_id" not in body):
         out["session_id"] = hints.session_id
-    if "dynamo" in spec.hints:
+    agent = _agent_hints(hints) if "dynamo" in spec.hints else {}
+    if agent:
         nvext = body.get("nvext")
         nvext = dict(nvext) if isinstance(nvext, Mapping) else {}
         theirs = nvext.get("agent_hints")
-        agent: dict[str, Any] = {"priority": max(-_I32_MAX - 1, min(-hints.priority, _I32_MAX))}
-        if hints.expected_output_tokens is not None:
-            agent["osl"] = max(int(hints.expected_output_tokens), 1)
-        if hints.next_turn:
-            agent["speculative_prefill"] = True
         nvext["agent_hints"] = {**agent, **(theirs if isinstance(theirs, Mapping) else {})}
         out["nvext"] = nvext
     return out
+
+
+def _agent_hints(hints: StepHints) -> dict[str, Any]:
+    """Dynamo's ``agent_hints`` for ``hints`` (its priority scale is flowlift's reversed)."""
+    agent: dict[str, Any] = {}
+    if hints.priority is not None:
+        agent["priority"] = max(-_I32_MAX - 1, min(-hints.priority, _I32_MAX))
+    if hints.expected_output_tokens is not None:
+        agent["osl"] = max(int(hints.expected_output_tokens), 1)
+    if hints.next_turn:
+        agent["speculative_prefill"] = True
+    return agent
 
 
 def server_root(base_url: str) -> str:
@@ -144,7 +155,7 @@ class SessionBook:
         """Open ``session_id`` on each of ``upstreams`` that opts in to
         ``"sglang-session"`` and has not opened it yet (concurrently)."""
         waits = []
-        for up in upstreams:
+        for up in upstreams:  # no await unless one opts in: the drop-in hot path
             if "sglang-session" not in up.spec.hints:
                 continue
             key = (up.name, session_id)
