@@ -164,15 +164,20 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
         granted.append(slot)
         return slot
 
-    def body_for(up: Upstream) -> bytes:
+    def hints(up: Upstream) -> dict[str, Any]:
+        if not up.spec.hints:  # the common case: nothing to compute
+            return {}
         priority = (granted[-1].priority.engine_priority()
                     if granted and not backends.fcfs else None)
+        return hint_fields(up.spec, StepHints.of(request, priority), body,
+                           session_open=backends.sessions.is_open(up.name,
+                                                                  request.session_id))
+
+    def body_for(up: Upstream) -> bytes:
         return orjson.dumps({
             **body, "model": up.upstream_model(route.model),
             **tier_fields(up.spec, body, deferred=request.service_tier == "flex"),
-            **hint_fields(up.spec, StepHints.of(request, priority), body,
-                          session_open=backends.sessions.is_open(up.name,
-                                                                 request.session_id))})
+            **hints(up)})
     try:
         return await open_answer(
             backends, route, path="/chat/completions", body_for=body_for,
