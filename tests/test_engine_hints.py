@@ -25,6 +25,7 @@ from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.hints import (
     SESSION_CAPACITY_CHARS,
     SESSION_TIMEOUT_S,
+    SessionBook,
     StepHints,
     hint_fields,
     server_root,
@@ -308,3 +309,24 @@ async def test_a_drop_in_session_names_its_sglang_session_and_nothing_else(aioht
     for name in ("vllm", "dynamo", "plain"):  # the client's own priority, nothing added
         assert engines.calls(f"{name}.invalid") == [
             ("/v1/chat/completions", {**sent, "model": f"m-{name}"})] * 2, name
+
+
+async def test_a_session_unused_for_its_timeout_is_opened_again():
+    engines = Engines()
+    clock = [0.0]
+    backends = Backends({}, config=parse_config(config()),
+                        transport=httpx.MockTransport(engines.handler))
+    backends.sessions = SessionBook(timer=lambda: clock[0])
+    try:
+        await _open(backends, "m-sglang", request("m-sglang"))
+        clock[0] += SESSION_TIMEOUT_S * 0.8  # used again in time: still open
+        await _open(backends, "m-sglang", request("m-sglang"))
+        clock[0] += SESSION_TIMEOUT_S * 0.8
+        await _open(backends, "m-sglang", request("m-sglang"))
+        clock[0] += SESSION_TIMEOUT_S  # idle past it: SGLang closed it, open it again
+        await _open(backends, "m-sglang", request("m-sglang"))
+        paths = [p for p, _ in engines.calls("sglang.invalid")]
+        assert paths == ["/open_session", *["/v1/chat/completions"] * 3, "/open_session",
+                         "/v1/chat/completions"]
+    finally:
+        await backends.aclose()

@@ -34,12 +34,14 @@ the session I/O. Sources: vLLM ``vllm/entrypoints/openai/protocol.py``
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import httpx
 import orjson
+from cachetools import TTLCache
 
 from flowlift.local_engine.base import GenerationRequest
 from flowlift.proxy.config import UpstreamSpec
@@ -56,9 +58,10 @@ SESSION_CAPACITY_CHARS: Final = 1 << 20
 """``capacity_of_str_len`` of an opened SGLang session (characters of context it may
 grow to; SGLang requires the field)."""
 SESSION_TIMEOUT_S: Final = 1800.0
-"""``timeout`` of an opened SGLang session: SGLang closes it on its own after this long
-idle, should the proxy that opened it die before the run ends (servers older than the
-field ignore it)."""
+"""``timeout`` of an opened SGLang session, so that SGLang closes it on its own should
+nobody close it (a drop-in session, a run whose proxy died); read as an idle timeout
+(flowlift forgets a session 10% sooner after its last use and opens it again). Servers
+older than the field ignore it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,14 +144,22 @@ def server_root(base_url: str) -> str:
 class SessionBook:
     """The SGLang sessions flowlift opened: per session id, the backends it is open on.
 
+    Args:
+        max_sessions: (backend, session) pairs remembered at most (least recent go).
+        timer: the clock of the entries' lifetime (tests).
+
     Opening is once per (backend, session), shared by concurrent steps; a backend that
     fails to open one (an older server, an error) gets no ``session_id`` for it, and the
     request goes on without the hint. Every call here logs its failures and never
     raises: a hint is never worth a failed step.
     """
 
-    def __init__(self) -> None:
-        self._opening: dict[tuple[str, str], asyncio.Task[bool]] = {}
+    def __init__(self, max_sessions: int = 100_000,
+                 timer: Callable[[], float] = time.monotonic) -> None:
+        # bounded: drop-in sessions are never ended here (SGLang's timeout closes them);
+        # an entry lives a little less than that timeout after its last use
+        self._opening: TTLCache[tuple[str, str], asyncio.Task[bool]] = TTLCache(
+            maxsize=max_sessions, ttl=SESSION_TIMEOUT_S * 0.9, timer=timer)
         self._closing: set[asyncio.Task[None]] = set()
 
     async def open(self, upstreams: Iterable[Upstream], session_id: str) -> None:
@@ -161,7 +172,8 @@ class SessionBook:
             key = (up.name, session_id)
             task = self._opening.get(key)
             if task is None:
-                task = self._opening[key] = asyncio.ensure_future(_open(up, session_id))
+                task = asyncio.ensure_future(_open(up, session_id))
+            self._opening[key] = task  # (again: a use restarts the entry's time)
             waits.append(task)
         if waits:
             await asyncio.gather(*(asyncio.shield(t) for t in waits))
@@ -176,8 +188,10 @@ class SessionBook:
     def end(self, session_id: str, upstreams: Mapping[str, Upstream]) -> None:
         """Close ``session_id`` wherever it was opened (in the background; see
         :meth:`aclose`). Unknown ids are ignored."""
-        for key in [k for k in self._opening if k[1] == session_id]:
-            task = self._opening.pop(key)
+        for key in [k for k in list(self._opening) if k[1] == session_id]:
+            task = self._opening.pop(key, None)
+            if task is None:
+                continue
             up = upstreams.get(key[0])
             if up is None:
                 continue
