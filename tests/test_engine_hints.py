@@ -330,3 +330,21 @@ async def test_a_session_unused_for_its_timeout_is_opened_again():
                          "/v1/chat/completions"]
     finally:
         await backends.aclose()
+
+
+async def test_dynamo_osl_is_the_plans_expected_length_not_the_cap(aiohttp_client):
+    engines = Engines()
+    app = create_app({}, file_config=parse_config(config()),
+                     transport=httpx.MockTransport(engines.handler))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    graph = {"nodes": [{"kind": "llm", "id": "label", "model": "m-dynamo",
+                        "params": {"max_tokens": 64},
+                        "contract": {"choices": ["yes", "no"]},
+                        "messages": [{"role": "user", "content": [{"text": "ok?"}]}]}]}
+    compiled = await (await client.post("/v1/workflows:compile", json=graph)).json()
+    planned = next(n["output_tokens"] for n in compiled["nodes"] if n["step_id"] == "label")
+    resp = await client.post("/v1/workflows", json=graph)
+    await resp.text()
+    (body,) = engines.chats("dynamo.invalid")
+    assert body["nvext"]["agent_hints"]["osl"] == planned < 64

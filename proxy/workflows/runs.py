@@ -126,7 +126,7 @@ class Run:
         self.observer = observer
         self.trace_parent = trace_parent
         self.deadline_missed = False
-        self._output_tokens: dict[int, dict[str, int]] = {}  # plan -> step -> tokens
+        self._output_tokens: tuple[Plan | None, dict[str, int]] = (None, {})  # per plan
         self.tenant: str | None = restored.tenant if restored else None
         for node in graph.nodes:
             model = node.model if isinstance(node, LLMNode) else None
@@ -521,10 +521,10 @@ class Run:
         ``max_tokens``), for the engines' hints; None without a plan."""
         if self.plan is None:
             return None
-        lengths = self._output_tokens.get(id(self.plan))
-        if lengths is None:  # one table per plan (a growing run's plan is replaced)
+        plan, lengths = self._output_tokens
+        if plan is not self.plan:  # one table per plan (a growing run's plan is replaced)
             lengths = {n.step_id: n.output_tokens for n in self.plan.report.nodes}
-            self._output_tokens = {id(self.plan): lengths}
+            self._output_tokens = (self.plan, lengths)
         return lengths.get(step_id)
 
     def _observe(self, model: str, at: AttemptTrace) -> None:
