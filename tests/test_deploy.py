@@ -320,7 +320,7 @@ def test_the_gateway_runs_replicas_on_one_database_behind_a_service():
         assert proxy[probe_name]["httpGet"]["path"] == path, probe_name
     # the Service reaches the replicas on the port the proxy listens on
     service = _doc("Service", "flowlift-gateway")
-    labels = pod.get("labels") or gateway["spec"]["template"]["metadata"]["labels"]
+    labels = gateway["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert service["spec"]["ports"][0]["targetPort"] == proxy["ports"][0]["name"]
     assert proxy["ports"][0]["containerPort"] == args.port
