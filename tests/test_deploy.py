@@ -294,7 +294,7 @@ def test_config_maps_are_configs_the_proxy_accepts(monkeypatch):
             f"http://{sts['metadata']['name']}-{i}.{svc}.{ns}.svc:{port}/v1"
             for i in range(sts["spec"]["replicas"])], name
         assert pool.models[served].backends == sorted(pool.backends), name
-        # vLLM rejects a non-zero priority unless the server schedules by priority
+        # the hint orders requests only where the server schedules by priority
         assert all(b.hints == ["vllm-priority"] for b in ups), name
     assert "--scheduling-policy=priority" in _engine_args()
 

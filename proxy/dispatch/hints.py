@@ -3,10 +3,12 @@ written into its upstream request in each engine's own field, for the backends w
 config opts in (``hints = [...]`` on an ``openai`` backend; none by default).
 
 * ``"vllm-priority"``: vLLM's ``priority`` request field (lower is handled earlier;
-  honoured by servers started with ``--scheduling-policy priority``, and **rejected**
-  by the others when not 0, hence opt-in). The value is flowlift's own queue order as
-  one integer (:meth:`~flowlift.proxy.dispatch.scheduler.Priority.engine_priority`:
-  interactive before batch, then the longest remaining critical path), the same number
+  honoured by servers started with ``--scheduling-policy priority``; vLLM 0.32 ignores
+  it on the others, older releases refused a non-zero value, and other OpenAI-compatible
+  servers may refuse a field they do not know, hence opt-in). The value is flowlift's
+  own queue order as one integer
+  (:meth:`~flowlift.proxy.dispatch.scheduler.Priority.engine_priority`: interactive
+  before batch, then the longest remaining critical path), the same number
   the embedded vLLM engine gets.
 * ``"sglang-session"``: the top-level ``session_id`` of SGLang (``GenerateReqInput``),
   the run id, on every turn of the run (a drop-in request: its ``X-Flowlift-Session``
