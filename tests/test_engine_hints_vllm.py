@@ -105,7 +105,7 @@ async def test_a_workflow_runs_on_a_priority_server_with_the_hint(priority_serve
 
     class Recording(httpx.AsyncHTTPTransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            sent.append(json.loads(request.content))
+            sent.append(json.loads(await request.aread()))  # a stream: read it once
             return await super().handle_async_request(request)
 
     app = create_app({}, file_config=parse_config({
