@@ -38,7 +38,7 @@ from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
 from flowlift.proxy.workflows.outcomes import StepOutcomes
-from flowlift.proxy.workflows.registry import RunRegistry
+from flowlift.proxy.workflows.registry import TAIL_POLL_S, RunRegistry
 from flowlift.proxy.workflows.store import open_store
 
 
@@ -93,15 +93,29 @@ async def _heartbeat(app: web.Application) -> None:
             log.exception("run_heartbeat_failed")
 
 
+async def _posted_results(app: web.Application) -> None:
+    """On a shared store: hand the ``@tool`` results posted to other replicas to the runs
+    here that wait for them (RunRegistry.deliver_posted), every TAIL_POLL_S."""
+    state: ProxyState = app[STATE]
+    await state.ready.wait()
+    while True:
+        await asyncio.sleep(TAIL_POLL_S)
+        try:
+            state.runs.deliver_posted()
+        except Exception:  # a database hiccup: the next round tries again
+            log.exception("run_tool_results_failed")
+
+
 async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     loader = asyncio.create_task(_load_engines(app))
     sweeper = asyncio.create_task(_sweep(app))
-    beat = asyncio.create_task(_heartbeat(app)) if app[STATE].runs.store.shared else None
+    shared = [asyncio.create_task(_heartbeat(app)), asyncio.create_task(_posted_results(app))
+              ] if app[STATE].runs.store.shared else []
     yield
     loader.cancel()
     sweeper.cancel()
-    if beat is not None:
-        beat.cancel()
+    for task in shared:
+        task.cancel()
     state: ProxyState = app[STATE]
     for run in list(state.runs.active.values()):
         run.suspend()  # persisted runs resume when the proxy starts again

@@ -8,9 +8,11 @@
   refused (400, ``param: deadline_s``) when the graph asks for ``strict_deadline``.
 * ``GET /v1/workflows/{run_id}/events`` -- the same stream again, from the event after
   ``Last-Event-ID`` (header) or ``?after=N``: a client that lost its connection, or a
-  proxy that restarted, loses nothing.
+  proxy that restarted, loses nothing. On a shared store a replica that does not execute
+  the run streams it from the store until it finishes.
 * ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` -- a ``@tool`` step's result,
-  ``{"value": ...}`` or ``{"error": "..."}``.
+  ``{"value": ...}`` or ``{"error": "..."}``; on a shared store any replica takes it (202
+  when another executes the run) and a second post of a result is a no-op.
 * ``POST /v1/workflows/{run_id}/nodes`` -- append ``{"nodes": [...], "awaited": [...]}``
   to an open run (a graph posted with ``"open": true``; ``"awaited"`` may go with it
   too); ``POST /v1/workflows/{run_id}/close`` -- no more nodes
@@ -183,8 +185,10 @@ async def follow_workflow(request: web.Request) -> web.StreamResponse:
     run = state.runs.live(run_id, tenant)
     if run is not None:
         return await _send(request, run.log.follow(after), run)
-    return await _send(request, _replay(state.runs.stored(run_id, tenant).events, after),
-                       None)
+    stored = state.runs.stored(run_id, tenant)
+    if stored.status == "running" and state.runs.store.shared:  # another proxy runs it
+        return await _send(request, state.runs.tail(stored, after), None)
+    return await _send(request, _replay(stored.events, after), None)
 
 
 @routes.post("/v1/workflows:compile")
@@ -199,10 +203,16 @@ async def compile_workflow(request: web.Request) -> web.Response:
 
 @routes.post("/v1/workflows/{run_id}/steps/{step_id}/result")
 async def tool_result(request: web.Request) -> web.Response:
-    run = request.app[STATE].runs.get(request.match_info["run_id"], tenant_of(request))
+    """A ``@tool`` result, for a run executed here or by another proxy on the same store
+    (:meth:`~flowlift.proxy.workflows.registry.RunRegistry.post_tool_result`): 200
+    ``{"ok": true, "outcome": "delivered" | "duplicate"}``, or 202 with ``"queued"`` (kept
+    in the store for the proxy that executes the run)."""
     body = parse_model(ToolResult, await read_json(request), "tool result")
-    run.deliver_tool_result(request.match_info["step_id"], body.value, body.error)
-    return web.json_response({"ok": True})
+    outcome = request.app[STATE].runs.post_tool_result(
+        request.match_info["run_id"], request.match_info["step_id"],
+        body.model_dump(exclude_none=True), tenant_of(request))
+    return web.json_response({"ok": True, "outcome": outcome},
+                             status=202 if outcome == "queued" else 200)
 
 
 @routes.post("/v1/workflows/{run_id}/nodes")

@@ -193,6 +193,15 @@ class EngineError(RunError):
     code = "engine_error"
 
 
+class LeaseLost(RunError):
+    """A proxy wrote for a run whose lease another proxy has taken since (its fencing
+    epoch is stale: :mod:`flowlift.proxy.workflows.store_pg`); the write was refused
+    and the run stops on this proxy."""
+
+    status = 409
+    code = "lease_lost"
+
+
 class ContractError(RunError):
     """An output that does not satisfy its step's contract."""
 
