@@ -235,3 +235,47 @@ async def test_heartbeats_hand_a_run_over_and_the_loser_stops_it(pg_url: str) ->
     await asyncio.wait([again.task], timeout=5)
     for store in stores:
         store.close()
+
+
+async def test_a_proxy_that_wakes_up_after_losing_its_lease_writes_nothing(
+        pg_url: str) -> None:
+    """A stalls past its lease (it never beats) while B takes the run over; when A's step
+    finishes, the store refuses A's event (fenced by the lease epoch): A stops the run,
+    its followers' streams end, and the step's only output is B's."""
+    import asyncio
+
+    from flowlift.costs import CostTracker
+    from flowlift.graph import Graph
+    from flowlift.proxy.dispatch.backends import Backends
+    from flowlift.proxy.workflows.planning import plan
+    from flowlift.proxy.workflows.registry import RunRegistry
+    from flowlift.testing import FakeEngine
+
+    graph = Graph.model_validate({"id": "wf-f", "nodes": [
+        {"kind": "llm", "id": "a", "model": "m", "messages": [{"role": "user", "content": [
+            {"text": "slow words " * 8}]}]}]})
+    stores = [PostgresRunStore(pg_url), PostgresRunStore(pg_url)]
+    engines = [FakeEngine(["m"], delay_s=0.1), FakeEngine(["m"], delay_s=0.01)]
+    backends = [Backends({"m": engine}) for engine in engines]
+    reg_a, reg_b = (RunRegistry(s, lease_ttl_s=0.3) for s in stores)
+    costs = CostTracker()
+    run_a = reg_a.start(graph, backends[0], costs, plan(graph, backends[0], costs))
+    follower = run_a.log.follow(0)
+    assert (await anext(follower))[1] == "run.started"
+    await asyncio.sleep(0.5)  # A's step still runs; its lease expired unrenewed
+    assert not run_a.task.done()  # type: ignore[union-attr]
+    (run_b,) = reg_b.heartbeat(backends[1], costs)  # B takes the run over (parked)
+    await asyncio.wait([run_a.task], timeout=10)  # type: ignore[list-item]
+    assert run_a.task.done() and "wf-f" not in reg_a.active  # type: ignore[union-attr]
+    assert [e[1] async for e in follower] == ["step.prompt"]  # what it had; then it ends
+    stored = stores[1].load("wf-f")
+    assert stored is not None and stored.outputs() == {} and stored.status == "running"
+    assert [n for _, n, _ in stored.events] == ["run.started", "step.prompt"]
+    run_b.log.listened.set()  # a client follows the run on B: it runs there
+    await asyncio.wait([run_b.task], timeout=10)  # type: ignore[list-item]
+    done = stores[0].load("wf-f")
+    assert done is not None and done.status == "succeeded"
+    finished = [d for _, n, d in done.events if n == "step.finished"]
+    assert len(finished) == 1 and len(engines[1].requests) == 1
+    for store in stores:
+        store.close()
