@@ -279,3 +279,79 @@ async def test_a_proxy_that_wakes_up_after_losing_its_lease_writes_nothing(
     assert len(finished) == 1 and len(engines[1].requests) == 1
     for store in stores:
         store.close()
+
+
+async def _replica(aiohttp_client, pg_url: str):  # type: ignore[no-untyped-def]
+    """A proxy on the database (in this process): its app, test client and engine."""
+    from flowlift.proxy import create_app
+    from flowlift.testing import FakeEngine
+
+    engine = FakeEngine(["fake-model"], delay_s=0.01)
+    app = create_app({"fake-model": engine}, ProxyConfig(state_path=pg_url, lease_ttl_s=1.0))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    return app, client, engine
+
+
+async def _events(client, run_id: str, after: int = 0):  # type: ignore[no-untyped-def]
+    """The run's event stream read to its end (from the event after ``after``)."""
+    resp = await client.get(f"/v1/workflows/{run_id}/events", params={"after": str(after)})
+    return parse_sse(await resp.text())
+
+
+async def test_a_replica_that_does_not_run_a_run_streams_it_and_takes_its_tool_results(
+        aiohttp_client, pg_url: str) -> None:
+    import asyncio
+
+    (_, b, _), (app_c, c, engine_c) = [await _replica(aiohttp_client, pg_url)
+                                       for _ in range(2)]
+    graph = {"name": "across", "id": "wf-x", "nodes": [
+        llm("a", "hi"), {"kind": "tool", "id": "t", "name": "look", "args": [{"ref": "a"}]},
+        {"kind": "llm", "model": "fake-model", "id": "b",
+         "messages": [{"role": "user", "content": [{"ref": "t"}]}]}]}
+    resp = await b.post("/v1/workflows", json=graph)  # B executes the run
+    async for line in resp.content:
+        if line.startswith(b"event: tool.wanted"):
+            break
+    resp.close()  # the client lost B; it comes back through C
+    follow = asyncio.create_task(_events(c, "wf-x", after=1))
+    posted = await c.post("/v1/workflows/wf-x/steps/t/result", json={"value": "found"})
+    assert posted.status == 202 and (await posted.json())["outcome"] == "queued"
+    again = await c.post("/v1/workflows/wf-x/steps/t/result", json={"value": "other"})
+    assert again.status == 200 and (await again.json())["outcome"] == "duplicate"
+    events = await asyncio.wait_for(follow, 10)
+    assert events[0][0] == "step.prompt"  # from the event after 1 (run.started) on
+    assert events[-1][0] == "run.finished" and events[-1][1]["status"] == "succeeded"
+    finished = {d["step_id"]: d["value"] for n, d in events if n == "step.finished"}
+    assert finished == {"a": "echo: hi", "t": "found", "b": "echo: found"}  # the first post
+    assert "wf-x" not in app_c[STATE].runs.active and not engine_c.requests  # C ran none
+    for replica in (b, c):  # after the end: a no-op wherever it lands
+        late = await replica.post("/v1/workflows/wf-x/steps/t/result", json={"value": 1})
+        assert (await late.json())["outcome"] == "duplicate"
+    bad = await c.post("/v1/workflows/wf-x/steps/nope/result", json={"value": 1})
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "step_id"
+
+
+async def test_a_run_taken_over_starts_when_its_client_follows_it_through_another_replica(
+        aiohttp_client, pg_url: str) -> None:
+    """B takes over a dead proxy's run and parks it (nobody listens on B); the client
+    follows it through C: C marks the follow in the store, B's heartbeat sees it and
+    starts the run, and C streams it to its end."""
+    import asyncio
+
+    from flowlift.graph import Graph
+
+    seed = PostgresRunStore(pg_url)
+    seed.create("wf-p", Graph.model_validate({"id": "wf-p", "name": "parked", "nodes": [
+        llm("a", "one"), llm("b", "two")]}).to_wire())
+    assert seed.claim("wf-p", "a-dead-proxy", ttl_s=0.05)
+    await asyncio.sleep(0.1)  # its proxy is dead: the lease expires unrenewed
+    app_b, _, engine_b = await _replica(aiohttp_client, pg_url)
+    assert "wf-p" in app_b[STATE].runs.active  # taken over as B started...
+    _, c, engine_c = await _replica(aiohttp_client, pg_url)
+    await asyncio.sleep(0.8)  # ...and parked: B beats twice, nobody listens there
+    assert not engine_b.requests and "wf-p" not in app_b[STATE].runs.finished
+    events = await asyncio.wait_for(_events(c, "wf-p"), 10)
+    assert events[0][0] == "run.resumed" and events[-1][1]["status"] == "succeeded"
+    assert len(engine_b.requests) == 2 and not engine_c.requests
+    seed.close()
