@@ -13,6 +13,7 @@ a run's progress (:mod:`flowlift.proxy.workflows.progress`) and the pages under 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Mapping
 
@@ -38,6 +39,7 @@ from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
 from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.registry import TAIL_POLL_S, RunRegistry
 from flowlift.proxy.workflows.store import open_store
 
@@ -94,14 +96,18 @@ async def _heartbeat(app: web.Application) -> None:
 
 
 async def _posted_results(app: web.Application) -> None:
-    """On a shared store: hand the ``@tool`` results posted to other replicas to the runs
-    here that wait for them (RunRegistry.deliver_posted), every TAIL_POLL_S."""
+    """On a shared store: hand the ``@tool`` results, appends and closes posted to other
+    replicas to the runs here (RunRegistry.deliver_posted, apply_requests), every
+    TAIL_POLL_S."""
     state: ProxyState = app[STATE]
     await state.ready.wait()
     while True:
         await asyncio.sleep(TAIL_POLL_S)
         try:
             state.runs.deliver_posted()
+            await state.runs.apply_requests(state.backends.known(), functools.partial(
+                plan, backends=state.backends, costs=state.costs,
+                outcomes=state.runs.outcomes, prices=state.prices))
         except Exception:  # a database hiccup: the next round tries again
             log.exception("run_tool_results_failed")
 

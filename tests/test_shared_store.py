@@ -355,3 +355,43 @@ async def test_a_run_taken_over_starts_when_its_client_follows_it_through_anothe
     assert events[0][0] == "run.resumed" and events[-1][1]["status"] == "succeeded"
     assert len(engine_b.requests) == 2 and not engine_c.requests
     seed.close()
+
+
+async def test_an_open_run_grows_and_closes_through_a_replica_that_does_not_run_it(
+        aiohttp_client, pg_url: str) -> None:
+    import asyncio
+
+    (_, b, _), (app_c, c, engine_c) = [await _replica(aiohttp_client, pg_url)
+                                       for _ in range(2)]
+    resp = await b.post("/v1/workflows", json={"name": "grows", "id": "wf-o", "open": True,
+                                               "nodes": [llm("a", "one")]})
+    async for line in resp.content:  # B runs it; the client follows it through C
+        if line.startswith(b"event: step.finished"):
+            break
+    resp.close()
+    follow = asyncio.create_task(_events(c, "wf-o"))
+    more = {"nodes": [{"kind": "llm", "model": "fake-model", "id": "b", "messages": [
+        {"role": "user", "content": [{"ref": "a"}]}]}], "awaited": ["b"]}
+    grown = await c.post("/v1/workflows/wf-o/nodes", json=more)
+    assert grown.status == 202
+    assert await grown.json() == {"run_id": "wf-o", "appended": ["b"], "steps": 2,
+                                  "queued": True}
+    after = {"nodes": [llm("c", "three"), {"kind": "llm", "model": "fake-model", "id": "d",
+             "messages": [{"role": "user", "content": [{"ref": "b"}]}]}]}  # b: queued
+    assert (await (await c.post("/v1/workflows/wf-o/nodes", json=after)).json())[
+        "appended"] == ["c", "d"]
+    bad = await c.post("/v1/workflows/wf-o/nodes", json={"nodes": [llm("a", "again")]})
+    assert bad.status == 400 and "a" in str((await bad.json())["error"])  # a duplicate id
+    closed = await c.post("/v1/workflows/wf-o/close", json={})
+    assert closed.status == 202 and (await closed.json())["closed"] is True
+    events = await asyncio.wait_for(follow, 10)
+    assert events[-1][0] == "run.finished" and events[-1][1]["status"] == "succeeded"
+    finished = {d["step_id"]: d["value"] for n, d in events if n == "step.finished"}
+    assert finished == {"a": "echo: one", "b": "echo: echo: one", "c": "echo: three",
+                        "d": "echo: echo: echo: one"}
+    assert not engine_c.requests and "wf-o" not in app_c[STATE].runs.active
+    late = await c.post("/v1/workflows/wf-o/nodes", json={"nodes": [llm("e", "x")]})
+    assert late.status == 409  # finished: takes no more steps
+    reader = PostgresRunStore(pg_url)
+    assert reader.requests(["wf-o"]) == []  # carried out and dropped
+    reader.close()

@@ -349,3 +349,23 @@ def test_follows_marked_by_one_proxy_are_seen_by_another(open_db: Opener) -> Non
     assert store.followed(["r1", "r2"], within_s=0.2) == set()  # an old mark
     other.mark_followed(["r1", "r2"])
     assert store.followed(["r1", "r2"], within_s=0.2) == {"r1", "r2"}
+
+
+def test_requests_kept_for_a_runs_owner_come_back_in_order_until_dropped(
+        open_db: Opener) -> None:
+    store, other = open_db(), open_db()
+    for rid in ("r1", "r2"):
+        store.create(rid, graph())
+    first = other.put_request("r1", "nodes", {"nodes": [{"id": "b"}]})
+    store.put_request("r2", "close", {})
+    second = other.put_request("r1", "close", {})
+    assert second > first
+    assert store.requests(["r1"]) == [(first, "r1", "nodes", {"nodes": [{"id": "b"}]}),
+                                      (second, "r1", "close", {})]
+    assert [k for _, _, k, _ in store.requests(["r1", "r2"])] == ["nodes", "close", "close"]
+    store.drop_requests([first])
+    store.drop_requests([])
+    assert [i for i, _, _, _ in other.requests(["r1"])] == [second] and store.requests([]) == []
+    store.append("r1", 0, "run.finished", {"status": "succeeded"})
+    store.prune(older_than_s=-1)
+    assert store.requests(["r1"]) == [] and len(store.requests(["r2"])) == 1

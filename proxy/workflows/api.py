@@ -16,7 +16,8 @@
 * ``POST /v1/workflows/{run_id}/nodes`` -- append ``{"nodes": [...], "awaited": [...]}``
   to an open run (a graph posted with ``"open": true``; ``"awaited"`` may go with it
   too); ``POST /v1/workflows/{run_id}/close`` -- no more nodes
-  (:mod:`flowlift.proxy.workflows.open_runs`).
+  (:mod:`flowlift.proxy.workflows.open_runs`); on a shared store a replica that does not
+  run the run validates them and keeps them for the one that does (202).
 * ``GET /v1/workflows`` -- runs, newest first, from the run store (so runs finished
   before a restart too), in OpenAI's list shape ``{"object": "list", "data": [...],
   "first_id", "last_id", "has_more"}``; ``?state=`` (running, succeeded, failed,
@@ -219,13 +220,17 @@ async def tool_result(request: web.Request) -> web.Response:
 async def append_nodes(request: web.Request) -> web.Response:
     """Append nodes to an open run (:func:`open_runs.append`)."""
     state = request.app[STATE]
-    run = state.runs.get(request.match_info["run_id"], tenant_of(request))
+    run_id, tenant = request.match_info["run_id"], tenant_of(request)
+    data = await read_json(request)
+    if state.runs.live(run_id, tenant) is None and state.runs.store.shared:
+        return web.json_response(state.runs.queue_request(  # another replica runs it
+            run_id, "nodes", data, tenant, state.backends.known()), status=202)
+    run = state.runs.get(run_id, tenant)
 
     def compile_graph(graph: Graph) -> Plan:
         return plan(graph, state.backends, state.costs, state.runs.outcomes, state.prices)
 
-    answer = await open_runs.append(run, await read_json(request), state.backends.known(),
-                                    compile_graph)
+    answer = await open_runs.append(run, data, state.backends.known(), compile_graph)
     log.info("run_grown", workflow_id=run.run_id, appended=len(answer["appended"]),
              steps=answer["steps"])
     return web.json_response(answer)
@@ -234,7 +239,12 @@ async def append_nodes(request: web.Request) -> web.Response:
 @routes.post("/v1/workflows/{run_id}/close")
 async def close_run(request: web.Request) -> web.Response:
     """No more nodes for an open run; it finishes once every node is done."""
-    run = request.app[STATE].runs.get(request.match_info["run_id"], tenant_of(request))
+    runs = request.app[STATE].runs
+    run_id, tenant = request.match_info["run_id"], tenant_of(request)
+    if runs.live(run_id, tenant) is None and runs.store.shared:  # another replica runs it
+        return web.json_response(runs.queue_request(run_id, "close", None, tenant, None),
+                                 status=202)
+    run = runs.get(run_id, tenant)
     run.close_input()
     return web.json_response({"run_id": run.run_id, "closed": True,
                               "status": run.trace.status})

@@ -33,7 +33,7 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +42,22 @@ from opentelemetry.context import Context
 
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
-from flowlift.errors import LeaseLost, Overloaded, RequestError, RunNotFound
+from flowlift.errors import (
+    FlowliftError,
+    LeaseLost,
+    Overloaded,
+    RequestError,
+    RunClosed,
+    RunNotFound,
+)
 from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.tenants import visible
+from flowlift.proxy.workflows import open_runs
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
-from flowlift.proxy.workflows.open_runs import stored_graph
+from flowlift.proxy.workflows.open_runs import CLOSED, stored_graph
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
@@ -312,6 +320,70 @@ class RunRegistry:
                 run.deliver_tool_result(step_id, body.get("value"), body.get("error"))
                 delivered += 1
         return delivered
+
+    def queue_request(self, run_id: str, kind: str, data: Any, tenant: str | None,
+                      models: Collection[str] | None) -> dict[str, Any]:
+        """An open run's append (``kind`` ``"nodes"``, body ``data``) or close
+        (``"close"``) for a run another proxy executes: validated against what the store
+        holds and the requests still queued, then kept for the owner
+        (:meth:`apply_requests`).
+
+        Returns:
+            The answer: ``{"run_id", "appended", "steps", "queued": true}`` (nodes) or
+            ``{"run_id", "closed": true, "status"}`` (close).
+
+        Raises:
+            RunNotFound: no such run (or another tenant's).
+            RunClosed: the run was posted whole, is closed or has finished (nodes).
+            GraphError: the append is invalid (every problem listed).
+            RequestError: ``awaited`` names unknown steps.
+        """
+        stored = self.stored(run_id, tenant)
+        queued = self.store.requests([run_id])
+        graph = stored_graph(stored)
+        closed = (not graph.open or stored.status != "running"
+                  or any(n == CLOSED for _, n, _ in stored.events)
+                  or any(k == "close" for _, _, k, _ in queued))
+        if kind == "close":
+            if not closed:
+                self.store.put_request(run_id, "close", {})
+            return {"run_id": run_id, "closed": True, "status": stored.status}
+        if closed:
+            raise RunClosed(f"run {run_id} takes no more steps: it was posted whole, is "
+                            "closed or has finished", param="run_id")
+        appended, steps = open_runs.check_queued(
+            graph, [body for _, _, k, body in queued if k == "nodes"], data, models)
+        self.store.put_request(run_id, "nodes", data)
+        return {"run_id": run_id, "appended": appended, "steps": steps, "queued": True}
+
+    async def apply_requests(self, models: Collection[str] | None,
+                             compile_graph: Callable[[Graph], Plan]) -> int:
+        """Carry out the appends and closes other proxies kept for the open runs here,
+        in order, and drop them (applying one twice is harmless: held nodes are skipped,
+        a second close is a no-op).
+
+        Returns:
+            How many were carried out.
+        """
+        growing = [rid for rid, run in self.active.items() if run.graph.open]
+        done: list[int] = []
+        for request_id, run_id, kind, body in self.store.requests(growing):
+            run = self.active.get(run_id)
+            if run is None:  # (lost meanwhile: the request waits for the new owner)
+                continue
+            try:
+                if kind == "close":
+                    run.close_input()
+                else:
+                    await open_runs.append(run, body, models, compile_graph)
+            except LeaseLost:
+                continue
+            except FlowliftError as exc:  # validated when queued; the run may have ended
+                log.warning("run_request_dropped", workflow_id=run_id, kind=kind,
+                            error=exc.message)
+            done.append(request_id)
+        self.store.drop_requests(done)
+        return len(done)
 
     async def tail(self, stored: StoredRun, after: int = 0,
                    poll_s: float = TAIL_POLL_S) -> AsyncIterator[Event]:

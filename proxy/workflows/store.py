@@ -11,6 +11,7 @@ Tables::
          tenant TEXT)   -- NULL: recorded without a tenant (see flowlift.proxy.tenants)
     events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
     tool_results(run_id, step_id, body TEXT, PRIMARY KEY (run_id, step_id))
+    requests(id INTEGER PRIMARY KEY, run_id, kind TEXT, body TEXT)  -- for its owner
 
 :class:`RunStoreProtocol` is the contract every store keeps (tests/test_store_contract.py
 runs one suite over both); :func:`open_store` picks the store from ``--state-db``: a
@@ -46,6 +47,8 @@ CREATE TABLE IF NOT EXISTS events (run_id TEXT NOT NULL, seq INTEGER NOT NULL,
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, updated_at);
 CREATE TABLE IF NOT EXISTS tool_results (run_id TEXT NOT NULL, step_id TEXT NOT NULL,
     body TEXT NOT NULL, PRIMARY KEY (run_id, step_id));
+CREATE TABLE IF NOT EXISTS requests (id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL);
 """
 _MIGRATIONS = (("tenant", "ALTER TABLE runs ADD COLUMN tenant TEXT"),)
 """Columns added since the first schema: (column, statement adding it to an older file)."""
@@ -219,6 +222,23 @@ class RunStoreProtocol(Protocol):
         """The ids among ``run_ids`` marked followed within the last ``within_s`` s."""
         ...
 
+    def put_request(self, run_id: str, kind: str, body: dict[str, Any]) -> int:
+        """Keep a request for the proxy that executes ``run_id`` (``kind``: ``"nodes"``,
+        an open run's append; ``"close"``).
+
+        Returns:
+            Its id (ids grow in the order requests were kept).
+        """
+        ...
+
+    def requests(self, run_ids: Collection[str]) -> list[tuple[int, str, str, dict[str, Any]]]:
+        """Kept requests of ``run_ids`` as ``(id, run_id, kind, body)``, oldest first."""
+        ...
+
+    def drop_requests(self, ids: Collection[int]) -> None:
+        """Forget requests that were carried out."""
+        ...
+
 
 def is_database_url(location: str | Path | None) -> bool:
     """Whether a ``--state-db`` value names a PostgreSQL server (``postgresql://`` or
@@ -362,6 +382,7 @@ class SQLiteRunStore:
         for rid in ids:
             self._db.execute("DELETE FROM events WHERE run_id = ?", (rid,))
             self._db.execute("DELETE FROM tool_results WHERE run_id = ?", (rid,))
+            self._db.execute("DELETE FROM requests WHERE run_id = ?", (rid,))
             self._db.execute("DELETE FROM runs WHERE run_id = ?", (rid,))
         return len(ids)
 
@@ -407,6 +428,19 @@ class SQLiteRunStore:
 
     def followed(self, run_ids: Collection[str], within_s: float) -> set[str]:
         return set()
+
+    def put_request(self, run_id: str, kind: str, body: dict[str, Any]) -> int:
+        cursor = self._db.execute("INSERT INTO requests (run_id, kind, body) VALUES (?, ?, ?)",
+                                  (run_id, kind, json.dumps(body)))
+        return int(cursor.lastrowid or 0)
+
+    def requests(self, run_ids: Collection[str]) -> list[tuple[int, str, str, dict[str, Any]]]:
+        wanted = set(run_ids)
+        return [(rid, run, kind, json.loads(body)) for rid, run, kind, body in self._db.execute(
+            "SELECT id, run_id, kind, body FROM requests ORDER BY id") if run in wanted]
+
+    def drop_requests(self, ids: Collection[int]) -> None:
+        self._db.executemany("DELETE FROM requests WHERE id = ?", [(i,) for i in ids])
 
 
 RunStore = SQLiteRunStore

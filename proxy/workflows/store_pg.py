@@ -12,6 +12,7 @@ in tables prefixed ``flowlift_`` (so the database may hold other things)::
                     epoch BIGINT)                   -- the fencing token
     flowlift_tool_results(run_id, step_id, body TEXT, PRIMARY KEY (run_id, step_id))
     flowlift_follows(run_id PRIMARY KEY, at DOUBLE PRECISION)  -- a replica tails it
+    flowlift_requests(id BIGSERIAL PRIMARY KEY, run_id, kind TEXT, body TEXT)
 
 **Ownership.** A run is executed by one proxy at a time: the one holding its lease
 (``flowlift_leases``: owner, expiry in epoch s of the *database's* clock, so proxies'
@@ -40,7 +41,11 @@ owner, or whoever takes the run over, consumes it once: the step's ``step.finish
 (a tool step) or ``tool.result`` (an agent's call) event, fenced as above, is the record
 that it was consumed. **Follows.** A replica that streams a run it does not execute
 (events tailed from the store) marks it in ``flowlift_follows``; the owner counts such a
-follow as a listener (a parked run starts, the sweep leaves it alone).
+follow as a listener (a parked run starts, the sweep leaves it alone). **Requests.** An
+open run's appends and close posted to a replica that does not execute it wait in
+``flowlift_requests`` for the owner, which applies them in order (an append of nodes the
+run holds already is skipped, a second close is a no-op, so applying one twice is
+harmless) and then drops them.
 
 Graphs and events are stored as the JSON text the proxy wrote (not ``jsonb``), so a run
 reads back byte for byte as it went in. The schema is created on first use under an
@@ -93,6 +98,8 @@ CREATE TABLE IF NOT EXISTS flowlift_tool_results (run_id TEXT NOT NULL,
     step_id TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, step_id));
 CREATE TABLE IF NOT EXISTS flowlift_follows (run_id TEXT PRIMARY KEY,
     at DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS flowlift_requests (id BIGSERIAL PRIMARY KEY,
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL);
 """
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock, epoch s
 _CLAIM = f"""
@@ -281,7 +288,8 @@ class PostgresRunStore:
                     "AND updated_at >= %s ORDER BY updated_at DESC, run_id DESC OFFSET %s",
                     (cutoff, keep))]
             if ids:
-                for table in ("flowlift_leases", "flowlift_tool_results", "flowlift_follows"):
+                for table in ("flowlift_leases", "flowlift_tool_results", "flowlift_follows",
+                              "flowlift_requests"):
                     conn.execute(f"DELETE FROM {table} WHERE run_id = ANY(%s)", (ids,))
                 conn.execute("DELETE FROM flowlift_events WHERE run_id = ANY(%s)", (ids,))
                 conn.execute("DELETE FROM flowlift_runs WHERE run_id = ANY(%s)", (ids,))
@@ -365,3 +373,24 @@ class PostgresRunStore:
             return {r[0] for r in conn.execute(
                 "SELECT run_id FROM flowlift_follows WHERE run_id = ANY(%s) "
                 f"AND at >= {_NOW} - %s", (list(run_ids), within_s))}
+
+    def put_request(self, run_id: str, kind: str, body: dict[str, Any]) -> int:
+        with self._conn() as conn:
+            row = conn.execute("INSERT INTO flowlift_requests (run_id, kind, body) "
+                               "VALUES (%s, %s, %s) RETURNING id",
+                               (run_id, kind, json.dumps(body))).fetchone()
+        assert row is not None  # (RETURNING of an insert)
+        return int(row[0])
+
+    def requests(self, run_ids: Collection[str]) -> list[tuple[int, str, str, dict[str, Any]]]:
+        if not run_ids:
+            return []
+        with self._conn() as conn:
+            return [(int(i), run, kind, json.loads(body)) for i, run, kind, body in conn.execute(
+                "SELECT id, run_id, kind, body FROM flowlift_requests WHERE run_id = ANY(%s) "
+                "ORDER BY id", (list(run_ids),))]
+
+    def drop_requests(self, ids: Collection[int]) -> None:
+        if ids:
+            with self._conn() as conn:
+                conn.execute("DELETE FROM flowlift_requests WHERE id = ANY(%s)", (list(ids),))
