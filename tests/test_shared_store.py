@@ -4,6 +4,7 @@ the runs and the learned outcomes in the database (a real server: tests/pg.py)."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -395,3 +396,52 @@ async def test_an_open_run_grows_and_closes_through_a_replica_that_does_not_run_
     reader = PostgresRunStore(pg_url)
     assert reader.requests(["wf-o"]) == []  # carried out and dropped
     reader.close()
+
+
+@pytest.mark.parametrize("form", ["async", "sync"])
+async def test_an_sdk_open_run_moves_to_another_replica_when_its_proxy_dies(
+        form: str, aiohttp_client, pg_url: str, tmp_path: Path) -> None:
+    """``await var`` (``var.get()``) in an open run on proxy A, then ``kill -9`` of A: the
+    SDK follows the run to B (``base_url=[A, B]``), its next append goes there, and B
+    (once A's lease expired) takes the run over and runs it to the end."""
+    import asyncio
+
+    from flowlift import step, workflow
+    from flowlift.testing import running_proxy
+
+    @step(model="fake-model")
+    def say(text: str) -> str:
+        return f"say {text}"
+
+    app_b, b, engine_b = await _replica(aiohttp_client, pg_url)
+    base_b = str(b.make_url("")).rstrip("/")
+    with running_proxy("--engine", "fake", "--state-db", pg_url, "--lease-ttl-s", "1",
+                       "--log-level", "warning", log_path=tmp_path / "proxy-a.log",
+                       ready_timeout_s=60) as (base_a, proc):
+
+        def kill_a() -> None:
+            proc.kill()  # kill -9
+            proc.wait(timeout=10)
+
+        if form == "async":
+            async with workflow("moves", base_url=[base_a, base_b], reconnect_s=30) as wf:
+                first = await say("one")
+                assert first == "echo: say one" and wf.base_url == base_a
+                kill_a()
+                second = say(first)
+                assert await asyncio.wait_for(second, 20) == "echo: say echo: say one"
+        else:
+            def app() -> tuple[Any, Any]:
+                with workflow("moves", base_url=[base_a, base_b], reconnect_s=20) as wf:
+                    first = say("one").get()
+                    assert first == "echo: say one" and wf.base_url == base_a
+                    kill_a()
+                    second = say(first)
+                    assert second.get() == "echo: say echo: say one"
+                return wf, second
+
+            wf, second = await asyncio.wait_for(asyncio.to_thread(app), 30)
+    assert wf.status == "succeeded" and wf.base_url == base_b
+    assert [r.request_id.split(":")[1] for r in engine_b.requests] == [second.step_id]
+    stored = app_b[STATE].runs.store.load(wf.run_id or "")
+    assert stored is not None and stored.status == "succeeded"
