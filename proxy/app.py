@@ -96,8 +96,9 @@ async def _heartbeat(app: web.Application) -> None:
 
 
 async def _posted_results(app: web.Application) -> None:
-    """On a shared store: hand the ``@tool`` results, appends and closes posted to other
-    replicas to the runs here (RunRegistry.deliver_posted, apply_requests), every
+    """Hand the ``@tool`` results kept in the store (posted to another replica of a shared
+    store, or before this proxy resumed the run), and the appends and closes kept for
+    the runs here, to those runs (RunRegistry.deliver_posted, apply_requests), every
     TAIL_POLL_S."""
     state: ProxyState = app[STATE]
     await state.ready.wait()
@@ -115,13 +116,14 @@ async def _posted_results(app: web.Application) -> None:
 async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     loader = asyncio.create_task(_load_engines(app))
     sweeper = asyncio.create_task(_sweep(app))
-    shared = [asyncio.create_task(_heartbeat(app)), asyncio.create_task(_posted_results(app))
-              ] if app[STATE].runs.store.shared else []
+    posted = asyncio.create_task(_posted_results(app))
+    beat = asyncio.create_task(_heartbeat(app)) if app[STATE].runs.store.shared else None
     yield
     loader.cancel()
     sweeper.cancel()
-    for task in shared:
-        task.cancel()
+    posted.cancel()
+    if beat is not None:
+        beat.cancel()
     state: ProxyState = app[STATE]
     for run in list(state.runs.active.values()):
         run.suspend()  # persisted runs resume when the proxy starts again
