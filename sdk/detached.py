@@ -17,11 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import httpx
 from httpx_sse import aconnect_sse, connect_sse
 
-from flowlift.sdk.client import _TIMEOUT, _AsyncDriver, _require_finished, _run_sync, _Session
+from flowlift.sdk.client import (
+    _TIMEOUT,
+    _AsyncDriver,
+    _moved,
+    _require_finished,
+    _run_sync,
+    _Session,
+)
 from flowlift.sdk.workflow import Workflow
 
 
@@ -47,7 +55,8 @@ def submit_detached(wf: Workflow) -> str:
                             if wf.run_id is not None:
                                 break
             except httpx.TransportError as exc:
-                time.sleep(sess.lost(exc))
+                if not _moved(sess, client, exc):  # (a replica never reached: the next one)
+                    time.sleep(sess.lost(exc))
                 continue
             if wf.run_id is None:
                 time.sleep(sess.lost(None))
@@ -73,14 +82,15 @@ async def asubmit_detached(wf: Workflow) -> str:
                             if wf.run_id is not None:
                                 break
             except httpx.TransportError as exc:
-                await asyncio.sleep(sess.lost(exc))
+                if not _moved(sess, client, exc):  # (a replica never reached: the next one)
+                    await asyncio.sleep(sess.lost(exc))
                 continue
             if wf.run_id is None:
                 await asyncio.sleep(sess.lost(None))
     return wf.run_id
 
 
-def _attached(run_id: str, base_url: str | None, api_key: str | None,
+def _attached(run_id: str, base_url: str | Sequence[str] | None, api_key: str | None,
               transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None,
               reconnect_s: float) -> Workflow:
     wf = Workflow(run_id, base_url=base_url, api_key=api_key, transport=transport,
@@ -89,14 +99,17 @@ def _attached(run_id: str, base_url: str | None, api_key: str | None,
     return wf
 
 
-def attach(run_id: str, *, base_url: str | None = None, api_key: str | None = None,
+def attach(run_id: str, *, base_url: str | Sequence[str] | None = None,
+           api_key: str | None = None,
            transport: httpx.BaseTransport | None = None,
            reconnect_s: float = 300.0) -> Workflow:
     """Follow run ``run_id`` to its end (blocking) and return it with its outputs.
 
     Args:
         run_id: the run's id (``wf.run_id`` of the detached workflow, ``flowlift runs``).
-        base_url: the proxy (default ``$FLOWLIFT_BASE_URL`` or ``http://127.0.0.1:8470``).
+        base_url: the proxy (default ``$FLOWLIFT_BASE_URL`` or ``http://127.0.0.1:8470``),
+            or several replicas on one shared run store (a list: a lost stream moves to
+            the next, which follows the run from the store).
         api_key: the proxy's API key (default ``$FLOWLIFT_API_KEY``).
         transport: an ``httpx`` transport (tests inject one).
         reconnect_s: how long to keep reconnecting after a lost event stream.
@@ -116,7 +129,8 @@ def attach(run_id: str, *, base_url: str | None = None, api_key: str | None = No
     return wf
 
 
-async def aattach(run_id: str, *, base_url: str | None = None, api_key: str | None = None,
+async def aattach(run_id: str, *, base_url: str | Sequence[str] | None = None,
+                  api_key: str | None = None,
                   transport: httpx.AsyncBaseTransport | None = None,
                   reconnect_s: float = 300.0) -> Workflow:
     """:func:`attach` for async code (same arguments, result and errors)."""
