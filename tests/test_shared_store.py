@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from flowlift.cli import build_parser, serve_flags
-from flowlift.errors import EngineError
+from flowlift.errors import EngineError, LeaseLost
 from flowlift.proxy import ProxyConfig
 from flowlift.proxy.state import STATE
 from flowlift.proxy.workflows.outcomes import StepOutcomes
@@ -445,3 +445,20 @@ async def test_an_sdk_open_run_moves_to_another_replica_when_its_proxy_dies(
     assert [r.request_id.split(":")[1] for r in engine_b.requests] == [second.step_id]
     stored = app_b[STATE].runs.store.load(wf.run_id or "")
     assert stored is not None and stored.status == "succeeded"
+
+
+def test_leases_of_an_older_schema_get_an_epoch_of_their_own(pg_url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:  # a lease before fencing
+        conn.execute("CREATE TABLE flowlift_leases (run_id TEXT PRIMARY KEY, owner TEXT "
+                     "NOT NULL, expires_at DOUBLE PRECISION NOT NULL)")
+        conn.execute("INSERT INTO flowlift_leases VALUES ('old', 'proxy-a', 1e12)")
+    store = PostgresRunStore(pg_url)
+    store.create("old", {"name": "old", "nodes": []})
+    epoch = store.claim("old", "proxy-a", ttl_s=30)  # its holder renews: same epoch
+    assert epoch is not None and epoch >= 1
+    store.append("old", 0, "run.started", {}, epoch=epoch)
+    with pytest.raises(LeaseLost):  # no lease has epoch 0 (the registry's "none known")
+        store.append("old", 1, "run.started", {}, epoch=0)
+    store.close()

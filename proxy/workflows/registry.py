@@ -255,7 +255,8 @@ class RunRegistry:
             LeaseLost: another proxy holds the run now; the run stops here.
         """
         try:
-            self.store.append(run_id, seq, name, data, epoch=self.epochs.get(run_id))
+            # (no epoch known: 0, which no lease has; the write is refused: fail closed)
+            self.store.append(run_id, seq, name, data, epoch=self.epochs.get(run_id, 0))
         except LeaseLost:
             self._lost(run_id)
             raise

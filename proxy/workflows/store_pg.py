@@ -93,7 +93,8 @@ CREATE INDEX IF NOT EXISTS flowlift_runs_by_created ON flowlift_runs (created_at
 CREATE TABLE IF NOT EXISTS flowlift_leases (run_id TEXT PRIMARY KEY, owner TEXT NOT NULL,
     expires_at DOUBLE PRECISION NOT NULL);
 CREATE SEQUENCE IF NOT EXISTS flowlift_lease_epochs;
-ALTER TABLE flowlift_leases ADD COLUMN IF NOT EXISTS epoch BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE flowlift_leases ADD COLUMN IF NOT EXISTS epoch BIGINT NOT NULL
+    DEFAULT nextval('flowlift_lease_epochs');  -- (leases of an older schema get theirs)
 CREATE TABLE IF NOT EXISTS flowlift_tool_results (run_id TEXT NOT NULL,
     step_id TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, step_id));
 CREATE TABLE IF NOT EXISTS flowlift_follows (run_id TEXT PRIMARY KEY,
