@@ -26,7 +26,8 @@ config offers tiers). :class:`TieredDispatcher` wraps the run's
   it; when flex has no capacity (its 429s backed off until the route gave up) or fails
   before any output, the step moves to ``standard`` (a ``step.tier`` event);
 * every answer is priced at the tier it says served it (a ``step.cost`` event: a flex
-  request served at ``default`` costs standard);
+  request served at ``default`` costs standard), next to what its tokens cost on
+  ``standard`` (``standard_cost``, None where the model offers no standard tier);
 * a line that comes back failed (a validation error, an expired or cancelled batch, a
   malformed line) runs on the fast tier at once; contract retries (later tries) run on
   the fast tier too.
@@ -237,11 +238,15 @@ class TieredDispatcher(StepDispatcher):
         served = served_tier({"service_tier": chunk.service_tier}, asked)
         price = cost(chunk.usage.prompt_tokens, chunk.usage.completion_tokens, served,
                      offered)
+        standard = cost(chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
+                        "standard", offered)
         self._emit("step.cost", {"step_id": step_id,
                                  "asked": asked, "served": served,
                                  "prompt_tokens": chunk.usage.prompt_tokens,
                                  "completion_tokens": chunk.usage.completion_tokens,
-                                 "cost": None if price is None else round(price, 8)})
+                                 "cost": None if price is None else round(price, 8),
+                                 "standard_cost": None if standard is None
+                                 else round(standard, 8)})
 
     def _replan(self, request: GenerationRequest) -> GenerationRequest:
         """The step's tier again now that it is ready (its parents done): a deferred
