@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import pytest
@@ -346,3 +347,65 @@ def test_a_stored_run_is_listed_with_its_appended_steps_and_spend() -> None:
     plain = StoredRun("wf-2", {"nodes": [{"id": "a"}]}, "succeeded", events[:1])
     assert stored_listing(plain)["spent"] is None
     assert stored_listing(plain)["deadline_s"] is None
+
+
+async def test_a_batch_line_that_finishes_after_the_watchdogs_answer_is_billed_too(
+        aiohttp_server: Any) -> None:
+    api = FakeBatchAPI(turnaround=lambda rng: 1.5)  # one batch for both runs' lines
+    std = standard_answer()
+    std_url = str((await aiohttp_server(std.app())).make_url("/v1"))
+    batch_url = str((await aiohttp_server(api.app())).make_url("/v1"))
+    backends = Backends({}, config=parse_config(config(
+        std_url, batch_url, turnaround_p90_s=0.5, margin_s=0.2, watchdog_guard_s=0.3)))
+    emitted: dict[str, list[tuple[str, dict[str, Any]]]] = {"late": [], "calm": []}
+    dispatchers = {}
+    t0 = time.monotonic()
+    # "late": 1 s of slack, enough to go to batch (0.7 s), not to wait 1.5 s there: the
+    # watchdog moves it after 0.7 s, once its line is out
+    for run, budget in (("late", 1.0), ("calm", 3600.0)):
+        def emit(name: str, data: dict[str, Any], run: str = run) -> int:
+            emitted[run].append((name, data))
+            return len(emitted[run])
+        dispatchers[run] = TieredDispatcher(
+            backends, run_id=run, tiers={"s0": "batch"}, emit=emit,
+            slack_s=lambda step, budget=budget: budget - (time.monotonic() - t0))
+
+    async def answer(run: str) -> str:
+        request = GenerationRequest(f"{run}:s0:1", "up", [ChatMessage("user", run)],
+                                    service_tier="batch")
+        text = ""
+        async with contextlib.aclosing(dispatchers[run].generate(
+                request, priority=Priority.of("batch"))) as chunks:
+            async for c in chunks:
+                text += c.text
+        return text
+    late, calm = await asyncio.gather(answer("late"), answer("calm"))
+    assert (late, calm) == ("from standard", "echo: calm")
+    assert len(api.batches) == 1 and next(iter(api.batches.values())).cancelled_sim is None
+    costs = [d for e, d in emitted["late"] if e == "step.cost"]
+    assert [(d["served"], d.get("late", False)) for d in costs] == [
+        ("standard", False), ("batch", True)]  # the fast answer, then its batch line
+    assert costs[1]["cost"] == pytest.approx(costs[1]["standard_cost"] / 2)
+    assert len(std.received) == 1  # only the late run's step went to standard
+    for d in dispatchers.values():
+        d.close()
+    await backends.aclose()
+
+
+async def test_flowlift_compile_through_the_proxy_shows_the_tier_plan_cost_and_risk(
+        aiohttp_client: Any, aiohttp_server: Any, tmp_path: Any, capsys: Any) -> None:
+    import json
+
+    from flowlift.cli import main
+    client = await proxy(aiohttp_client, aiohttp_server, FakeBatchAPI(), standard_answer())
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(chain(3, 86400)))
+    base = str(client.make_url("")).rstrip("/")
+    assert await asyncio.to_thread(main, ["compile", str(path), "--base-url", base]) == 0
+    text = capsys.readouterr().out
+    assert "tiers: batch 3; expected cost" in text and "(0.50x)" in text
+    assert "risk that the watchdog moves a step" in text
+    assert text.count("tier=batch") == 3  # the plan per step
+    path.write_text(json.dumps(chain(3, 30)))  # half a minute: nothing can wait
+    assert await asyncio.to_thread(main, ["compile", str(path), "--base-url", base]) == 0
+    assert "tiers: standard 3; expected cost" in capsys.readouterr().out

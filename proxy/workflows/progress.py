@@ -32,7 +32,8 @@ def spend(events: Iterable[tuple[int, str, dict[str, Any]]]) -> dict[str, Any]:
         "standard_cost"}}}``: ``cost`` the sum over priced answers (None when no answer
         was priced: a run without a tier plan, or unpriced backends), ``standard_cost``
         what the same tokens cost on the ``standard`` tier (None when not known). A step
-        answered twice (a batch line the watchdog moved, then the fast tier) counts both.
+        answered twice counts both: the watchdog's fast answer and its batch line that
+        finished later anyway (a ``late`` event; the provider bills it).
     """
     by_step: dict[str, dict[str, Any]] = {}
     cost: float | None = None
