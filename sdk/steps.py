@@ -190,7 +190,11 @@ class Tool(Generic[P, R]):
             pydantic.ValidationError: an argument does not parse into its annotation.
         """
         signature = inspect.signature(self.fn)
-        hints = typing.get_type_hints(self.fn)
+        try:
+            hints = typing.get_type_hints(self.fn)
+        except NameError:  # a name the function's module cannot resolve: use what is real
+            hints = {k: v for k, v in getattr(self.fn, "__annotations__", {}).items()
+                     if not isinstance(v, str)}
         bound = signature.bind(*args, **kwargs)
         for name, value in bound.arguments.items():
             hint = hints.get(name)
