@@ -89,8 +89,9 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
                           attempts=data.get("attempts"))
     elif sse.event == "tool.wanted" and "agent_step" in data:
         return ToolCall(data["step_id"], [], wanted_call(wf, data))
-    elif sse.event == "tool.wanted" and data["step_id"] not in wf.tools:
-        return None  # an attached run (no tool functions): the step waits for its script
+    elif sse.event == "tool.wanted" and data["step_id"] not in wf.tools \
+            and not wf.adopt_tool(data["step_id"], data.get("name")):
+        return None  # an attached run without that function: the step waits for a script
     elif sse.event == "tool.wanted":
         args, kwargs = wf.tool_arguments(data["step_id"], data["args"], data["kwargs"])
         return ToolCall(data["step_id"], args, kwargs)

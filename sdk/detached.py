@@ -9,8 +9,13 @@
   :class:`~flowlift.errors.WorkflowFailed` as a normal run does.
 
 ``@tool`` steps of a detached run need a client that has the functions: they wait (the
-run's trace marks them ``waiting_tool``) until the same script runs them. An attached
-object has no tool functions, so it leaves them waiting.
+run's trace marks them ``waiting_tool``) until a script runs them. ``attach(run_id,
+tools=[fn, ...])`` serves them: a ``tool.wanted`` event names the tool, the function of
+that name runs with its JSON arguments parsed by its annotations
+(:meth:`~flowlift.sdk.steps.Tool.parse_arguments`: a dict into the pydantic model it
+asks for), and its result is posted as a normal run's is. Steps already finished when
+the attach starts (read from ``GET /v1/workflows/{run_id}`` first) are never run again.
+Without ``tools`` an attached object leaves them waiting.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import httpx
 from httpx_sse import aconnect_sse, connect_sse
@@ -25,11 +31,13 @@ from httpx_sse import aconnect_sse, connect_sse
 from flowlift.sdk.client import (
     _TIMEOUT,
     _AsyncDriver,
+    _error_from,
     _moved,
     _require_finished,
     _run_sync,
     _Session,
 )
+from flowlift.sdk.steps import Tool
 from flowlift.sdk.workflow import Workflow
 
 
@@ -92,17 +100,34 @@ async def asubmit_detached(wf: Workflow) -> str:
 
 def _attached(run_id: str, base_url: str | Sequence[str] | None, api_key: str | None,
               transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None,
-              reconnect_s: float) -> Workflow:
+              reconnect_s: float, tools: Sequence[Tool[Any, Any]] = ()) -> Workflow:
     wf = Workflow(run_id, base_url=base_url, api_key=api_key, transport=transport,
                   submit=False, reconnect_s=reconnect_s, progress=False)
     wf.run_id, wf.status = run_id, "running"
+    wf.served_tools = {t.name: t for t in tools}
     return wf
+
+
+def _settled(wf: Workflow, response: httpx.Response) -> None:
+    """Record the outputs and failures ``GET /v1/workflows/{id}`` answered, so the
+    replayed ``tool.wanted`` of a step already done is not run again.
+
+    Raises:
+        RequestError: no such run (HTTP 404), or another refusal.
+    """
+    if response.status_code != 200:
+        raise _error_from(response.status_code, response.content)
+    doc = response.json()
+    for step_id, value in (doc.get("outputs") or {}).items():
+        wf.record_output(step_id, value)
+    for step_id, error in (doc.get("failures") or {}).items():
+        wf.record_failure(step_id, error)
 
 
 def attach(run_id: str, *, base_url: str | Sequence[str] | None = None,
            api_key: str | None = None,
            transport: httpx.BaseTransport | None = None,
-           reconnect_s: float = 300.0) -> Workflow:
+           reconnect_s: float = 300.0, tools: Sequence[Tool[Any, Any]] = ()) -> Workflow:
     """Follow run ``run_id`` to its end (blocking) and return it with its outputs.
 
     Args:
@@ -113,6 +138,8 @@ def attach(run_id: str, *, base_url: str | Sequence[str] | None = None,
         api_key: the proxy's API key (default ``$FLOWLIFT_API_KEY``).
         transport: an ``httpx`` transport (tests inject one).
         reconnect_s: how long to keep reconnecting after a lost event stream.
+        tools: ``@tool`` functions to serve the run's tool steps with, matched by name
+            (see the module docstring); empty: they keep waiting.
 
     Returns:
         The finished run: ``.outputs`` ({step_id: raw value}), ``.value(step_id)``,
@@ -123,7 +150,11 @@ def attach(run_id: str, *, base_url: str | Sequence[str] | None = None,
         WorkflowFailed: some step failed (``.failures`` says which and why).
         RunError: the event stream ended before the run did.
     """
-    wf = _attached(run_id, base_url, api_key, transport, reconnect_s)
+    wf = _attached(run_id, base_url, api_key, transport, reconnect_s, tools)
+    if tools:
+        with httpx.Client(base_url=wf.base_url, transport=transport, timeout=_TIMEOUT,
+                          headers=wf.http_headers()) as client:
+            _settled(wf, client.get(f"/v1/workflows/{run_id}"))
     _run_sync(wf, {}, None)
     wf._check_failed()
     return wf
@@ -132,11 +163,14 @@ def attach(run_id: str, *, base_url: str | Sequence[str] | None = None,
 async def aattach(run_id: str, *, base_url: str | Sequence[str] | None = None,
                   api_key: str | None = None,
                   transport: httpx.AsyncBaseTransport | None = None,
-                  reconnect_s: float = 300.0) -> Workflow:
+                  reconnect_s: float = 300.0,
+                  tools: Sequence[Tool[Any, Any]] = ()) -> Workflow:
     """:func:`attach` for async code (same arguments, result and errors)."""
-    wf = _attached(run_id, base_url, api_key, transport, reconnect_s)
+    wf = _attached(run_id, base_url, api_key, transport, reconnect_s, tools)
     async with httpx.AsyncClient(base_url=wf.base_url, transport=transport,
                                  timeout=_TIMEOUT, headers=wf.http_headers()) as client:
+        if tools:
+            _settled(wf, await client.get(f"/v1/workflows/{run_id}"))
         await _AsyncDriver(wf, client).run()
     _require_finished(wf)
     wf._check_failed()

@@ -145,6 +145,7 @@ class Workflow:
         self.nodes: list[Node] = []
         self.tools: dict[str, Tool[Any, Any]] = {}
         self.agent_tools: dict[str, dict[str, Tool[Any, Any]]] = {}  # agent step -> tools
+        self.served_tools: dict[str, Tool[Any, Any]] = {}  # an attached run's, by name
         self._parsers: dict[str, Callable[[Any], Any]] = {}
         self._counts: dict[str, int] = {}
         self._outputs: dict[str, Any] = {}
@@ -311,10 +312,27 @@ class Workflow:
         (:func:`~flowlift.errors.step_failure`)."""
         self.failures[step_id] = step_failure(step_id, error, kind, attempts)
 
+    def adopt_tool(self, step_id: str, name: str | None) -> bool:
+        """For an attached run (:func:`flowlift.attach` with ``tools``): take on
+        ``@tool`` step ``step_id`` when a function named ``name`` was given and the step
+        has not finished; its JSON arguments are parsed by the function's annotations
+        (:meth:`~flowlift.sdk.steps.Tool.typed`).
+
+        Returns:
+            Whether this workflow now runs the step.
+        """
+        tool = self.served_tools.get(name or "")
+        if tool is None or step_id in self._outputs or step_id in self.failures:
+            return False
+        self.tools[step_id] = tool.typed()
+        return True
+
     def tool_arguments(self, step_id: str, args: list[Any],
                        kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Resolved wire arguments -> Python values (whole structured outputs re-parsed)."""
-        node = next(n for n in self.nodes if n.id == step_id)
+        node = next((n for n in self.nodes if n.id == step_id), None)
+        if node is None:  # an adopted step of an attached run: its tool parses them
+            return list(args), dict(kwargs)
         assert isinstance(node, ToolNode)
 
         def convert(wire: Arg, value: Any) -> Any:

@@ -20,12 +20,16 @@
   run the run validates them and keeps them for the one that does (202).
 * ``GET /v1/workflows`` -- runs, newest first, from the run store (so runs finished
   before a restart too), in OpenAI's list shape ``{"object": "list", "data": [...],
-  "first_id", "last_id", "has_more"}``; ``?state=`` (running, succeeded, failed,
+  "first_id", "last_id", "has_more"}``; each item also says its progress, deadline and
+  spend so far (``steps``, ``done``, ``failed``, ``deadline_s``, ``deadline_left_s``,
+  ``spent``, ``standard_cost``: :func:`~flowlift.proxy.workflows.progress.listing`);
+  ``?state=`` (running, succeeded, failed,
   cancelled), ``?name=`` (the graph's name), ``?limit=`` (1-100, default 20), ``?after=``
   (the last id of the previous page), ``?since=`` (epoch s).
 * ``GET /v1/workflows/{run_id}`` -- status, outputs and failures (and the trace, once
-  finished) of a run, ``prompts`` (step id -> the messages its model received) and
-  ``report``: the compiler's report of its graph.
+  finished) of a run, ``prompts`` (step id -> the messages its model received),
+  ``spend`` (each answer's tier and price: :func:`~flowlift.proxy.workflows.progress.spend`)
+  and ``report``: the compiler's report of its graph.
 * ``DELETE /v1/workflows/{run_id}`` -- cancel a run (queued steps dropped, engine
   requests aborted).
 * ``POST /v1/workflows:compile`` -- the compiler's report.
@@ -39,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp_sse import sse_response
@@ -53,13 +57,16 @@ from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.tenants import tenant_of
-from flowlift.proxy.workflows import open_runs
+from flowlift.proxy.workflows import open_runs, progress
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.replay import trace_records
 from flowlift.proxy.workflows.runs import Run
 from flowlift.proxy.workflows.store import StoredRun
 from flowlift.tracing.spans import extract
+
+if TYPE_CHECKING:
+    from flowlift.proxy.workflows.registry import RunRegistry
 
 routes = web.RouteTableDef()
 
@@ -166,12 +173,25 @@ def _list_params(query: Any) -> dict[str, Any]:
 async def list_runs(request: web.Request) -> web.Response:
     """Runs in the store the request's tenant may see, newest first (see the module
     docstring for the query)."""
-    runs, more = request.app[STATE].runs.store.recent(**_list_params(request.query),
-                                                      tenant=tenant_of(request))
-    data = [r.to_json() for r in runs]
+    registry = request.app[STATE].runs
+    runs, more = registry.store.recent(**_list_params(request.query),
+                                       tenant=tenant_of(request))
+    data = [{**r.to_json(), **_figures(registry, r.run_id)} for r in runs]
     return web.json_response({"object": "list", "data": data,
                               "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+
+def _figures(registry: RunRegistry, run_id: str) -> dict[str, Any]:
+    """A listed run's progress, deadline and spend so far (:func:`progress.listing`):
+    from memory while it runs here, else from its stored event log."""
+    run = registry.active.get(run_id) or registry.finished.get(run_id)
+    if run is not None:
+        left = run.clock.left_s() if run.clock is not None and not run.finished else None
+        return progress.listing(len(run.trace.steps), run.graph.deadline_s,
+                                run.log.history(), left)
+    stored = registry.store.load(run_id)
+    return {} if stored is None else progress.stored_listing(stored)
 
 
 @routes.get("/v1/workflows/{run_id}/events")
@@ -273,6 +293,7 @@ async def get_run(request: web.Request) -> web.Response:
                                   "open": not run.growth.closed,
                                   "outputs": run.outputs, "failures": run.failures,
                                   "trace": run.trace.records(), "prompts": run.prompts,
+                                  "spend": progress.spend(run.log.history()),
                                   "report": await _run_report(state, run.graph, run.plan)})
     stored = runs.stored(run_id, tenant)
     graph = _stored_graph(stored)
@@ -281,6 +302,7 @@ async def get_run(request: web.Request) -> web.Response:
                               "outputs": stored.outputs(), "failures": stored.failures(),
                               "trace": trace_records(run_id, _wire(graph), stored.events),
                               "prompts": stored.prompts(),
+                              "spend": progress.spend(stored.events),
                               "report": await _run_report(state, graph, None)})
 
 
