@@ -419,6 +419,8 @@ class SQLiteRunStore:
 
     def tool_results(self, run_id: str, step_ids: Collection[str]) -> dict[str, dict[str, Any]]:
         wanted = set(step_ids)
+        if not wanted:
+            return {}
         return {step: json.loads(body) for step, body in self._db.execute(
             "SELECT step_id, body FROM tool_results WHERE run_id = ?", (run_id,))
             if step in wanted}
@@ -436,6 +438,8 @@ class SQLiteRunStore:
 
     def requests(self, run_ids: Collection[str]) -> list[tuple[int, str, str, dict[str, Any]]]:
         wanted = set(run_ids)
+        if not wanted:
+            return []
         return [(rid, run, kind, json.loads(body)) for rid, run, kind, body in self._db.execute(
             "SELECT id, run_id, kind, body FROM requests ORDER BY id") if run in wanted]
 
