@@ -393,6 +393,7 @@ async def test_an_open_run_grows_and_closes_through_a_replica_that_does_not_run_
     assert not engine_c.requests and "wf-o" not in app_c[STATE].runs.active
     late = await c.post("/v1/workflows/wf-o/nodes", json={"nodes": [llm("e", "x")]})
     assert late.status == 409  # finished: takes no more steps
+    assert (await (await c.delete("/v1/workflows/wf-o")).json())["cancelled"] is False
     reader = PostgresRunStore(pg_url)
     assert reader.requests(["wf-o"]) == []  # carried out and dropped
     reader.close()
@@ -462,3 +463,22 @@ def test_leases_of_an_older_schema_get_an_epoch_of_their_own(pg_url: str) -> Non
     with pytest.raises(LeaseLost):  # no lease has epoch 0 (the registry's "none known")
         store.append("old", 1, "run.started", {}, epoch=0)
     store.close()
+
+
+async def test_a_run_is_cancelled_through_a_replica_that_does_not_run_it(
+        aiohttp_client, pg_url: str) -> None:
+    import asyncio
+
+    (app_b, b, _), (_, c, _) = [await _replica(aiohttp_client, pg_url) for _ in range(2)]
+    resp = await b.post("/v1/workflows", json={"id": "wf-k", "nodes": [
+        llm("a", "one"), {"kind": "tool", "id": "t", "name": "never", "args": []}]})
+    async for line in resp.content:  # B runs it; t waits for a tool that never comes
+        if line.startswith(b"event: tool.wanted"):
+            break
+    resp.close()
+    follow = asyncio.create_task(_events(c, "wf-k"))
+    cancel = await c.delete("/v1/workflows/wf-k")
+    assert cancel.status == 202 and (await cancel.json())["cancelled"] is True
+    events = await asyncio.wait_for(follow, 10)
+    assert events[-1][0] == "run.finished" and events[-1][1]["status"] == "cancelled"
+    assert "wf-k" not in app_b[STATE].runs.active

@@ -31,7 +31,7 @@
   ``spend`` (each answer's tier and price: :func:`~flowlift.proxy.workflows.progress.spend`)
   and ``report``: the compiler's report of its graph.
 * ``DELETE /v1/workflows/{run_id}`` -- cancel a run (queued steps dropped, engine
-  requests aborted).
+  requests aborted); on a shared store any replica takes it (202 when another runs it).
 * ``POST /v1/workflows:compile`` -- the compiler's report.
 
 A client that goes away does not cancel its run: it may reconnect. Runs nobody listens
@@ -336,6 +336,13 @@ async def _run_report(state: ProxyState, graph: Graph | dict[str, Any],
 
 @routes.delete("/v1/workflows/{run_id}")
 async def cancel_run(request: web.Request) -> web.Response:
-    run = request.app[STATE].runs.get(request.match_info["run_id"], tenant_of(request))
+    """Cancel a run; on a shared store, one another replica executes is cancelled by it
+    (202, the request kept in the store for it)."""
+    runs = request.app[STATE].runs
+    run_id, tenant = request.match_info["run_id"], tenant_of(request)
+    if runs.live(run_id, tenant) is None and runs.store.shared:
+        return web.json_response(runs.queue_request(run_id, "cancel", None, tenant, None),
+                                 status=202)
+    run = runs.get(run_id, tenant)
     run.cancel()
     return web.json_response({"run_id": run.run_id, "cancelled": not run.finished})

@@ -325,13 +325,14 @@ class RunRegistry:
     def queue_request(self, run_id: str, kind: str, data: Any, tenant: str | None,
                       models: Collection[str] | None) -> dict[str, Any]:
         """An open run's append (``kind`` ``"nodes"``, body ``data``) or close
-        (``"close"``) for a run another proxy executes: validated against what the store
-        holds and the requests still queued, then kept for the owner
-        (:meth:`apply_requests`).
+        (``"close"``), or a cancel (``"cancel"``), for a run another proxy executes:
+        validated against what the store holds and the requests still queued, then kept
+        for the owner (:meth:`apply_requests`).
 
         Returns:
-            The answer: ``{"run_id", "appended", "steps", "queued": true}`` (nodes) or
-            ``{"run_id", "closed": true, "status"}`` (close).
+            The answer: ``{"run_id", "appended", "steps", "queued": true}`` (nodes),
+            ``{"run_id", "closed": true, "status"}`` (close) or ``{"run_id", "cancelled",
+            "queued": true}`` (cancel; ``cancelled``: whether it was still running).
 
         Raises:
             RunNotFound: no such run (or another tenant's).
@@ -340,6 +341,11 @@ class RunRegistry:
             RequestError: ``awaited`` names unknown steps.
         """
         stored = self.stored(run_id, tenant)
+        if kind == "cancel":
+            running = stored.status == "running"
+            if running:
+                self.store.put_request(run_id, "cancel", {})
+            return {"run_id": run_id, "cancelled": running, "queued": True}
         queued = self.store.requests([run_id])
         graph = stored_graph(stored)
         closed = (not graph.open or stored.status != "running"
@@ -359,21 +365,22 @@ class RunRegistry:
 
     async def apply_requests(self, models: Collection[str] | None,
                              compile_graph: Callable[[Graph], Plan]) -> int:
-        """Carry out the appends and closes other proxies kept for the open runs here,
+        """Carry out the appends, closes and cancels other proxies kept for the runs here,
         in order, and drop them (applying one twice is harmless: held nodes are skipped,
-        a second close is a no-op).
+        a second close or cancel is a no-op).
 
         Returns:
             How many were carried out.
         """
-        growing = [rid for rid, run in self.active.items() if run.graph.open]
         done: list[int] = []
-        for request_id, run_id, kind, body in self.store.requests(growing):
+        for request_id, run_id, kind, body in self.store.requests(list(self.active)):
             run = self.active.get(run_id)
             if run is None:  # (lost meanwhile: the request waits for the new owner)
                 continue
             try:
-                if kind == "close":
+                if kind == "cancel":
+                    run.cancel()
+                elif kind == "close":
                     run.close_input()
                 else:
                     await open_runs.append(run, body, models, compile_graph)

@@ -224,7 +224,7 @@ class RunStoreProtocol(Protocol):
 
     def put_request(self, run_id: str, kind: str, body: dict[str, Any]) -> int:
         """Keep a request for the proxy that executes ``run_id`` (``kind``: ``"nodes"``,
-        an open run's append; ``"close"``).
+        an open run's append; ``"close"``; ``"cancel"``).
 
         Returns:
             Its id (ids grow in the order requests were kept).
