@@ -13,6 +13,7 @@ a run's progress (:mod:`flowlift.proxy.workflows.progress`) and the pages under 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Mapping
 
@@ -38,7 +39,8 @@ from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
 from flowlift.proxy.workflows.outcomes import StepOutcomes
-from flowlift.proxy.workflows.registry import RunRegistry
+from flowlift.proxy.workflows.planning import plan
+from flowlift.proxy.workflows.registry import TAIL_POLL_S, RunRegistry
 from flowlift.proxy.workflows.store import open_store
 
 
@@ -93,13 +95,33 @@ async def _heartbeat(app: web.Application) -> None:
             log.exception("run_heartbeat_failed")
 
 
+async def _posted_results(app: web.Application) -> None:
+    """Hand the ``@tool`` results kept in the store (posted to another replica of a shared
+    store, or before this proxy resumed the run), and the appends and closes kept for
+    the runs here, to those runs (RunRegistry.deliver_posted, apply_requests), every
+    TAIL_POLL_S."""
+    state: ProxyState = app[STATE]
+    await state.ready.wait()
+    while True:
+        await asyncio.sleep(TAIL_POLL_S)
+        try:
+            state.runs.deliver_posted()
+            await state.runs.apply_requests(state.backends.known(), functools.partial(
+                plan, backends=state.backends, costs=state.costs,
+                outcomes=state.runs.outcomes, prices=state.prices))
+        except Exception:  # a database hiccup: the next round tries again
+            log.exception("run_tool_results_failed")
+
+
 async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     loader = asyncio.create_task(_load_engines(app))
     sweeper = asyncio.create_task(_sweep(app))
+    posted = asyncio.create_task(_posted_results(app))
     beat = asyncio.create_task(_heartbeat(app)) if app[STATE].runs.store.shared else None
     yield
     loader.cancel()
     sweeper.cancel()
+    posted.cancel()
     if beat is not None:
         beat.cancel()
     state: ProxyState = app[STATE]

@@ -32,6 +32,7 @@ from flowlift.sdk.client import (
     _TIMEOUT,
     _AsyncDriver,
     _error_from,
+    _moved,
     _require_finished,
     _run_sync,
     _Session,
@@ -62,7 +63,8 @@ def submit_detached(wf: Workflow) -> str:
                             if wf.run_id is not None:
                                 break
             except httpx.TransportError as exc:
-                time.sleep(sess.lost(exc))
+                if not _moved(sess, client, exc):  # (a replica never reached: the next one)
+                    time.sleep(sess.lost(exc))
                 continue
             if wf.run_id is None:
                 time.sleep(sess.lost(None))
@@ -88,14 +90,15 @@ async def asubmit_detached(wf: Workflow) -> str:
                             if wf.run_id is not None:
                                 break
             except httpx.TransportError as exc:
-                await asyncio.sleep(sess.lost(exc))
+                if not _moved(sess, client, exc):  # (a replica never reached: the next one)
+                    await asyncio.sleep(sess.lost(exc))
                 continue
             if wf.run_id is None:
                 await asyncio.sleep(sess.lost(None))
     return wf.run_id
 
 
-def _attached(run_id: str, base_url: str | None, api_key: str | None,
+def _attached(run_id: str, base_url: str | Sequence[str] | None, api_key: str | None,
               transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None,
               reconnect_s: float, tools: Sequence[Tool[Any, Any]] = ()) -> Workflow:
     wf = Workflow(run_id, base_url=base_url, api_key=api_key, transport=transport,
@@ -121,14 +124,17 @@ def _settled(wf: Workflow, response: httpx.Response) -> None:
         wf.record_failure(step_id, error)
 
 
-def attach(run_id: str, *, base_url: str | None = None, api_key: str | None = None,
+def attach(run_id: str, *, base_url: str | Sequence[str] | None = None,
+           api_key: str | None = None,
            transport: httpx.BaseTransport | None = None,
            reconnect_s: float = 300.0, tools: Sequence[Tool[Any, Any]] = ()) -> Workflow:
     """Follow run ``run_id`` to its end (blocking) and return it with its outputs.
 
     Args:
         run_id: the run's id (``wf.run_id`` of the detached workflow, ``flowlift runs``).
-        base_url: the proxy (default ``$FLOWLIFT_BASE_URL`` or ``http://127.0.0.1:8470``).
+        base_url: the proxy (default ``$FLOWLIFT_BASE_URL`` or ``http://127.0.0.1:8470``),
+            or several replicas on one shared run store (a list: a lost stream moves to
+            the next, which follows the run from the store).
         api_key: the proxy's API key (default ``$FLOWLIFT_API_KEY``).
         transport: an ``httpx`` transport (tests inject one).
         reconnect_s: how long to keep reconnecting after a lost event stream.
@@ -154,7 +160,8 @@ def attach(run_id: str, *, base_url: str | None = None, api_key: str | None = No
     return wf
 
 
-async def aattach(run_id: str, *, base_url: str | None = None, api_key: str | None = None,
+async def aattach(run_id: str, *, base_url: str | Sequence[str] | None = None,
+                  api_key: str | None = None,
                   transport: httpx.AsyncBaseTransport | None = None,
                   reconnect_s: float = 300.0,
                   tools: Sequence[Tool[Any, Any]] = ()) -> Workflow:

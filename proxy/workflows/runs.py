@@ -33,7 +33,7 @@ from opentelemetry.context import Context
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
 from flowlift.dataflow import dependencies
-from flowlift.errors import FlowliftError, RequestError, failure_kind
+from flowlift.errors import FlowliftError, LeaseLost, RequestError, failure_kind
 from flowlift.graph import (
     Graph,
     InputNode,
@@ -143,9 +143,18 @@ class Run:
 
     def start(self) -> asyncio.Task[None]:
         ctx = self.observer.run_started(self)
-        self.task = asyncio.create_task(self._execute(), name=f"run {self.run_id}",
+        self.task = asyncio.create_task(self._fenced(), name=f"run {self.run_id}",
                                         context=ctx)
         return self.task
+
+    async def _fenced(self) -> None:
+        """The run, stopped quietly when the store refuses one of its events because
+        another proxy took it over (the sink suspended it: see
+        :meth:`flowlift.proxy.workflows.registry.RunRegistry.heartbeat`)."""
+        try:
+            await self._execute()
+        except LeaseLost:
+            log.info("run_stopped_lease_lost", workflow_id=self.run_id)
 
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():
@@ -157,6 +166,17 @@ class Run:
         self.cancel()
 
     # -- client-run steps ----------------------------------------------------------
+    def waiting_tools(self) -> list[str]:
+        """Ids of the ``@tool`` steps and agent tool calls waiting for a result now."""
+        return [step for step, fut in self._tool_results.items() if not fut.done()]
+
+    def has_tool_result(self, step_id: str) -> bool:
+        """Whether the step (or agent call) ``step_id`` has had its result already."""
+        fut = self._tool_results.get(step_id)
+        return (step_id in self.outputs or (fut is not None and fut.done())
+                or any(n == "tool.result" and d.get("step_id") == step_id
+                       for _, n, d in self.log.history()))
+
     def deliver_tool_result(self, step_id: str, value: Any = None,
                             error: str | None = None) -> None:
         """Hand a ``@tool`` step's result (or error) to the waiting branch.
@@ -307,6 +327,8 @@ class Run:
                 self._failed(node.id, f"{why}{spent}", kind)
 
     def _close(self, status: str) -> None:
+        if self._suspending:  # stopped, not finished: the run goes on elsewhere or later
+            return
         tiered = self.__dict__.get("_dispatcher")
         if isinstance(tiered, TieredDispatcher):
             tiered.close()
