@@ -209,8 +209,8 @@ class LatencyBook:
     """
 
     half_life_s: float = 60.0
-    keep_per_observation: float = 0.97
-    min_weight: float = 2.0
+    keep_per_observation: float = 0.9
+    min_weight: float = 1.5
     max_prefixes: int = 4096
     replicas: dict[str, ReplicaModel] = field(default_factory=dict)
     output_tokens: dict[str, float] = field(default_factory=dict)

@@ -14,11 +14,14 @@ replica can answer). Among available replicas:
   - ``"predicted-latency"`` (the default): the replica with the smallest predicted
     completion time for this request (:mod:`flowlift.proxy.dispatch.latency`, after
     llm-d's predicted-latency scorer); a replica with too few recent answers to predict
-    counts as fast as the best predicted one, so it gets explored. Ties, and a route
-    where nothing is predicted yet: the fewest requests in flight. Here affinity is
+    counts as fast as the best predicted one and wins the tie, so it gets explored.
+    Other ties, and a route where nothing is predicted yet: the fewest requests in
+    flight. Here affinity is
     bounded: the affinity replica wins only while it is predicted at most
     ``affinity_max_slowdown`` times slower than the best (a warm prefix cache is worth
-    that much, a replica stuck behind a long queue is not).
+    that much, a replica stuck behind a long queue is not); past it, the key goes to
+    the next replica in its rendezvous order that is within the bound, so a session
+    that must move still moves to one stable replica.
   - ``"least-loaded"``: the fewest requests in flight (ties: the first listed).
   - ``"round-robin"``: each replica in turn.
 
@@ -86,11 +89,11 @@ def _predicted(route: Route, names: Sequence[str], affinity: str | None,
         return _best(names, affinity, load, "least-loaded", 0)
     floor = min(known.values())
     times = {n: known.get(n, floor) for n in names}  # unknown: explored as the best
-    if affinity is not None:
-        home = max(names, key=lambda n: affinity_score(affinity, n))
-        if times[home] <= route.affinity_max_slowdown * floor:
-            return home
-    return min(names, key=lambda n: (times[n], load(n)))
+    if affinity is not None:  # the first in the key's rendezvous order within the bound
+        bound = route.affinity_max_slowdown * floor
+        return next(n for n in sorted(names, key=lambda n: -affinity_score(affinity, n))
+                    if times[n] <= bound)
+    return min(names, key=lambda n: (times[n], n in known, load(n)))  # unknown first
 
 
 def _best(names: Sequence[str], affinity: str | None, load: Callable[[str], int],
