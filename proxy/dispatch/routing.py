@@ -14,7 +14,8 @@ replica can answer). Among available replicas:
   - ``"predicted-latency"`` (the default): the replica with the smallest predicted
     completion time for this request (:mod:`flowlift.proxy.dispatch.latency`, after
     llm-d's predicted-latency scorer); a replica with too few recent answers to predict
-    counts as fast as the best predicted one and wins the tie, so it gets explored.
+    counts as fast as the best predicted one and wins the tie, so it gets explored, one
+    request at a time (while one is in flight there, the replica is left out).
     Other ties, and a route where nothing is predicted yet: the fewest requests in
     flight. Here affinity is
     bounded: the affinity replica wins only while it is predicted at most
@@ -85,10 +86,14 @@ def _predicted(route: Route, names: Sequence[str], affinity: str | None,
                load: Callable[[str], int],
                predict: Callable[[str], float | None]) -> str:
     known = {n: t for n in names if (t := predict(n)) is not None}
+    # an unknown replica is explored as the best one, one request at a time (another
+    # waits for the first one's answer): never a burst sent to a replica nobody measured
+    probes = [n for n in names if n not in known and load(n) == 0]
     if not known:  # nothing learned yet: least loaded (affinity, if any, wins)
         return _best(names, affinity, load, "least-loaded", 0)
     floor = min(known.values())
-    times = {n: known.get(n, floor) for n in names}  # unknown: explored as the best
+    names = [n for n in names if n in known or n in probes]
+    times = {n: known.get(n, floor) for n in names}
     if affinity is not None:  # the first in the key's rendezvous order within the bound
         bound = route.affinity_max_slowdown * floor
         return next(n for n in sorted(names, key=lambda n: -affinity_score(affinity, n))
