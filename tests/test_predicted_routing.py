@@ -132,6 +132,9 @@ def test_an_unknown_replica_is_explored_before_a_known_one_as_fast():
     assert _pick(predicted={"r1": 0.2}) == "r2"
     assert _pick(predicted={"r1": 0.2, "r2": 0.1}) == "r3"
     assert _pick(predicted={}, load={"r1": 2, "r2": 0, "r3": 1}) == "r2"  # nothing known
+    # one probe at a time: an unknown replica with a request in flight is left out
+    assert _pick(predicted={"r1": 0.2}, load={"r1": 3, "r2": 1, "r3": 1}) == "r1"
+    assert _pick(predicted={"r1": 0.2}, load={"r1": 3, "r2": 1, "r3": 0}) == "r3"
 
 
 def _home(route, key_prefix, target):
