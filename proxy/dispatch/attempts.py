@@ -76,6 +76,8 @@ class Timing:
     first_at: float = 0.0
 
     def done(self, name: str, output_tokens: int | None, *, streamed: bool) -> None:
+        """The attempt on replica ``name`` succeeded now with ``output_tokens`` (None:
+        unknown); ``streamed``: False for a whole answer (its TTFT is not measured)."""
         now = time.monotonic()
         self.book.observe(name, self.model, self.features, ttft_s=self.first_at
                           - self.started, total_s=now - self.started,
@@ -312,8 +314,11 @@ class _Attempts:
             raise
 
     async def _send(self, upstream: Upstream, number: int, slot: Slot | None) -> Opened:
-        timing = Timing(self.backends.latency, self.route.model, self.demand,
-                        self.backends.features(upstream.name, self.demand), time.monotonic())
+        timing = None  # learned only where a choice is made by it
+        if self.route.strategy == "predicted-latency" and len(self.route.replicas) > 1:
+            timing = Timing(self.backends.latency, self.route.model, self.demand,
+                            self.backends.features(upstream.name, self.demand),
+                            time.monotonic())
         call = upstream.health.call(self.key)
         try:
             opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
@@ -326,13 +331,14 @@ class _Attempts:
                 self.last = exc
                 evidence = _evidence(call, exc)
                 call.failed(evidence, retry_after_s=exc.retry_after_s)
-                if evidence in ("down", "silent"):  # the backend's fault: its model learns
+                if timing is not None and evidence in ("down", "silent"):  # its fault
                     now = time.monotonic()
                     self.backends.latency.failed(upstream.name, now - timing.started, now)
                 log.info("upstream_attempt_failed", backend=upstream.name, status=exc.status,
                          retryable=exc.retryable, attempt=number, evidence=evidence)
             raise
         opened.slot = slot
-        timing.first_at = time.monotonic()
-        opened.timing = timing
+        if timing is not None:
+            timing.first_at = time.monotonic()
+            opened.timing = timing
         return opened
