@@ -24,7 +24,7 @@ errors (a non-200 answer or a stream without its end), the share each replica se
     .venv/bin/python bench/routing.py            # ~4 min: 2 scenarios x 3 rounds
     .venv/bin/python bench/routing.py --smoke    # seconds, nothing saved
 
-Writes ``bench/results/routing.json``.
+Writes ``bench/results/routing.json`` (``--tag T``: ``routing.T.json``).
 """
 
 from __future__ import annotations
@@ -196,6 +196,7 @@ def main() -> None:
     p.add_argument("--flaky-errors", type=float, default=0.15)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--pause-s", type=float, default=1.0)
+    p.add_argument("--tag", default="", help="results in bench/results/routing.<tag>.json")
     a = p.parse_args()
     if a.smoke:
         a.requests, a.rounds, a.warmup, a.rate, a.pause_s = 12, 1, 3, 20.0, 0.1
@@ -222,7 +223,7 @@ def main() -> None:
                 ready_timeout_s=120))
             bases[strategy] = base
         results = asyncio.run(measure(a, bases))
-    save("routing", {"command": " ".join(sys.argv), "replicas": [
+    save("routing" + (f".{a.tag}" if a.tag else ""), {"command": " ".join(sys.argv), "replicas": [
         {"name": n, "prefill_s_per_ktok": pf, "tpot_s": tp, "error_rate": e}
         for n, pf, tp, e in specs], "rate_per_s": a.rate, "requests": a.requests,
         "rounds": a.rounds, "prompt_chars": a.prompt_chars, "max_tokens": a.max_tokens,
