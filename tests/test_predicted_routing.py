@@ -154,6 +154,16 @@ def test_affinity_wins_only_while_its_replica_is_not_predicted_much_slower():
     assert _pick(least, predicted={"r1": 9.0, "r2": 0.2}, affinity=key) == "r1"
 
 
+def test_a_replica_the_health_rule_cools_is_never_chosen_however_fast():
+    times = {"r1": 0.9, "r2": 0.1, "r3": 0.5}
+    cooled = pick(ROUTE, available=lambda n: n != "r2", load=lambda n: 0,
+                  predict=times.get)
+    assert cooled == "r3"
+    key = _home(ROUTE, "run", "r2")
+    assert pick(ROUTE, available=lambda n: n != "r2", load=lambda n: 0,
+                predict=times.get, affinity=key) in ("r1", "r3")
+
+
 def test_round_robin_takes_each_replica_in_turn():
     rr = Route("m", ROUTE.replicas, strategy="round-robin")
     assert [_pick(rr, turn=t) for t in range(6)] == ["r1", "r2", "r3"] * 2
