@@ -278,3 +278,20 @@ async def test_a_session_leaves_its_replica_when_it_is_predicted_much_slower(aio
     before = Counter(replicas.served)
     await _ask(client, 10, session=session)
     assert (replicas.served - before)["slow"] == 10  # a loose bound keeps the session home
+
+
+async def test_workflow_steps_on_upstream_replicas_teach_their_latency_models(aiohttp_client):
+    from flowlift.testing import parse_sse
+
+    replicas = Replicas(SPEEDS)
+    client = await _proxy(aiohttp_client, replicas)
+    graph = {"nodes": [{"kind": "llm", "id": f"s{i}", "model": "m", "messages": [
+        {"role": "user", "content": [{"text": f"step {i}"}]}]} for i in range(3)]}
+    events = parse_sse(await (await client.post("/v1/workflows", json=graph)).text())
+    assert len([e for e, _ in events if e == "step.finished"]) == 3
+    book = client.app[STATE].backends.latency
+    (served, _), = replicas.served.most_common(1)
+    model = book.replicas[served]
+    assert model.ttft.weight > 2.0 and model.tpot.weight > 2.0  # TTFT and TPOT both seen
+    run_id = next(d["run_id"] for e, d in events if "run_id" in d)
+    assert book.replicas[served].prefixes.get(run_id, 0) > 0  # its prefix is expected there

@@ -220,9 +220,11 @@ class UpstreamEngine(Engine):
         usage = Usage()
         calls: tuple[ToolCall, ...] | None = None
         tier: str | None = None
+        pieces = 0  # text chunks: the output's length when the upstream reports no usage
         try:
             async for chunk in self._read(opened):
                 if isinstance(chunk, GenerationChunk):
+                    pieces += 1
                     yield chunk
                 else:
                     finish, usage, calls, tier = chunk
@@ -240,7 +242,7 @@ class UpstreamEngine(Engine):
         if failure is not None:
             opened.call.failed("request")  # mid-stream: about this request only
             raise EngineError(failure)
-        opened.succeeded(usage.completion_tokens or None)
+        opened.succeeded(usage.completion_tokens or pieces or None)
         if finish == "content_filter":
             raise ContentRefused(f"model {self.route.model!r}: the answer was cut by the "
                                  "provider's content filter")
