@@ -58,7 +58,10 @@ file (``flowlift serve --config flowlift.toml``)::
     burst = 10                           # (default: requests_per_s)
 
     [models."llama-3-8b"]
-    backends = ["vllm-a", "vllm-b"]      # replicas: session affinity, else least loaded
+    backends = ["vllm-a", "vllm-b"]      # replicas: session affinity, else by routing
+    routing = "predicted-latency"        # or "least-loaded" | "round-robin"
+    affinity_max_slowdown = 1.5          # affinity keeps its replica while predicted at
+                                         # most 1.5x slower than the best one
     fallbacks = ["openai"]               # in order, when no replica can answer
     total_timeout_s = 600                # the request's whole budget, retries included
     max_attempts = 4
@@ -89,6 +92,7 @@ from pydantic import (
 )
 
 from flowlift.errors import ConfigError
+from flowlift.proxy.dispatch.routing import Strategy
 from flowlift.proxy.tenants import DEFAULT_TENANT, TENANT_NAME, Tenant
 
 EMBEDDED = "embedded"
@@ -253,6 +257,11 @@ class ModelSpec(_Strict):
     fallbacks: list[str] = Field(default_factory=list)
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_attempts: int = Field(default=4, ge=1, le=20)
+    routing: Strategy = "predicted-latency"
+    """How a replica is chosen (:mod:`flowlift.proxy.dispatch.routing`)."""
+    affinity_max_slowdown: float = Field(default=1.5, ge=1.0)
+    """With ``routing = "predicted-latency"``: the affinity replica keeps a run or
+    session while predicted at most this many times slower than the best replica."""
     price_per_1k_tokens: float | None = Field(default=None, ge=0)
     """Price of 1,000 tokens (prompt + completion) on this model, in any currency: the
     unit of the compiler's cascade cost estimate."""

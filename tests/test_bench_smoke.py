@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 SMOKED = ["agent_session.py", "batch_pipeline.py", "cascade.py", "chain_rtt.py",
-          "make_batch_graph.py", "mixed_load.py", "proxy_overhead.py", "tiers.py",
+          "make_batch_graph.py", "mixed_load.py", "proxy_overhead.py", "routing.py", "tiers.py",
           "tracing_overhead.py", "ui_render.py"]
 
 

@@ -31,6 +31,7 @@ from tenacity import (
 
 from flowlift.errors import Overloaded, UpstreamError
 from flowlift.proxy.dispatch.health import Call, Evidence
+from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
 from flowlift.proxy.dispatch.sse_bytes import complete_prefix, has_data
@@ -54,6 +55,37 @@ Stream = Literal[False, "bytes", "events"]
 
 
 @dataclass(slots=True)
+class Timing:
+    """One attempt's times, for the replica's latency model
+    (:class:`~flowlift.proxy.dispatch.latency.LatencyBook`).
+
+    Attributes:
+        book: where the replica's model lives.
+        model: the model asked.
+        demand: the request as known before it was sent.
+        features: the request on the replica when sent.
+        started: ``time.monotonic()`` when sent.
+        first_at: when the first stream event (or the whole answer) came.
+    """
+
+    book: LatencyBook
+    model: str
+    demand: Demand
+    features: Features
+    started: float
+    first_at: float = 0.0
+
+    def done(self, name: str, output_tokens: int | None, *, streamed: bool) -> None:
+        """The attempt on replica ``name`` succeeded now with ``output_tokens`` (None:
+        unknown); ``streamed``: False for a whole answer (its TTFT is not measured)."""
+        now = time.monotonic()
+        self.book.observe(name, self.model, self.features, ttft_s=self.first_at
+                          - self.started, total_s=now - self.started,
+                          output_tokens=output_tokens, now=now, streamed=streamed)
+        self.book.sent(name, self.demand.affinity, self.demand.prompt_tokens)
+
+
+@dataclass(slots=True)
 class Opened:
     """A successful attempt, not yet delivered. The caller must :meth:`release` it and
     records its outcome on ``call`` (:class:`~flowlift.proxy.dispatch.upstream.Call`)."""
@@ -69,6 +101,14 @@ class Opened:
     tail: bytes = b""  # the start of the next one,
     chunks: AsyncIterator[bytes] | None = None  # and the rest as it arrives
     slot: Slot | None = None  # the pool slot it holds (see Admit)
+    timing: Timing | None = None  # for the replica's latency model
+
+    def succeeded(self, output_tokens: int | None = None) -> None:
+        """The answer went through whole (``output_tokens``: its length, if known): the
+        backend's circuit closes and its latency model learns the answer's times."""
+        self.call.succeeded()
+        if self.timing is not None:
+            self.timing.done(self.upstream.name, output_tokens, streamed=self.body is None)
 
     async def release(self) -> None:
         """Close the upstream response, count the request out of the backend and give
@@ -188,7 +228,8 @@ async def _first_bytes(upstream: Upstream, call: Call,
 
 async def open_answer(backends: Backends, route: Route, *, path: str, body_for: BodyFor,
                       headers: dict[str, str], stream: Stream, affinity: str | None = None,
-                      admit: Admit | None = None) -> Opened | Local:
+                      admit: Admit | None = None, demand: Demand | None = None
+                      ) -> Opened | Local:
     """Try the route's backends until one answers.
 
     Args:
@@ -200,6 +241,8 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
         affinity: workflow or session id for replica affinity.
         admit: the pool slot each upstream attempt waits for (:data:`Admit`); the
             opened answer holds it until released.
+        demand: the request's prompt and output length, for the route's
+            ``"predicted-latency"`` replica choice (None: only ``affinity`` is known).
 
     Returns:
         The opened answer, or :class:`~flowlift.proxy.dispatch.backends.Local` when the
@@ -209,7 +252,8 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
         Overloaded: nothing can take the request now (429/503 with ``Retry-After``).
         UpstreamError: every attempt failed (the last one's error).
     """
-    attempts = _Attempts(backends, route, path, body_for, headers, stream, affinity, admit)
+    attempts = _Attempts(backends, route, path, body_for, headers, stream,
+                         demand or Demand(affinity=affinity), admit)
     try:  # the common case, without the retry machinery's overhead
         return await attempts.once(1)
     except UpstreamError as exc:
@@ -234,11 +278,11 @@ class _Attempts:
     """The state of one request's attempts: backends tried, the last failure, the clock."""
 
     def __init__(self, backends: Backends, route: Route, path: str, body_for: BodyFor,
-                 headers: dict[str, str], stream: Stream, affinity: str | None,
+                 headers: dict[str, str], stream: Stream, demand: Demand,
                  admit: Admit | None) -> None:
         self.backends, self.route, self.path = backends, route, path
         self.body_for, self.headers, self.stream = body_for, headers, stream
-        self.affinity, self.admit = affinity, admit
+        self.demand, self.admit = demand, admit
         self.tried: set[str] = set()
         self.key = next(_REQUESTS)  # the request's id in its backends' health
         self.last: UpstreamError | None = None
@@ -246,7 +290,8 @@ class _Attempts:
 
     async def once(self, number: int) -> Opened | Local:
         try:
-            name = self.backends.choose(self.route, self.affinity, self.tried)
+            name = self.backends.choose(self.route, self.demand.affinity, self.tried,
+                                        self.demand)
         except Overloaded:
             if self.last is None:
                 raise
@@ -269,6 +314,11 @@ class _Attempts:
             raise
 
     async def _send(self, upstream: Upstream, number: int, slot: Slot | None) -> Opened:
+        timing = None  # learned only where a choice is made by it
+        if self.route.strategy == "predicted-latency" and len(self.route.replicas) > 1:
+            timing = Timing(self.backends.latency, self.route.model, self.demand,
+                            self.backends.features(upstream.name, self.demand),
+                            time.monotonic())
         call = upstream.health.call(self.key)
         try:
             opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
@@ -281,8 +331,14 @@ class _Attempts:
                 self.last = exc
                 evidence = _evidence(call, exc)
                 call.failed(evidence, retry_after_s=exc.retry_after_s)
+                if timing is not None and evidence in ("down", "silent"):  # its fault
+                    now = time.monotonic()
+                    self.backends.latency.failed(upstream.name, now - timing.started, now)
                 log.info("upstream_attempt_failed", backend=upstream.name, status=exc.status,
                          retryable=exc.retryable, attempt=number, evidence=evidence)
             raise
         opened.slot = slot
+        if timing is not None:
+            timing.first_at = time.monotonic()
+            opened.timing = timing
         return opened

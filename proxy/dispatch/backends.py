@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -26,6 +26,7 @@ from flowlift.local_engine.base import Engine
 from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamSpec
 from flowlift.proxy.dispatch.batch import BatchClient
 from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
+from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.tier_profiles import default_book
@@ -106,6 +107,8 @@ class Backends:
         self.batch_journal = JournalRouter()  # their lines' records, routed to the runs
         self.turnarounds = default_book()  # per tier, learned from finished batches
         self.routes: dict[str, Route] = {}
+        self.latency = LatencyBook()  # every upstream replica's predicted latency
+        self._turn = 0  # round-robin's counter
         for model, engine in engines.items():
             self.add(model, engine)
         if config is not None:
@@ -149,7 +152,8 @@ class Backends:
         for model, model_spec in config.models.items():
             route = Route(model, self._names(config, model_spec.backends, model),
                           self._names(config, model_spec.fallbacks, model),
-                          model_spec.total_timeout_s, model_spec.max_attempts)
+                          model_spec.total_timeout_s, model_spec.max_attempts,
+                          model_spec.routing, model_spec.affinity_max_slowdown)
             self.routes[model] = route
             upstreams = [self.upstreams[n] for n in route.backends if n in self.upstreams]
             if upstreams:
@@ -245,16 +249,38 @@ class Backends:
         slots = self._embedded[name].slots
         return slots.in_use + slots.queued
 
-    def choose(self, route: Route, affinity: str | None, tried: set[str]) -> str:
-        """The backend for the next attempt.
+    def features(self, name: str, demand: Demand) -> Features:
+        """``demand`` on backend ``name`` as it stands now (its requests in flight, the
+        prefix it is expected to hold)."""
+        return self.latency.features(name, demand, self.load(name))
+
+    def predict(self, route: Route, demand: Demand, now: float) -> Callable[[str], float | None]:
+        """Predicted seconds until ``demand`` is answered, per backend of ``route``
+        (None: an embedded backend, or an upstream with too few recent answers)."""
+        output = self.latency.expected_output(route.model, demand.max_output_tokens)
+
+        def predicted(name: str) -> float | None:
+            if name not in self.upstreams:
+                return None
+            return self.latency.predict(name, self.features(name, demand), output, now)
+        return predicted
+
+    def choose(self, route: Route, affinity: str | None, tried: set[str],
+               demand: Demand | None = None) -> str:
+        """The backend for the next attempt (by the route's strategy; ``demand``: what
+        is known of the request, for ``"predicted-latency"``).
 
         Raises:
             Overloaded: nothing can take it now: 503 with ``Retry-After`` until the
                 first cool-down ends, or 429 when the proxy's own queues are full.
         """
         now = time.monotonic()
+        self._turn += 1
+        predict = None
+        if route.strategy == "predicted-latency" and len(route.replicas) > 1:
+            predict = self.predict(route, demand or Demand(affinity=affinity), now)
         name = pick(route, available=lambda n: self.available(n, now), load=self.load,
-                    affinity=affinity, tried=tried)
+                    affinity=affinity, tried=tried, predict=predict, turn=self._turn)
         if name is not None:
             return name
         cooling = [self.upstreams[n].health.wait_s(now) for n in route.backends
