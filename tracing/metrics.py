@@ -21,6 +21,10 @@ and when an OpenAI API request ends:
 ``flowlift_deadline_misses_total``              counter (``workflow_class``)
 ``flowlift_workflows_total``                    counter: finished runs (``status``)
 ``flowlift_openai_requests_total``              counter (``operation``, ``outcome``)
+``flowlift_proxy_overhead_seconds``             histogram: an OpenAI request's handling time
+                                                minus its wait on upstreams or engines
+                                                (``operation``, ``stream`` true|false;
+                                                :mod:`flowlift.proxy.telemetry.requests`)
 ==============================================  =========================================
 
 Read at scrape time (callbacks, nothing on the hot path): ``flowlift_queue_depth``
@@ -47,6 +51,8 @@ from prometheus_client.registry import Collector
 from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.005, 0.01,
+                     0.025, 0.05, 0.1, 0.25, 1.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 QueueDepth = Callable[[], Iterable[tuple[str, str, int]]]
 
@@ -143,6 +149,10 @@ class Metrics:
             ["tenant"], registry=r)
         self.requests = Counter("flowlift_openai_requests", "OpenAI API requests",
                                 ["operation", "outcome"], registry=r)
+        self.overhead = Histogram(
+            "flowlift_proxy_overhead_seconds", "An OpenAI request's time in the proxy itself: "
+            "its handling time minus its wait on upstreams or engines",
+            ["operation", "stream"], buckets=_OVERHEAD_BUCKETS, registry=r)
         self.prompt_totals: dict[str, int] = {}
         self.cached_totals: dict[str, int] = {}
         r.register(_Live(self))
@@ -234,10 +244,14 @@ class Metrics:
 
     def observe_request(self, operation: str, outcome: str, model: str | None,
                         ttft_s: float | None, decode_s: float | None,
-                        usage: tuple[Any, Any, Any], partial: bool = False) -> None:
+                        usage: tuple[Any, Any, Any], partial: bool = False, *,
+                        overhead_s: float | None = None, stream: bool = False) -> None:
         """One OpenAI API request that ended (``usage``: prompt, completion, cached
-        tokens; ``partial``: they are an estimate), counted once."""
+        tokens; ``partial``: they are an estimate; ``overhead_s``: the proxy's own
+        seconds, None when not measured), counted once."""
         self.requests.labels(operation, outcome).inc()
+        if overhead_s is not None:
+            self.overhead.labels(operation, "true" if stream else "false").observe(overhead_s)
         if model is None:
             return
         prompt, completion, cached = usage

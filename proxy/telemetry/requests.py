@@ -44,6 +44,9 @@ log = get_logger("flowlift.tracing")
 _current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
     "flowlift_request_trace", default=None)
 TRACED_PATHS = {f"/v1{path}": op for path, op in genai.OPERATIONS.items()}
+OVERHEAD_HEADER = "x-flowlift-overhead-ms"
+"""Response header: the proxy's own time in milliseconds up to when the response
+started (see the module doc)."""
 CHARS_PER_TOKEN = 4
 """The estimate of tokens from characters where no tokenizer counted them (English
 text with OpenAI-style BPE vocabularies averages about 4 characters a token)."""
@@ -71,6 +74,8 @@ class RequestTrace:
     def __init__(self, span: trace.Span, operation: str) -> None:
         self.span, self.operation = span, operation
         self.t0 = time.monotonic()
+        self.waited_s = 0.0  # waiting on an upstream or an engine (see the module doc)
+        self.ended_at: float | None = None  # the handler returned (or raised)
         self.model: str | None = None
         self.stream = False
         self.engine: Engine | None = None
@@ -93,6 +98,14 @@ class RequestTrace:
         self.outcome = "unknown"
         self.ids: dict[str, str] = {}  # the workflow and step it joined
         self.tenant: str | None = None  # whose request (flowlift.proxy.tenants)
+
+    def overhead_s(self, now: float | None = None) -> float:
+        """The proxy's own time so far (up to ``now``, ``time.monotonic()`` seconds;
+        None: the end if the handler is done, else now): elapsed minus
+        :attr:`waited_s`, never below 0."""
+        if now is None:
+            now = self.ended_at if self.ended_at is not None else time.monotonic()
+        return max(now - self.t0 - self.waited_s, 0.0)
 
     # -- hooks (called by the handlers; each one never raises) -------------------------
     def request(self, model: str, joined: tuple[str, str | None] | None, stream: bool,
@@ -131,10 +144,13 @@ class RequestTrace:
             if chunk.finish_reason:
                 self.finish[index] = chunk.finish_reason
 
-    def upstream(self, backend: str, doc: dict[str, Any] | None = None) -> None:
-        """An upstream answered (``doc``: its whole JSON answer, when not streamed)."""
+    def upstream(self, backend: str, doc: dict[str, Any] | None = None,
+                 waited_s: float = 0.0) -> None:
+        """An upstream answered (``doc``: its whole JSON answer, when not streamed;
+        ``waited_s``: seconds the attempts waited on upstreams until then)."""
         with _safe("upstream"):
             self.routed_at = time.monotonic()
+            self.waited_s += waited_s
             self.span.set_attributes({genai.PROVIDER: "openai", "flowlift.backend": backend})
             if doc is not None:
                 self.done = True
@@ -257,11 +273,25 @@ class RequestTrace:
         pairs = (("queue", self.t0, self.slot_at), ("routing", self.t0, self.routed_at),
                  ("prefill", self.slot_at, self.first_at),
                  ("decode", self.first_at, self.last_at))
-        self.span.set_attributes({f"flowlift.{name}_ms": round((end - start) * 1000, 3)
-                                  for name, start, end in pairs
-                                  if start is not None and end is not None})
+        attrs = {f"flowlift.{name}_ms": round((end - start) * 1000, 3)
+                 for name, start, end in pairs if start is not None and end is not None}
+        attrs["flowlift.overhead_ms"] = round(self.overhead_s() * 1000, 3)
+        self.span.set_attributes(attrs)
         if self.first_at is not None:
             self.span.add_event("first_token", timestamp=_ns(self.first_at))
+
+
+TRACE_KEY: web.RequestKey[RequestTrace] = web.RequestKey("flowlift.request_trace",
+                                                        RequestTrace)
+"""``request[TRACE_KEY]``: the request's :class:`RequestTrace` (traced requests only)."""
+
+
+async def overhead_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` signal: a traced request's response gets
+    :data:`OVERHEAD_HEADER` (its headers are about to be sent)."""
+    rt = request.get(TRACE_KEY)
+    if rt is not None:
+        response.headers[OVERHEAD_HEADER] = f"{rt.overhead_s() * 1000:.3f}"
 
 
 def current() -> RequestTrace | None:
@@ -285,6 +315,7 @@ def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
                                  kind=SpanKind.SERVER, attributes={
                                      genai.OPERATION: operation, "http.route": request.path})
         rt = RequestTrace(span, operation)
+        request[TRACE_KEY] = rt
         token = _current.set(rt)
         ctx_token = otel_context.attach(trace.set_span_in_context(span))
         status: int | None = None
@@ -297,6 +328,7 @@ def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
             error = exc
             raise
         finally:
+            rt.ended_at = time.monotonic()
             otel_context.detach(ctx_token)
             _current.reset(token)
             transport = request.transport
