@@ -81,7 +81,8 @@ class Telemetry:
     def request_middleware(self) -> Any:
         """The aiohttp middleware giving each OpenAI API request its span and feeding the
         metrics (:func:`flowlift.proxy.telemetry.requests.middleware`)."""
-        return request_tracing.middleware(self.tracer, self.observe_request)
+        return request_tracing.middleware(self.tracer, self.observe_request,
+                                          recording=spans.exports(self.provider))
 
     def _queue_depth(self) -> list[tuple[str, str, int]]:
         out = []

@@ -96,6 +96,7 @@ class RequestTrace:
         self.prompt_estimate: int | None = None
         self.response_model: str | None = None
         self.outcome = "unknown"
+        self.status: int | None = None  # the response's HTTP status, once ended
         self.ids: dict[str, str] = {}  # the workflow and step it joined
         self.tenant: str | None = None  # whose request (flowlift.proxy.tenants)
 
@@ -231,13 +232,14 @@ class RequestTrace:
         """Record the outcome and end the span (always, whatever fails on the way)."""
         try:
             self._conclude(status, abandoned, error)
-            self._stages()
+            if self.span.is_recording():  # (nothing to compute for a span that goes nowhere)
+                self._span_attributes(error)
+                self._stages()
         finally:
             self.span.end()
 
     def _conclude(self, status: int | None, abandoned: bool,
                   error: BaseException | None) -> None:
-        span = self.span
         complete = self.done or (bool(self.texts) and len(self.finish) >= len(self.texts))
         failed = self.upstream_status == "failed"  # a Responses API answer that failed,
         if failed or self.upstream_status == "incomplete":  # or stopped short
@@ -245,6 +247,10 @@ class RequestTrace:
         self.outcome = ("complete" if complete and status == 200 else "abandoned"
                         if abandoned else "error" if (status or 500) >= 400 or error or failed
                         else "incomplete")
+        self.status = status
+
+    def _span_attributes(self, error: BaseException | None) -> None:
+        span, status = self.span, self.status
         attrs: dict[str, Any] = {"flowlift.outcome": self.outcome}
         if status is not None:
             attrs["http.response.status_code"] = status
@@ -261,9 +267,8 @@ class RequestTrace:
             attrs["flowlift.stream.events"] = self.events
         if self.texts:
             attrs["flowlift.stream.chunks"] = sum(len(p) for p in self.texts.values())
-        span.set_attributes(attrs)
         prompt, completion, cached, partial = self.usage_numbers()
-        span.set_attributes({**genai.usage_attributes(prompt, completion, cached),
+        span.set_attributes({**attrs, **genai.usage_attributes(prompt, completion, cached),
                              "flowlift.usage.partial": partial})
 
     def _stages(self) -> None:
@@ -299,21 +304,26 @@ def current() -> RequestTrace | None:
     return _current.get()
 
 
-def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
+def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = True) -> Any:
     """The aiohttp middleware that traces OpenAI API requests (see the module doc).
 
     Args:
         tracer: the proxy's tracer.
         observe: ``observe(request_trace)`` after each request (metrics), or None.
+        recording: False when the tracer's spans go nowhere
+            (:func:`flowlift.tracing.spans.exports`): each request then gets a
+            non-recording span (the caller's ``traceparent``, if any, is what goes
+            upstream), and the metrics and overhead figures are kept as ever.
     """
     @web.middleware
     async def trace_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
         operation = TRACED_PATHS.get(request.path)
         if operation is None or request.method != "POST":
             return await handler(request)
-        span = tracer.start_span(operation, context=extract(request.headers),
-                                 kind=SpanKind.SERVER, attributes={
-                                     genai.OPERATION: operation, "http.route": request.path})
+        parent = extract(request.headers)
+        span = (tracer.start_span(operation, context=parent, kind=SpanKind.SERVER, attributes={
+            genai.OPERATION: operation, "http.route": request.path}) if recording
+            else trace.NonRecordingSpan(trace.get_current_span(parent).get_span_context()))
         rt = RequestTrace(span, operation)
         request[TRACE_KEY] = rt
         token = _current.set(rt)
