@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from flowlift.local_engine.base import Engine, GenerationChunk, Usage
-from flowlift.proxy.dispatch.sse_bytes import data_fields, finished, has_data
+from flowlift.proxy.dispatch.sse_bytes import blocks, data_of, finished, has_data
 from flowlift.proxy.http import Handler
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.tenants import tenant_of
@@ -52,7 +52,6 @@ CHARS_PER_TOKEN = 4
 text with OpenAI-style BPE vocabularies averages about 4 characters a token)."""
 _MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"|"status":\s*"(?:incomplete|failed)"'
                        rb'|"type":\s*"error"')
-_MAY_HOLD_TEXT = re.compile(_MAY_HOLD.pattern.decode())
 
 
 def _ns(t: float) -> int:
@@ -172,11 +171,12 @@ class RequestTrace:
             self.events += events.count(b"data:")
             self.done = self.done or finished(events)
             if first or _MAY_HOLD.search(events):
-                for data in data_fields(events):  # (a write may hold the whole stream)
-                    if not data.startswith("{") or (
-                            self.response_model is not None and not _MAY_HOLD_TEXT.search(data)):
+                for block in blocks(events):  # (a write may hold the whole stream)
+                    if self.response_model is not None and not _MAY_HOLD.search(block):
                         continue  # a content delta: nothing to note but the model, once
-                    chunk = chunks.parse_event(data)
+                    data = data_of(block)
+                    chunk = (chunks.parse_event(data)
+                             if data is not None and data.startswith("{") else None)
                     if chunk is not None:
                         self._note(chunk)
 
@@ -344,13 +344,22 @@ def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = T
             transport = request.transport
             abandoned = (transport is None or transport.is_closing()
                          or isinstance(error, asyncio.CancelledError))
-            with _safe("end"):
-                rt.end(status, abandoned, error)
-                if abandoned:  # case N1: the client left; its upstream work was stopped
-                    log.info("request_cancelled_by_client", path=request.path,
-                             model=rt.model, after_ms=round((time.monotonic() - rt.t0) * 1000))
+            if abandoned:  # case N1: the client left; its upstream work was stopped
+                log.info("request_cancelled_by_client", path=request.path,
+                         model=rt.model, after_ms=round((rt.ended_at - rt.t0) * 1000))
             rt.tenant = tenant_of(request)  # (set by require_key, inside this middleware)
-            if observe is not None:
-                with _safe("observe"):
-                    observe(rt)
+            # the span's end and the metrics once the answer is on its way: a plain
+            # answer is written after this returns, and this callback runs after that
+            asyncio.get_running_loop().call_soon(_finish, rt, status, abandoned, error,
+                                                 observe)
     return trace_requests
+
+
+def _finish(rt: RequestTrace, status: int | None, abandoned: bool,
+            error: BaseException | None, observe: Any) -> None:
+    """End ``rt``'s span and count it in the metrics (never raises)."""
+    with _safe("end"):
+        rt.end(status, abandoned, error)
+    if observe is not None:
+        with _safe("observe"):
+            observe(rt)
