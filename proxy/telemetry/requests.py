@@ -29,7 +29,8 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from flowlift.local_engine.base import Engine, GenerationChunk, Usage
 from flowlift.proxy.dispatch.sse_bytes import blocks, data_of, finished, has_data
@@ -304,6 +305,23 @@ def current() -> RequestTrace | None:
     return _current.get()
 
 
+_IDS = RandomIdGenerator()
+
+
+def _unexported_span(parent: otel_context.Context | None) -> trace.Span:
+    """A span that records nothing, with an id of its own under the caller's trace (a
+    new trace without one): the ``traceparent`` sent upstream is what a recorded span's
+    would be (the default parent-based sampler's flags)."""
+    up = trace.get_current_span(parent).get_span_context()
+    if up.is_valid:
+        own = SpanContext(up.trace_id, _IDS.generate_span_id(), is_remote=False,
+                          trace_flags=up.trace_flags, trace_state=up.trace_state)
+    else:
+        own = SpanContext(_IDS.generate_trace_id(), _IDS.generate_span_id(), is_remote=False,
+                          trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    return trace.NonRecordingSpan(own)
+
+
 def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = True) -> Any:
     """The aiohttp middleware that traces OpenAI API requests (see the module doc).
 
@@ -312,8 +330,8 @@ def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = T
         observe: ``observe(request_trace)`` after each request (metrics), or None.
         recording: False when the tracer's spans go nowhere
             (:func:`flowlift.tracing.spans.exports`): each request then gets a
-            non-recording span (the caller's ``traceparent``, if any, is what goes
-            upstream), and the metrics and overhead figures are kept as ever.
+            non-recording span with an id of its own (the ``traceparent`` sent upstream
+            is as ever), and the metrics and overhead figures are kept as ever.
     """
     @web.middleware
     async def trace_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -323,7 +341,7 @@ def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = T
         parent = extract(request.headers)
         span = (tracer.start_span(operation, context=parent, kind=SpanKind.SERVER, attributes={
             genai.OPERATION: operation, "http.route": request.path}) if recording
-            else trace.NonRecordingSpan(trace.get_current_span(parent).get_span_context()))
+            else _unexported_span(parent))
         rt = RequestTrace(span, operation)
         request[TRACE_KEY] = rt
         token = _current.set(rt)
