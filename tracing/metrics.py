@@ -155,7 +155,17 @@ class Metrics:
             ["operation", "stream"], buckets=_OVERHEAD_BUCKETS, registry=r)
         self.prompt_totals: dict[str, int] = {}
         self.cached_totals: dict[str, int] = {}
+        self._children: dict[tuple[Any, ...], Any] = {}
         r.register(_Live(self))
+
+    def _child(self, metric: Any, *labels: Any) -> Any:
+        """``metric.labels(*labels)``, looked up once per label set (prometheus_client's
+        ``labels()`` validates and locks on every call; it is on each request's path)."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -165,17 +175,18 @@ class Metrics:
     def tokens(self, model: str, prompt: int, cached: int) -> None:
         if prompt <= 0:
             return
-        self.prompt_tokens.labels(model).inc(prompt)
-        self.cached_tokens.labels(model).inc(max(cached, 0))
+        self._child(self.prompt_tokens, model).inc(prompt)
+        self._child(self.cached_tokens, model).inc(max(cached, 0))
         self.prompt_totals[model] = self.prompt_totals.get(model, 0) + prompt
         self.cached_totals[model] = self.cached_totals.get(model, 0) + max(cached, 0)
 
     def latency(self, model: str, source: str, ttft_s: float | None, decode_s: float | None,
                 completion_tokens: int) -> None:
         if ttft_s is not None:
-            self.ttft.labels(model, source).observe(max(ttft_s, 0.0))
+            self._child(self.ttft, model, source).observe(max(ttft_s, 0.0))
         if decode_s is not None and completion_tokens > 1:
-            self.tpot.labels(model, source).observe(max(decode_s, 0.0) / (completion_tokens - 1))
+            self._child(self.tpot, model, source).observe(
+                max(decode_s, 0.0) / (completion_tokens - 1))
 
     def spend(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
         """Count one request's (or step attempt's) spend on the served ``model``, when
@@ -183,7 +194,7 @@ class Metrics:
         price = self.price_per_1k(model)
         tokens = max(prompt_tokens, 0) + max(completion_tokens, 0)
         if price and tokens:
-            self.spend_total.labels(model).inc(tokens / 1000 * price)
+            self._child(self.spend_total, model).inc(tokens / 1000 * price)
 
     def tenant_usage(self, tenant: str | None, model: str, prompt_tokens: int,
                      completion_tokens: int) -> None:
@@ -193,15 +204,15 @@ class Metrics:
         if tenant is None:
             return
         prompt, completion = max(prompt_tokens, 0), max(completion_tokens, 0)
-        self.tenant_tokens.labels(tenant, "prompt").inc(prompt)
-        self.tenant_tokens.labels(tenant, "completion").inc(completion)
+        self._child(self.tenant_tokens, tenant, "prompt").inc(prompt)
+        self._child(self.tenant_tokens, tenant, "completion").inc(completion)
         price = self.price_per_1k(model)
-        self.tenant_spend.labels(tenant).inc((prompt + completion) / 1000 * (price or 0.0))
+        self._child(self.tenant_spend, tenant).inc((prompt + completion) / 1000 * (price or 0.0))
 
     def cascade_escalated(self, from_model: str, to_model: str) -> None:
         """Count one escalation of a step from ``from_model`` to the next model of its
         cascade (for escalations not recorded as an ``AttemptTrace``)."""
-        self.escalations.labels(from_model, to_model).inc()
+        self._child(self.escalations, from_model, to_model).inc()
 
     def record_attempts(self, attempts: Sequence[AttemptTrace]) -> None:
         """Retries and escalations of one step, from its attempts in order."""
@@ -211,15 +222,15 @@ class Metrics:
             if after.model != before.model:  # the next model of the cascade: not a retry
                 self.cascade_escalated(before.model, after.model)
             else:
-                self.retries.labels(after.model, before.outcome).inc()
+                self._child(self.retries, after.model, before.outcome).inc()
 
     def observe_run(self, trace: RunTrace, *, deadline_missed: bool = False,
                     tenant: str | None = None) -> None:
         """Everything a finished run adds (its steps' latencies, tokens, attempts; the
         tokens and spend of ``tenant`` too, when the run is a configured tenant's)."""
-        self.workflows.labels(trace.status).inc()
+        self._child(self.workflows, trace.status).inc()
         if deadline_missed:
-            self.deadline_misses.labels(trace.workflow_class).inc()
+            self._child(self.deadline_misses, trace.workflow_class).inc()
         for st in trace.steps.values():
             if st.kind == "llm" and st.model and st.same_as is None:
                 self._observe_step(st, tenant)
@@ -227,12 +238,13 @@ class Metrics:
     def _observe_step(self, st: StepTrace, tenant: str | None = None) -> None:
         model = st.model or ""
         if st.ready_ms is not None and st.started_ms is not None:
-            self.queue_wait.labels(model).observe(max(st.started_ms - st.ready_ms, 0.0) / 1000)
+            self._child(self.queue_wait, model).observe(
+                max(st.started_ms - st.ready_ms, 0.0) / 1000)
         self.record_attempts(st.attempts)
         for at in st.attempts:
             self.tokens(at.model, at.prompt_tokens, at.cached_tokens)
             if at.completion_tokens > 0:
-                self.completion_tokens.labels(at.model).inc(at.completion_tokens)
+                self._child(self.completion_tokens, at.model).inc(at.completion_tokens)
             self.spend(at.model, at.prompt_tokens, at.completion_tokens)
             self.tenant_usage(tenant, at.model, at.prompt_tokens, at.completion_tokens)
             if at.first_token_ms is None:
@@ -249,16 +261,16 @@ class Metrics:
         """One OpenAI API request that ended (``usage``: prompt, completion, cached
         tokens; ``partial``: they are an estimate; ``overhead_s``: the proxy's own
         seconds, None when not measured), counted once."""
-        self.requests.labels(operation, outcome).inc()
+        self._child(self.requests, operation, outcome).inc()
         if overhead_s is not None:
-            self.overhead.labels(operation, "true" if stream else "false").observe(overhead_s)
+            self._child(self.overhead, operation, "true" if stream else "false").observe(overhead_s)
         if model is None:
             return
         prompt, completion, cached = usage
         if prompt:
             self.tokens(model, int(prompt), int(cached or 0))
         if completion:
-            self.completion_tokens.labels(model).inc(int(completion))
+            self._child(self.completion_tokens, model).inc(int(completion))
         if partial:
-            self.estimated_usage.labels(model).inc()
+            self._child(self.estimated_usage, model).inc()
         self.latency(model, "openai", ttft_s, decode_s, int(completion or 0))

@@ -93,6 +93,7 @@ class RequestTrace:
         self.upstream_counts: Usage | None = None
         self.upstream_status: str | None = None  # a Responses API answer's status
         self.upstream_text = 0  # characters of a whole upstream answer's text
+        self._answer: dict[str, Any] | None = None  # a whole upstream answer, not read yet
         self.prompt_estimate: int | None = None
         self.response_model: str | None = None
         self.outcome = "unknown"
@@ -155,9 +156,7 @@ class RequestTrace:
             self.span.set_attributes({genai.PROVIDER: "openai", "flowlift.backend": backend})
             if doc is not None:
                 self.done = True
-                answer = chunks.parse(doc)
-                self._note(answer)
-                self.upstream_text = sum(len(c.text) for c in answer.choices)
+                self._answer = doc  # read when the request ends (_read_answer)
 
     def sse(self, events: bytes) -> None:
         """Whole events of a forwarded upstream stream. Parsed only where they may hold
@@ -180,6 +179,15 @@ class RequestTrace:
                              if data is not None and data.startswith("{") else None)
                     if chunk is not None:
                         self._note(chunk)
+
+    def _read_answer(self) -> None:
+        """Note what an upstream's whole answer held (its model, usage, finish reasons,
+        text length): once, when the request ends, off the answer's path."""
+        doc, self._answer = self._answer, None
+        if doc is not None:
+            answer = chunks.parse(doc)
+            self._note(answer)
+            self.upstream_text = sum(len(c.text) for c in answer.choices)
 
     def _note(self, chunk: chunks.Chunk) -> None:
         """The model, usage and finish reasons of an upstream's event or answer."""
@@ -232,6 +240,7 @@ class RequestTrace:
     def end(self, status: int | None, abandoned: bool, error: BaseException | None) -> None:
         """Record the outcome and end the span (always, whatever fails on the way)."""
         try:
+            self._read_answer()
             self._conclude(status, abandoned, error)
             if self.span.is_recording():  # (nothing to compute for a span that goes nowhere)
                 self._span_attributes(error)
