@@ -76,8 +76,9 @@ class Opened:
         its pool slot back."""
         try:
             for it in (self.events, self.chunks):
-                if it is not None:
-                    await it.aclose()  # type: ignore[union-attr]
+                aclose = getattr(it, "aclose", None)  # (async generators have one)
+                if aclose is not None:
+                    await aclose()
             await self.response.aclose()
         finally:
             self.call.close()
@@ -198,7 +199,9 @@ async def _first_event(upstream: Upstream, call: Call,
 
 async def _first_bytes(upstream: Upstream, call: Call,
                        response: httpx.Response) -> Opened | None:
-    chunks = response.aiter_raw()
+    # the transport's own byte stream (what aiter_raw wraps; its failures are httpx's
+    # too): aiter_raw adds a context manager, a chunker and bookkeeping per read
+    chunks = aiter(response.stream)  # type: ignore[arg-type]  # (an async response)
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
