@@ -146,7 +146,7 @@ async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
                 raise await error_from(response, upstream.name)
             if not stream:
                 stage = "while sending its answer"
-                answer = await response.aread()
+                answer = await _read_whole(response)
                 waited.s += time.monotonic() - sent
                 sent = 0.0
                 return _whole(upstream, call, response, answer)
@@ -170,6 +170,15 @@ async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
     finally:
         if sent:  # a failed attempt: all its time was the upstream's
             waited.s += time.monotonic() - sent
+
+
+async def _read_whole(response: httpx.Response) -> bytes:
+    """The answer's body: decoded by httpx when it has a ``Content-Encoding``, else the
+    transport's bytes as they are (what ``aread`` returns then, without its decoder,
+    chunker and context manager per read)."""
+    if "content-encoding" in response.headers:
+        return await response.aread()
+    return b"".join([part async for part in response.stream])  # type: ignore[union-attr]
 
 
 def _whole(upstream: Upstream, call: Call, response: httpx.Response, body: bytes) -> Opened:
