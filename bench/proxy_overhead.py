@@ -551,6 +551,28 @@ async def measure(a: argparse.Namespace, servers: dict[str, Server],
     return results
 
 
+_OVERHEAD_SAMPLE = re.compile(r'^flowlift_proxy_overhead_seconds_(sum|count)\{operation="chat",'
+                              r'stream="(true|false)"\} (\S+)$', re.MULTILINE)
+
+
+async def reported_overhead(srv: Server) -> dict[str, Any]:
+    """What the proxy says its own overhead was over the whole run (its
+    ``flowlift_proxy_overhead_seconds`` histogram): mean ms per request by mode, or
+    ``{}`` where it has none (a tree before issue 18)."""
+    async with aiohttp.ClientSession() as session, session.get(srv.base + "/metrics") as r:
+        text = await r.text()
+    got: dict[tuple[str, str], float] = {}
+    for kind, stream, value in _OVERHEAD_SAMPLE.findall(text):
+        got[(kind, stream)] = float(value)
+    out: dict[str, Any] = {}
+    for mode, stream in (("json", "false"), ("stream", "true")):
+        n = got.get(("count", stream))
+        if n:
+            out[mode] = {"requests": int(n),
+                         "mean_ms": round(got[("sum", stream)] / n * 1000, 3)}
+    return out
+
+
 async def bench(a: argparse.Namespace) -> dict[str, Any]:
     wanted = [p for p in PATHS if p in a.paths]
     t_start = time.monotonic()
@@ -569,6 +591,8 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
             profiler = start_pyspy(servers["flowlift"])
         try:
             results = await measure(a, servers, paths)
+            reported = {p: await reported_overhead(servers[p]) for p in paths
+                        if p in ("baseline", "flowlift")}
         finally:
             if profiler is not None:
                 stop_pyspy(profiler)
@@ -587,6 +611,10 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
     ratios = summarize(results, paths)
     print()
     print(table(results, paths))
+    for p, by_mode in reported.items():
+        print(f"{p}: its own overhead as it reports it (flowlift_proxy_overhead_seconds, "
+              "whole run): " + ("; ".join(f"{m} mean {v['mean_ms']} ms over {v['requests']}"
+                                          for m, v in by_mode.items()) or "not reported"))
     print("\n(+p50/+p99: added over direct; cpu ms/req: proxy process tree, throughput "
           "phase; idle-incl: latency phase, idle time included)")
     for mode, r in ratios.items():
@@ -623,6 +651,7 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
                   for p in wanted},
         "results": results,
         "ratios": ratios,
+        "reported_overhead": reported,
         "profile": profile,
         "total_s": round(time.monotonic() - t_start, 1),
     }
