@@ -60,12 +60,16 @@ def _ns(t: float) -> int:
     return time.time_ns() - int((time.monotonic() - t) * 1e9)
 
 
+def _failed(what: str, exc: Exception) -> None:
+    log.warning("tracing_failed", hook=what, error=f"{type(exc).__name__}: {exc}")
+
+
 @contextmanager
 def _safe(what: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # tracing must never break a request
-        log.warning("tracing_failed", hook=what, error=f"{type(exc).__name__}: {exc}")
+        _failed(what, exc)
 
 
 class RequestTrace:
@@ -135,7 +139,7 @@ class RequestTrace:
                                           "flowlift.backend": backend})
 
     def chunk(self, index: int, chunk: GenerationChunk) -> None:
-        with _safe("chunk"):
+        try:  # (per chunk: no context manager object, as _safe would make)
             now = time.monotonic()
             if self.first_at is None and chunk.text:
                 self.first_at = now
@@ -145,6 +149,8 @@ class RequestTrace:
                 self.usage[index] = chunk.usage
             if chunk.finish_reason:
                 self.finish[index] = chunk.finish_reason
+        except Exception as exc:  # tracing must never break a request
+            _failed("chunk", exc)
 
     def upstream(self, backend: str, doc: dict[str, Any] | None = None,
                  waited_s: float = 0.0) -> None:
@@ -161,24 +167,29 @@ class RequestTrace:
     def sse(self, events: bytes) -> None:
         """Whole events of a forwarded upstream stream. Parsed only where they may hold
         usage or a finish reason (a byte search first), and the first (the model)."""
-        with _safe("sse"):
-            if not has_data(events):  # keep-alive comments: no model event
-                return
-            now = time.monotonic()
-            self.first_at = self.first_at or now
-            self.last_at = now
-            first = self.events == 0
-            self.events += events.count(b"data:")
-            self.done = self.done or finished(events)
-            if first or _MAY_HOLD.search(events):
-                for block in blocks(events):  # (a write may hold the whole stream)
-                    if self.response_model is not None and not _MAY_HOLD.search(block):
-                        continue  # a content delta: nothing to note but the model, once
-                    data = data_of(block)
-                    chunk = (chunks.parse_event(data)
-                             if data is not None and data.startswith("{") else None)
-                    if chunk is not None:
-                        self._note(chunk)
+        try:  # (per write: no context manager object, as _safe would make)
+            self._sse(events)
+        except Exception as exc:  # tracing must never break a request
+            _failed("sse", exc)
+
+    def _sse(self, events: bytes) -> None:
+        if not has_data(events):  # keep-alive comments: no model event
+            return
+        now = time.monotonic()
+        self.first_at = self.first_at or now
+        self.last_at = now
+        first = self.events == 0
+        self.events += events.count(b"data:")
+        self.done = self.done or finished(events)
+        if first or _MAY_HOLD.search(events):
+            for block in blocks(events):  # (a write may hold the whole stream)
+                if self.response_model is not None and not _MAY_HOLD.search(block):
+                    continue  # a content delta: nothing to note but the model, once
+                data = data_of(block)
+                chunk = (chunks.parse_event(data)
+                         if data is not None and data.startswith("{") else None)
+                if chunk is not None:
+                    self._note(chunk)
 
     def _read_answer(self) -> None:
         """Note what an upstream's whole answer held (its model, usage, finish reasons,
