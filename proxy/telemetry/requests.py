@@ -14,6 +14,20 @@ The stage split, from the instants noted, as attributes (``flowlift.queue_ms``: 
 to an engine slot, embedded engine; ``flowlift.routing_ms``: arrival to an upstream's
 first answer, retries and fallbacks included; ``flowlift.prefill_ms``: slot to first
 chunk; ``flowlift.decode_ms``: first to last chunk) and a ``first_token`` event.
+
+The proxy's own overhead, as LiteLLM's ``x-litellm-overhead-duration-ms`` header and
+TensorZero's ``tensorzero_inference_latency_overhead_seconds`` metric report theirs: the
+request's handling time minus the time it waited on an upstream or an engine
+(:attr:`RequestTrace.waited_s`: an upstream attempt from sending its request to its
+whole answer or first stream event, failed attempts, back-off, a pool's queue, and each
+later read of the stream; the embedded engine's slot and chunks, as the handler waited
+for them). Sent as the response header :data:`OVERHEAD_HEADER` when the response starts
+(:func:`overhead_header`): a stream's headers leave before its body, so there it is the
+overhead up to the first byte (SSE has no trailers); the whole request's figure,
+stream included, goes to the ``flowlift_proxy_overhead_seconds`` histogram when the
+handler is done (a plain answer's header holds that same figure). Time spent writing to
+a slow client counts as the proxy's. The span's end and the metrics run right after
+the answer is written (``call_soon``), off its path.
 """
 
 from __future__ import annotations
