@@ -104,3 +104,28 @@ async def test_errors_carry_the_header_and_other_paths_do_not(aiohttp_client, ai
     assert resp.status == 404 and float(resp.headers[HEADER]) >= 0
     assert HEADER not in (await client.get("/v1/models")).headers
     assert HEADER not in (await client.get("/healthz")).headers
+
+
+def test_serve_runs_on_uvloop_unless_asked_not_to():
+    import uvloop
+
+    from flowlift.proxy.lifecycle import event_loop_factory, run
+
+    assert event_loop_factory({}) is uvloop.new_event_loop
+    assert event_loop_factory({"FLOWLIFT_EVENT_LOOP": "asyncio"}) is None
+
+    async def loop_type() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run(loop_type()).startswith("uvloop")
+
+
+def test_request_spans_are_built_only_where_they_are_exported(tmp_path):
+    from flowlift.tracing.spans import exports, proxy_tracer_provider
+
+    assert not exports(proxy_tracer_provider(None, env={}))
+    provider = proxy_tracer_provider(tmp_path, env={})  # JSON lines there
+    try:
+        assert exports(provider)
+    finally:
+        provider.shutdown()
