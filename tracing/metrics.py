@@ -21,6 +21,10 @@ and when an OpenAI API request ends:
 ``flowlift_deadline_misses_total``              counter (``workflow_class``)
 ``flowlift_workflows_total``                    counter: finished runs (``status``)
 ``flowlift_openai_requests_total``              counter (``operation``, ``outcome``)
+``flowlift_proxy_overhead_seconds``             histogram: an OpenAI request's handling time
+                                                minus its wait on upstreams or engines
+                                                (``operation``, ``stream`` true|false;
+                                                :mod:`flowlift.proxy.telemetry.requests`)
 ==============================================  =========================================
 
 Read at scrape time (callbacks, nothing on the hot path): ``flowlift_queue_depth``
@@ -47,6 +51,8 @@ from prometheus_client.registry import Collector
 from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.005, 0.01,
+                     0.025, 0.05, 0.1, 0.25, 1.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 QueueDepth = Callable[[], Iterable[tuple[str, str, int]]]
 
@@ -143,9 +149,23 @@ class Metrics:
             ["tenant"], registry=r)
         self.requests = Counter("flowlift_openai_requests", "OpenAI API requests",
                                 ["operation", "outcome"], registry=r)
+        self.overhead = Histogram(
+            "flowlift_proxy_overhead_seconds", "An OpenAI request's time in the proxy itself: "
+            "its handling time minus its wait on upstreams or engines",
+            ["operation", "stream"], buckets=_OVERHEAD_BUCKETS, registry=r)
         self.prompt_totals: dict[str, int] = {}
         self.cached_totals: dict[str, int] = {}
+        self._children: dict[tuple[Any, ...], Any] = {}
         r.register(_Live(self))
+
+    def _child(self, metric: Any, *labels: Any) -> Any:
+        """``metric.labels(*labels)``, looked up once per label set (prometheus_client's
+        ``labels()`` validates and locks on every call; it is on each request's path)."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -155,17 +175,18 @@ class Metrics:
     def tokens(self, model: str, prompt: int, cached: int) -> None:
         if prompt <= 0:
             return
-        self.prompt_tokens.labels(model).inc(prompt)
-        self.cached_tokens.labels(model).inc(max(cached, 0))
+        self._child(self.prompt_tokens, model).inc(prompt)
+        self._child(self.cached_tokens, model).inc(max(cached, 0))
         self.prompt_totals[model] = self.prompt_totals.get(model, 0) + prompt
         self.cached_totals[model] = self.cached_totals.get(model, 0) + max(cached, 0)
 
     def latency(self, model: str, source: str, ttft_s: float | None, decode_s: float | None,
                 completion_tokens: int) -> None:
         if ttft_s is not None:
-            self.ttft.labels(model, source).observe(max(ttft_s, 0.0))
+            self._child(self.ttft, model, source).observe(max(ttft_s, 0.0))
         if decode_s is not None and completion_tokens > 1:
-            self.tpot.labels(model, source).observe(max(decode_s, 0.0) / (completion_tokens - 1))
+            self._child(self.tpot, model, source).observe(
+                max(decode_s, 0.0) / (completion_tokens - 1))
 
     def spend(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
         """Count one request's (or step attempt's) spend on the served ``model``, when
@@ -173,7 +194,7 @@ class Metrics:
         price = self.price_per_1k(model)
         tokens = max(prompt_tokens, 0) + max(completion_tokens, 0)
         if price and tokens:
-            self.spend_total.labels(model).inc(tokens / 1000 * price)
+            self._child(self.spend_total, model).inc(tokens / 1000 * price)
 
     def tenant_usage(self, tenant: str | None, model: str, prompt_tokens: int,
                      completion_tokens: int) -> None:
@@ -183,15 +204,15 @@ class Metrics:
         if tenant is None:
             return
         prompt, completion = max(prompt_tokens, 0), max(completion_tokens, 0)
-        self.tenant_tokens.labels(tenant, "prompt").inc(prompt)
-        self.tenant_tokens.labels(tenant, "completion").inc(completion)
+        self._child(self.tenant_tokens, tenant, "prompt").inc(prompt)
+        self._child(self.tenant_tokens, tenant, "completion").inc(completion)
         price = self.price_per_1k(model)
-        self.tenant_spend.labels(tenant).inc((prompt + completion) / 1000 * (price or 0.0))
+        self._child(self.tenant_spend, tenant).inc((prompt + completion) / 1000 * (price or 0.0))
 
     def cascade_escalated(self, from_model: str, to_model: str) -> None:
         """Count one escalation of a step from ``from_model`` to the next model of its
         cascade (for escalations not recorded as an ``AttemptTrace``)."""
-        self.escalations.labels(from_model, to_model).inc()
+        self._child(self.escalations, from_model, to_model).inc()
 
     def record_attempts(self, attempts: Sequence[AttemptTrace]) -> None:
         """Retries and escalations of one step, from its attempts in order."""
@@ -201,15 +222,15 @@ class Metrics:
             if after.model != before.model:  # the next model of the cascade: not a retry
                 self.cascade_escalated(before.model, after.model)
             else:
-                self.retries.labels(after.model, before.outcome).inc()
+                self._child(self.retries, after.model, before.outcome).inc()
 
     def observe_run(self, trace: RunTrace, *, deadline_missed: bool = False,
                     tenant: str | None = None) -> None:
         """Everything a finished run adds (its steps' latencies, tokens, attempts; the
         tokens and spend of ``tenant`` too, when the run is a configured tenant's)."""
-        self.workflows.labels(trace.status).inc()
+        self._child(self.workflows, trace.status).inc()
         if deadline_missed:
-            self.deadline_misses.labels(trace.workflow_class).inc()
+            self._child(self.deadline_misses, trace.workflow_class).inc()
         for st in trace.steps.values():
             if st.kind == "llm" and st.model and st.same_as is None:
                 self._observe_step(st, tenant)
@@ -217,12 +238,13 @@ class Metrics:
     def _observe_step(self, st: StepTrace, tenant: str | None = None) -> None:
         model = st.model or ""
         if st.ready_ms is not None and st.started_ms is not None:
-            self.queue_wait.labels(model).observe(max(st.started_ms - st.ready_ms, 0.0) / 1000)
+            self._child(self.queue_wait, model).observe(
+                max(st.started_ms - st.ready_ms, 0.0) / 1000)
         self.record_attempts(st.attempts)
         for at in st.attempts:
             self.tokens(at.model, at.prompt_tokens, at.cached_tokens)
             if at.completion_tokens > 0:
-                self.completion_tokens.labels(at.model).inc(at.completion_tokens)
+                self._child(self.completion_tokens, at.model).inc(at.completion_tokens)
             self.spend(at.model, at.prompt_tokens, at.completion_tokens)
             self.tenant_usage(tenant, at.model, at.prompt_tokens, at.completion_tokens)
             if at.first_token_ms is None:
@@ -234,17 +256,21 @@ class Metrics:
 
     def observe_request(self, operation: str, outcome: str, model: str | None,
                         ttft_s: float | None, decode_s: float | None,
-                        usage: tuple[Any, Any, Any], partial: bool = False) -> None:
+                        usage: tuple[Any, Any, Any], partial: bool = False, *,
+                        overhead_s: float | None = None, stream: bool = False) -> None:
         """One OpenAI API request that ended (``usage``: prompt, completion, cached
-        tokens; ``partial``: they are an estimate), counted once."""
-        self.requests.labels(operation, outcome).inc()
+        tokens; ``partial``: they are an estimate; ``overhead_s``: the proxy's own
+        seconds, None when not measured), counted once."""
+        self._child(self.requests, operation, outcome).inc()
+        if overhead_s is not None:
+            self._child(self.overhead, operation, "true" if stream else "false").observe(overhead_s)
         if model is None:
             return
         prompt, completion, cached = usage
         if prompt:
             self.tokens(model, int(prompt), int(cached or 0))
         if completion:
-            self.completion_tokens.labels(model).inc(int(completion))
+            self._child(self.completion_tokens, model).inc(int(completion))
         if partial:
-            self.estimated_usage.labels(model).inc()
+            self._child(self.estimated_usage, model).inc()
         self.latency(model, "openai", ttft_s, decode_s, int(completion or 0))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -134,7 +135,7 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
             backend.admitted -= 1
     traced = request_tracing.current()
     if traced is not None:
-        traced.upstream(opened.upstream.name, opened.doc)
+        traced.upstream(opened.upstream.name, opened.doc, opened.waited_s)
     try:
         if opened.body is not None:
             return _plain(opened, on_output)
@@ -284,6 +285,7 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
                                        "Cache-Control": "no-cache",
                                        "X-Flowlift-Backend": upstream.name})
     passing = _Passing(resp, on_output, strip_usage)
+    traced, clock = passing.traced, time.monotonic
     buffer = opened.tail
     failure: str | None = None
     loop = asyncio.get_running_loop()
@@ -293,7 +295,16 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
         try:
             idle_s = upstream.spec.idle_timeout_s
             async with asyncio.timeout_at(min(loop.time() + idle_s, deadline)) as idle:
-                async for chunk in opened.chunks:
+                reads = opened.chunks
+                while True:
+                    asked = clock()
+                    try:
+                        chunk = await anext(reads)
+                    except StopAsyncIteration:
+                        break
+                    finally:  # each read waits on the upstream (the proxy's own time not)
+                        if traced is not None:
+                            traced.waited_s += clock() - asked
                     buffer += chunk
                     end = complete_prefix(buffer)
                     if not end:

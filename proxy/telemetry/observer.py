@@ -81,7 +81,8 @@ class Telemetry:
     def request_middleware(self) -> Any:
         """The aiohttp middleware giving each OpenAI API request its span and feeding the
         metrics (:func:`flowlift.proxy.telemetry.requests.middleware`)."""
-        return request_tracing.middleware(self.tracer, self.observe_request)
+        return request_tracing.middleware(self.tracer, self.observe_request,
+                                          recording=spans.exports(self.provider))
 
     def _queue_depth(self) -> list[tuple[str, str, int]]:
         out = []
@@ -143,7 +144,8 @@ class Telemetry:
         decode = (None if rt.first_at is None or rt.last_at is None
                   else rt.last_at - rt.first_at)
         self.metrics.observe_request(rt.operation, rt.outcome, rt.response_model or rt.model,
-                                     ttft, decode, (prompt, completion, cached), partial)
+                                     ttft, decode, (prompt, completion, cached), partial,
+                                     overhead_s=rt.overhead_s(), stream=rt.stream)
         if rt.model is not None:  # spend goes by the served name: the config prices it
             self.metrics.spend(rt.model, prompt or 0, completion or 0)
             self.metrics.tenant_usage(rt.tenant, rt.model, prompt or 0, completion or 0)
@@ -172,11 +174,13 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 
 def setup(app: web.Application, telemetry: Telemetry) -> None:
-    """Serve ``telemetry`` on ``app``: ``app[TELEMETRY]``, the ``/metrics`` route, and a
-    flush at shutdown. (Its request middleware is in the app factory's middleware list:
+    """Serve ``telemetry`` on ``app``: ``app[TELEMETRY]``, the ``/metrics`` route, the
+    ``x-flowlift-overhead-ms`` header of OpenAI requests' responses, and a flush at
+    shutdown. (Its request middleware is in the app factory's middleware list:
     :meth:`Telemetry.request_middleware`.)"""
     app[TELEMETRY] = telemetry
     app.router.add_get("/metrics", metrics_handler)
+    app.on_response_prepare.append(request_tracing.overhead_header)
 
     async def flush(_: web.Application) -> None:
         await telemetry.shutdown()

@@ -142,11 +142,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
     from flowlift.proxy import create_app
     from flowlift.proxy.config import settings
-    from flowlift.proxy.lifecycle import bind, serve
+    from flowlift.proxy.lifecycle import bind, run, serve
     from flowlift.tracing import configure_logging
 
     configure_logging(args.log_level)
@@ -184,7 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"flowlift serve: {exc.message}", file=sys.stderr)
         return 2
     print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    failed = asyncio.run(serve(app, sock, grace_s=args.grace_s))
+    failed = run(serve(app, sock, grace_s=args.grace_s))  # on uvloop where installed
     if failed:
         print(f"flowlift serve: the engine failed to load: {failed} (the log above has "
               "the engine's own messages)", file=sys.stderr)
