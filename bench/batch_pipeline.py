@@ -194,10 +194,11 @@ def main() -> int:
     parser.add_argument("--repeat-fraction", type=float, default=0.0,
                         help="share of the documents that repeat an earlier one")
     parser.add_argument("--smoke", action="store_true",
-                        help="fake engine, 4 documents, gather(2) only, nothing saved")
+                        help="fake engine, 4 documents (one repeated), gather(2), nothing saved")
     args = parser.parse_args()
     if args.smoke:
         args.docs, args.concurrency, args.skip_sequential = 4, [2], True
+        args.repeat_fraction = args.repeat_fraction or 0.25  # the merge path runs too
     docs = corpus(args.docs, args.repeat_fraction)
     ex.corpus_index()
     results: dict[str, Any] = {"documents": len(docs),

@@ -49,6 +49,7 @@ from examples.stdlib_docs.corpus import AREAS, Document, load_documents
 from flowlift import step, workflow
 
 NOTES_TOKENS, LABEL_TOKENS = 48, 8
+VARIANTS = ("flowlift", "per_document", "stage_by_stage")
 
 
 def notes_prompt(tag: str, doc: Document) -> list[dict[str, str]]:
@@ -194,6 +195,7 @@ def main() -> int:
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--chain-concurrency", type=int, default=1)
     parser.add_argument("--memory-budget-mb", type=float, default=4000.0)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine, 3 documents, nothing saved")
     args = parser.parse_args()
@@ -208,19 +210,20 @@ def main() -> int:
         model_b = next(m for m in first["managed"] if m != model_a)
         models = (model_a, model_b)
         results["models"] = list(models)
-        results["flowlift"] = measure(base, "flowlift", lambda: flowlift_run(
-            base, models, docs, "flowlift"), model_a)
-        results["per_document"] = measure(base, "per_document", lambda: asyncio.run(
-            per_document(base, models, docs, "chains", args.chain_concurrency)), model_a)
-        results["stage_by_stage"] = measure(base, "stage_by_stage", lambda: asyncio.run(
-            stage_by_stage(base, models, docs, "stages")), model_a)
+        runs = {"flowlift": lambda: flowlift_run(base, models, docs, "flowlift"),
+                "per_document": lambda: asyncio.run(per_document(
+                    base, models, docs, "chains", args.chain_concurrency)),
+                "stage_by_stage": lambda: asyncio.run(stage_by_stage(
+                    base, models, docs, "stages"))}
+        for variant in args.variants:
+            results[variant] = measure(base, variant, runs[variant], model_a)
         results["metrics_loads"] = [line for line in httpx.get(base + "/metrics").text
                                     .splitlines() if line.startswith("flowlift_model_loads")]
-    fl = results["flowlift"]["makespan_s"] or 0.1
-    results["ratios"] = {
-        "per_document_over_flowlift": round(results["per_document"]["makespan_s"] / fl, 2),
-        "stage_by_stage_over_flowlift": round(results["stage_by_stage"]["makespan_s"] / fl, 2)}
-    print(results["ratios"], flush=True)
+    if "flowlift" in results:
+        fl = results["flowlift"]["makespan_s"] or 0.1
+        results["ratios"] = {f"{v}_over_flowlift": round(results[v]["makespan_s"] / fl, 2)
+                             for v in args.variants if v != "flowlift"}
+        print(results["ratios"], flush=True)
     save("residency", results, smoke=args.smoke)
     return 0
 
