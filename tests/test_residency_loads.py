@@ -2,6 +2,9 @@
 that fits one loads each model once when the residency manager follows the run's plan
 and queue; request-level clients of the same proxy (the drop-in API, which loads on
 demand) pay a load per switch. The counts are what ``/readyz`` and ``/metrics`` report.
+Without the run's lookahead (its queued steps pinned: ``ResidencyManager.lookahead``
+unset, or ``choose_evictions`` ignoring ``pinned``) the chain test swaps models between
+the steps of a same-model chain; without the in-flight leases the two-stage test fails.
 
 Each model is a stricter tests/test_residency_dispatch.py ``LoadedOnly`` fake: it checks
 the budget at every load and fails a generation that finds its model unloaded at any
@@ -104,3 +107,27 @@ async def test_stage_by_stage_clients_load_each_model_once(aiohttp_client):
     await asyncio.gather(*(_chat(client, "a", f"document {i}") for i in range(4)))
     await asyncio.gather(*(_chat(client, "b", f"label {i}") for i in range(4)))
     assert mgr.loads == {"a": 1, "b": 1}
+
+
+def _step(step_id: str, model: str, after: str | None = None) -> dict[str, Any]:
+    content: list[dict[str, str]] = [{"text": f"step {step_id}: " + "word " * 4}]
+    if after is not None:
+        content.append({"ref": after})
+    return {"id": step_id, "kind": "llm", "model": model,
+            "params": {"max_tokens": 6, "temperature": 0},
+            "messages": [{"role": "user", "content": content}]}
+
+
+async def test_a_chain_on_one_model_keeps_it_loaded_beside_a_step_on_another(aiohttp_client):
+    # a1 -> a2 -> a3 on model a, and b1 on b ready from the start: b1 waits while a's
+    # chain runs (its next step is queued as the one before it ends, and a queued step's
+    # model is pinned), so each model loads once; a manager deciding per request swaps
+    # to b between a-steps and back (5 or more loads)
+    client, mgr = await _client(aiohttp_client)
+    graph = {"name": "chain", "nodes": [_step("a1", "a"), _step("a2", "a", "a1"),
+                                        _step("a3", "a", "a2"), _step("b1", "b")]}
+    resp = await client.post("/v1/workflows", json=graph)
+    done = next(d for e, d in parse_sse(await resp.text()) if e == "run.finished")
+    assert done["status"] == "succeeded", done["failures"]
+    assert mgr.events == [("load", "a"), ("unload", "a"), ("load", "b")]
+
