@@ -56,7 +56,9 @@ async def readyz(request: web.Request) -> web.Response:
     if state.residency is not None:
         body["residency"] = {"budget_mb": state.residency.budget_mb,
                              "resident": list(state.residency.resident),
-                             "managed": sorted(state.residency.models)}
+                             "managed": sorted(state.residency.models),
+                             "loads": dict(sorted(state.residency.loads.items())),
+                             "unloads": dict(sorted(state.residency.unloads.items()))}
     return web.json_response(body, status=200 if reason is None else 503)
 
 
@@ -173,7 +175,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     outcomes = StepOutcomes(state_path, default_model=backends.default_model)
     # spans and metrics (the run count is read at scrape time, once `runs` exists)
     tel = telemetry.Telemetry.for_proxy(tracer_provider, config.trace_dir, backends,
-                                        active_runs=lambda: len(runs.active))
+                                        active_runs=lambda: len(runs.active),
+                                        residency=residency)
     runs = RunRegistry(store, config.trace_dir, detached_timeout_s=config.detached_timeout_s,
                        outcomes=outcomes, max_active=config.max_runs, observer=tel,
                        lease_ttl_s=config.lease_ttl_s)

@@ -163,9 +163,10 @@ class Step(Generic[P]):
 class Tool(Generic[P, R]):
     """Client-run Python inside a workflow. Created by :func:`tool`."""
 
-    def __init__(self, fn: Callable[P, R], name: str | None) -> None:
+    def __init__(self, fn: Callable[P, R], name: str | None, pure: bool = False) -> None:
         self.fn = fn
         self.name = name or fn.__name__
+        self.pure = pure
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
@@ -332,11 +333,22 @@ def _check_agent(max_turns: Any, tool_errors: Any, tool_choice: Any, has_tools: 
                         "(\"required\" needs tools=[...])", param="tool_choice")
 
 
-def tool(fn: Callable[P, R] | None = None, /, *, name: str | None = None) -> Any:
-    """Mark a function as a client-run step (runs in the app, not on a model)."""
+def tool(fn: Callable[P, R] | None = None, /, *, name: str | None = None,
+         pure: bool = False) -> Any:
+    """Mark a function as a client-run step (runs in the app, not on a model).
+
+    Args:
+        name: the step's name (default: the function's name).
+        pure: the function's result depends on its arguments only and calling it has no
+            side effect (a lookup, a parse, a local search): identical calls in one
+            workflow (same name, same arguments once resolved) run once and share the
+            result, so steps reading them can be merged too (Halo's consolidated graph).
+            Leave it False for anything that writes, sends, reads a clock or a changing
+            source.
+    """
 
     def wrap(f: Callable[P, R]) -> Tool[P, R]:
-        return Tool(f, name)
+        return Tool(f, name, pure)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -175,7 +175,8 @@ class Workflow:
 
     def add_tool(self, tool: Tool[Any, Any], args: tuple[Arg, ...],
                  kwargs: dict[str, Arg]) -> SemanticVariable:
-        node = ToolNode(id=self.new_id(tool.name), name=tool.name, args=args, kwargs=kwargs)
+        node = ToolNode(id=self.new_id(tool.name), name=tool.name, args=args, kwargs=kwargs,
+                        pure=tool.pure)
         self.tools[node.id] = tool
         return self.add_node(node, fields=None)
 

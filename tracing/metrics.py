@@ -29,7 +29,9 @@ and when an OpenAI API request ends:
 
 Read at scrape time (callbacks, nothing on the hot path): ``flowlift_queue_depth``
 (``backend``, ``class``), ``flowlift_active_workflows``, ``flowlift_upstream_in_flight``
-(``backend``).
+(``backend``), and with a memory budget (``--memory-budget-mb``) the counters
+``flowlift_model_loads_total`` and ``flowlift_model_unloads_total`` (``model``: how
+often the residency manager loaded and unloaded each embedded model, boot included).
 
 Retries and cascade escalations are read off each step's ``AttemptTrace`` records
 (:meth:`Metrics.record_attempts`): an attempt after the first on the same model is a
@@ -45,7 +47,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace
@@ -55,6 +57,7 @@ _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.
                      0.025, 0.05, 0.1, 0.25, 1.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 QueueDepth = Callable[[], Iterable[tuple[str, str, int]]]
+ModelLoads = Callable[[], Iterable[tuple[str, int, int]]]
 
 
 class _Live(Collector):
@@ -63,7 +66,7 @@ class _Live(Collector):
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         m = self.metrics
         ratio = GaugeMetricFamily("flowlift_prefix_cache_hit_ratio",
                                   "Prompt tokens served from the prefix cache / prompt tokens",
@@ -86,6 +89,15 @@ class _Live(Collector):
         for backend, n in m.upstream_in_flight():
             flight.add_metric([backend], n)
         yield flight
+        loads = CounterMetricFamily("flowlift_model_loads", "Times the residency manager "
+                                    "loaded an embedded model", labels=["model"])
+        unloads = CounterMetricFamily("flowlift_model_unloads", "Times the residency manager "
+                                      "unloaded an embedded model", labels=["model"])
+        for model, n_loads, n_unloads in m.model_loads():
+            loads.add_metric([model], n_loads)
+            unloads.add_metric([model], n_unloads)
+        yield loads
+        yield unloads
 
 
 class Metrics:
@@ -97,16 +109,20 @@ class Metrics:
         upstream_in_flight: ``() -> [(backend, open requests)]``.
         price_per_1k: served model name -> its price per 1,000 tokens (config
             ``price_per_1k_tokens``), or None when it has none (no spend counted).
+        model_loads: ``() -> [(model, loads, unloads)]`` of the residency manager
+            (read at scrape time; empty without a memory budget).
     """
 
     def __init__(self, *, queue_depth: QueueDepth = lambda: (),
                  active_workflows: Callable[[], int] = lambda: 0,
                  upstream_in_flight: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
-                 price_per_1k: Callable[[str], float | None] = lambda model: None) -> None:
+                 price_per_1k: Callable[[str], float | None] = lambda model: None,
+                 model_loads: ModelLoads = lambda: ()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_depth, self.active_workflows = queue_depth, active_workflows
         self.upstream_in_flight = upstream_in_flight
+        self.model_loads = model_loads
         self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
                               "Engine dispatch to first token", ["model", "source"],
                               buckets=_LATENCY_BUCKETS, registry=r)

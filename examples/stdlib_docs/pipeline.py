@@ -184,7 +184,7 @@ def related_modules(facts: ModuleFacts, module: str, k: int = 3) -> dict[str, li
             "scores": [round(score, 2) for _, score in hits]}
 
 
-@tool
+@tool(pure=True)
 def related(facts: ModuleFacts, module: str) -> dict[str, list[Any]]:
     """Client-run: the top-3 related modules and their BM25 scores, from the local index
     (``{"modules": [...], "scores": [...]}``)."""

@@ -32,10 +32,18 @@ from flowlift.tracing.metrics import Metrics
 from flowlift.tracing.run_spans import RunSpans
 
 if TYPE_CHECKING:
+    from flowlift.local_engine.residency import ResidencyManager
     from flowlift.proxy.dispatch.backends import Backends
     from flowlift.proxy.workflows.runs import Run
 
 log = get_logger("flowlift.tracing")
+
+
+def _model_loads(residency: ResidencyManager | None) -> list[tuple[str, int, int]]:
+    """``[(model, loads, unloads)]`` of a residency manager (none without one)."""
+    if residency is None:
+        return []
+    return [(m, residency.loads[m], residency.unloads[m]) for m in sorted(residency.models)]
 
 
 class Telemetry:
@@ -49,10 +57,13 @@ class Telemetry:
         active_runs: the number of workflow runs active now (read at scrape time).
         owned: the provider is this proxy's own (shut down with it); False for one it
             shares (a :func:`~flowlift.tracing.spans.capture_spans` provider): only flushed.
+        residency: the residency manager of the embedded models, if any (its load and
+            unload counts are read at scrape time).
     """
 
     def __init__(self, provider: TracerProvider, backends: Backends,
-                 active_runs: Callable[[], int], *, owned: bool = True) -> None:
+                 active_runs: Callable[[], int], *, owned: bool = True,
+                 residency: ResidencyManager | None = None) -> None:
         self.provider, self.owned = provider, owned
         self.tracer = provider.get_tracer("flowlift.proxy")
         self.backends = backends
@@ -60,13 +71,15 @@ class Telemetry:
         self.metrics = Metrics(queue_depth=self._queue_depth,
                                active_workflows=active_runs,
                                upstream_in_flight=self._in_flight,
-                               price_per_1k=prices.get)
+                               price_per_1k=prices.get,
+                               model_loads=lambda: _model_loads(residency))
         self._runs: dict[str, RunSpans] = {}
 
     @classmethod
     def for_proxy(cls, provider: TracerProvider | None, trace_dir: Path | None,
                   backends: Backends,
-                  active_runs: Callable[[], int]) -> Telemetry:
+                  active_runs: Callable[[], int],
+                  residency: ResidencyManager | None = None) -> Telemetry:
         """The telemetry of one proxy app.
 
         Args:
@@ -76,7 +89,7 @@ class Telemetry:
         """
         owned = provider is None and not spans.capturing()
         provider = provider or spans.proxy_tracer_provider(trace_dir)
-        return cls(provider, backends, active_runs, owned=owned)
+        return cls(provider, backends, active_runs, owned=owned, residency=residency)
 
     def request_middleware(self) -> Any:
         """The aiohttp middleware giving each OpenAI API request its span and feeding the
