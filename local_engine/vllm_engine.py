@@ -35,6 +35,7 @@ from flowlift.errors import (
     ModelNotFound,
     RequestError,
 )
+from flowlift.local_engine import prefill
 from flowlift.local_engine.base import (
     Capabilities,
     Engine,
@@ -336,6 +337,39 @@ class VLLMEngine(Engine):
             if not finished:
                 with contextlib.suppress(Exception):
                     await engine.abort(request.request_id)
+
+    async def prefill(self, request: GenerationRequest, upto: str) -> Usage | None:
+        """The KV of ``request``'s prompt up to ``upto``, computed now and left in the
+        prefix cache (:mod:`flowlift.local_engine.prefill`); see :meth:`Engine.prefill`.
+
+        Raises:
+            ModelNotFound: ``request.model`` is not served here.
+            RequestError: ``upto`` is not in the prompt, or the prompt is invalid.
+            EngineError: the engine is not started or failed.
+        """
+        engine = self._require_engine()
+        if request.model not in self.model_names:
+            raise ModelNotFound(request.model, self.model_names)
+        require_plain(request)
+        param = "messages" if request.prompt is None else "prompt"
+        if request.prompt is not None:
+            ids = prefill.prefix_ids(self._tokenizer.encode, request.prompt, upto, param)
+        else:
+            ids = prefill.prefix_ids(
+                lambda t: self._tokenizer.encode(t, add_special_tokens=False),
+                self._chat_text(request), upto, param)
+        if not ids:
+            return Usage()
+        try:
+            return await prefill.run_prefill(engine, ids, request.request_id,
+                                             request.priority)
+        except Exception as exc:
+            raise translate_error(exc, param) from exc
+
+    def kv_cache_usage(self) -> float | None:
+        """The share of the KV cache the unfinished requests may take (prompts plus
+        ``max_tokens``, :func:`flowlift.local_engine.prefill.reserved_fraction`)."""
+        return None if self._engine is None else prefill.reserved_fraction(self._engine)
 
     async def abort(self, request_id: str) -> None:
         """Stop a running request (its stream then ends with ``finish_reason="abort"``);
