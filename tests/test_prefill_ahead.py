@@ -205,3 +205,28 @@ async def test_an_agent_steps_next_turn_is_prefilled_while_its_call_is_out(aioht
     assert "found alpha" not in prefix and request.tools == ()
     rec = next(r for r in wf.trace if r.get("step_id") == "agent_1")
     assert rec["attempts"][1]["cached_tokens"] >= len(prefix.split()) - 1
+
+
+# -- flags ---------------------------------------------------------------------------
+
+
+def test_serve_flags_reach_the_proxy_settings():
+    from flowlift.cli import build_parser, serve_flags
+    from flowlift.proxy.config import settings
+
+    assert settings({}).prefill_ahead is True  # on by default
+    args = build_parser().parse_args(["serve", "--no-prefill-ahead",
+                                      "--prefill-ahead-max-kv-usage", "0.5"])
+    got = settings(serve_flags(args))
+    assert (got.prefill_ahead, got.prefill_ahead_max_kv_usage) == (False, 0.5)
+    assert settings(serve_flags(build_parser().parse_args(["serve"]))).prefill_ahead is True
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "x", "nan"])
+def test_a_share_outside_0_1_is_refused(capsys, value):
+    from flowlift import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--engine", "fake", "--prefill-ahead-max-kv-usage", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "must be a number in (0, 1]" in err, err
