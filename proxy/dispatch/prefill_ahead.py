@@ -148,9 +148,10 @@ class PrefillAhead:
     async def _run(self, engine: Engine, request: GenerationRequest, upto: str) -> None:
         try:
             usage = await engine.prefill(request, upto)
-        except FlowliftError as exc:
+        except Exception as exc:  # never the step's failure: its own request runs anyway
             self.counts["failed"] += 1
-            log.info("prefill_ahead_failed", request_id=request.request_id, error=exc.message)
+            text = exc.message if isinstance(exc, FlowliftError) else repr(exc)
+            log.info("prefill_ahead_failed", request_id=request.request_id, error=text)
             return
         self.counts["done"] += 1
         if usage is not None:
