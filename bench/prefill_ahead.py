@@ -71,7 +71,7 @@ def look_up(query: str) -> str:
 
 
 def agent_step(doc: Document) -> Any:
-    @step(tools=[look_up], max_turns=2, tool_choice="required", max_tokens=32, name="agent")
+    @step(tools=[look_up], max_turns=2, tool_choice="required", max_tokens=96, name="agent")
     def agent() -> list[dict[str, str]]:
         return [{"role": "system", "content": (
                     f"[{time.time_ns()}] You answer questions about the Python {doc.name} "
@@ -142,12 +142,17 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "cached_tokens_mean": round(statistics.fmean(r["cached_tokens"] for r in rows))}
 
 
-def measure(base: str, docs: list[Document], example_docs: list[Document]) -> dict[str, Any]:
+WORKLOADS = ("tool_sequential", "tool_concurrent", "agent", "example")
+
+
+def measure(base: str, docs: list[Document], example_docs: list[Document],
+            only: tuple[str, ...] = WORKLOADS) -> dict[str, Any]:
     run_tool(base, docs[:1], concurrent=False)  # warm-up: the shared system prompt
-    return {"tool_sequential": summary(run_tool(base, docs, concurrent=False)),
-            "tool_concurrent": summary(run_tool(base, docs, concurrent=True)),
-            "agent": summary(run_agent(base, docs)),
-            "example": summary(run_example(base, example_docs))}
+    runs = {"tool_sequential": lambda: run_tool(base, docs, concurrent=False),
+            "tool_concurrent": lambda: run_tool(base, docs, concurrent=True),
+            "agent": lambda: run_agent(base, docs),
+            "example": lambda: run_example(base, example_docs)}
+    return {name: summary(runs[name]()) for name in only}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-docs", type=int, default=3,
                         help="documents joined into the context of explain and the agent "
                              "(each is at most 1,200 characters)")
+    parser.add_argument("--only", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--out", default="prefill_ahead", help="results name")
     parser.add_argument("--smoke", action="store_true", help="fake engine, 2 documents")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -179,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, flags in (("on", ()), ("off", ("--no-prefill-ahead",))):
         with proxy("--max-concurrency", "4", *flags, name=f"prefill_ahead_{label}",
                    engine=engine) as base:
-            results[label] = measure(base, docs, example_docs)
+            results[label] = measure(base, docs, example_docs, tuple(args.only))
         print(label, results[label], flush=True)
     results["ttft_off_over_on"] = {
         k: round(results["off"][k]["ttft_median_ms"] / results["on"][k]["ttft_median_ms"], 2)
         for k in results["on"] if results["on"][k].get("n") and results["off"][k].get("n")}
     print("TTFT median, off / on:", results["ttft_off_over_on"], flush=True)
-    save("prefill_ahead", results, smoke=args.smoke)
+    save(args.out, results, smoke=args.smoke)
     return 0
 
 
