@@ -1,6 +1,7 @@
 """n-gram (prompt-lookup) speculative decoding on vs off, for steps whose output copies
 from their prompt (extraction into JSON), side by side in one run: two proxies, the same
-model, the second with ``--speculative-ngram K``.
+model, the second with ``--speculative-ngram K``, the third also with
+``--speculative-max-batch 1`` (speculation only while one request decodes).
 
 vLLM's ``speculative_config={"method": "ngram"}`` proposes up to K tokens per step by
 finding the last 2-4 generated tokens earlier in the prompt and copying what followed
@@ -22,7 +23,7 @@ completion tokens/s). Outputs are greedy: the share that came out identical on a
 is reported too.
 
     python bench/speculative.py             # real engine
-    python bench/speculative.py --smoke     # fake engine (the flag is not passed)
+    python bench/speculative.py --smoke     # fake engine (the flags are not passed)
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def measure(base: str, docs: list[Document]) -> dict[str, Any]:
 
 
 def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """Per workload: ``on``'s tokens/s and step latency over ``off``'s, identical outputs."""
     out = {}
     for key in on:
         a, b = on[key], off[key]
@@ -138,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=8, help="documents per workload")
     parser.add_argument("--k", type=int, default=4, help="tokens proposed per step")
+    parser.add_argument("--configs", nargs="+", default=["off", "on", "solo"],
+                        choices=["off", "on", "solo"],
+                        help="off; on (--speculative-ngram K); solo (also "
+                             "--speculative-max-batch 1: only while one request decodes)")
+    parser.add_argument("--out", default="speculative", help="results name")
     parser.add_argument("--smoke", action="store_true", help="fake engine, 2 documents")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -150,16 +157,22 @@ def main(argv: list[str] | None = None) -> int:
         "embedded vLLM CPU build, SmolLM2-135M-Instruct, 2 CPU cores shared with others",
         "k": args.k, "docs": [d.name for d in docs]}
     spec = () if args.smoke else ("--speculative-ngram", str(args.k))
-    for label, flags in (("off", ()), ("on", spec)):
+    flags_of = {"off": (), "on": spec,
+                "solo": (*spec, "--speculative-max-batch", "1") if spec else ()}
+    for label in args.configs:
+        flags = flags_of[label]
         with proxy("--max-concurrency", "8", *flags, name=f"speculative_{label}",
                    engine=engine) as base:
             results[label] = measure(base, docs)
         print(label, {k: {m: v for m, v in r.items() if m != "outputs"}
                       for k, r in results[label].items()}, flush=True)
-    results["on_vs_off"] = compare(results["on"], results["off"])
-    for key, row in results["on_vs_off"].items():
-        print(f"{key:24s} {row}", flush=True)
-    save("speculative", results, smoke=args.smoke)
+    for label in args.configs:
+        if label == "off" or "off" not in results:
+            continue
+        results[f"{label}_vs_off"] = compare(results[label], results["off"])
+        for key, row in results[f"{label}_vs_off"].items():
+            print(f"{label} vs off  {key:24s} {row}", flush=True)
+    save(args.out, results, smoke=args.smoke)
     return 0
 
 

@@ -80,7 +80,13 @@ class VLLMConfig:
             input (extraction, editing). ``None``: off. With it vLLM ignores
             ``logit_bias`` and turns off async scheduling; on CPU it warns of a slowdown
             unless Intel's OpenMP is in ``LD_PRELOAD`` (checked once on the CPU build:
-            it loads and generates, structured outputs included; speed-up not measured).
+            it loads and generates, structured outputs included; measured in
+            bench/RESULTS.md).
+        speculative_max_batch: with ``speculative_ngram``, speculate only while at most
+            this many requests decode together (vLLM's dynamic speculative decoding,
+            ``num_speculative_tokens_per_batch_size``); ``None``: at every batch size.
+            On a compute-bound engine (any CPU, a saturated GPU) the checked-and-thrown-
+            away tokens cost more than they save once a batch is full.
         block_size: tokens per KV-cache block (``None``: vLLM's default, 128 on the CPU
             build). The prefix cache reuses whole blocks, so a smaller block keeps more of
             a session's previous answer cached (case W5: at most ``block_size - 1``
@@ -100,6 +106,7 @@ class VLLMConfig:
     structured_outputs_backend: Literal["guidance", "xgrammar", "auto"] = "guidance"
     compact_json: bool = True
     speculative_ngram: int | None = None
+    speculative_max_batch: int | None = None
     block_size: int | None = None
 
     @classmethod
@@ -489,15 +496,28 @@ def engine_kwargs(cfg: VLLMConfig) -> dict[str, Any]:
 
 
 def speculative_config(config: VLLMConfig) -> dict[str, Any] | None:
-    """vLLM's ``speculative_config`` for :attr:`VLLMConfig.speculative_ngram` (``None``:
-    no speculative decoding)."""
+    """vLLM's ``speculative_config`` for :attr:`VLLMConfig.speculative_ngram` and
+    :attr:`VLLMConfig.speculative_max_batch` (``None``: no speculative decoding).
+
+    Raises:
+        EngineError: ``speculative_ngram`` or ``speculative_max_batch`` below 1.
+    """
     k = config.speculative_ngram
     if k is None:
         return None
     if k < 1:
         raise EngineError(f"speculative_ngram must be at least 1 token, not {k}")
-    return {"method": "ngram", "num_speculative_tokens": k,
-            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k,
+                            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    most = config.speculative_max_batch
+    if most is not None:
+        if most < 1:
+            raise EngineError(f"speculative_max_batch must be at least 1, not {most}")
+        schedule = [(1, most, k)]
+        if most < config.max_num_seqs:
+            schedule.append((most + 1, config.max_num_seqs, 0))
+        spec["num_speculative_tokens_per_batch_size"] = schedule
+    return spec
 
 
 def token_logprobs(piece: Any, k: int) -> tuple[TokenLogprob, ...]:

@@ -25,6 +25,18 @@ def test_off_by_default_and_ngram_with_k():
                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
+def test_speculation_only_up_to_a_batch_size():
+    spec = speculative_config(_config(speculative_ngram=4, speculative_max_batch=1,
+                                      max_num_seqs=8))
+    assert spec is not None
+    assert spec["num_speculative_tokens_per_batch_size"] == [(1, 1, 4), (2, 8, 0)]
+    whole = speculative_config(_config(speculative_ngram=3, speculative_max_batch=16,
+                                       max_num_seqs=16))
+    assert whole is not None and whole["num_speculative_tokens_per_batch_size"] == [(1, 16, 3)]
+    with pytest.raises(EngineError, match="speculative_max_batch must be at least 1"):
+        speculative_config(_config(speculative_ngram=3, speculative_max_batch=0))
+
+
 def test_k_below_one_is_refused():
     with pytest.raises(EngineError, match="at least 1 token"):
         speculative_config(_config(speculative_ngram=0))
@@ -40,10 +52,11 @@ def test_the_serve_flag_reaches_the_engine_config(monkeypatch, tmp_path: Path):
     monkeypatch.setattr(VLLMConfig, "for_model", classmethod(
         lambda cls, name=None, **kw: seen.append(cls(model=str(tmp_path), served_model_name="m",
                                                      **kw)) or seen[-1]))
-    args = build_parser().parse_args(["serve", "--speculative-ngram", "3"])
+    args = build_parser().parse_args(["serve", "--speculative-ngram", "3",
+                                      "--speculative-max-batch", "2"])
     assert isinstance(args, argparse.Namespace)
     engines, _ = cli._engines(args)
-    assert seen[-1].speculative_ngram == 3
+    assert (seen[-1].speculative_ngram, seen[-1].speculative_max_batch) == (3, 2)
     assert engine_kwargs(seen[-1])["speculative_config"]["num_speculative_tokens"] == 3
     assert list(engines) == ["m"]
 
@@ -53,7 +66,8 @@ def test_vllm_takes_it_as_an_ngram_speculative_config():
     """vLLM's own config validation accepts the arguments (no engine is started)."""
     from flowlift.local_engine.vllm_engine import set_env_defaults
 
-    cfg = VLLMConfig.for_model(None, speculative_ngram=4)
+    cfg = VLLMConfig.for_model(None, speculative_ngram=4, speculative_max_batch=1,
+                               max_num_seqs=8)
     set_env_defaults(cfg)
     from vllm import AsyncEngineArgs
 
@@ -61,3 +75,4 @@ def test_vllm_takes_it_as_an_ngram_speculative_config():
     assert spec is not None and spec.method == "ngram"
     assert spec.num_speculative_tokens == 4
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 4)
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 1, 4), (2, 8, 0)]

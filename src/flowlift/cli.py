@@ -87,6 +87,7 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
                                                 max_model_len=args.max_model_len,
                                                 max_num_seqs=args.max_concurrency,
                                                 speculative_ngram=args.speculative_ngram,
+                                                speculative_max_batch=args.speculative_max_batch,
                                                 block_size=args.block_size))
         for config in configs:
             _add(sized, config.served_model_name, VLLMEngine(config),
@@ -631,6 +632,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-ngram", type=_positive_int, default=None, metavar="N",
                        help="n-gram (prompt-lookup) speculative decoding: propose up to N "
                             "tokens per step copied from the prompt (default: off)")
+    serve.add_argument("--speculative-max-batch", type=_positive_int, default=None,
+                       metavar="N",
+                       help="with --speculative-ngram: speculate only while at most N "
+                            "requests decode together (default: always)")
     serve.add_argument("--extra-model", action="append", default=[], metavar="NAME_OR_DIR",
                        type=_name,
                        help="serve another embedded model (a local HF checkpoint folder); "
