@@ -96,8 +96,10 @@ class PrefillAhead:
         config: when to run them.
 
     Attributes:
-        counts: ``issued``, ``done``, ``failed``, ``released`` (aborted under memory
-            pressure) and ``skipped_<reason>`` (:func:`skip_reason`) so far.
+        counts: ``issued``, ``done``, ``failed``, ``unsupported`` (the engine keeps no
+            prefix cache: :meth:`~flowlift.local_engine.base.Engine.prefill` returned
+            None), ``released`` (aborted under memory pressure) and
+            ``skipped_<reason>`` (:func:`skip_reason`) so far.
     """
 
     def __init__(self, backends: Backends, config: AheadConfig = AheadConfig()) -> None:
@@ -153,7 +155,7 @@ class PrefillAhead:
             text = exc.message if isinstance(exc, FlowliftError) else repr(exc)
             log.info("prefill_ahead_failed", request_id=request.request_id, error=text)
             return
-        self.counts["done"] += 1
+        self.counts["done" if usage is not None else "unsupported"] += 1
         if usage is not None:
             log.debug("prefill_ahead_done", request_id=request.request_id,
                       prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens)
