@@ -23,12 +23,14 @@ completion tokens/s). Outputs are greedy: the share that came out identical on a
 is reported too.
 
     python bench/speculative.py             # real engine
+    python bench/speculative.py --interleave --configs off on --docs 4
     python bench/speculative.py --smoke     # fake engine (the flags are not passed)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -89,6 +91,7 @@ def _rows(wf: Any, name: str) -> list[dict[str, Any]]:
 
 
 def run(base: str, name: str, docs: list[Document], concurrent: bool) -> dict[str, Any]:
+    """One pass of workload ``name`` over ``docs``: its steps' rows, wall time, outputs."""
     fn = WORKLOADS[name]
     rows: list[dict[str, Any]] = []
     outputs: dict[str, Any] = {}
@@ -104,7 +107,14 @@ def run(base: str, name: str, docs: list[Document], concurrent: bool) -> dict[st
         for doc_name, var in vars_:
             if var.step_id not in wf.failures:
                 outputs[doc_name] = var.value
-    wall_s = time.perf_counter() - t0
+    return {"rows": rows, "wall_s": time.perf_counter() - t0, "outputs": outputs}
+
+
+def summarize(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Figures over one or more passes of a workload (tokens/s: all tokens over all
+    wall time; medians over all steps; outputs of the first pass)."""
+    rows = [r for p in passes for r in p["rows"]]
+    wall_s = sum(p["wall_s"] for p in passes)
     tokens = sum(r["completion_tokens"] for r in rows)
     tps = [r["decode_tps"] for r in rows if r["decode_tps"] is not None]
     latency = [r["latency_ms"] for r in rows]
@@ -112,13 +122,35 @@ def run(base: str, name: str, docs: list[Document], concurrent: bool) -> dict[st
             "completion_tokens": tokens, "tokens_per_s": round(tokens / wall_s, 1),
             "step_latency_median_ms": round(statistics.median(latency), 1) if latency else None,
             "decode_tps_median": round(statistics.median(tps), 1) if tps else None,
-            "outputs": {k: v if isinstance(v, str) else repr(v) for k, v in outputs.items()}}
+            "outputs": {k: v if isinstance(v, str) else repr(v)
+                        for k, v in passes[0]["outputs"].items()}}
+
+
+KEYS = [(name, mode) for name in WORKLOADS for mode in ("sequential", "concurrent")]
 
 
 def measure(base: str, docs: list[Document]) -> dict[str, Any]:
     run(base, "free_text", docs[:1], concurrent=False)  # warm-up
-    return {f"{name}_{mode}": run(base, name, docs, concurrent=mode == "concurrent")
-            for name in WORKLOADS for mode in ("sequential", "concurrent")}
+    return {f"{name}_{mode}": summarize([run(base, name, docs, mode == "concurrent")])
+            for name, mode in KEYS}
+
+
+def measure_interleaved(bases: dict[str, str], docs: list[Document],
+                        reps: int) -> dict[str, dict[str, Any]]:
+    """Every proxy up at once; each workload runs on each in turn, the order rotated
+    every pass, so drift in the machine's load falls on all of them alike."""
+    labels = list(bases)
+    for base in bases.values():
+        run(base, "free_text", docs[:1], concurrent=False)  # warm-up
+    out: dict[str, dict[str, Any]] = {label: {} for label in labels}
+    for name, mode in KEYS:
+        passes: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+        for rep in range(reps):
+            for label in labels[rep % len(labels):] + labels[:rep % len(labels)]:
+                passes[label].append(run(bases[label], name, docs, mode == "concurrent"))
+        for label in labels:
+            out[label][f"{name}_{mode}"] = summarize(passes[label])
+    return out
 
 
 def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="off; on (--speculative-ngram K); solo (also "
                              "--speculative-max-batch 1: only while one request decodes)")
     parser.add_argument("--out", default="speculative", help="results name")
+    parser.add_argument("--interleave", action="store_true",
+                        help="all proxies up at once, each workload on each in turn")
+    parser.add_argument("--reps", type=int, default=2,
+                        help="with --interleave: passes per workload and proxy")
     parser.add_argument("--smoke", action="store_true", help="fake engine, 2 documents")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -159,11 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     spec = () if args.smoke else ("--speculative-ngram", str(args.k))
     flags_of = {"off": (), "on": spec,
                 "solo": (*spec, "--speculative-max-batch", "1") if spec else ()}
-    for label in args.configs:
-        flags = flags_of[label]
-        with proxy("--max-concurrency", "8", *flags, name=f"speculative_{label}",
+    if args.interleave:
+        with contextlib.ExitStack() as stack:
+            bases = {label: stack.enter_context(proxy(
+                "--max-concurrency", "8", *flags_of[label], name=f"speculative_{label}",
+                engine=engine)) for label in args.configs}
+            results.update(measure_interleaved(bases, docs, args.reps))
+    for label in [] if args.interleave else args.configs:
+        with proxy("--max-concurrency", "8", *flags_of[label], name=f"speculative_{label}",
                    engine=engine) as base:
             results[label] = measure(base, docs)
+    for label in args.configs:
         print(label, {k: {m: v for m, v in r.items() if m != "outputs"}
                       for k, r in results[label].items()}, flush=True)
     for label in args.configs:
