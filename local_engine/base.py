@@ -279,6 +279,36 @@ class Engine(abc.ABC):
         """Token ids of ``text`` in ``model``'s tokenizer, or ``None`` when unknown."""
         return None
 
+    async def prefill(self, request: GenerationRequest, upto: str) -> Usage | None:
+        """Compute the KV of the start of a prompt a later request will have, so the
+        engine's prefix cache holds it then (prefill-ahead:
+        :mod:`flowlift.proxy.dispatch.prefill_ahead`). Nothing is generated for the
+        caller.
+
+        Args:
+            request: the later request as far as it is known (``messages``, or
+                ``prompt``), at the ``priority`` to run at; no ``tools`` (the
+                dispatcher turns them into plain messages first).
+            upto: a marker inside one message's content: the prefix is the prompt as
+                :meth:`generate` would build it (chat template applied) up to the first
+                occurrence of ``upto``.
+
+        Returns:
+            ``Usage`` (``prompt_tokens``: the prefix's tokens, ``cached_tokens``: those
+            the cache already held), or ``None`` when this engine keeps no prefix cache
+            (the default: nothing done). Cancelling the call aborts the work.
+
+        Raises:
+            RequestError: ``upto`` is not in the prompt, or the prompt is invalid.
+            EngineError: the engine failed.
+        """
+        return None
+
+    def kv_cache_usage(self) -> float | None:
+        """Fraction of the engine's KV cache (0 to 1) its requests hold or may take
+        before they finish, or ``None`` when the engine cannot tell (the default)."""
+        return None
+
     def count_tokens(self, model: str, text: str) -> int | None:
         """Tokens of ``text`` in ``model``'s tokenizer, or ``None`` when unknown."""
         ids = self.tokenize(model, text)

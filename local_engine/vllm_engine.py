@@ -35,6 +35,7 @@ from flowlift.errors import (
     ModelNotFound,
     RequestError,
 )
+from flowlift.local_engine import prefill
 from flowlift.local_engine.base import (
     Capabilities,
     Engine,
@@ -79,7 +80,13 @@ class VLLMConfig:
             input (extraction, editing). ``None``: off. With it vLLM ignores
             ``logit_bias`` and turns off async scheduling; on CPU it warns of a slowdown
             unless Intel's OpenMP is in ``LD_PRELOAD`` (checked once on the CPU build:
-            it loads and generates, structured outputs included; speed-up not measured).
+            it loads and generates, structured outputs included; measured in
+            bench/RESULTS.md).
+        speculative_max_batch: with ``speculative_ngram``, speculate only while at most
+            this many requests decode together (vLLM's dynamic speculative decoding,
+            ``num_speculative_tokens_per_batch_size``); ``None``: at every batch size.
+            On a compute-bound engine (any CPU, a saturated GPU) the checked-and-thrown-
+            away tokens cost more than they save once a batch is full.
         block_size: tokens per KV-cache block (``None``: vLLM's default, 128 on the CPU
             build). The prefix cache reuses whole blocks, so a smaller block keeps more of
             a session's previous answer cached (case W5: at most ``block_size - 1``
@@ -99,6 +106,7 @@ class VLLMConfig:
     structured_outputs_backend: Literal["guidance", "xgrammar", "auto"] = "guidance"
     compact_json: bool = True
     speculative_ngram: int | None = None
+    speculative_max_batch: int | None = None
     block_size: int | None = None
 
     @classmethod
@@ -337,6 +345,39 @@ class VLLMEngine(Engine):
                 with contextlib.suppress(Exception):
                     await engine.abort(request.request_id)
 
+    async def prefill(self, request: GenerationRequest, upto: str) -> Usage | None:
+        """The KV of ``request``'s prompt up to ``upto``, computed now and left in the
+        prefix cache (:mod:`flowlift.local_engine.prefill`); see :meth:`Engine.prefill`.
+
+        Raises:
+            ModelNotFound: ``request.model`` is not served here.
+            RequestError: ``upto`` is not in the prompt, or the prompt is invalid.
+            EngineError: the engine is not started or failed.
+        """
+        engine = self._require_engine()
+        if request.model not in self.model_names:
+            raise ModelNotFound(request.model, self.model_names)
+        require_plain(request)
+        param = "messages" if request.prompt is None else "prompt"
+        if request.prompt is not None:
+            ids = prefill.prefix_ids(self._tokenizer.encode, request.prompt, upto, param)
+        else:
+            ids = prefill.prefix_ids(
+                lambda t: self._tokenizer.encode(t, add_special_tokens=False),
+                self._chat_text(request), upto, param)
+        if not ids:
+            return Usage()
+        try:
+            return await prefill.run_prefill(engine, ids, request.request_id,
+                                             request.priority)
+        except Exception as exc:
+            raise translate_error(exc, param) from exc
+
+    def kv_cache_usage(self) -> float | None:
+        """The share of the KV cache the unfinished requests may take (prompts plus
+        ``max_tokens``, :func:`flowlift.local_engine.prefill.reserved_fraction`)."""
+        return None if self._engine is None else prefill.reserved_fraction(self._engine)
+
     async def abort(self, request_id: str) -> None:
         """Stop a running request (its stream then ends with ``finish_reason="abort"``);
         unknown ids are ignored."""
@@ -400,14 +441,7 @@ def _build_engine(cfg: VLLMConfig) -> Any:
         # like xgrammar: objects with "properties" get additionalProperties=false
         # unless the schema says otherwise (guidance would allow extra keys).
         disable_additional_properties=backend == "guidance")
-    args = AsyncEngineArgs(
-        model=cfg.model, served_model_name=cfg.served_model_name, dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-        enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
-        scheduling_policy=cfg.scheduling_policy, seed=cfg.seed,
-        structured_outputs_config=structured, disable_log_stats=True,
-        speculative_config=speculative_config(cfg),
-        **({"block_size": cfg.block_size} if cfg.block_size else {}))
+    args = AsyncEngineArgs(**engine_kwargs(cfg), structured_outputs_config=structured)
     try:
         return AsyncLLM.from_engine_args(args)
     except Exception as exc:
@@ -445,16 +479,45 @@ def check_platform(platform: Platform | None = None) -> None:
             "`nvidia-smi` lists the GPU and install `pip install -e .[cuda]`")
 
 
+def engine_kwargs(cfg: VLLMConfig) -> dict[str, Any]:
+    """vLLM's ``AsyncEngineArgs`` keywords for ``cfg``, all but
+    ``structured_outputs_config`` (a vLLM object, built with vLLM imported).
+
+    Raises:
+        EngineError: ``speculative_ngram`` is below 1.
+    """
+    return dict(
+        model=cfg.model, served_model_name=cfg.served_model_name, dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+        scheduling_policy=cfg.scheduling_policy, seed=cfg.seed, disable_log_stats=True,
+        speculative_config=speculative_config(cfg),
+        **({"block_size": cfg.block_size} if cfg.block_size else {}))
+
+
 def speculative_config(config: VLLMConfig) -> dict[str, Any] | None:
-    """vLLM's ``speculative_config`` for :attr:`VLLMConfig.speculative_ngram` (``None``:
-    no speculative decoding)."""
+    """vLLM's ``speculative_config`` for :attr:`VLLMConfig.speculative_ngram` and
+    :attr:`VLLMConfig.speculative_max_batch` (``None``: no speculative decoding).
+
+    Raises:
+        EngineError: ``speculative_ngram`` or ``speculative_max_batch`` below 1.
+    """
     k = config.speculative_ngram
     if k is None:
         return None
     if k < 1:
         raise EngineError(f"speculative_ngram must be at least 1 token, not {k}")
-    return {"method": "ngram", "num_speculative_tokens": k,
-            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k,
+                            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    most = config.speculative_max_batch
+    if most is not None:
+        if most < 1:
+            raise EngineError(f"speculative_max_batch must be at least 1, not {most}")
+        schedule = [(1, most, k)]
+        if most < config.max_num_seqs:
+            schedule.append((most + 1, config.max_num_seqs, 0))
+        spec["num_speculative_tokens_per_batch_size"] = schedule
+    return spec
 
 
 def token_logprobs(piece: Any, k: int) -> tuple[TokenLogprob, ...]:

@@ -27,6 +27,7 @@ from flowlift.local_engine.residency import ResidencyManager
 from flowlift.proxy import lifecycle
 from flowlift.proxy.config import FileConfig, ProxyConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.prefill_ahead import AheadConfig
 from flowlift.proxy.http import log, openai_errors
 from flowlift.proxy.middleware import readiness_gate, require_key
 from flowlift.proxy.openai import routes as openai_api
@@ -166,7 +167,10 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                         fcfs=config.scheduling == "fcfs",
                         batch_prefill_budget=config.batch_prefill_budget,
                         batch_cap_when_interactive=config.batch_cap_when_interactive,
-                        config=file_config, transport=transport, max_queue=config.max_queue)
+                        config=file_config, transport=transport, max_queue=config.max_queue,
+                        prefill_ahead=AheadConfig(
+                            enabled=config.prefill_ahead,
+                            max_kv_usage=config.prefill_ahead_max_kv_usage))
     if not backends.models:
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")

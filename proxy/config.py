@@ -125,6 +125,10 @@ class ProxyConfig:
         lease_ttl_s: on a shared (PostgreSQL) state database, how long a run's lease lasts
             unrenewed: a proxy renews its leases every third of it, and another proxy
             takes the runs of one that stopped renewing for this long.
+        prefill_ahead: prefill the known start of the step that reads a tool's output
+            while the tool is out (:mod:`flowlift.proxy.dispatch.prefill_ahead`).
+        prefill_ahead_max_kv_usage: KV-cache share (0 to 1) above which prefill-ahead
+            stops and what runs of it is aborted.
     """
 
     max_concurrency: int = 16
@@ -143,6 +147,8 @@ class ProxyConfig:
     session_ttl_s: float = 1800.0
     max_runs: int = 4096
     lease_ttl_s: float = 15.0
+    prefill_ahead: bool = True
+    prefill_ahead_max_kv_usage: float = 0.7
 
 
 class _Strict(BaseModel):

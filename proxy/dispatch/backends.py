@@ -27,6 +27,7 @@ from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamS
 from flowlift.proxy.dispatch.batch import BatchClient
 from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
 from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
+from flowlift.proxy.dispatch.prefill_ahead import AheadConfig, PrefillAhead
 from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.tier_profiles import default_book
@@ -75,6 +76,9 @@ class Backends:
         config: the parsed config file (upstreams, routes, aliases), or None.
         transport: httpx transport for every upstream (tests); None: the network.
         max_queue: requests waiting per embedded backend before the proxy answers 429.
+        prefill_ahead: when the embedded engines prefill a step's known prompt start
+            while a tool it waits for is out (:mod:`.prefill_ahead`; None: on, with the
+            defaults of :class:`~.prefill_ahead.AheadConfig`).
 
     Raises:
         ConfigError: a route names the embedded engine and ``engines`` is empty.
@@ -86,7 +90,8 @@ class Backends:
                  batch_cap_when_interactive: int | None = None,
                  config: FileConfig | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 max_queue: int = 256) -> None:
+                 max_queue: int = 256,
+                 prefill_ahead: AheadConfig | None = None) -> None:
         self._new_slots = functools.partial(
             PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
             batch_cap_when_interactive=batch_cap_when_interactive)
@@ -109,6 +114,7 @@ class Backends:
         self.routes: dict[str, Route] = {}
         self.latency = LatencyBook()  # every upstream replica's predicted latency
         self._turn = 0  # round-robin's counter
+        self.ahead = PrefillAhead(self, prefill_ahead or AheadConfig())
         for model, engine in engines.items():
             self.add(model, engine)
         if config is not None:
@@ -233,6 +239,16 @@ class Backends:
         backend = self._embedded.get(name)
         return None if backend is None else Local(name.removeprefix(EMBEDDED), backend)
 
+    def local_of(self, model: str | None) -> Local | None:
+        """The embedded backend of a model whose route has nothing else (None: a route
+        with upstreams, or a name nothing serves)."""
+        try:
+            route = self.route(model)
+        except ModelNotFound:
+            return None
+        found = [self.local(name) for name in route.backends]
+        return found[0] if len(found) == 1 and found[0] is not None else None
+
     # -- routing ---------------------------------------------------------------------
     def available(self, name: str, now: float | None = None) -> bool:
         up = self.upstreams.get(name)
@@ -297,7 +313,9 @@ class Backends:
 
     async def aclose(self) -> None:
         """Close every upstream's connection pool and stop waiting for batches (they run
-        on; a restarted proxy resumes them). The engines close on their own."""
+        on; a restarted proxy resumes them) and abort the prefill-aheads still running.
+        The engines close on their own."""
+        await self.ahead.aclose()
         for up in self.upstreams.values():
             await up.aclose()
         for pool in self.batch_pools.values():

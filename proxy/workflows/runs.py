@@ -58,6 +58,7 @@ from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
 from flowlift.proxy.workflows.agent import AgentLoop, ToolRaised
+from flowlift.proxy.workflows.ahead import HOLE, ahead_request, consumers, known_prefix
 from flowlift.proxy.workflows.books import AttemptBooks
 from flowlift.proxy.workflows.cascade import Attempt, Generated, run_step
 from flowlift.proxy.workflows.deadline import DeadlineClock
@@ -105,6 +106,7 @@ class Run:
         self.clock = DeadlineClock(graph.deadline_s) if graph.deadline_s is not None else None
         self._warmer: dict[int, str] = {}
         self._warm: dict[int, asyncio.Event] = {}
+        self._aheads = 0  # prefill-aheads asked for (numbers their request ids)
         self.run_id = run_id or graph.id or f"wf-{secrets.token_hex(8)}"
         self.log = EventLog(None if sink is None else functools.partial(sink, self.run_id),
                             restored.events if restored else ())
@@ -447,7 +449,8 @@ class Run:
             attempt = AgentLoop(node, turn=one, trace=self.trace,
                                 continuation=lambda: self._priority(node.id, "interactive"),
                                 emit=self.log.emit, history=self.log.history(),
-                                waiting=self._tool_results, clock=self.clock)
+                                waiting=self._tool_results, clock=self.clock,
+                                ahead=functools.partial(self._prefill_ahead, node))
         value, model = await run_step(node, messages, attempt, record)
         self.trace.step(node.id).model = self.backends.canonical(model)
         return value
@@ -544,6 +547,31 @@ class Run:
                            prefill_ms=at.first_token_ms - at.started_ms,
                            decode_ms=at.finished_ms - at.first_token_ms)
 
+    def _prefill_next(self, tool_id: str) -> None:
+        """While tool ``tool_id`` is out: prefill the known start of each model step that
+        reads its output (:mod:`flowlift.proxy.workflows.ahead`)."""
+        skip = self.plan.merged_into if self.plan else {}
+        for step in consumers(self.graph.nodes, self._deps, tool_id, skip):
+            if step.id in self.outputs or step.id in self.failures:
+                continue
+            messages = known_prefix(step.messages, self.outputs)
+            if messages is not None:
+                self._prefill_ahead(step, step.models()[0], messages)
+
+    def _prefill_ahead(self, node: LLMNode, want: str | None,
+                       messages: Sequence[ChatMessage]) -> None:
+        """Prefill ``messages`` (ending in :data:`~.ahead.HOLE`) of ``node`` on ``want``
+        ahead of its request (:class:`~flowlift.proxy.dispatch.prefill_ahead.PrefillAhead`
+        decides whether the engine has room)."""
+        try:
+            model, _ = self.backends.resolve(want)
+        except FlowliftError:
+            return
+        self._aheads += 1
+        request = ahead_request(node, model, messages,
+                                f"{self.run_id}:{node.id}:{self._aheads}", self.run_id)
+        self.backends.ahead.issue(request, HOLE)
+
     async def _tool(self, node: ToolNode) -> Any:
         def arg(a: Any) -> Any:
             if isinstance(a, Ref):
@@ -560,6 +588,7 @@ class Run:
         self._emit(("tool.wanted", {
             "step_id": node.id, "name": node.name, "args": [arg(a) for a in node.args],
             "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}))
+        self._prefill_next(node.id)
         if self.clock is None:
             return await fut
         async with self.clock.paused():  # the app has the ball: the deadline clock stops

@@ -87,6 +87,7 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
                                                 max_model_len=args.max_model_len,
                                                 max_num_seqs=args.max_concurrency,
                                                 speculative_ngram=args.speculative_ngram,
+                                                speculative_max_batch=args.speculative_max_batch,
                                                 block_size=args.block_size))
         for config in configs:
             _add(sized, config.served_model_name, VLLMEngine(config),
@@ -129,7 +130,8 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "batch_cap_when_interactive": args.batch_cap_when_interactive,
              "max_queue": args.max_queue, "max_sessions": args.max_sessions,
              "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs,
-             "lease_ttl_s": args.lease_ttl_s}
+             "lease_ttl_s": args.lease_ttl_s, "prefill_ahead": args.prefill_ahead,
+             "prefill_ahead_max_kv_usage": args.prefill_ahead_max_kv_usage}
     flags = {name: value for name, value in given.items() if value is not None}
     flags["state_path"] = None if args.state_db == ":memory:" else state_db
     return flags
@@ -532,6 +534,16 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], not {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -607,9 +619,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-cap-when-interactive", type=_count, default=None,
                        help="engine slots batch work may hold while interactive work runs "
                             "(default: half of --max-concurrency)")
+    serve.add_argument("--no-prefill-ahead", dest="prefill_ahead", action="store_const",
+                       const=False, default=None,
+                       help="do not prefill the known start of the step that reads a tool's "
+                            "output while the tool is out (default: on)")
+    serve.add_argument("--prefill-ahead-max-kv-usage", type=_fraction, default=None,
+                       metavar="F",
+                       help="KV-cache share above which prefill-ahead stops and what runs "
+                            "of it is aborted (default 0.7)")
     serve.add_argument("--speculative-ngram", type=_positive_int, default=None, metavar="N",
                        help="n-gram (prompt-lookup) speculative decoding: propose up to N "
                             "tokens per step copied from the prompt (default: off)")
+    serve.add_argument("--speculative-max-batch", type=_positive_int, default=None,
+                       metavar="N",
+                       help="with --speculative-ngram: speculate only while at most N "
+                            "requests decode together (default: always)")
     serve.add_argument("--extra-model", action="append", default=[], metavar="NAME_OR_DIR",
                        type=_name,
                        help="serve another embedded model (a local HF checkpoint folder); "
