@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace
@@ -57,7 +57,7 @@ class _Live(Collector):
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         m = self.metrics
         ratio = GaugeMetricFamily("flowlift_prefix_cache_hit_ratio",
                                   "Prompt tokens served from the prefix cache / prompt tokens",
@@ -80,6 +80,12 @@ class _Live(Collector):
         for backend, n in m.upstream_in_flight():
             flight.add_metric([backend], n)
         yield flight
+        preempted = CounterMetricFamily(
+            "flowlift_preemptions", "Running batch requests preempted for interactive work",
+            labels=["backend"])
+        for backend, n in m.preemptions():
+            preempted.add_metric([backend], n)
+        yield preempted
 
 
 class Metrics:
@@ -89,6 +95,7 @@ class Metrics:
         queue_depth: ``() -> [(backend, class, waiting)]`` (read at scrape time).
         active_workflows: ``() -> int``.
         upstream_in_flight: ``() -> [(backend, open requests)]``.
+        preemptions: ``() -> [(backend, requests preempted so far)]``.
         price_per_1k: served model name -> its price per 1,000 tokens (config
             ``price_per_1k_tokens``), or None when it has none (no spend counted).
     """
@@ -96,11 +103,12 @@ class Metrics:
     def __init__(self, *, queue_depth: QueueDepth = lambda: (),
                  active_workflows: Callable[[], int] = lambda: 0,
                  upstream_in_flight: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
+                 preemptions: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
                  price_per_1k: Callable[[str], float | None] = lambda model: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_depth, self.active_workflows = queue_depth, active_workflows
-        self.upstream_in_flight = upstream_in_flight
+        self.upstream_in_flight, self.preemptions = upstream_in_flight, preemptions
         self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
                               "Engine dispatch to first token", ["model", "source"],
                               buckets=_LATENCY_BUCKETS, registry=r)
