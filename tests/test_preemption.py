@@ -195,3 +195,49 @@ async def test_closing_a_preempted_stream_while_it_waits_leaks_nothing():
         reader.cancel()
     await asyncio.gather(*readers, return_exceptions=True)
     assert slots.in_use == 0 and slots.queued == 0 and engine.running() == 0
+
+
+# -- through the proxy -----------------------------------------------------------------
+
+
+async def test_workflow_batch_steps_preempted_for_interactive_keep_their_answers(
+        aiohttp_client):
+    from flowlift.proxy import ProxyConfig, create_app
+    from flowlift.proxy.state import STATE
+    from flowlift.testing import parse_sse
+
+    engine = FakeEngine(responder=lambda r: f"{r.messages[-1].content}: {LONG}",
+                        delay_s=0.004, chunk_chars=5)
+    app = create_app({"fake-model": engine}, ProxyConfig(
+        scheduling="preempt", max_concurrency=4, batch_cap_when_interactive=1))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+
+    def graph(name: str, cls: str, n: int) -> dict[str, object]:
+        return {"name": name, "class": cls, "nodes": [
+            {"kind": "llm", "id": f"s{i}", "params": {"max_tokens": 500},
+             "messages": [{"role": "user", "content": [{"text": f"{name} {i}"}]}]}
+            for i in range(n)]}
+
+    async def run(g: dict[str, object]) -> list[tuple[str, object]]:
+        resp = await client.post("/v1/workflows", json=g)
+        assert resp.status == 200, await resp.text()
+        return parse_sse(await resp.text())
+
+    batch = asyncio.create_task(run(graph("docs", "batch", 3)))
+    await asyncio.sleep(0.1)
+    quick = await run(graph("ask", "interactive", 1))
+    events = await batch
+    assert quick[-1][1]["status"] == "succeeded"  # type: ignore[index]
+    values = {d["step_id"]: d["value"] for e, d in events  # type: ignore[index]
+              if e == "step.finished"}
+    assert values == {f"s{i}": f"docs {i}: {LONG}" for i in range(3)}
+    records = events[-1][1]["trace"]  # type: ignore[index]
+    steps = [r for r in records if r["type"] == "step"]
+    assert len(steps) == 3
+    for record in steps:  # one attempt each: the prompt once, every word generated
+        assert [(a["prompt_tokens"], a["completion_tokens"]) for a in record["attempts"]] \
+            == [(3, len(values[record["step_id"]].split()))], record
+    assert app[STATE].backends.backends[0].slots.preemptions == 2
+    metrics = await (await client.get("/metrics")).text()
+    assert 'flowlift_preemptions_total{backend="engine-0"} 2.0' in metrics
