@@ -298,6 +298,11 @@ class VLLMEngine(Engine):
         served from the prefix cache, ``RequestOutput.num_cached_tokens``). With
         ``sampling.logprobs`` set, each chunk carries the logprobs of its new tokens
         (vLLM's ``SamplingParams(logprobs=k)``; the engine allows ``k`` up to 20).
+        Each chunk's ``token_ids`` holds its new token ids. A continuation
+        (``resume_token_ids``: :mod:`~flowlift.local_engine.continuation`) sends the
+        prompt's ids plus those as ``prompt_token_ids`` with the ``max_tokens`` left,
+        and its text is decoded over the whole answer so a character cut by the
+        preemption is not lost.
 
         Closing the iterator early (``aclose()``, cancellation) aborts the request.
 
