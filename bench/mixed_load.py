@@ -62,22 +62,24 @@ def interactive(base: str, i: int) -> float:
     return time.monotonic() - t0
 
 
-@step(max_tokens=64)
-def describe(doc: Any):
-    return (f"In two sentences, what is the Python module {doc.name} for?\n\n"
-            f"{doc.text}")
+def describe_prompt(doc: Any):
+    return (f"Explain in detail, in about 150 words, what the Python module {doc.name} "
+            f"is for and how it is used.\n\n{doc.text}")
 
 
-def batch(base: str, docs: list[Any], tag: str, kind: str) -> dict[str, Any]:
+
+def batch(base: str, docs: list[Any], tag: str, kind: Any) -> dict[str, Any]:
+    """The batch workflow: ``kind`` is the free-text step (a ``@step``) or
+    ``"example"`` (extract -> classify)."""
     ex.PREAMBLE = f"[{tag}]\n" + BASE_PREAMBLE
     t0 = time.monotonic()
     with workflow("batch", base_url=base, workflow_class="batch"):
-        if kind == "free":
-            outs = [describe(doc) for doc in docs]
+        if kind != "example":
+            outs = [kind(doc) for doc in docs]
         else:
             outs = [ex.classify(doc, ex.extract(doc)) for doc in docs]
     makespan = time.monotonic() - t0
-    steps = len(docs) * (1 if kind == "free" else 2)
+    steps = len(docs) * (1 if kind != "example" else 2)
     return {"makespan_s": round(makespan, 1), "steps": steps,
             "steps_per_s": round(steps / makespan, 3),
             "outputs": [str(out.value) for out in outs]}
@@ -95,7 +97,7 @@ def preemptions(base: str) -> int:
 
 
 def scenario(scheduling: str, docs: list[Any], n_interactive: int,
-             every_s: float, kind: str, engine: str = "vllm",
+             every_s: float, kind: Any, engine: str = "vllm",
              extra: tuple[str, ...] = ()) -> dict[str, Any]:
     # the batch's tag is the same in every arm: its prompts (and greedy outputs) too
     with proxy("--scheduling", scheduling, *extra, "--config", str(EXAMPLE_CONFIG),
@@ -148,6 +150,8 @@ def main() -> int:
     parser.add_argument("--batch", choices=("free", "example"), default="free",
                         help="free: one free-text step per document (preemptible); "
                              "example: extract -> classify (constrained: never preempted)")
+    parser.add_argument("--batch-tokens", type=int, default=128,
+                        help="max_tokens of the free-text batch step")
     parser.add_argument("--arms", default="priority,preempt,fcfs",
                         help="schedulers to run, comma-separated (fcfs is the reference); "
                              "NAME:N also sets --batch-cap-when-interactive N")
@@ -157,17 +161,20 @@ def main() -> int:
     args = parser.parse_args()
     extra: tuple[str, ...] = ()
     if args.smoke:
-        args.docs, args.interactive, args.every_s = 4, 2, 0.1
+        args.docs, args.interactive, args.every_s, args.batch_tokens = 4, 2, 0.1, 32
         # the batch still runs when the arrivals come; one batch slot while they run, so
         # the preempt arm preempts
         extra = ("--fake-delay-s", "0.03", "--batch-cap-when-interactive", "1")
+    kind = (step(max_tokens=args.batch_tokens, name="describe")(describe_prompt)
+            if args.batch == "free" else "example")
     docs = load_documents(args.docs)
     arms = [a for a in args.arms.split(",") if a]
-    results: dict[str, Any] = {"documents": len(docs), "batch": args.batch}
+    results: dict[str, Any] = {"documents": len(docs), "batch": args.batch,
+                               "batch_tokens": args.batch_tokens, "every_s": args.every_s}
     for arm in arms:  # "preempt:2": --scheduling preempt --batch-cap-when-interactive 2
         scheduling, _, cap = arm.partition(":")
         results[arm] = scenario(scheduling, docs, args.interactive, args.every_s,
-                                args.batch, engine="fake" if args.smoke else "vllm",
+                                kind, engine="fake" if args.smoke else "vllm",
                                 extra=(*extra, *(("--batch-cap-when-interactive", cap)
                                                  if cap else ())))
     if "fcfs" in results:

@@ -44,7 +44,7 @@ class ResumableGeneration:
         request: the request (``model``: the engine's name for it).
         priority: the order of its wait for a slot.
         prefill_tokens: its prompt tokens (the batch prefill budget; a resumption
-            counts none: its prompt is cached).
+            counts the tokens it had generated: its prompt is cached).
         started: called when the first slot is granted.
 
     Attributes:
@@ -100,7 +100,10 @@ class ResumableGeneration:
                 self._slots.unregister(self)
                 slot.release()
                 slot = None
-                waiting = self._slots.slot(self._priority, 0, resumed=True)
+                # what the prefix cache cannot serve: at least the tokens it decoded
+                # (cached only in whole blocks) go through prefill again
+                waiting = self._slots.slot(self._priority, len(self._generated),
+                                           resumed=True)
                 await waiting.acquire()
                 slot = waiting
                 self.resumptions += 1
