@@ -103,7 +103,7 @@ def scenario(scheduling: str, docs: list[Any], n_interactive: int,
     with proxy("--scheduling", scheduling, *extra, "--config", str(EXAMPLE_CONFIG),
                name=f"mixed_{scheduling}_{'_'.join(extra[-1:])}", engine=engine) as base:
         interactive(base, -1)  # warm-up
-        alone = [interactive(base, i) for i in range(4)]
+        alone = [interactive(base, i) for i in range(8)]
         batch_alone = batch(base, docs, "alone", kind)
         mixed: dict[str, Any] = {}
         thread = threading.Thread(target=lambda: mixed.update(
