@@ -134,6 +134,11 @@ class GenerationRequest:
             ``"flex"``. Engines ignore it.
         tool_choice: with ``tools``: ``"auto"`` (answer or call) or ``"required"``
             (call at least one), OpenAI's meanings.
+        resume_token_ids: the tokens this answer already generated before it was
+            preempted (:mod:`flowlift.local_engine.continuation`): an engine whose
+            ``capabilities.resume`` is True continues after them (the prompt's tokens
+            plus these as its input, ``max_tokens`` less their count) and streams only
+            what follows. Empty: a fresh answer.
     """
 
     request_id: str
@@ -147,6 +152,7 @@ class GenerationRequest:
     tools: tuple[ToolDef, ...] = ()
     service_tier: str | None = None
     tool_choice: Literal["auto", "required"] = "auto"
+    resume_token_ids: tuple[int, ...] = ()
 
 
 def require_plain(request: GenerationRequest) -> None:
@@ -215,6 +221,9 @@ class GenerationChunk:
     service_tier: str | None = None
     """Last chunk of an upstream answer: the ``service_tier`` the provider says served
     it (``"flex"``, ``"default"``...), when it said."""
+    token_ids: tuple[int, ...] | None = None
+    """The ids of the tokens generated since the last chunk, from an engine whose
+    ``capabilities.resume`` is True (what a continuation resumes after); else None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +236,8 @@ class Capabilities:
     abort: bool = True
     logprobs: bool = False
     raw_prompt: bool = False
+    resume: bool = False
+    """Chunks carry ``token_ids`` and requests may carry ``resume_token_ids``."""
 
 
 class Engine(abc.ABC):

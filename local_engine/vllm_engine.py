@@ -45,6 +45,7 @@ from flowlift.local_engine.base import (
     Usage,
     require_plain,
 )
+from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
 from flowlift.local_engine.models import cache_dir, resolve_model
 
 _INSTALL_HINT = "install the engine with `bash scripts/install.sh`"
@@ -199,7 +200,7 @@ class VLLMEngine(Engine):
     """
 
     capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True,
-                                logprobs=True, raw_prompt=True)
+                                logprobs=True, raw_prompt=True, resume=True)
 
     def __init__(self, config: VLLMConfig) -> None:
         self.config = config
@@ -276,6 +277,8 @@ class VLLMEngine(Engine):
         return text
 
     def _sampling_params(self, request: GenerationRequest) -> Any:
+        """vLLM's ``SamplingParams`` of ``request`` (a continuation's ``max_tokens``: what
+        is left after its ``resume_token_ids``)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -290,7 +293,7 @@ class VLLMEngine(Engine):
         elif c is not None and c.regex is not None:
             structured = StructuredOutputsParams(regex=c.regex)
         return SamplingParams(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            max_tokens=remaining_max_tokens(request), temperature=s.temperature, top_p=s.top_p,
             stop=list(s.stop) or None, seed=s.seed, structured_outputs=structured,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             logprobs=s.logprobs, logit_bias=dict(s.logit_bias) or None,
@@ -303,6 +306,11 @@ class VLLMEngine(Engine):
         served from the prefix cache, ``RequestOutput.num_cached_tokens``). With
         ``sampling.logprobs`` set, each chunk carries the logprobs of its new tokens
         (vLLM's ``SamplingParams(logprobs=k)``; the engine allows ``k`` up to 20).
+        Each chunk's ``token_ids`` holds its new token ids. A continuation
+        (``resume_token_ids``: :mod:`~flowlift.local_engine.continuation`) sends the
+        prompt's ids plus those as ``prompt_token_ids`` with the ``max_tokens`` left,
+        and its text is decoded over the whole answer so a character cut by the
+        preemption is not lost.
 
         Closing the iterator early (``aclose()``, cancellation) aborts the request.
 
@@ -316,9 +324,14 @@ class VLLMEngine(Engine):
         if request.model not in self.model_names:
             raise ModelNotFound(request.model, self.model_names)
         require_plain(request)
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = self._prompt_ids(request) + list(request.resume_token_ids)
+        if (remaining_max_tokens(request) or 1) <= 0:  # a continuation with nothing left
+            yield GenerationChunk("", "length", Usage(len(prompt_ids), 0, 0), token_ids=())
+            return
         params = self._sampling_params(request)
         k = request.sampling.logprobs
+        text = (ContinuationText(self._decode, request.resume_token_ids)
+                if request.resume_token_ids else None)
         stream = engine.generate({"prompt_token_ids": prompt_ids}, params,
                                  request.request_id, priority=request.priority)
         completion = cached = 0
@@ -326,16 +339,18 @@ class VLLMEngine(Engine):
         try:
             async for out in stream:
                 piece = out.outputs[0]
-                completion += len(piece.token_ids)
+                ids = tuple(piece.token_ids)
+                completion += len(ids)
                 cached = out.num_cached_tokens or cached
                 logprobs = None if k is None else token_logprobs(piece, k)
+                new = piece.text if text is None else text.feed(ids, out.finished)
                 if out.finished:
                     finished = True
                     usage = Usage(len(prompt_ids), completion, cached)
-                    yield GenerationChunk(piece.text, piece.finish_reason or "stop", usage,
-                                          logprobs)
-                elif piece.text or logprobs:
-                    yield GenerationChunk(piece.text, logprobs=logprobs)
+                    yield GenerationChunk(new, piece.finish_reason or "stop", usage,
+                                          logprobs, token_ids=ids)
+                elif new or logprobs or ids:
+                    yield GenerationChunk(new, logprobs=logprobs, token_ids=ids)
         except Exception as exc:  # not GeneratorExit / CancelledError: those pass
             prompt_param = "messages" if request.prompt is None else "prompt"
             raise translate_error(exc, prompt_param) from exc
@@ -411,6 +426,10 @@ class VLLMEngine(Engine):
         if self._engine is None:
             return None
         return int(self._engine.output_processor.get_num_unfinished_requests())
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        text: str = self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        return text
 
     def tokenize(self, model: str, text: str) -> list[int] | None:
         """Token ids of ``text`` (no special tokens added), or ``None`` for an unknown

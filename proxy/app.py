@@ -165,6 +165,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     config = config or settings({}, file_config)
     backends = Backends(engines, max_concurrency=config.max_concurrency,
                         fcfs=config.scheduling == "fcfs",
+                        preempt=config.scheduling == "preempt",
                         batch_prefill_budget=config.batch_prefill_budget,
                         batch_cap_when_interactive=config.batch_cap_when_interactive,
                         config=file_config, transport=transport, max_queue=config.max_queue,

@@ -112,7 +112,8 @@ class ProxyConfig:
             (a database several proxies share); None keeps runs in memory only.
         detached_timeout_s: a run nobody listens to for this long is cancelled.
         scheduling: ``"priority"`` (class, critical path, slack; prefix-grouped
-            dispatch) or ``"fcfs"`` (the baseline).
+            dispatch), ``"preempt"`` (the same, and running batch requests are preempted
+            for interactive work, then resumed) or ``"fcfs"`` (the baseline).
         batch_prefill_budget: prompt tokens of batch work in prefill at once.
         batch_cap_when_interactive: batch slots while interactive work runs (None: half).
         api_keys: keys of the tenant ``default`` (``[server] api_keys_env``), sent as

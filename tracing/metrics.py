@@ -98,6 +98,12 @@ class _Live(Collector):
             unloads.add_metric([model], n_unloads)
         yield loads
         yield unloads
+        preempted = CounterMetricFamily(
+            "flowlift_preemptions", "Running batch requests preempted for interactive work",
+            labels=["backend"])
+        for backend, n in m.preemptions():
+            preempted.add_metric([backend], n)
+        yield preempted
 
 
 class Metrics:
@@ -107,6 +113,7 @@ class Metrics:
         queue_depth: ``() -> [(backend, class, waiting)]`` (read at scrape time).
         active_workflows: ``() -> int``.
         upstream_in_flight: ``() -> [(backend, open requests)]``.
+        preemptions: ``() -> [(backend, requests preempted so far)]``.
         price_per_1k: served model name -> its price per 1,000 tokens (config
             ``price_per_1k_tokens``), or None when it has none (no spend counted).
         model_loads: ``() -> [(model, loads, unloads)]`` of the residency manager
@@ -116,12 +123,13 @@ class Metrics:
     def __init__(self, *, queue_depth: QueueDepth = lambda: (),
                  active_workflows: Callable[[], int] = lambda: 0,
                  upstream_in_flight: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
+                 preemptions: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
                  price_per_1k: Callable[[str], float | None] = lambda model: None,
                  model_loads: ModelLoads = lambda: ()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_depth, self.active_workflows = queue_depth, active_workflows
-        self.upstream_in_flight = upstream_in_flight
+        self.upstream_in_flight, self.preemptions = upstream_in_flight, preemptions
         self.model_loads = model_loads
         self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
                               "Engine dispatch to first token", ["model", "source"],

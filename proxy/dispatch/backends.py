@@ -71,6 +71,8 @@ class Backends:
         aliases: extra names (e.g. ``"default"``) -> served model name.
         fcfs: first come, first served everywhere (no priorities, no reserved slots, no
             prefix-grouped dispatch): the baseline of the scheduling benchmarks.
+        preempt: running batch requests on embedded engines are preempted for
+            interactive work and resumed later (:mod:`~flowlift.proxy.dispatch.preemption`).
         batch_prefill_budget, batch_cap_when_interactive: see
             :class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`.
         config: the parsed config file (upstreams, routes, aliases), or None.
@@ -87,14 +89,14 @@ class Backends:
     def __init__(self, engines: Mapping[str, Engine], *, max_concurrency: int = 16,
                  aliases: Mapping[str, str] | None = None, fcfs: bool = False,
                  batch_prefill_budget: int = 1024,
-                 batch_cap_when_interactive: int | None = None,
+                 batch_cap_when_interactive: int | None = None, preempt: bool = False,
                  config: FileConfig | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
                  max_queue: int = 256,
                  prefill_ahead: AheadConfig | None = None) -> None:
         self._new_slots = functools.partial(
             PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
-            batch_cap_when_interactive=batch_cap_when_interactive)
+            batch_cap_when_interactive=batch_cap_when_interactive, preempt=preempt)
         self._max_concurrency = max_concurrency
         self._per_engine: dict[int, Backend] = {}
         self._by_model: dict[str, Backend] = {}

@@ -71,6 +71,7 @@ class Telemetry:
         self.metrics = Metrics(queue_depth=self._queue_depth,
                                active_workflows=active_runs,
                                upstream_in_flight=self._in_flight,
+                               preemptions=self._preemptions,
                                price_per_1k=prices.get,
                                model_loads=lambda: _model_loads(residency))
         self._runs: dict[str, RunSpans] = {}
@@ -103,6 +104,10 @@ class Telemetry:
             for cls, n in backend.slots.queued_by_class().items():
                 out.append((backend.name, cls, n))
         return out
+
+    def _preemptions(self) -> list[tuple[str, int]]:
+        return [(b.name, b.slots.preemptions) for b in self.backends.backends
+                if b.slots.preempt]
 
     def _in_flight(self) -> list[tuple[str, int]]:
         return [(name, up.health.in_flight) for name, up in self.backends.upstreams.items()]

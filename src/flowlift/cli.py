@@ -610,9 +610,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lease-ttl-s", type=_seconds, default=None,
                        help="with a postgresql:// --state-db: seconds a run's lease lasts "
                             "unrenewed before another proxy takes the run over (default 15)")
-    serve.add_argument("--scheduling", choices=("priority", "fcfs"), default=None,
-                       help="dispatch order (default priority; fcfs: the baseline, for "
-                            "benchmarks)")
+    serve.add_argument("--scheduling", choices=("priority", "preempt", "fcfs"), default=None,
+                       help="dispatch order (default priority; preempt: priority, and "
+                            "running batch requests are preempted for interactive work "
+                            "and resumed later; fcfs: the baseline, for benchmarks)")
     serve.add_argument("--batch-prefill-budget", type=_positive_int, default=None,
                        help="prompt tokens of batch work in prefill at once (default 1024; "
                             "raise it on a GPU)")

@@ -254,7 +254,7 @@ class FakeEngine(Engine):
     """
 
     capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True,
-                                logprobs=True, raw_prompt=True)
+                                logprobs=True, raw_prompt=True, resume=True)
 
     def __init__(self, models: Sequence[str] = ("fake-model",), *,
                  responder: Responder = default_responder, delay_s: float = 0.0,
@@ -312,7 +312,12 @@ class FakeEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the responder's text in ``chunk_chars`` pieces (one fake token per chunk
-        when logprobs are asked for); tokens are whitespace-separated words."""
+        when logprobs are asked for); tokens are whitespace-separated words. Each chunk's
+        ``token_ids`` holds one id (:func:`piece_id`). A continuation
+        (``resume_token_ids``) streams the pieces after as many as it resumes: like a
+        greedy model, what it generates next depends on what it was given, so a piece
+        lost or repeated by whoever resumed shows in the output. Its usage counts the
+        resumed pieces as prompt tokens and only the words it adds as completion."""
         if request.model not in self._models:
             raise EngineError(f"fake engine does not serve {request.model!r}")
         require_plain(request)  # like the embedded engine: tools arrive as constrained JSON
@@ -336,10 +341,12 @@ class FakeEngine(Engine):
             pieces = fake_tokens(text)
         rid = request.request_id
         finished = False
+        resumed = len(request.resume_token_ids)  # a continuation: the pieces it had
+        before = "".join(pieces[:resumed])
         try:
             await self._admit(rid, request.priority)
             sent: list[str] = []
-            for n, piece in enumerate(pieces):
+            for n, piece in enumerate(pieces[resumed:]):
                 if self.fail_with is not None and n == self.fail_after_chunks:
                     raise self.fail_with
                 if self.delay_s:
@@ -349,11 +356,12 @@ class FakeEngine(Engine):
                     break
                 sent.append(piece)
                 yield GenerationChunk(text=piece, logprobs=None if k is None else (
-                    self._logprob(piece, k),))
+                    self._logprob(piece, k),), token_ids=(piece_id(piece),))
             finished = True
-            usage = Usage(len(words), len("".join(sent).split()), cached)
+            usage = Usage(len(words) + resumed, len((before + "".join(sent)).split())
+                          - len(before.split()), cached)
             yield GenerationChunk(text="", finish_reason=finish, usage=usage,
-                                  logprobs=None if k is None else ())
+                                  logprobs=None if k is None else (), token_ids=())
         finally:
             self._release(rid)
             if not finished:
@@ -443,6 +451,11 @@ class FakeEngine(Engine):
 
     def kv_cache_usage(self) -> float | None:
         return None if self._kv_usage is None else self._kv_usage()
+
+
+def piece_id(piece: str) -> int:
+    """The fake token id of a streamed piece (a CRC of its text)."""
+    return zlib.crc32(piece.encode())
 
 
 def parse_sse(text: str) -> list[tuple[str, Any]]:
