@@ -32,6 +32,12 @@ proxy under test on core 1 (``os.sched_setaffinity``; needs >= 2 cores, else unp
     .venv/bin/python bench/proxy_overhead.py --quick    # short run, ~30 s + LiteLLM start
     .venv/bin/python bench/proxy_overhead.py --smoke    # seconds, no LiteLLM, nothing saved
     .venv/bin/python bench/proxy_overhead.py --quick --paths bare,flowlift --profile cprofile
+    # before/after in one run: main's flowlift (path baseline) beside this tree's
+    .venv/bin/python bench/proxy_overhead.py --paths bare,bare_uvloop,baseline,flowlift \
+        --baseline-pythonpath /path/to/a/shadow/of/main
+
+Paths ``bare_uvloop`` (the forwarder on uvloop) and ``baseline`` (flowlift imported
+from ``--baseline-pythonpath``) run only when named in ``--paths``.
 
 Writes ``bench/results/proxy_overhead.json`` (``--quick``: ``$TMPDIR/proxy_overhead.quick.json``)
 and prints a table. Server logs: ``bench/results/proxy_overhead.<path>.log``.
@@ -72,7 +78,8 @@ MASTER_KEY = "sk-bench-overhead"
 MODEL = "bench-model"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 LOADGEN_CORE, SERVER_CORE = 0, 1
-PATHS = ("direct", "bare", "flowlift", "litellm")
+PATHS = ("direct", "bare", "bare_uvloop", "baseline", "flowlift", "litellm")
+DEFAULT_PATHS = ("direct", "bare", "flowlift", "litellm")
 HEADERS = {"Authorization": f"Bearer {MASTER_KEY}", "Content-Type": "application/json"}
 
 
@@ -197,7 +204,7 @@ def flowlift_toml(upstream: str) -> str:
 
 
 def start_servers(tmp: Path, wanted: list[str], profile: str | None,
-                  log_dir: Path = RESULTS) -> dict[str, Server]:
+                  log_dir: Path = RESULTS, baseline: str | None = None) -> dict[str, Server]:
     """Starts every wanted server (not waiting for readiness); their logs go to
     ``log_dir``."""
     up = Server("upstream", log_dir=log_dir)
@@ -209,29 +216,40 @@ def start_servers(tmp: Path, wanted: list[str], profile: str | None,
     direct = Server("direct", base=up.base, available=True)
     servers["direct"] = direct
 
-    if "bare" in wanted:
-        s = Server("bare", log_dir=log_dir)
+    for name in ("bare", "bare_uvloop"):
+        if name not in wanted:
+            continue
+        s = Server(name, log_dir=log_dir)
         port = free_port()
         s.start([PY, str(BENCH / "bare_forwarder.py"), "--upstream", up.base,
-                 "--port", str(port)])
+                 "--port", str(port), *(["--uvloop"] if name == "bare_uvloop" else [])])
         s.base = f"http://127.0.0.1:{port}"
-        s.version = f"aiohttp {aiohttp.__version__}"
-        servers["bare"] = s
+        s.version = f"aiohttp {aiohttp.__version__}" + (" on uvloop" if "uvloop" in name else "")
+        servers[name] = s
 
-    if "flowlift" in wanted:
-        s = Server("flowlift", log_dir=log_dir)
+    for name in ("baseline", "flowlift"):
+        if name not in wanted:
+            continue
+        s = Server(name, log_dir=log_dir)
         cfg = tmp / "proxy_overhead.toml"
         cfg.write_text(flowlift_toml(up.base))
         port = free_port()
         args = ["serve", "--config", str(cfg), "--port", str(port),
                 "--state-db", ":memory:", "--log-level", "warning"]
-        if profile == "cprofile":  # CPU-time profile, written when the server stops
+        # baseline: the flowlift of another tree (its import path in --baseline-pythonpath)
+        env = {"PYTHONPATH": baseline} if name == "baseline" and baseline else None
+        if profile == "cprofile" and name == "flowlift":  # CPU-time profile, written at stop
             s.extra["profile_file"] = str(CPROFILE_OUT.relative_to(ROOT))
             s.start([PY, "-c", CPROFILE_WRAPPER, str(CPROFILE_OUT), *args])
         else:  # this interpreter's flowlift (a worktree has no .venv/bin/flowlift)
-            s.start([PY, "-m", "flowlift.cli", *args])
+            s.start([PY, "-m", "flowlift.cli", *args], env=env)
         s.base = f"http://127.0.0.1:{port}"
         s.extra["config"] = cfg.read_text()
+        if env is not None:
+            s.extra["pythonpath"] = baseline
+            s.version = f"flowlift from PYTHONPATH={baseline}"
+            servers[name] = s
+            continue
         with contextlib.suppress(Exception):
             from importlib.metadata import version
             git = ["git", "-C", str(ROOT)]
@@ -241,7 +259,7 @@ def start_servers(tmp: Path, wanted: list[str], profile: str | None,
                                    capture_output=True, text=True).stdout.strip()
             s.version = (f"flowlift {version('flowlift')} @ {head}"
                          + (" + uncommitted changes in proxy/ or src/" if dirty else ""))
-        servers["flowlift"] = s
+        servers[name] = s
 
     if "litellm" in wanted:
         s = Server("litellm", log_dir=log_dir)
@@ -442,12 +460,12 @@ def summarize(results: dict[str, Any], paths: list[str]) -> dict[str, Any]:
             f"flowlift/{other}": {
                 "added_latency_p50": _ratio(added.get("flowlift"), added.get(other)),
                 "cpu_per_request": _ratio(cpu.get("flowlift"), cpu.get(other)),
-            } for other in ("bare", "litellm")}
+            } for other in ("bare", "bare_uvloop", "baseline", "litellm") if other in paths}
     return ratios
 
 
 def table(results: dict[str, Any], paths: list[str]) -> str:
-    rows = [f"{'mode':6} {'path':9} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
+    rows = [f"{'mode':6} {'path':11} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
             f"{'req/s@32':>9} {'cpu ms/req':>10} {'(idle-incl)':>11} {'err':>4}"]
     for mode, res in results.items():
         for p in paths:
@@ -457,7 +475,7 @@ def table(results: dict[str, Any], paths: list[str]) -> str:
             cpu = th.get("proxy_cpu_ms_per_req")
             cpu_l = lt.get("proxy_cpu_ms_per_req")
             rows.append(
-                f"{mode:6} {p:9} {lt['p50_ms']:8.3f} {lt['p99_ms']:8.3f} "
+                f"{mode:6} {p:11} {lt['p50_ms']:8.3f} {lt['p99_ms']:8.3f} "
                 f"{'' if add50 is None else f'{add50:8.3f}':>8} "
                 f"{'' if add99 is None else f'{add99:8.3f}':>8} {th['rps']:9.1f} "
                 f"{'' if cpu is None else f'{cpu:10.3f}':>10} "
@@ -469,12 +487,13 @@ def table(results: dict[str, Any], paths: list[str]) -> str:
 # --------------------------------------------------------------------------- main
 
 @contextlib.contextmanager
-def running(wanted: list[str], profile: str | None,
-            smoke: bool = False) -> Iterator[tuple[dict[str, Server], Path]]:
+def running(wanted: list[str], profile: str | None, smoke: bool = False,
+            baseline: str | None = None) -> Iterator[tuple[dict[str, Server], Path]]:
     tmp = Path(tempfile.mkdtemp(prefix="proxy_overhead."))
     servers: dict[str, Server] = {}
     try:
-        servers = start_servers(tmp, wanted, profile, log_dir=tmp if smoke else RESULTS)
+        servers = start_servers(tmp, wanted, profile, log_dir=tmp if smoke else RESULTS,
+                                baseline=baseline)
         yield servers, tmp
     finally:
         for s in reversed(list(servers.values())):
@@ -532,11 +551,33 @@ async def measure(a: argparse.Namespace, servers: dict[str, Server],
     return results
 
 
+_OVERHEAD_SAMPLE = re.compile(r'^flowlift_proxy_overhead_seconds_(sum|count)\{operation="chat",'
+                              r'stream="(true|false)"\} (\S+)$', re.MULTILINE)
+
+
+async def reported_overhead(srv: Server) -> dict[str, Any]:
+    """What the proxy says its own overhead was over the whole run (its
+    ``flowlift_proxy_overhead_seconds`` histogram): mean ms per request by mode, or
+    ``{}`` where it has none (a tree before issue 18)."""
+    async with aiohttp.ClientSession() as session, session.get(srv.base + "/metrics") as r:
+        text = await r.text()
+    got: dict[tuple[str, str], float] = {}
+    for kind, stream, value in _OVERHEAD_SAMPLE.findall(text):
+        got[(kind, stream)] = float(value)
+    out: dict[str, Any] = {}
+    for mode, stream in (("json", "false"), ("stream", "true")):
+        n = got.get(("count", stream))
+        if n:
+            out[mode] = {"requests": int(n),
+                         "mean_ms": round(got[("sum", stream)] / n * 1000, 3)}
+    return out
+
+
 async def bench(a: argparse.Namespace) -> dict[str, Any]:
     wanted = [p for p in PATHS if p in a.paths]
     t_start = time.monotonic()
     load0 = list(os.getloadavg())
-    with running(wanted, a.profile, a.smoke) as (servers, _tmp):
+    with running(wanted, a.profile, a.smoke, a.baseline_pythonpath) as (servers, _tmp):
         await wait_all(servers, wanted, a.ready_timeout)
         paths = [p for p in wanted if servers[p].available]
         if a.smoke and paths != wanted:  # a smoke run checks that every path still runs
@@ -550,6 +591,8 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
             profiler = start_pyspy(servers["flowlift"])
         try:
             results = await measure(a, servers, paths)
+            reported = {p: await reported_overhead(servers[p]) for p in paths
+                        if p in ("baseline", "flowlift")}
         finally:
             if profiler is not None:
                 stop_pyspy(profiler)
@@ -568,6 +611,10 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
     ratios = summarize(results, paths)
     print()
     print(table(results, paths))
+    for p, by_mode in reported.items():
+        print(f"{p}: its own overhead as it reports it (flowlift_proxy_overhead_seconds, "
+              "whole run): " + ("; ".join(f"{m} mean {v['mean_ms']} ms over {v['requests']}"
+                                          for m, v in by_mode.items()) or "not reported"))
     print("\n(+p50/+p99: added over direct; cpu ms/req: proxy process tree, throughput "
           "phase; idle-incl: latency phase, idle time included)")
     for mode, r in ratios.items():
@@ -604,6 +651,7 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
                   for p in wanted},
         "results": results,
         "ratios": ratios,
+        "reported_overhead": reported,
         "profile": profile,
         "total_s": round(time.monotonic() - t_start, 1),
     }
@@ -712,9 +760,13 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--duration", type=float, help="throughput seconds per path and mode")
     p.add_argument("--rounds", type=int, help="throughput slots per path (alternating)")
-    p.add_argument("--paths", default=",".join(PATHS),
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
                    help="comma-separated subset of " + ",".join(PATHS))
     p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--baseline-pythonpath",
+                   help="with path `baseline`: the PYTHONPATH its flowlift is imported from "
+                   "(another tree, e.g. a shadow package of main made by a checkout of it), "
+                   "to measure before and after side by side in one run")
     p.add_argument("--profile", choices=("py-spy", "cprofile"),
                    help="profile flowlift during the run (py-spy: sampling, wall-clock; "
                    "cprofile: deterministic, CPU time); numbers of such a run are skewed, "

@@ -137,6 +137,11 @@ class GenerationRequest:
         expected_output_tokens: the step's expected output length (the plan's), tokens;
             None: unknown. Engines ignore it; upstream hints carry it
             (:mod:`flowlift.proxy.dispatch.hints`).
+        resume_token_ids: the tokens this answer already generated before it was
+            preempted (:mod:`flowlift.local_engine.continuation`): an engine whose
+            ``capabilities.resume`` is True continues after them (the prompt's tokens
+            plus these as its input, ``max_tokens`` less their count) and streams only
+            what follows. Empty: a fresh answer.
     """
 
     request_id: str
@@ -151,6 +156,7 @@ class GenerationRequest:
     service_tier: str | None = None
     tool_choice: Literal["auto", "required"] = "auto"
     expected_output_tokens: int | None = None
+    resume_token_ids: tuple[int, ...] = ()
 
 
 def require_plain(request: GenerationRequest) -> None:
@@ -219,6 +225,9 @@ class GenerationChunk:
     service_tier: str | None = None
     """Last chunk of an upstream answer: the ``service_tier`` the provider says served
     it (``"flex"``, ``"default"``...), when it said."""
+    token_ids: tuple[int, ...] | None = None
+    """The ids of the tokens generated since the last chunk, from an engine whose
+    ``capabilities.resume`` is True (what a continuation resumes after); else None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +240,8 @@ class Capabilities:
     abort: bool = True
     logprobs: bool = False
     raw_prompt: bool = False
+    resume: bool = False
+    """Chunks carry ``token_ids`` and requests may carry ``resume_token_ids``."""
 
 
 class Engine(abc.ABC):
@@ -281,6 +292,36 @@ class Engine(abc.ABC):
 
     def tokenize(self, model: str, text: str) -> list[int] | None:
         """Token ids of ``text`` in ``model``'s tokenizer, or ``None`` when unknown."""
+        return None
+
+    async def prefill(self, request: GenerationRequest, upto: str) -> Usage | None:
+        """Compute the KV of the start of a prompt a later request will have, so the
+        engine's prefix cache holds it then (prefill-ahead:
+        :mod:`flowlift.proxy.dispatch.prefill_ahead`). Nothing is generated for the
+        caller.
+
+        Args:
+            request: the later request as far as it is known (``messages``, or
+                ``prompt``), at the ``priority`` to run at; no ``tools`` (the
+                dispatcher turns them into plain messages first).
+            upto: a marker inside one message's content: the prefix is the prompt as
+                :meth:`generate` would build it (chat template applied) up to the first
+                occurrence of ``upto``.
+
+        Returns:
+            ``Usage`` (``prompt_tokens``: the prefix's tokens, ``cached_tokens``: those
+            the cache already held), or ``None`` when this engine keeps no prefix cache
+            (the default: nothing done). Cancelling the call aborts the work.
+
+        Raises:
+            RequestError: ``upto`` is not in the prompt, or the prompt is invalid.
+            EngineError: the engine failed.
+        """
+        return None
+
+    def kv_cache_usage(self) -> float | None:
+        """Fraction of the engine's KV cache (0 to 1) its requests hold or may take
+        before they finish, or ``None`` when the engine cannot tell (the default)."""
         return None
 
     def count_tokens(self, model: str, text: str) -> int | None:

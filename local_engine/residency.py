@@ -151,6 +151,8 @@ class ResidencyManager:
     Attributes:
         resident: loaded models, in load order.
         events: ``("load" | "unload", model)`` in the order they happened.
+        loads: model -> how many times it was loaded (boot and preloads included).
+        unloads: model -> how many times it was unloaded.
     """
 
     def __init__(self, models: Mapping[str, ManagedModel], budget_mb: float, *,
@@ -163,6 +165,8 @@ class ResidencyManager:
         self.recheck_s = recheck_s
         self.resident: list[str] = []
         self.events: list[tuple[str, str]] = []
+        self.loads: Counter[str] = Counter()
+        self.unloads: Counter[str] = Counter()
         self._leases: Counter[str] = Counter()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
@@ -170,6 +174,10 @@ class ResidencyManager:
     def _busy(self) -> list[str]:
         return [m for m in self.resident
                 if self._leases[m] or self.models[m].engine.running()]
+
+    def _record(self, kind: str, model: str) -> None:
+        self.events.append((kind, model))
+        (self.loads if kind == "load" else self.unloads)[model] += 1
 
     def _notify(self) -> None:
         self._changed.set()
@@ -209,10 +217,10 @@ class ResidencyManager:
                     for victim in victims:
                         await self.models[victim].engine.close()
                         self.resident.remove(victim)
-                        self.events.append(("unload", victim))
+                        self._record("unload", victim)
                     await self.models[model].engine.start()
                     self.resident.append(model)
-                    self.events.append(("load", model))
+                    self._record("load", model)
                     self._notify()
                     return self.models[model].engine
             with contextlib.suppress(TimeoutError):
@@ -244,7 +252,7 @@ class ResidencyManager:
                 return False
             await self.models[model].engine.start()
             self.resident.append(model)
-            self.events.append(("load", model))
+            self._record("load", model)
             return True
 
     async def unload(self, model: str) -> None:
@@ -253,7 +261,7 @@ class ResidencyManager:
             if model in self.resident:
                 await self.models[model].engine.close()
                 self.resident.remove(model)
-                self.events.append(("unload", model))
+                self._record("unload", model)
                 self._notify()
 
     async def close(self) -> None:
@@ -261,5 +269,5 @@ class ResidencyManager:
         async with self._lock:
             for model in reversed(self.resident):
                 await self.models[model].engine.close()
-                self.events.append(("unload", model))
+                self._record("unload", model)
             self.resident.clear()

@@ -35,6 +35,7 @@ from flowlift.errors import (
     ModelNotFound,
     RequestError,
 )
+from flowlift.local_engine import prefill
 from flowlift.local_engine.base import (
     Capabilities,
     Engine,
@@ -44,6 +45,7 @@ from flowlift.local_engine.base import (
     Usage,
     require_plain,
 )
+from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
 from flowlift.local_engine.models import cache_dir, resolve_model
 
 _INSTALL_HINT = "install the engine with `bash scripts/install.sh`"
@@ -79,7 +81,13 @@ class VLLMConfig:
             input (extraction, editing). ``None``: off. With it vLLM ignores
             ``logit_bias`` and turns off async scheduling; on CPU it warns of a slowdown
             unless Intel's OpenMP is in ``LD_PRELOAD`` (checked once on the CPU build:
-            it loads and generates, structured outputs included; speed-up not measured).
+            it loads and generates, structured outputs included; measured in
+            bench/RESULTS.md).
+        speculative_max_batch: with ``speculative_ngram``, speculate only while at most
+            this many requests decode together (vLLM's dynamic speculative decoding,
+            ``num_speculative_tokens_per_batch_size``); ``None``: at every batch size.
+            On a compute-bound engine (any CPU, a saturated GPU) the checked-and-thrown-
+            away tokens cost more than they save once a batch is full.
         block_size: tokens per KV-cache block (``None``: vLLM's default, 128 on the CPU
             build). The prefix cache reuses whole blocks, so a smaller block keeps more of
             a session's previous answer cached (case W5: at most ``block_size - 1``
@@ -99,6 +107,7 @@ class VLLMConfig:
     structured_outputs_backend: Literal["guidance", "xgrammar", "auto"] = "guidance"
     compact_json: bool = True
     speculative_ngram: int | None = None
+    speculative_max_batch: int | None = None
     block_size: int | None = None
 
     @classmethod
@@ -191,7 +200,7 @@ class VLLMEngine(Engine):
     """
 
     capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True,
-                                logprobs=True, raw_prompt=True)
+                                logprobs=True, raw_prompt=True, resume=True)
 
     def __init__(self, config: VLLMConfig) -> None:
         self.config = config
@@ -268,6 +277,8 @@ class VLLMEngine(Engine):
         return text
 
     def _sampling_params(self, request: GenerationRequest) -> Any:
+        """vLLM's ``SamplingParams`` of ``request`` (a continuation's ``max_tokens``: what
+        is left after its ``resume_token_ids``)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -282,7 +293,7 @@ class VLLMEngine(Engine):
         elif c is not None and c.regex is not None:
             structured = StructuredOutputsParams(regex=c.regex)
         return SamplingParams(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            max_tokens=remaining_max_tokens(request), temperature=s.temperature, top_p=s.top_p,
             stop=list(s.stop) or None, seed=s.seed, structured_outputs=structured,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             logprobs=s.logprobs, logit_bias=dict(s.logit_bias) or None,
@@ -295,6 +306,11 @@ class VLLMEngine(Engine):
         served from the prefix cache, ``RequestOutput.num_cached_tokens``). With
         ``sampling.logprobs`` set, each chunk carries the logprobs of its new tokens
         (vLLM's ``SamplingParams(logprobs=k)``; the engine allows ``k`` up to 20).
+        Each chunk's ``token_ids`` holds its new token ids. A continuation
+        (``resume_token_ids``: :mod:`~flowlift.local_engine.continuation`) sends the
+        prompt's ids plus those as ``prompt_token_ids`` with the ``max_tokens`` left,
+        and its text is decoded over the whole answer so a character cut by the
+        preemption is not lost.
 
         Closing the iterator early (``aclose()``, cancellation) aborts the request.
 
@@ -308,9 +324,14 @@ class VLLMEngine(Engine):
         if request.model not in self.model_names:
             raise ModelNotFound(request.model, self.model_names)
         require_plain(request)
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = self._prompt_ids(request) + list(request.resume_token_ids)
+        if (remaining_max_tokens(request) or 1) <= 0:  # a continuation with nothing left
+            yield GenerationChunk("", "length", Usage(len(prompt_ids), 0, 0), token_ids=())
+            return
         params = self._sampling_params(request)
         k = request.sampling.logprobs
+        text = (ContinuationText(self._decode, request.resume_token_ids)
+                if request.resume_token_ids else None)
         stream = engine.generate({"prompt_token_ids": prompt_ids}, params,
                                  request.request_id, priority=request.priority)
         completion = cached = 0
@@ -318,16 +339,18 @@ class VLLMEngine(Engine):
         try:
             async for out in stream:
                 piece = out.outputs[0]
-                completion += len(piece.token_ids)
+                ids = tuple(piece.token_ids)
+                completion += len(ids)
                 cached = out.num_cached_tokens or cached
                 logprobs = None if k is None else token_logprobs(piece, k)
+                new = piece.text if text is None else text.feed(ids, out.finished)
                 if out.finished:
                     finished = True
                     usage = Usage(len(prompt_ids), completion, cached)
-                    yield GenerationChunk(piece.text, piece.finish_reason or "stop", usage,
-                                          logprobs)
-                elif piece.text or logprobs:
-                    yield GenerationChunk(piece.text, logprobs=logprobs)
+                    yield GenerationChunk(new, piece.finish_reason or "stop", usage,
+                                          logprobs, token_ids=ids)
+                elif new or logprobs or ids:
+                    yield GenerationChunk(new, logprobs=logprobs, token_ids=ids)
         except Exception as exc:  # not GeneratorExit / CancelledError: those pass
             prompt_param = "messages" if request.prompt is None else "prompt"
             raise translate_error(exc, prompt_param) from exc
@@ -336,6 +359,39 @@ class VLLMEngine(Engine):
             if not finished:
                 with contextlib.suppress(Exception):
                     await engine.abort(request.request_id)
+
+    async def prefill(self, request: GenerationRequest, upto: str) -> Usage | None:
+        """The KV of ``request``'s prompt up to ``upto``, computed now and left in the
+        prefix cache (:mod:`flowlift.local_engine.prefill`); see :meth:`Engine.prefill`.
+
+        Raises:
+            ModelNotFound: ``request.model`` is not served here.
+            RequestError: ``upto`` is not in the prompt, or the prompt is invalid.
+            EngineError: the engine is not started or failed.
+        """
+        engine = self._require_engine()
+        if request.model not in self.model_names:
+            raise ModelNotFound(request.model, self.model_names)
+        require_plain(request)
+        param = "messages" if request.prompt is None else "prompt"
+        if request.prompt is not None:
+            ids = prefill.prefix_ids(self._tokenizer.encode, request.prompt, upto, param)
+        else:
+            ids = prefill.prefix_ids(
+                lambda t: self._tokenizer.encode(t, add_special_tokens=False),
+                self._chat_text(request), upto, param)
+        if not ids:
+            return Usage()
+        try:
+            return await prefill.run_prefill(engine, ids, request.request_id,
+                                             request.priority)
+        except Exception as exc:
+            raise translate_error(exc, param) from exc
+
+    def kv_cache_usage(self) -> float | None:
+        """The share of the KV cache the unfinished requests may take (prompts plus
+        ``max_tokens``, :func:`flowlift.local_engine.prefill.reserved_fraction`)."""
+        return None if self._engine is None else prefill.reserved_fraction(self._engine)
 
     async def abort(self, request_id: str) -> None:
         """Stop a running request (its stream then ends with ``finish_reason="abort"``);
@@ -371,6 +427,10 @@ class VLLMEngine(Engine):
             return None
         return int(self._engine.output_processor.get_num_unfinished_requests())
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        text: str = self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        return text
+
     def tokenize(self, model: str, text: str) -> list[int] | None:
         """Token ids of ``text`` (no special tokens added), or ``None`` for an unknown
         model or before :meth:`start`."""
@@ -400,14 +460,7 @@ def _build_engine(cfg: VLLMConfig) -> Any:
         # like xgrammar: objects with "properties" get additionalProperties=false
         # unless the schema says otherwise (guidance would allow extra keys).
         disable_additional_properties=backend == "guidance")
-    args = AsyncEngineArgs(
-        model=cfg.model, served_model_name=cfg.served_model_name, dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-        enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
-        scheduling_policy=cfg.scheduling_policy, seed=cfg.seed,
-        structured_outputs_config=structured, disable_log_stats=True,
-        speculative_config=speculative_config(cfg),
-        **({"block_size": cfg.block_size} if cfg.block_size else {}))
+    args = AsyncEngineArgs(**engine_kwargs(cfg), structured_outputs_config=structured)
     try:
         return AsyncLLM.from_engine_args(args)
     except Exception as exc:
@@ -445,16 +498,45 @@ def check_platform(platform: Platform | None = None) -> None:
             "`nvidia-smi` lists the GPU and install `pip install -e .[cuda]`")
 
 
+def engine_kwargs(cfg: VLLMConfig) -> dict[str, Any]:
+    """vLLM's ``AsyncEngineArgs`` keywords for ``cfg``, all but
+    ``structured_outputs_config`` (a vLLM object, built with vLLM imported).
+
+    Raises:
+        EngineError: ``speculative_ngram`` is below 1.
+    """
+    return dict(
+        model=cfg.model, served_model_name=cfg.served_model_name, dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+        scheduling_policy=cfg.scheduling_policy, seed=cfg.seed, disable_log_stats=True,
+        speculative_config=speculative_config(cfg),
+        **({"block_size": cfg.block_size} if cfg.block_size else {}))
+
+
 def speculative_config(config: VLLMConfig) -> dict[str, Any] | None:
-    """vLLM's ``speculative_config`` for :attr:`VLLMConfig.speculative_ngram` (``None``:
-    no speculative decoding)."""
+    """vLLM's ``speculative_config`` for :attr:`VLLMConfig.speculative_ngram` and
+    :attr:`VLLMConfig.speculative_max_batch` (``None``: no speculative decoding).
+
+    Raises:
+        EngineError: ``speculative_ngram`` or ``speculative_max_batch`` below 1.
+    """
     k = config.speculative_ngram
     if k is None:
         return None
     if k < 1:
         raise EngineError(f"speculative_ngram must be at least 1 token, not {k}")
-    return {"method": "ngram", "num_speculative_tokens": k,
-            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k,
+                            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    most = config.speculative_max_batch
+    if most is not None:
+        if most < 1:
+            raise EngineError(f"speculative_max_batch must be at least 1, not {most}")
+        schedule = [(1, most, k)]
+        if most < config.max_num_seqs:
+            schedule.append((most + 1, config.max_num_seqs, 0))
+        spec["num_speculative_tokens_per_batch_size"] = schedule
+    return spec
 
 
 def token_logprobs(piece: Any, k: int) -> tuple[TokenLogprob, ...]:

@@ -13,6 +13,7 @@ a run's progress (:mod:`flowlift.proxy.workflows.progress`) and the pages under 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Mapping
 
@@ -26,6 +27,7 @@ from flowlift.local_engine.residency import ResidencyManager
 from flowlift.proxy import lifecycle
 from flowlift.proxy.config import FileConfig, ProxyConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.prefill_ahead import AheadConfig
 from flowlift.proxy.http import log, openai_errors
 from flowlift.proxy.middleware import readiness_gate, require_key
 from flowlift.proxy.openai import routes as openai_api
@@ -38,7 +40,8 @@ from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
 from flowlift.proxy.workflows.outcomes import StepOutcomes
-from flowlift.proxy.workflows.registry import RunRegistry
+from flowlift.proxy.workflows.planning import plan
+from flowlift.proxy.workflows.registry import TAIL_POLL_S, RunRegistry
 from flowlift.proxy.workflows.store import open_store
 
 
@@ -54,7 +57,9 @@ async def readyz(request: web.Request) -> web.Response:
     if state.residency is not None:
         body["residency"] = {"budget_mb": state.residency.budget_mb,
                              "resident": list(state.residency.resident),
-                             "managed": sorted(state.residency.models)}
+                             "managed": sorted(state.residency.models),
+                             "loads": dict(sorted(state.residency.loads.items())),
+                             "unloads": dict(sorted(state.residency.unloads.items()))}
     return web.json_response(body, status=200 if reason is None else 503)
 
 
@@ -93,13 +98,33 @@ async def _heartbeat(app: web.Application) -> None:
             log.exception("run_heartbeat_failed")
 
 
+async def _posted_results(app: web.Application) -> None:
+    """Hand the ``@tool`` results kept in the store (posted to another replica of a shared
+    store, or before this proxy resumed the run), and the appends and closes kept for
+    the runs here, to those runs (RunRegistry.deliver_posted, apply_requests), every
+    TAIL_POLL_S."""
+    state: ProxyState = app[STATE]
+    await state.ready.wait()
+    while True:
+        await asyncio.sleep(TAIL_POLL_S)
+        try:
+            state.runs.deliver_posted()
+            await state.runs.apply_requests(state.backends.known(), functools.partial(
+                plan, backends=state.backends, costs=state.costs,
+                outcomes=state.runs.outcomes, prices=state.prices))
+        except Exception:  # a database hiccup: the next round tries again
+            log.exception("run_tool_results_failed")
+
+
 async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     loader = asyncio.create_task(_load_engines(app))
     sweeper = asyncio.create_task(_sweep(app))
+    posted = asyncio.create_task(_posted_results(app))
     beat = asyncio.create_task(_heartbeat(app)) if app[STATE].runs.store.shared else None
     yield
     loader.cancel()
     sweeper.cancel()
+    posted.cancel()
     if beat is not None:
         beat.cancel()
     state: ProxyState = app[STATE]
@@ -140,9 +165,13 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     config = config or settings({}, file_config)
     backends = Backends(engines, max_concurrency=config.max_concurrency,
                         fcfs=config.scheduling == "fcfs",
+                        preempt=config.scheduling == "preempt",
                         batch_prefill_budget=config.batch_prefill_budget,
                         batch_cap_when_interactive=config.batch_cap_when_interactive,
-                        config=file_config, transport=transport, max_queue=config.max_queue)
+                        config=file_config, transport=transport, max_queue=config.max_queue,
+                        prefill_ahead=AheadConfig(
+                            enabled=config.prefill_ahead,
+                            max_kv_usage=config.prefill_ahead_max_kv_usage))
     if not backends.models:
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")
@@ -151,7 +180,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     outcomes = StepOutcomes(state_path, default_model=backends.default_model)
     # spans and metrics (the run count is read at scrape time, once `runs` exists)
     tel = telemetry.Telemetry.for_proxy(tracer_provider, config.trace_dir, backends,
-                                        active_runs=lambda: len(runs.active))
+                                        active_runs=lambda: len(runs.active),
+                                        residency=residency)
     runs = RunRegistry(store, config.trace_dir, detached_timeout_s=config.detached_timeout_s,
                        outcomes=outcomes, max_active=config.max_runs, observer=tel,
                        lease_ttl_s=config.lease_ttl_s)

@@ -62,7 +62,10 @@ file (``flowlift serve --config flowlift.toml``)::
     burst = 10                           # (default: requests_per_s)
 
     [models."llama-3-8b"]
-    backends = ["vllm-a", "vllm-b"]      # replicas: session affinity, else least loaded
+    backends = ["vllm-a", "vllm-b"]      # replicas: session affinity, else by routing
+    routing = "predicted-latency"        # or "least-loaded" | "round-robin"
+    affinity_max_slowdown = 1.5          # affinity keeps its replica while predicted at
+                                         # most 1.5x slower than the best one
     fallbacks = ["openai"]               # in order, when no replica can answer
     total_timeout_s = 600                # the request's whole budget, retries included
     max_attempts = 4
@@ -93,6 +96,7 @@ from pydantic import (
 )
 
 from flowlift.errors import ConfigError
+from flowlift.proxy.dispatch.routing import Strategy
 from flowlift.proxy.tenants import DEFAULT_TENANT, TENANT_NAME, Tenant
 
 EMBEDDED = "embedded"
@@ -112,7 +116,8 @@ class ProxyConfig:
             (a database several proxies share); None keeps runs in memory only.
         detached_timeout_s: a run nobody listens to for this long is cancelled.
         scheduling: ``"priority"`` (class, critical path, slack; prefix-grouped
-            dispatch) or ``"fcfs"`` (the baseline).
+            dispatch), ``"preempt"`` (the same, and running batch requests are preempted
+            for interactive work, then resumed) or ``"fcfs"`` (the baseline).
         batch_prefill_budget: prompt tokens of batch work in prefill at once.
         batch_cap_when_interactive: batch slots while interactive work runs (None: half).
         api_keys: keys of the tenant ``default`` (``[server] api_keys_env``), sent as
@@ -125,6 +130,10 @@ class ProxyConfig:
         lease_ttl_s: on a shared (PostgreSQL) state database, how long a run's lease lasts
             unrenewed: a proxy renews its leases every third of it, and another proxy
             takes the runs of one that stopped renewing for this long.
+        prefill_ahead: prefill the known start of the step that reads a tool's output
+            while the tool is out (:mod:`flowlift.proxy.dispatch.prefill_ahead`).
+        prefill_ahead_max_kv_usage: KV-cache share (0 to 1) above which prefill-ahead
+            stops and what runs of it is aborted.
     """
 
     max_concurrency: int = 16
@@ -143,6 +152,8 @@ class ProxyConfig:
     session_ttl_s: float = 1800.0
     max_runs: int = 4096
     lease_ttl_s: float = 15.0
+    prefill_ahead: bool = True
+    prefill_ahead_max_kv_usage: float = 0.7
 
 
 class _Strict(BaseModel):
@@ -263,6 +274,11 @@ class ModelSpec(_Strict):
     fallbacks: list[str] = Field(default_factory=list)
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_attempts: int = Field(default=4, ge=1, le=20)
+    routing: Strategy = "predicted-latency"
+    """How a replica is chosen (:mod:`flowlift.proxy.dispatch.routing`)."""
+    affinity_max_slowdown: float = Field(default=1.5, ge=1.0)
+    """With ``routing = "predicted-latency"``: the affinity replica keeps a run or
+    session while predicted at most this many times slower than the best replica."""
     price_per_1k_tokens: float | None = Field(default=None, ge=0)
     """Price of 1,000 tokens (prompt + completion) on this model, in any currency: the
     unit of the compiler's cascade cost estimate."""

@@ -20,6 +20,10 @@
 
   A second signal cuts the grace period short (step 3 at once).
 
+:func:`run` runs :func:`serve` on uvloop's event loop (libuv; MagicStack/uvloop) when it
+is installed -- it is a dependency where it builds (not on Windows) -- and on asyncio's
+own otherwise, or when ``FLOWLIFT_EVENT_LOOP=asyncio`` asks for it.
+
 The drain follows Kubernetes' pod termination contract (SIGTERM, then SIGKILL after
 ``terminationGracePeriodSeconds``): set that above ``grace_s``.
 """
@@ -28,11 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -142,6 +149,30 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+T = TypeVar("T")
+
+
+def event_loop_factory(env: dict[str, str] | None = None
+                       ) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's ``new_event_loop`` when uvloop is installed and ``FLOWLIFT_EVENT_LOOP`` is
+    not ``asyncio``; None (asyncio's default loop) otherwise."""
+    env = dict(os.environ) if env is None else env
+    if env.get("FLOWLIFT_EVENT_LOOP", "").strip().lower() == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` (e.g. :func:`serve`) to its end on a new event loop: uvloop's where
+    :func:`event_loop_factory` gives it, else asyncio's."""
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(main)
 
 
 async def serve(app: web.Application, sock: socket.socket, *, grace_s: float = 30.0,

@@ -14,6 +14,14 @@ Protocol (proxy: ``flowlift.proxy.workflows.api``):
    ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` with ``{"value": ...}`` or
    ``{"error": "..."}``.
 
+Several replicas (``Workflow(base_url=[...])``: proxies on one shared run store): the
+graph goes to the first that accepts a connection (a replica that refused the
+connection was sent nothing, so the next one is tried at once); once the run has an id,
+each lost stream moves to the next replica (:meth:`_Session.next_replica`), which
+replays the run's events from the store after ``Last-Event-ID`` and follows it wherever
+it executes; kept ``@tool`` results are re-posted there (any replica takes them, a second
+post is a no-op), so no step is submitted or run twice.
+
 The event handling is shared (:func:`_handle`); only the I/O differs. HTTP and
 connection errors are translated here, once, into :mod:`flowlift.errors`.
 """
@@ -81,8 +89,9 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
                           attempts=data.get("attempts"))
     elif sse.event == "tool.wanted" and "agent_step" in data:
         return ToolCall(data["step_id"], [], wanted_call(wf, data))
-    elif sse.event == "tool.wanted" and data["step_id"] not in wf.tools:
-        return None  # an attached run (no tool functions): the step waits for its script
+    elif sse.event == "tool.wanted" and data["step_id"] not in wf.tools \
+            and not wf.adopt_tool(data["step_id"], data.get("name")):
+        return None  # an attached run without that function: the step waits for a script
     elif sse.event == "tool.wanted":
         args, kwargs = wf.tool_arguments(data["step_id"], data["args"], data["kwargs"])
         return ToolCall(data["step_id"], args, kwargs)
@@ -140,6 +149,27 @@ class _Session:
     """Called after each event is handled (an open run's readers wait on it)."""
     stopped: bool = False
     """Set to stop following the run (an open run abandoned by its block)."""
+    tried: int = 0
+    """Replicas the graph moved on from because they refused the connection."""
+
+    def next_replica(self, exc: Exception | None) -> bool:
+        """Move ``wf.base_url`` to the next of ``wf.base_urls`` after a lost connection or
+        stream: always once the run has an id (any replica follows it from the shared
+        store); before that only when the connection was never made (``ConnectError``:
+        nothing was sent), each replica once.
+
+        Returns:
+            Whether it moved (the caller points its HTTP client there).
+        """
+        urls = self.wf.base_urls
+        if len(urls) < 2:
+            return False
+        if self.wf.run_id is None:
+            if not isinstance(exc, httpx.ConnectError) or self.tried >= len(urls) - 1:
+                return False
+            self.tried += 1
+        self.wf.base_url = urls[(urls.index(self.wf.base_url) + 1) % len(urls)]
+        return True
 
     def admit(self, status: int, headers: Any, body: Any) -> bool:
         """True for a 200 stream; False to wait and try again (a 5xx or 429, e.g. the
@@ -292,11 +322,23 @@ def _run_sync(wf: Workflow, trace_headers: dict[str, str], ctx: Any,
                             dispatch(step_id)
                         _follow(source, sess, dispatch)
             except httpx.TransportError as exc:
+                if _moved(sess, client, exc) and wf.run_id is None:
+                    continue  # a replica never reached: the next one at once
                 time.sleep(sess.lost(exc))
                 continue
             if not sess.done:
+                _moved(sess, client, None)
                 time.sleep(sess.lost(None))
     _require_finished(wf)
+
+
+def _moved(sess: _Session, client: httpx.Client | httpx.AsyncClient,
+           exc: Exception | None) -> bool:
+    """Follow the run on the next replica (:meth:`_Session.next_replica`), if any."""
+    if not sess.next_replica(exc):
+        return False
+    client.base_url = httpx.URL(sess.wf.base_url)
+    return True
 
 
 def _follow(source: Any, sess: _Session, dispatch: Callable[[Any], None]) -> None:
@@ -359,9 +401,12 @@ class _AsyncDriver:
                 try:
                     await self.attempt()
                 except httpx.TransportError as exc:
+                    if _moved(self.sess, self.client, exc) and self.sess.wf.run_id is None:
+                        continue  # a replica never reached: the next one at once
                     await asyncio.sleep(self.sess.lost(exc))
                     continue
                 if not self.sess.done:
+                    _moved(self.sess, self.client, None)
                     await asyncio.sleep(self.sess.lost(None))
         finally:
             for task in self.pending:

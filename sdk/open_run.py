@@ -22,7 +22,9 @@ A workflow with no read inside its block never opens: one ``POST`` at the end, a
 The sync form follows the stream in a thread of its own (the app's code runs between
 reads); the async form in a task on the app's event loop. A flush that meets a lost
 connection or a restarting proxy (5xx, 429) is sent again for ``reconnect_s`` seconds;
-the proxy skips nodes it already holds, so a re-sent flush appends nothing twice.
+the proxy skips nodes it already holds, so a re-sent flush appends nothing twice. With
+several replicas (``base_url=[...]``) a flush goes where the event stream is followed
+now; a replica that does not run the run keeps it for the one that does.
 
 Errors raised by a read:
     GraphError: the proxy rejected the steps of this flush (every problem listed); the
@@ -125,6 +127,14 @@ class _Backoff:
         return min(0.25 * 2.0 ** min(int(now - self.since), 4), 2.0)
 
 
+def _aim(client: httpx.Client | httpx.AsyncClient, wf: Workflow) -> None:
+    """Send to the replica the run's event stream follows now (``wf.base_url`` moves on
+    when a stream is lost: :meth:`flowlift.sdk.client._Session.next_replica`); any
+    replica on the shared store takes an append or a close."""
+    if str(client.base_url).rstrip("/") != wf.base_url:
+        client.base_url = httpx.URL(wf.base_url)
+
+
 def _ok(response: httpx.Response | None) -> bool:
     return response is not None and response.status_code < 400
 
@@ -206,6 +216,7 @@ class SyncOpenRun:
         while True:
             response, error = None, None
             try:
+                _aim(self.client, self.wf)
                 response = self.client.post(url, json=body)
             except httpx.TransportError as exc:
                 error = exc
@@ -337,6 +348,7 @@ class AsyncOpenRun:
         while True:
             response, error = None, None
             try:
+                _aim(self.client, self.wf)
                 response = await self.client.post(url, json=body)
             except httpx.TransportError as exc:
                 error = exc

@@ -17,11 +17,13 @@ those tools, and the proxy loops until the model answers without calling any
 from __future__ import annotations
 
 import functools
+import inspect
 import json
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from flowlift.errors import SemanticVariableError, UserError
 from flowlift.graph import (
@@ -161,9 +163,10 @@ class Step(Generic[P]):
 class Tool(Generic[P, R]):
     """Client-run Python inside a workflow. Created by :func:`tool`."""
 
-    def __init__(self, fn: Callable[P, R], name: str | None) -> None:
+    def __init__(self, fn: Callable[P, R], name: str | None, pure: bool = False) -> None:
         self.fn = fn
         self.name = name or fn.__name__
+        self.pure = pure
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
@@ -175,6 +178,42 @@ class Tool(Generic[P, R]):
         wire_kwargs = {k: _arg(v, wf, f"tool {self.name!r} argument {k!r}")
                        for k, v in kwargs.items()}
         return wf.add_tool(self, wire_args, wire_kwargs)
+
+    def parse_arguments(self, args: Sequence[Any], kwargs: Mapping[str, Any]
+                        ) -> tuple[list[Any], dict[str, Any]]:
+        """JSON arguments (as a run's ``tool.wanted`` event sends them) -> the values the
+        function's annotations ask for (``TypeAdapter(annotation).validate_python``: a
+        dict into its pydantic model, and so on); an unannotated or ``Any`` parameter,
+        and ``*args``/``**kwargs``, keep their JSON value.
+
+        Raises:
+            TypeError: the arguments do not fit the function's signature.
+            pydantic.ValidationError: an argument does not parse into its annotation.
+        """
+        signature = inspect.signature(self.fn)
+        try:
+            hints = typing.get_type_hints(self.fn)
+        except NameError:  # a name the function's module cannot resolve: use what is real
+            hints = {k: v for k, v in getattr(self.fn, "__annotations__", {}).items()
+                     if not isinstance(v, str)}
+        bound = signature.bind(*args, **kwargs)
+        for name, value in bound.arguments.items():
+            hint = hints.get(name)
+            kind = signature.parameters[name].kind
+            if hint is None or hint is Any or kind in (inspect.Parameter.VAR_POSITIONAL,
+                                                       inspect.Parameter.VAR_KEYWORD):
+                continue
+            bound.arguments[name] = TypeAdapter(hint).validate_python(value)
+        return list(bound.args), dict(bound.kwargs)
+
+    def typed(self) -> Tool[..., R]:
+        """This tool taking JSON arguments: each call parses them
+        (:meth:`parse_arguments`) and then runs the function (an attached run's tools:
+        :func:`flowlift.attach`)."""
+        def call(*args: Any, **kwargs: Any) -> R:
+            py_args, py_kwargs = self.parse_arguments(args, kwargs)
+            return self.fn(*py_args, **py_kwargs)
+        return Tool(call, self.name)
 
 
 @overload
@@ -294,11 +333,22 @@ def _check_agent(max_turns: Any, tool_errors: Any, tool_choice: Any, has_tools: 
                         "(\"required\" needs tools=[...])", param="tool_choice")
 
 
-def tool(fn: Callable[P, R] | None = None, /, *, name: str | None = None) -> Any:
-    """Mark a function as a client-run step (runs in the app, not on a model)."""
+def tool(fn: Callable[P, R] | None = None, /, *, name: str | None = None,
+         pure: bool = False) -> Any:
+    """Mark a function as a client-run step (runs in the app, not on a model).
+
+    Args:
+        name: the step's name (default: the function's name).
+        pure: the function's result depends on its arguments only and calling it has no
+            side effect (a lookup, a parse, a local search): identical calls in one
+            workflow (same name, same arguments once resolved) run once and share the
+            result, so steps reading them can be merged too (Halo's consolidated graph).
+            Leave it False for anything that writes, sends, reads a clock or a changing
+            source.
+    """
 
     def wrap(f: Callable[P, R]) -> Tool[P, R]:
-        return Tool(f, name)
+        return Tool(f, name, pure)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -29,7 +29,7 @@ import contextvars
 import json
 import os
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,6 +39,7 @@ from pydantic import BaseModel
 from flowlift.credentials import bearer_headers, default_api_key
 from flowlift.errors import (
     GraphError,
+    RequestError,
     SemanticVariableError,
     StepContractError,
     StepFailed,
@@ -74,7 +75,12 @@ class Workflow:
 
     Args:
         name: shown in traces and reports.
-        base_url: the proxy (default ``$FLOWLIFT_BASE_URL`` or ``http://127.0.0.1:8470``).
+        base_url: the proxy (default ``$FLOWLIFT_BASE_URL`` or ``http://127.0.0.1:8470``),
+            or several replicas of one (a list: proxies on one shared run store, see
+            README "Several proxies on one database"): the run is posted to the first
+            that accepts a connection, and when its event stream is lost the SDK
+            follows the run on the next one (events replay from the store; nothing is
+            submitted or run twice). A gateway in front of the replicas is one URL.
         api_key: the proxy's API key when its config sets ``[server] api_keys_env``
             (default ``$FLOWLIFT_API_KEY``; none: no ``Authorization`` header), sent as
             ``Authorization: Bearer`` on every request of this workflow; never logged,
@@ -107,7 +113,7 @@ class Workflow:
         ``str()`` of each is the reason text).
     """
 
-    def __init__(self, name: str = "workflow", *, base_url: str | None = None,
+    def __init__(self, name: str = "workflow", *, base_url: str | Sequence[str] | None = None,
                  workflow_class: Literal["interactive", "batch"] = "interactive",
                  deadline_s: float | None = None, trace_path: str | os.PathLike[str] | None = None,
                  metadata: Mapping[str, Any] | None = None,
@@ -117,7 +123,12 @@ class Workflow:
                  api_key: str | None = None, strict_deadline: bool = False,
                  detach: bool = False) -> None:
         self.name = name
-        self.base_url = (base_url or default_base_url()).rstrip("/")
+        urls = [base_url] if base_url is None or isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise RequestError("base_url: give a proxy URL (or a list of replicas' URLs), "
+                               "not an empty list", param="base_url")
+        self.base_urls = tuple((url or default_base_url()).rstrip("/") for url in urls)
+        self.base_url = self.base_urls[0]  # the replica in use (see client.next_replica)
         self._api_key = api_key or default_api_key()
         self.workflow_class = workflow_class
         self.deadline_s = deadline_s
@@ -134,6 +145,7 @@ class Workflow:
         self.nodes: list[Node] = []
         self.tools: dict[str, Tool[Any, Any]] = {}
         self.agent_tools: dict[str, dict[str, Tool[Any, Any]]] = {}  # agent step -> tools
+        self.served_tools: dict[str, Tool[Any, Any]] = {}  # an attached run's, by name
         self._parsers: dict[str, Callable[[Any], Any]] = {}
         self._counts: dict[str, int] = {}
         self._outputs: dict[str, Any] = {}
@@ -163,7 +175,8 @@ class Workflow:
 
     def add_tool(self, tool: Tool[Any, Any], args: tuple[Arg, ...],
                  kwargs: dict[str, Arg]) -> SemanticVariable:
-        node = ToolNode(id=self.new_id(tool.name), name=tool.name, args=args, kwargs=kwargs)
+        node = ToolNode(id=self.new_id(tool.name), name=tool.name, args=args, kwargs=kwargs,
+                        pure=tool.pure)
         self.tools[node.id] = tool
         return self.add_node(node, fields=None)
 
@@ -300,10 +313,27 @@ class Workflow:
         (:func:`~flowlift.errors.step_failure`)."""
         self.failures[step_id] = step_failure(step_id, error, kind, attempts)
 
+    def adopt_tool(self, step_id: str, name: str | None) -> bool:
+        """For an attached run (:func:`flowlift.attach` with ``tools``): take on
+        ``@tool`` step ``step_id`` when a function named ``name`` was given and the step
+        has not finished; its JSON arguments are parsed by the function's annotations
+        (:meth:`~flowlift.sdk.steps.Tool.typed`).
+
+        Returns:
+            Whether this workflow now runs the step.
+        """
+        tool = self.served_tools.get(name or "")
+        if tool is None or step_id in self._outputs or step_id in self.failures:
+            return False
+        self.tools[step_id] = tool.typed()
+        return True
+
     def tool_arguments(self, step_id: str, args: list[Any],
                        kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Resolved wire arguments -> Python values (whole structured outputs re-parsed)."""
-        node = next(n for n in self.nodes if n.id == step_id)
+        node = next((n for n in self.nodes if n.id == step_id), None)
+        if node is None:  # an adopted step of an attached run: its tool parses them
+            return list(args), dict(kwargs)
         assert isinstance(node, ToolNode)
 
         def convert(wire: Arg, value: Any) -> Any:

@@ -185,6 +185,26 @@ async def check_prefix_cache(t: Target) -> None:
     assert last.usage is not None and last.usage.cached_tokens > 0, last.usage
 
 
+async def check_prefill_ahead(t: Target) -> None:
+    """``prefill`` leaves a prompt's known start in the prefix cache (the later, whole
+    prompt finds it cached) and generates nothing for the caller; ``kv_cache_usage`` is
+    a share or unknown."""
+    usage = t.engine.kv_cache_usage()
+    assert usage is None or 0.0 <= usage <= 1.0, usage
+    known = "Notes: " + " ".join(f"item {i} belongs to group {i % 5}." for i in range(90))
+    hole = "\ue000HOLE\ue000"
+    ahead = _request(t, f"{known}\nLookup: {hole}", max_tokens=1)
+    got = await t.engine.prefill(ahead, hole)
+    if got is None:  # an engine without a prefix cache
+        assert not t.engine.capabilities.prefix_caching
+        return
+    assert got.prompt_tokens > 0 and got.cached_tokens == 0, got
+    last = (await _collect(t, _request(t, f"{known}\nLookup: 42 found.", max_tokens=2)))[-1]
+    assert last.usage is not None and last.usage.cached_tokens > 0, last.usage
+    assert last.usage.cached_tokens <= got.prompt_tokens + 1 < last.usage.prompt_tokens
+    assert await _settled(t) in (0, None)
+
+
 async def check_tokenize(t: Target) -> None:
     ids = t.engine.tokenize(t.model, "hello world, hello again")
     if ids is None:
@@ -206,5 +226,5 @@ CHECKS: dict[str, Callable[[Target], Awaitable[None]]] = {
     f.__name__.removeprefix("check_"): f for f in (
         check_streaming_and_usage, check_max_tokens_length, check_json_schema, check_choices,
         check_abort_running, check_close_aborts, check_cancel_aborts, check_priority,
-        check_prefix_cache, check_tokenize, check_health)
+        check_prefix_cache, check_prefill_ahead, check_tokenize, check_health)
 }

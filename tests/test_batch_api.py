@@ -380,3 +380,20 @@ async def test_the_pool_forgets_the_lines_it_answered(clock: Clock) -> None:
             await asyncio.sleep(0.01)
         assert not pool._futures and not pool._batch_of and not pool._abandoned
         await pool.aclose()
+
+
+async def test_a_malformed_line_comes_in_a_completed_batch_with_0_failed(clock: Clock) -> None:
+    api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 5.0,
+                       responder=lambda body: MALFORMED if body["messages"][-1]["content"]
+                       == "q1" else "fine")
+    async with _client(api) as (client, _):
+        (file,) = pack(lines(3))
+        _, batch_id = await client.submit(file)
+        final = await client.wait(batch_id)
+        # what the provider says: every line completed, none failed, no error file
+        assert final["status"] == "completed" and final["error_file_id"] is None
+        assert final["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+        got = await client.outcomes(final, file.custom_ids)
+        assert [o.kind for o in got.values()] == [Kind.OK, Kind.MALFORMED, Kind.OK]
+        malformed = got["r1:s1:1"]
+        assert malformed.advice is Advice.ANY and malformed.completion is None

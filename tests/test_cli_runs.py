@@ -115,6 +115,11 @@ def test_show_and_trace_offline_from_the_state_db(served, capsys):
     assert main(["runs", "--base-url", gone, "--state-db", str(db), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)["data"]
     assert [r["id"] for r in listed] == ids[::-1]
+    # progress from each run's stored log; no deadline, nothing priced (no tier plan)
+    assert [(r["steps"], r["done"], r["failed"]) for r in listed] == [(2, 2, 0)] * 3
+    assert {(r["deadline_s"], r["spent"]) for r in listed} == {(None, None)}
+    assert main(["runs", "--base-url", gone, "--state-db", str(db)]) == 0
+    assert "2/2" in capsys.readouterr().out
     assert main(["show", ids[0], "--base-url", gone, "--state-db",
                  str(db.with_name("nope.sqlite"))]) == 2
 

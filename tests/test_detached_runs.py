@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import pytest
+from pydantic import BaseModel
 
 import flowlift
 from flowlift import WorkflowFailed, step, tool, workflow
@@ -148,3 +149,59 @@ async def test_flowlift_result_writes_outputs_offline(tmp_path, capsys):
     assert await asyncio.to_thread(main, ["result", "wf-nope", "--base-url", GONE,
                                          "--state-db", str(db)]) == 1
     assert "wf-nope" in capsys.readouterr().err
+
+
+class Topic(BaseModel):
+    name: str
+    words: int
+
+
+calls: list[Topic] = []
+
+
+@tool
+def describe(topic: Topic, suffix: str) -> str:
+    calls.append(topic)  # a Topic, not the dict on the wire: parsed by its annotation
+    return f"{topic.name} in {topic.words} words{suffix}"
+
+
+@step(model="fake-model", output=Topic, max_tokens=40)
+def pick(seed):
+    return f"Pick a topic near {seed}"
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+async def test_attach_with_tools_runs_the_detached_runs_tool_steps_once(client, asynchronous):
+    base = str(client.make_url("")).rstrip("/")
+    calls.clear()
+    async with workflow("attach-tools", base_url=base, detach=True) as wf:
+        topic = pick("lakes")
+        text = describe(topic, "!")
+        write(text)
+    await asyncio.sleep(0.2)  # the tool step waits: nobody with the function follows yet
+    assert not calls
+    if asynchronous:
+        attached = await flowlift.aattach(wf.run_id, base_url=base, tools=[describe])
+    else:
+        attached = await asyncio.to_thread(flowlift.attach, wf.run_id, base_url=base,
+                                           tools=[describe])
+    assert attached.status == "succeeded"
+    assert [type(c) for c in calls] == [Topic]
+    assert attached.value(text.step_id) == f"{calls[0].name} in {calls[0].words} words!"
+    # attached again once it finished: the replayed tool.wanted is not run a second time
+    again = await flowlift.aattach(wf.run_id, base_url=base, tools=[describe])
+    assert again.outputs == attached.outputs and len(calls) == 1
+
+
+async def test_a_tool_whose_argument_does_not_parse_fails_its_step(client):
+    base = str(client.make_url("")).rstrip("/")
+
+    @tool(name="describe")
+    def strict(topic: int, suffix: str) -> str:  # a Topic dict is no int
+        return "never"
+    async with workflow("attach-bad-arg", base_url=base, detach=True) as wf:
+        describe(pick("hills"), "?")
+    with pytest.raises(WorkflowFailed) as failed:
+        await flowlift.aattach(wf.run_id, base_url=base, tools=[strict])
+    (error,) = failed.value.failures.values()
+    assert "ValidationError" in str(error)

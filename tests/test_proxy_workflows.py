@@ -118,10 +118,11 @@ async def test_tool_step_pauses_branch_until_result_posted(client):
             assert not any(e == "step.finished" and d["step_id"] == "b" for e, d in seen)
             r = await client.post(f"/v1/workflows/{run_id}/steps/t/result",
                                   json={"value": {"hits": ["json", "csv"]}})
-            assert r.status == 200
+            assert r.status == 200 and (await r.json())["outcome"] == "delivered"
             again = await client.post(f"/v1/workflows/{run_id}/steps/t/result",
                                       json={"value": 1})
-            assert again.status == 400  # a result is taken once
+            assert again.status == 200  # a result is taken once: a second post is a no-op
+            assert (await again.json())["outcome"] == "duplicate"
         elif event == "run.finished":
             break
     assert finished(seen)["b"] == 'echo: after tool: {"hits": ["json", "csv"]}'

@@ -87,7 +87,8 @@ async def test_a_workflow_over_more_models_than_fit_loads_each_on_the_way(aiohtt
     assert mgr.events == [("load", "a"), ("unload", "a"), ("load", "b"), ("unload", "b"),
                           ("load", "a"), ("unload", "a"), ("load", "b")]
     ready = await (await client.get("/readyz")).json()
-    assert ready["residency"] == {"budget_mb": 400.0, "resident": ["b"], "managed": ["a", "b"]}
+    assert ready["residency"] == {"budget_mb": 400.0, "resident": ["b"], "managed": ["a", "b"],
+                                  "loads": {"a": 2, "b": 2}, "unloads": {"a": 2, "b": 1}}
 
 
 async def test_eviction_follows_the_compiled_plan_not_recency(aiohttp_client):

@@ -243,3 +243,26 @@ async def test_a_tool_gets_a_list_of_variables_as_a_list_of_values(client):
         out = gather([facts, labels], note=f"{len(facts)} docs")
     assert out.value == {"kinds": ["Facts", "Facts"], "labels": ["alpha", "alpha"],
                          "note": "2 docs"}
+
+
+async def test_several_replicas_the_graph_goes_to_the_first_that_takes_a_connection(client):
+    """``base_url=[...]``: a replica that refuses the connection was sent nothing, so the
+    graph goes to the next one; all of them refusing is one clear error."""
+    from flowlift.errors import RequestError
+
+    base = str(client.make_url("")).rstrip("/")
+
+    @step
+    def hello():
+        return "hi"
+
+    dead = "http://127.0.0.1:9"
+    async with workflow("replicas", base_url=[dead, base + "/"]) as wf:
+        out = hello()
+    assert wf.status == "succeeded" and out.value == "echo: hi" and wf.base_url == base
+    assert wf.base_urls == (dead, base)
+    with pytest.raises(ProxyUnavailable):
+        async with workflow("none", base_url=[dead, "http://127.0.0.1:7"]):
+            hello()
+    with pytest.raises(RequestError, match="base_url"):
+        workflow("empty", base_url=[])

@@ -4,11 +4,12 @@ the runs and the learned outcomes in the database (a real server: tests/pg.py)."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from flowlift.cli import build_parser, serve_flags
-from flowlift.errors import EngineError
+from flowlift.errors import EngineError, LeaseLost
 from flowlift.proxy import ProxyConfig
 from flowlift.proxy.state import STATE
 from flowlift.proxy.workflows.outcomes import StepOutcomes
@@ -235,3 +236,249 @@ async def test_heartbeats_hand_a_run_over_and_the_loser_stops_it(pg_url: str) ->
     await asyncio.wait([again.task], timeout=5)
     for store in stores:
         store.close()
+
+
+async def test_a_proxy_that_wakes_up_after_losing_its_lease_writes_nothing(
+        pg_url: str) -> None:
+    """A stalls past its lease (it never beats) while B takes the run over; when A's step
+    finishes, the store refuses A's event (fenced by the lease epoch): A stops the run,
+    its followers' streams end, and the step's only output is B's."""
+    import asyncio
+
+    from flowlift.costs import CostTracker
+    from flowlift.graph import Graph
+    from flowlift.proxy.dispatch.backends import Backends
+    from flowlift.proxy.workflows.planning import plan
+    from flowlift.proxy.workflows.registry import RunRegistry
+    from flowlift.testing import FakeEngine
+
+    graph = Graph.model_validate({"id": "wf-f", "nodes": [
+        {"kind": "llm", "id": "a", "model": "m", "messages": [{"role": "user", "content": [
+            {"text": "slow words " * 8}]}]}]})
+    stores = [PostgresRunStore(pg_url), PostgresRunStore(pg_url)]
+    engines = [FakeEngine(["m"], delay_s=0.1), FakeEngine(["m"], delay_s=0.01)]
+    backends = [Backends({"m": engine}) for engine in engines]
+    reg_a, reg_b = (RunRegistry(s, lease_ttl_s=0.3) for s in stores)
+    costs = CostTracker()
+    run_a = reg_a.start(graph, backends[0], costs, plan(graph, backends[0], costs))
+    follower = run_a.log.follow(0)
+    assert (await anext(follower))[1] == "run.started"
+    await asyncio.sleep(0.5)  # A's step still runs; its lease expired unrenewed
+    assert not run_a.task.done()  # type: ignore[union-attr]
+    (run_b,) = reg_b.heartbeat(backends[1], costs)  # B takes the run over (parked)
+    await asyncio.wait([run_a.task], timeout=10)  # type: ignore[list-item]
+    assert run_a.task.done() and "wf-f" not in reg_a.active  # type: ignore[union-attr]
+    assert [e[1] async for e in follower] == ["step.prompt"]  # what it had; then it ends
+    stored = stores[1].load("wf-f")
+    assert stored is not None and stored.outputs() == {} and stored.status == "running"
+    assert [n for _, n, _ in stored.events] == ["run.started", "step.prompt"]
+    run_b.log.listened.set()  # a client follows the run on B: it runs there
+    await asyncio.wait([run_b.task], timeout=10)  # type: ignore[list-item]
+    done = stores[0].load("wf-f")
+    assert done is not None and done.status == "succeeded"
+    finished = [d for _, n, d in done.events if n == "step.finished"]
+    assert len(finished) == 1 and len(engines[1].requests) == 1
+    for store in stores:
+        store.close()
+
+
+async def _replica(aiohttp_client, pg_url: str):  # type: ignore[no-untyped-def]
+    """A proxy on the database (in this process): its app, test client and engine."""
+    from flowlift.proxy import create_app
+    from flowlift.testing import FakeEngine
+
+    engine = FakeEngine(["fake-model"], delay_s=0.01)
+    app = create_app({"fake-model": engine}, ProxyConfig(state_path=pg_url, lease_ttl_s=1.0))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    return app, client, engine
+
+
+async def _events(client, run_id: str, after: int = 0):  # type: ignore[no-untyped-def]
+    """The run's event stream read to its end (from the event after ``after``)."""
+    resp = await client.get(f"/v1/workflows/{run_id}/events", params={"after": str(after)})
+    return parse_sse(await resp.text())
+
+
+async def test_a_replica_that_does_not_run_a_run_streams_it_and_takes_its_tool_results(
+        aiohttp_client, pg_url: str) -> None:
+    import asyncio
+
+    (_, b, _), (app_c, c, engine_c) = [await _replica(aiohttp_client, pg_url)
+                                       for _ in range(2)]
+    graph = {"name": "across", "id": "wf-x", "nodes": [
+        llm("a", "hi"), {"kind": "tool", "id": "t", "name": "look", "args": [{"ref": "a"}]},
+        {"kind": "llm", "model": "fake-model", "id": "b",
+         "messages": [{"role": "user", "content": [{"ref": "t"}]}]}]}
+    resp = await b.post("/v1/workflows", json=graph)  # B executes the run
+    async for line in resp.content:
+        if line.startswith(b"event: tool.wanted"):
+            break
+    resp.close()  # the client lost B; it comes back through C
+    follow = asyncio.create_task(_events(c, "wf-x", after=1))
+    posted = await c.post("/v1/workflows/wf-x/steps/t/result", json={"value": "found"})
+    assert posted.status == 202 and (await posted.json())["outcome"] == "queued"
+    again = await c.post("/v1/workflows/wf-x/steps/t/result", json={"value": "other"})
+    assert again.status == 200 and (await again.json())["outcome"] == "duplicate"
+    events = await asyncio.wait_for(follow, 10)
+    assert events[0][0] == "step.prompt"  # from the event after 1 (run.started) on
+    assert events[-1][0] == "run.finished" and events[-1][1]["status"] == "succeeded"
+    finished = {d["step_id"]: d["value"] for n, d in events if n == "step.finished"}
+    assert finished == {"a": "echo: hi", "t": "found", "b": "echo: found"}  # the first post
+    assert "wf-x" not in app_c[STATE].runs.active and not engine_c.requests  # C ran none
+    for replica in (b, c):  # after the end: a no-op wherever it lands
+        late = await replica.post("/v1/workflows/wf-x/steps/t/result", json={"value": 1})
+        assert (await late.json())["outcome"] == "duplicate"
+    bad = await c.post("/v1/workflows/wf-x/steps/nope/result", json={"value": 1})
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "step_id"
+
+
+async def test_a_run_taken_over_starts_when_its_client_follows_it_through_another_replica(
+        aiohttp_client, pg_url: str) -> None:
+    """B takes over a dead proxy's run and parks it (nobody listens on B); the client
+    follows it through C: C marks the follow in the store, B's heartbeat sees it and
+    starts the run, and C streams it to its end."""
+    import asyncio
+
+    from flowlift.graph import Graph
+
+    seed = PostgresRunStore(pg_url)
+    seed.create("wf-p", Graph.model_validate({"id": "wf-p", "name": "parked", "nodes": [
+        llm("a", "one"), llm("b", "two")]}).to_wire())
+    assert seed.claim("wf-p", "a-dead-proxy", ttl_s=0.05)
+    await asyncio.sleep(0.1)  # its proxy is dead: the lease expires unrenewed
+    app_b, _, engine_b = await _replica(aiohttp_client, pg_url)
+    assert "wf-p" in app_b[STATE].runs.active  # taken over as B started...
+    _, c, engine_c = await _replica(aiohttp_client, pg_url)
+    await asyncio.sleep(0.8)  # ...and parked: B beats twice, nobody listens there
+    assert not engine_b.requests and "wf-p" not in app_b[STATE].runs.finished
+    events = await asyncio.wait_for(_events(c, "wf-p"), 10)
+    assert events[0][0] == "run.resumed" and events[-1][1]["status"] == "succeeded"
+    assert len(engine_b.requests) == 2 and not engine_c.requests
+    seed.close()
+
+
+async def test_an_open_run_grows_and_closes_through_a_replica_that_does_not_run_it(
+        aiohttp_client, pg_url: str) -> None:
+    import asyncio
+
+    (_, b, _), (app_c, c, engine_c) = [await _replica(aiohttp_client, pg_url)
+                                       for _ in range(2)]
+    resp = await b.post("/v1/workflows", json={"name": "grows", "id": "wf-o", "open": True,
+                                               "nodes": [llm("a", "one")]})
+    async for line in resp.content:  # B runs it; the client follows it through C
+        if line.startswith(b"event: step.finished"):
+            break
+    resp.close()
+    follow = asyncio.create_task(_events(c, "wf-o"))
+    more = {"nodes": [{"kind": "llm", "model": "fake-model", "id": "b", "messages": [
+        {"role": "user", "content": [{"ref": "a"}]}]}], "awaited": ["b"]}
+    grown = await c.post("/v1/workflows/wf-o/nodes", json=more)
+    assert grown.status == 202
+    assert await grown.json() == {"run_id": "wf-o", "appended": ["b"], "steps": 2,
+                                  "queued": True}
+    after = {"nodes": [llm("c", "three"), {"kind": "llm", "model": "fake-model", "id": "d",
+             "messages": [{"role": "user", "content": [{"ref": "b"}]}]}]}  # b: queued
+    assert (await (await c.post("/v1/workflows/wf-o/nodes", json=after)).json())[
+        "appended"] == ["c", "d"]
+    bad = await c.post("/v1/workflows/wf-o/nodes", json={"nodes": [llm("a", "again")]})
+    assert bad.status == 400 and "a" in str((await bad.json())["error"])  # a duplicate id
+    closed = await c.post("/v1/workflows/wf-o/close", json={})
+    assert closed.status == 202 and (await closed.json())["closed"] is True
+    events = await asyncio.wait_for(follow, 10)
+    assert events[-1][0] == "run.finished" and events[-1][1]["status"] == "succeeded"
+    finished = {d["step_id"]: d["value"] for n, d in events if n == "step.finished"}
+    assert finished == {"a": "echo: one", "b": "echo: echo: one", "c": "echo: three",
+                        "d": "echo: echo: echo: one"}
+    assert not engine_c.requests and "wf-o" not in app_c[STATE].runs.active
+    late = await c.post("/v1/workflows/wf-o/nodes", json={"nodes": [llm("e", "x")]})
+    assert late.status == 409  # finished: takes no more steps
+    assert (await (await c.delete("/v1/workflows/wf-o")).json())["cancelled"] is False
+    reader = PostgresRunStore(pg_url)
+    assert reader.requests(["wf-o"]) == []  # carried out and dropped
+    reader.close()
+
+
+@pytest.mark.parametrize("form", ["async", "sync"])
+async def test_an_sdk_open_run_moves_to_another_replica_when_its_proxy_dies(
+        form: str, aiohttp_client, pg_url: str, tmp_path: Path) -> None:
+    """``await var`` (``var.get()``) in an open run on proxy A, then ``kill -9`` of A: the
+    SDK follows the run to B (``base_url=[A, B]``), its next append goes there, and B
+    (once A's lease expired) takes the run over and runs it to the end."""
+    import asyncio
+
+    from flowlift import step, workflow
+    from flowlift.testing import running_proxy
+
+    @step(model="fake-model")
+    def say(text: str) -> str:
+        return f"say {text}"
+
+    app_b, b, engine_b = await _replica(aiohttp_client, pg_url)
+    base_b = str(b.make_url("")).rstrip("/")
+    with running_proxy("--engine", "fake", "--state-db", pg_url, "--lease-ttl-s", "1",
+                       "--log-level", "warning", log_path=tmp_path / "proxy-a.log",
+                       ready_timeout_s=60) as (base_a, proc):
+
+        def kill_a() -> None:
+            proc.kill()  # kill -9
+            proc.wait(timeout=10)
+
+        if form == "async":
+            async with workflow("moves", base_url=[base_a, base_b], reconnect_s=30) as wf:
+                first = await say("one")
+                assert first == "echo: say one" and wf.base_url == base_a
+                kill_a()
+                second = say(first)
+                assert await asyncio.wait_for(second, 20) == "echo: say echo: say one"
+        else:
+            def app() -> tuple[Any, Any]:
+                with workflow("moves", base_url=[base_a, base_b], reconnect_s=20) as wf:
+                    first = say("one").get()
+                    assert first == "echo: say one" and wf.base_url == base_a
+                    kill_a()
+                    second = say(first)
+                    assert second.get() == "echo: say echo: say one"
+                return wf, second
+
+            wf, second = await asyncio.wait_for(asyncio.to_thread(app), 30)
+    assert wf.status == "succeeded" and wf.base_url == base_b
+    assert [r.request_id.split(":")[1] for r in engine_b.requests] == [second.step_id]
+    stored = app_b[STATE].runs.store.load(wf.run_id or "")
+    assert stored is not None and stored.status == "succeeded"
+
+
+def test_leases_of_an_older_schema_get_an_epoch_of_their_own(pg_url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:  # a lease before fencing
+        conn.execute("CREATE TABLE flowlift_leases (run_id TEXT PRIMARY KEY, owner TEXT "
+                     "NOT NULL, expires_at DOUBLE PRECISION NOT NULL)")
+        conn.execute("INSERT INTO flowlift_leases VALUES ('old', 'proxy-a', 1e12)")
+    store = PostgresRunStore(pg_url)
+    store.create("old", {"name": "old", "nodes": []})
+    epoch = store.claim("old", "proxy-a", ttl_s=30)  # its holder renews: same epoch
+    assert epoch is not None and epoch >= 1
+    store.append("old", 0, "run.started", {}, epoch=epoch)
+    with pytest.raises(LeaseLost):  # no lease has epoch 0 (the registry's "none known")
+        store.append("old", 1, "run.started", {}, epoch=0)
+    store.close()
+
+
+async def test_a_run_is_cancelled_through_a_replica_that_does_not_run_it(
+        aiohttp_client, pg_url: str) -> None:
+    import asyncio
+
+    (app_b, b, _), (_, c, _) = [await _replica(aiohttp_client, pg_url) for _ in range(2)]
+    resp = await b.post("/v1/workflows", json={"id": "wf-k", "nodes": [
+        llm("a", "one"), {"kind": "tool", "id": "t", "name": "never", "args": []}]})
+    async for line in resp.content:  # B runs it; t waits for a tool that never comes
+        if line.startswith(b"event: tool.wanted"):
+            break
+    resp.close()
+    follow = asyncio.create_task(_events(c, "wf-k"))
+    cancel = await c.delete("/v1/workflows/wf-k")
+    assert cancel.status == 202 and (await cancel.json())["cancelled"] is True
+    events = await asyncio.wait_for(follow, 10)
+    assert events[-1][0] == "run.finished" and events[-1][1]["status"] == "cancelled"
+    assert "wf-k" not in app_b[STATE].runs.active

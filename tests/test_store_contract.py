@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flowlift.errors import EngineError
+from flowlift.errors import EngineError, LeaseLost
 from flowlift.proxy.workflows.store import (
     RunStoreProtocol,
     SQLiteRunStore,
@@ -284,3 +284,88 @@ def test_one_of_two_racing_claimers_wins_an_expired_lease(open_db: Opener) -> No
     for t in threads:
         t.join(timeout=30)
     assert len(won) == (1 if stores[0].shared else len(stores))
+
+
+def test_lease_epochs_fence_the_writes_of_a_proxy_that_lost_its_run(open_db: Opener) -> None:
+    store, other = open_db(), open_db()
+    store.create("r1", graph())
+    mine = store.claim("r1", "proxy-a", ttl_s=0.2)
+    assert mine is not None and mine >= 1
+    assert store.claim("r1", "proxy-a", ttl_s=0.2) == mine  # a renewal keeps the epoch
+    store.append("r1", 0, "run.started", {}, epoch=mine)
+    if not store.shared:  # one proxy owns the file: nothing to fence
+        store.append("r1", 1, "step.finished", {"step_id": "a", "value": 1}, epoch=mine + 7)
+        assert len(store.load("r1").events) == 2  # type: ignore[union-attr]
+        return
+    time.sleep(0.4)  # proxy-a stalls past its lease; proxy-b takes the run over
+    theirs = other.claim("r1", "proxy-b", ttl_s=30)
+    assert theirs is not None and theirs > mine
+    with pytest.raises(LeaseLost, match="another proxy"):  # proxy-a wakes up and writes
+        store.append("r1", 1, "step.finished", {"step_id": "a", "value": "stale"}, epoch=mine)
+    with pytest.raises(LeaseLost):  # run.finished too: the status stays
+        store.append("r1", 1, "run.finished", {"status": "succeeded"}, epoch=mine)
+    assert store.problem() is None  # the refused write left the store usable
+    run = other.load("r1")
+    assert run is not None and run.status == "running" and run.outputs() == {}
+    other.append("r1", 1, "step.finished", {"step_id": "a", "value": "fresh"}, epoch=theirs)
+    other.release("r1", "proxy-b")  # no lease at all: a stale epoch is still refused
+    with pytest.raises(LeaseLost):
+        store.append("r1", 2, "step.finished", {"step_id": "b", "value": "x"}, epoch=theirs)
+    again = store.claim("r1", "proxy-a", ttl_s=30)
+    assert again is not None and again > theirs  # a new grant: a new, greater epoch
+    store.append("r1", 2, "run.finished", {"status": "succeeded"}, epoch=again)
+    done = other.load("r1")
+    assert done is not None and done.status == "succeeded"
+    assert done.outputs() == {"a": "fresh"} and len(done.events) == 3
+
+
+def test_a_tool_result_is_kept_once_for_whichever_proxy_runs_the_step(
+        open_db: Opener) -> None:
+    store, other = open_db(), open_db()
+    store.create("r1", graph())
+    assert other.put_tool_result("r1", "lookup", {"value": {"n": 1}})
+    assert not store.put_tool_result("r1", "lookup", {"value": "second"})  # first wins
+    assert other.put_tool_result("r1", "agent:call_1", {"error": "ValueError: no"})
+    assert store.tool_results("r1", ["lookup", "agent:call_1", "other"]) == {
+        "lookup": {"value": {"n": 1}}, "agent:call_1": {"error": "ValueError: no"}}
+    assert store.tool_results("r1", ["other"]) == {} and store.tool_results("r1", []) == {}
+    store.append("r1", 0, "run.finished", {"status": "succeeded"})
+    assert store.prune(older_than_s=-1) == 1
+    assert store.tool_results("r1", ["lookup"]) == {}  # forgotten with the run
+
+
+def test_follows_marked_by_one_proxy_are_seen_by_another(open_db: Opener) -> None:
+    store, other = open_db(), open_db()
+    for rid in ("r1", "r2"):
+        store.create(rid, graph())
+    other.mark_followed(["r1"])
+    other.mark_followed([])
+    seen = store.followed(["r1", "r2"], within_s=30)
+    if not store.shared:  # one proxy: its own listeners are all there are
+        assert seen == set()
+        return
+    assert seen == {"r1"}
+    time.sleep(0.3)
+    assert store.followed(["r1", "r2"], within_s=0.2) == set()  # an old mark
+    other.mark_followed(["r1", "r2"])
+    assert store.followed(["r1", "r2"], within_s=0.2) == {"r1", "r2"}
+
+
+def test_requests_kept_for_a_runs_owner_come_back_in_order_until_dropped(
+        open_db: Opener) -> None:
+    store, other = open_db(), open_db()
+    for rid in ("r1", "r2"):
+        store.create(rid, graph())
+    first = other.put_request("r1", "nodes", {"nodes": [{"id": "b"}]})
+    store.put_request("r2", "close", {})
+    second = other.put_request("r1", "close", {})
+    assert second > first
+    assert store.requests(["r1"]) == [(first, "r1", "nodes", {"nodes": [{"id": "b"}]}),
+                                      (second, "r1", "close", {})]
+    assert [k for _, _, k, _ in store.requests(["r1", "r2"])] == ["nodes", "close", "close"]
+    store.drop_requests([first])
+    store.drop_requests([])
+    assert [i for i, _, _, _ in other.requests(["r1"])] == [second] and store.requests([]) == []
+    store.append("r1", 0, "run.finished", {"status": "succeeded"})
+    store.prune(older_than_s=-1)
+    assert store.requests(["r1"]) == [] and len(store.requests(["r2"])) == 1

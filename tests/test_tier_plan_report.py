@@ -80,3 +80,34 @@ def test_a_models_tiers_come_from_its_backends_with_prices_and_priors(
     assert model_tiers(None, "m") == (TierProfile("local", 0.0, 0.0),)
     book = TurnaroundBook({"batch": (60.0, 600.0)})
     assert {t.tier: t for t in model_tiers(cfg, "m", book)}["batch"].turnaround_p90_s == 600
+
+
+def test_learned_turnaround_replaces_the_configured_priors_once_measured() -> None:
+    cfg = parse_config({
+        "backends": {"std": {"kind": "openai", "base_url": "http://x/v1"},
+                     "b": {"kind": "openai-batch", "base_url": "http://x/v1",
+                           "turnaround_p50_s": 100, "turnaround_p90_s": 200}},
+        "models": {"m": {"backends": ["std"], "batch": "b", "price_per_1k_tokens": 1.0}}})
+    book = TurnaroundBook({"batch": (420.0, 3600.0)}, min_observations=5)
+
+    def batch() -> TierProfile:
+        return next(t for t in model_tiers(cfg, "m", book) if t.tier == "batch")
+    assert (batch().turnaround_p50_s, batch().turnaround_p90_s) == (100, 200)  # priors
+    for seconds in (600, 700, 800, 900, 5000):
+        book.observe("batch", seconds)
+    learned = batch()
+    assert learned.turnaround_p50_s == 800.0  # measured: the median of what finished
+    assert learned.turnaround_p90_s == pytest.approx(3360.0)  # and its 90th percentile
+    # the plan follows: 90 minutes of deadline held batch under the priors, not any more
+    graph = chain(5400, n=1)
+    tiers = (TierProfile("standard", 1.0, 1.0),)
+
+    def planned(profile: TierProfile) -> str:
+        plan = compile_graph(graph, CompileOptions(tiers=lambda m: (*tiers, profile))
+                             ).report.tier_plan
+        assert plan is not None
+        return next(s.tier for s in plan.steps if s.step_id == "s0")
+    prior = TierProfile("batch", 0.5, 0.5, 100, 200, 3600)
+    assert planned(prior) == "batch"
+    assert planned(TierProfile("batch", 0.5, 0.5, learned.turnaround_p50_s,
+                               learned.turnaround_p90_s, 3600)) == "standard"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import pytest
@@ -292,3 +293,119 @@ async def test_a_step_with_hours_of_slack_waits_in_the_engines_idle_class(
         **graph, "deadline_s": 120})).text())  # minutes: local, in the run's own class
     assert all(r.priority < 1_000_000_000 for r in engine.requests[2:])
     assert len([e for e, _ in tight if e == "step.finished"]) == 2
+
+
+async def test_the_run_listing_shows_progress_deadline_and_spend_so_far(
+        aiohttp_client: Any, aiohttp_server: Any, capsys: Any) -> None:
+    from flowlift.cli import main
+    from flowlift.cli_runs import runs_row
+    api = FakeBatchAPI(turnaround=lambda rng: 60.0, time_scale=100.0)  # 0.6 s a stage
+    client = await proxy(aiohttp_client, aiohttp_server, api, standard_answer())
+    base = str(client.make_url("")).rstrip("/")
+    started = asyncio.ensure_future(client.post("/v1/workflows", json=chain(3, 86400)))
+    while not api.batches:  # the first stage is out on the batch tier
+        await asyncio.sleep(0.02)
+    (item,) = (await (await client.get("/v1/workflows")).json())["data"]
+    assert item["status"] == "running" and (item["steps"], item["done"]) == (3, 0)
+    assert item["deadline_s"] == 86400 and 86000 < item["deadline_left_s"] <= 86400
+    assert item["spent"] is None  # nothing answered yet
+    events = parse_sse(await (await started).text())
+    (item,) = (await (await client.get("/v1/workflows")).json())["data"]
+    costs = [d for e, d in events if e == "step.cost"]
+    assert (item["done"], item["failed"], item["deadline_left_s"]) == (3, 0, None)
+    assert item["spent"] == pytest.approx(sum(d["cost"] for d in costs))
+    assert item["standard_cost"] == pytest.approx(2 * item["spent"])  # batch: half
+    assert all(d["standard_cost"] == pytest.approx(2 * d["cost"]) for d in costs)
+    run = await (await client.get(f"/v1/workflows/{item['id']}")).json()
+    assert run["spend"]["cost"] == item["spent"]
+    assert {s: d["served"] for s, d in run["spend"]["by_step"].items()} == {
+        "s0": "batch", "s1": "batch", "s2": "batch"}
+    assert await asyncio.to_thread(main, ["runs", "--base-url", base]) == 0
+    out = capsys.readouterr().out
+    assert "PROGRESS" in out and "DEADLINE" in out and "SPENT" in out
+    assert runs_row(item) in out and "3/3" in out and "24.0 h" in out
+    assert f"{item['spent']:.4f} (0.50x std)" in out
+    assert "60 min left" in runs_row({**item, "status": "running", "deadline_left_s": 3600})
+
+
+def test_a_stored_run_is_listed_with_its_appended_steps_and_spend() -> None:
+    from flowlift.proxy.workflows.progress import stored_listing
+    from flowlift.proxy.workflows.store import StoredRun
+    events = [(1, "run.started", {}),
+              (2, "nodes.appended", {"nodes": [{"id": "x"}, {"id": "y"}]}),
+              (3, "step.cost", {"step_id": "a", "asked": "batch", "served": "batch",
+                                "cost": 0.25, "standard_cost": 0.5}),
+              (4, "step.finished", {"step_id": "a", "value": "v"}),
+              (5, "step.failed", {"step_id": "x", "error": "boom"}),
+              (6, "step.cost", {"step_id": "y", "asked": "flex", "served": "standard",
+                                "cost": 1.0, "standard_cost": 1.0})]
+    stored = StoredRun("wf-1", {"nodes": [{"id": "a"}], "deadline_s": 7200}, "running",
+                       events)
+    assert stored_listing(stored) == {"steps": 3, "done": 1, "failed": 1, "deadline_s": 7200,
+                                      "deadline_left_s": None, "spent": 1.25,
+                                      "standard_cost": 1.5}
+    plain = StoredRun("wf-2", {"nodes": [{"id": "a"}]}, "succeeded", events[:1])
+    assert stored_listing(plain)["spent"] is None
+    assert stored_listing(plain)["deadline_s"] is None
+
+
+async def test_a_batch_line_that_finishes_after_the_watchdogs_answer_is_billed_too(
+        aiohttp_server: Any) -> None:
+    api = FakeBatchAPI(turnaround=lambda rng: 1.5)  # one batch for both runs' lines
+    std = standard_answer()
+    std_url = str((await aiohttp_server(std.app())).make_url("/v1"))
+    batch_url = str((await aiohttp_server(api.app())).make_url("/v1"))
+    backends = Backends({}, config=parse_config(config(
+        std_url, batch_url, turnaround_p90_s=0.5, margin_s=0.2, watchdog_guard_s=0.3)))
+    emitted: dict[str, list[tuple[str, dict[str, Any]]]] = {"late": [], "calm": []}
+    dispatchers = {}
+    t0 = time.monotonic()
+    # "late": 1 s of slack, enough to go to batch (0.7 s), not to wait 1.5 s there: the
+    # watchdog moves it after 0.7 s, once its line is out
+    for run, budget in (("late", 1.0), ("calm", 3600.0)):
+        def emit(name: str, data: dict[str, Any], run: str = run) -> int:
+            emitted[run].append((name, data))
+            return len(emitted[run])
+        dispatchers[run] = TieredDispatcher(
+            backends, run_id=run, tiers={"s0": "batch"}, emit=emit,
+            slack_s=lambda step, budget=budget: budget - (time.monotonic() - t0))
+
+    async def answer(run: str) -> str:
+        request = GenerationRequest(f"{run}:s0:1", "up", [ChatMessage("user", run)],
+                                    service_tier="batch")
+        text = ""
+        async with contextlib.aclosing(dispatchers[run].generate(
+                request, priority=Priority.of("batch"))) as chunks:
+            async for c in chunks:
+                text += c.text
+        return text
+    late, calm = await asyncio.gather(answer("late"), answer("calm"))
+    assert (late, calm) == ("from standard", "echo: calm")
+    assert len(api.batches) == 1 and next(iter(api.batches.values())).cancelled_sim is None
+    costs = [d for e, d in emitted["late"] if e == "step.cost"]
+    assert [(d["served"], d.get("late", False)) for d in costs] == [
+        ("standard", False), ("batch", True)]  # the fast answer, then its batch line
+    assert costs[1]["cost"] == pytest.approx(costs[1]["standard_cost"] / 2)
+    assert len(std.received) == 1  # only the late run's step went to standard
+    for d in dispatchers.values():
+        d.close()
+    await backends.aclose()
+
+
+async def test_flowlift_compile_through_the_proxy_shows_the_tier_plan_cost_and_risk(
+        aiohttp_client: Any, aiohttp_server: Any, tmp_path: Any, capsys: Any) -> None:
+    import json
+
+    from flowlift.cli import main
+    client = await proxy(aiohttp_client, aiohttp_server, FakeBatchAPI(), standard_answer())
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(chain(3, 86400)))
+    base = str(client.make_url("")).rstrip("/")
+    assert await asyncio.to_thread(main, ["compile", str(path), "--base-url", base]) == 0
+    text = capsys.readouterr().out
+    assert "tiers: batch 3; expected cost" in text and "(0.50x)" in text
+    assert "risk that the watchdog moves a step" in text
+    assert text.count("tier=batch") == 3  # the plan per step
+    path.write_text(json.dumps(chain(3, 30)))  # half a minute: nothing can wait
+    assert await asyncio.to_thread(main, ["compile", str(path), "--base-url", base]) == 0
+    assert "tiers: standard 3; expected cost" in capsys.readouterr().out

@@ -21,11 +21,17 @@ and when an OpenAI API request ends:
 ``flowlift_deadline_misses_total``              counter (``workflow_class``)
 ``flowlift_workflows_total``                    counter: finished runs (``status``)
 ``flowlift_openai_requests_total``              counter (``operation``, ``outcome``)
+``flowlift_proxy_overhead_seconds``             histogram: an OpenAI request's handling time
+                                                minus its wait on upstreams or engines
+                                                (``operation``, ``stream`` true|false;
+                                                :mod:`flowlift.proxy.telemetry.requests`)
 ==============================================  =========================================
 
 Read at scrape time (callbacks, nothing on the hot path): ``flowlift_queue_depth``
 (``backend``, ``class``), ``flowlift_active_workflows``, ``flowlift_upstream_in_flight``
-(``backend``).
+(``backend``), and with a memory budget (``--memory-budget-mb``) the counters
+``flowlift_model_loads_total`` and ``flowlift_model_unloads_total`` (``model``: how
+often the residency manager loaded and unloaded each embedded model, boot included).
 
 Retries and cascade escalations are read off each step's ``AttemptTrace`` records
 (:meth:`Metrics.record_attempts`): an attempt after the first on the same model is a
@@ -41,14 +47,17 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.005, 0.01,
+                     0.025, 0.05, 0.1, 0.25, 1.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 QueueDepth = Callable[[], Iterable[tuple[str, str, int]]]
+ModelLoads = Callable[[], Iterable[tuple[str, int, int]]]
 
 
 class _Live(Collector):
@@ -57,7 +66,7 @@ class _Live(Collector):
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         m = self.metrics
         ratio = GaugeMetricFamily("flowlift_prefix_cache_hit_ratio",
                                   "Prompt tokens served from the prefix cache / prompt tokens",
@@ -80,6 +89,21 @@ class _Live(Collector):
         for backend, n in m.upstream_in_flight():
             flight.add_metric([backend], n)
         yield flight
+        loads = CounterMetricFamily("flowlift_model_loads", "Times the residency manager "
+                                    "loaded an embedded model", labels=["model"])
+        unloads = CounterMetricFamily("flowlift_model_unloads", "Times the residency manager "
+                                      "unloaded an embedded model", labels=["model"])
+        for model, n_loads, n_unloads in m.model_loads():
+            loads.add_metric([model], n_loads)
+            unloads.add_metric([model], n_unloads)
+        yield loads
+        yield unloads
+        preempted = CounterMetricFamily(
+            "flowlift_preemptions", "Running batch requests preempted for interactive work",
+            labels=["backend"])
+        for backend, n in m.preemptions():
+            preempted.add_metric([backend], n)
+        yield preempted
 
 
 class Metrics:
@@ -89,18 +113,24 @@ class Metrics:
         queue_depth: ``() -> [(backend, class, waiting)]`` (read at scrape time).
         active_workflows: ``() -> int``.
         upstream_in_flight: ``() -> [(backend, open requests)]``.
+        preemptions: ``() -> [(backend, requests preempted so far)]``.
         price_per_1k: served model name -> its price per 1,000 tokens (config
             ``price_per_1k_tokens``), or None when it has none (no spend counted).
+        model_loads: ``() -> [(model, loads, unloads)]`` of the residency manager
+            (read at scrape time; empty without a memory budget).
     """
 
     def __init__(self, *, queue_depth: QueueDepth = lambda: (),
                  active_workflows: Callable[[], int] = lambda: 0,
                  upstream_in_flight: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
-                 price_per_1k: Callable[[str], float | None] = lambda model: None) -> None:
+                 preemptions: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
+                 price_per_1k: Callable[[str], float | None] = lambda model: None,
+                 model_loads: ModelLoads = lambda: ()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_depth, self.active_workflows = queue_depth, active_workflows
-        self.upstream_in_flight = upstream_in_flight
+        self.upstream_in_flight, self.preemptions = upstream_in_flight, preemptions
+        self.model_loads = model_loads
         self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
                               "Engine dispatch to first token", ["model", "source"],
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -143,9 +173,23 @@ class Metrics:
             ["tenant"], registry=r)
         self.requests = Counter("flowlift_openai_requests", "OpenAI API requests",
                                 ["operation", "outcome"], registry=r)
+        self.overhead = Histogram(
+            "flowlift_proxy_overhead_seconds", "An OpenAI request's time in the proxy itself: "
+            "its handling time minus its wait on upstreams or engines",
+            ["operation", "stream"], buckets=_OVERHEAD_BUCKETS, registry=r)
         self.prompt_totals: dict[str, int] = {}
         self.cached_totals: dict[str, int] = {}
+        self._children: dict[tuple[Any, ...], Any] = {}
         r.register(_Live(self))
+
+    def _child(self, metric: Any, *labels: Any) -> Any:
+        """``metric.labels(*labels)``, looked up once per label set (prometheus_client's
+        ``labels()`` validates and locks on every call; it is on each request's path)."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -155,17 +199,18 @@ class Metrics:
     def tokens(self, model: str, prompt: int, cached: int) -> None:
         if prompt <= 0:
             return
-        self.prompt_tokens.labels(model).inc(prompt)
-        self.cached_tokens.labels(model).inc(max(cached, 0))
+        self._child(self.prompt_tokens, model).inc(prompt)
+        self._child(self.cached_tokens, model).inc(max(cached, 0))
         self.prompt_totals[model] = self.prompt_totals.get(model, 0) + prompt
         self.cached_totals[model] = self.cached_totals.get(model, 0) + max(cached, 0)
 
     def latency(self, model: str, source: str, ttft_s: float | None, decode_s: float | None,
                 completion_tokens: int) -> None:
         if ttft_s is not None:
-            self.ttft.labels(model, source).observe(max(ttft_s, 0.0))
+            self._child(self.ttft, model, source).observe(max(ttft_s, 0.0))
         if decode_s is not None and completion_tokens > 1:
-            self.tpot.labels(model, source).observe(max(decode_s, 0.0) / (completion_tokens - 1))
+            self._child(self.tpot, model, source).observe(
+                max(decode_s, 0.0) / (completion_tokens - 1))
 
     def spend(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
         """Count one request's (or step attempt's) spend on the served ``model``, when
@@ -173,7 +218,7 @@ class Metrics:
         price = self.price_per_1k(model)
         tokens = max(prompt_tokens, 0) + max(completion_tokens, 0)
         if price and tokens:
-            self.spend_total.labels(model).inc(tokens / 1000 * price)
+            self._child(self.spend_total, model).inc(tokens / 1000 * price)
 
     def tenant_usage(self, tenant: str | None, model: str, prompt_tokens: int,
                      completion_tokens: int) -> None:
@@ -183,15 +228,15 @@ class Metrics:
         if tenant is None:
             return
         prompt, completion = max(prompt_tokens, 0), max(completion_tokens, 0)
-        self.tenant_tokens.labels(tenant, "prompt").inc(prompt)
-        self.tenant_tokens.labels(tenant, "completion").inc(completion)
+        self._child(self.tenant_tokens, tenant, "prompt").inc(prompt)
+        self._child(self.tenant_tokens, tenant, "completion").inc(completion)
         price = self.price_per_1k(model)
-        self.tenant_spend.labels(tenant).inc((prompt + completion) / 1000 * (price or 0.0))
+        self._child(self.tenant_spend, tenant).inc((prompt + completion) / 1000 * (price or 0.0))
 
     def cascade_escalated(self, from_model: str, to_model: str) -> None:
         """Count one escalation of a step from ``from_model`` to the next model of its
         cascade (for escalations not recorded as an ``AttemptTrace``)."""
-        self.escalations.labels(from_model, to_model).inc()
+        self._child(self.escalations, from_model, to_model).inc()
 
     def record_attempts(self, attempts: Sequence[AttemptTrace]) -> None:
         """Retries and escalations of one step, from its attempts in order."""
@@ -201,15 +246,15 @@ class Metrics:
             if after.model != before.model:  # the next model of the cascade: not a retry
                 self.cascade_escalated(before.model, after.model)
             else:
-                self.retries.labels(after.model, before.outcome).inc()
+                self._child(self.retries, after.model, before.outcome).inc()
 
     def observe_run(self, trace: RunTrace, *, deadline_missed: bool = False,
                     tenant: str | None = None) -> None:
         """Everything a finished run adds (its steps' latencies, tokens, attempts; the
         tokens and spend of ``tenant`` too, when the run is a configured tenant's)."""
-        self.workflows.labels(trace.status).inc()
+        self._child(self.workflows, trace.status).inc()
         if deadline_missed:
-            self.deadline_misses.labels(trace.workflow_class).inc()
+            self._child(self.deadline_misses, trace.workflow_class).inc()
         for st in trace.steps.values():
             if st.kind == "llm" and st.model and st.same_as is None:
                 self._observe_step(st, tenant)
@@ -217,12 +262,13 @@ class Metrics:
     def _observe_step(self, st: StepTrace, tenant: str | None = None) -> None:
         model = st.model or ""
         if st.ready_ms is not None and st.started_ms is not None:
-            self.queue_wait.labels(model).observe(max(st.started_ms - st.ready_ms, 0.0) / 1000)
+            self._child(self.queue_wait, model).observe(
+                max(st.started_ms - st.ready_ms, 0.0) / 1000)
         self.record_attempts(st.attempts)
         for at in st.attempts:
             self.tokens(at.model, at.prompt_tokens, at.cached_tokens)
             if at.completion_tokens > 0:
-                self.completion_tokens.labels(at.model).inc(at.completion_tokens)
+                self._child(self.completion_tokens, at.model).inc(at.completion_tokens)
             self.spend(at.model, at.prompt_tokens, at.completion_tokens)
             self.tenant_usage(tenant, at.model, at.prompt_tokens, at.completion_tokens)
             if at.first_token_ms is None:
@@ -234,17 +280,21 @@ class Metrics:
 
     def observe_request(self, operation: str, outcome: str, model: str | None,
                         ttft_s: float | None, decode_s: float | None,
-                        usage: tuple[Any, Any, Any], partial: bool = False) -> None:
+                        usage: tuple[Any, Any, Any], partial: bool = False, *,
+                        overhead_s: float | None = None, stream: bool = False) -> None:
         """One OpenAI API request that ended (``usage``: prompt, completion, cached
-        tokens; ``partial``: they are an estimate), counted once."""
-        self.requests.labels(operation, outcome).inc()
+        tokens; ``partial``: they are an estimate; ``overhead_s``: the proxy's own
+        seconds, None when not measured), counted once."""
+        self._child(self.requests, operation, outcome).inc()
+        if overhead_s is not None:
+            self._child(self.overhead, operation, "true" if stream else "false").observe(overhead_s)
         if model is None:
             return
         prompt, completion, cached = usage
         if prompt:
             self.tokens(model, int(prompt), int(cached or 0))
         if completion:
-            self.completion_tokens.labels(model).inc(int(completion))
+            self._child(self.completion_tokens, model).inc(int(completion))
         if partial:
-            self.estimated_usage.labels(model).inc()
+            self._child(self.estimated_usage, model).inc()
         self.latency(model, "openai", ttft_s, decode_s, int(completion or 0))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +45,7 @@ __all__ = [
     "capture_spans",
     "capturing",
     "configure_tracing",
+    "exports",
     "extract",
     "inject",
     "proxy_tracer_provider",
@@ -53,6 +55,7 @@ __all__ = [
 
 _W3C = TraceContextTextMapPropagator()
 _captures: list[TracerProvider] = []  # capture_spans() stack: test hook, like structlog's config
+_silent: weakref.WeakSet[TracerProvider] = weakref.WeakSet()  # made with nowhere to export
 
 
 def span_record(span: ReadableSpan) -> dict[str, Any]:
@@ -150,7 +153,16 @@ def proxy_tracer_provider(trace_dir: Path | None, *,
         exporter = JsonLinesSpanExporter(trace_dir / "spans.jsonl")
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
+    else:
+        _silent.add(provider)
     return provider
+
+
+def exports(provider: TracerProvider) -> bool:
+    """Whether spans of ``provider`` go anywhere: False only for a
+    :func:`proxy_tracer_provider` made with nowhere to export them (no OTLP endpoint, no
+    trace directory), whose spans nothing would ever read."""
+    return provider not in _silent
 
 
 def capturing() -> bool:

@@ -13,6 +13,17 @@ Run it through the proxy (one is started for you when none answers)::
 Contracts: ``extract`` is JSON-Schema constrained and retried once with the validation
 errors fed back; ``classify`` is a fixed label set on the cascade ``small -> large``.
 
+Detached, under a deadline of hours (``examples/stdlib_docs/tiered.py`` runs both halves
+against a fake OpenAI with a Batch API)::
+
+    python examples/stdlib_docs/pipeline.py --detach --deadline-hours 6   # returns at once
+    python examples/stdlib_docs/pipeline.py --attach runs/stdlib_docs.run.json
+
+``--detach`` submits the run and writes its handle (the run id and each document's step
+ids) to ``--handle``; ``--attach HANDLE`` follows that run, runs its ``related`` tool
+steps here (``flowlift.attach(..., tools=[related])``), and prints the table, the tier
+that served each step and the cost against every step on the standard tier.
+
 Exit status: 0 when every step succeeded; 1 when some failed (the table still prints,
 with the failed rows marked); 2 when no proxy could be reached.
 """
@@ -41,6 +52,7 @@ from flowlift import (
     FlowliftError,
     ProxyUnavailable,
     WorkflowFailed,
+    attach,
     step,
     tool,
     workflow,
@@ -48,6 +60,8 @@ from flowlift import (
 from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
 DEFAULT_TRACE = "runs/stdlib_docs.trace.jsonl"
+DEFAULT_HANDLE = "runs/stdlib_docs.run.json"
+STAGES = ("facts", "label", "related", "summary")
 
 # One shared system message opens every LLM prompt, so the engine's prefix cache
 # computes it once and reuses it for all 3 x N model calls.
@@ -170,7 +184,7 @@ def related_modules(facts: ModuleFacts, module: str, k: int = 3) -> dict[str, li
             "scores": [round(score, 2) for _, score in hits]}
 
 
-@tool
+@tool(pure=True)
 def related(facts: ModuleFacts, module: str) -> dict[str, list[Any]]:
     """Client-run: the top-3 related modules and their BM25 scores, from the local index
     (``{"modules": [...], "scores": [...]}``)."""
@@ -201,6 +215,19 @@ def _read(var: Any) -> tuple[Any, str | None]:
         return var.value, None
     except FlowliftError:
         return None, var.step_id
+
+
+class StepOutput:
+    """One step's output in an attached run, read like a Semantic Variable's
+    (``.value``, ``.step_id``; ``.value`` raises the step's failure)."""
+
+    def __init__(self, run: Any, step_id: str, parse: Any = None) -> None:
+        self.run, self.step_id, self.parse = run, step_id, parse
+
+    @property
+    def value(self) -> Any:
+        raw = self.run.value(self.step_id)
+        return self.parse(raw) if self.parse is not None else raw
 
 
 def collect(docs: list[Document], outs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -238,7 +265,7 @@ def table(rows: list[dict[str, Any]], width: int) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=None,
                         help="only the first N documents (default: all)")
@@ -250,13 +277,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dump-graph", metavar="PATH", default=None,
                         help="only record the workflow and write its graph (JSON) here, "
                              "for `flowlift compile PATH`")
-    args = parser.parse_args(argv)
+    parser.add_argument("--deadline-hours", type=float, default=None, metavar="H",
+                        help="the whole run's deadline (a proxy with service tiers puts "
+                             "each step on the cheapest tier that still makes it)")
+    parser.add_argument("--detach", action="store_true",
+                        help="submit the run and return at once, writing its handle to "
+                             "--handle (follow it later with --attach)")
+    parser.add_argument("--handle", default=DEFAULT_HANDLE, metavar="PATH",
+                        help=f"where --detach writes the run's handle (default "
+                             f"{DEFAULT_HANDLE})")
+    parser.add_argument("--attach", metavar="HANDLE", default=None,
+                        help="follow the detached run of this handle file: run its tool "
+                             "steps here, then print its results")
+    return parser.parse_args(argv)
 
-    docs = load_documents(args.limit)
-    if not docs:
-        print("error: no documents to process", file=sys.stderr)
-        return 2
-    corpus_index()  # build it now, not inside the first tool call
+
+def _banner(docs: list[Document]) -> None:
     chars = sum(len(d.text) for d in docs)
     print(f"stdlib-docs: {len(docs)} documents, {chars} characters (~{chars // 4} tokens)")
     print(f"source: Python {platform.python_version()} standard library, module "
@@ -264,27 +300,68 @@ def main(argv: list[str] | None = None) -> int:
     print(f"licence: {LICENSE}")
     print()
 
-    labeller = classify
-    if args.dump_graph is None and not cascade_served(
+
+def _labeller(args: argparse.Namespace) -> Any:
+    if args.dump_graph is not None or cascade_served(
             os.environ.get("FLOWLIFT_BASE_URL", DEFAULT_BASE_URL)):
-        labeller = classify_single
-        print(f"note: this proxy does not serve the cascade {' -> '.join(CASCADE)} (start it "
-              "with --config examples/stdlib_docs/flowlift.toml); classify runs on the "
-              "default model alone")
-        print()
+        return classify
+    print(f"note: this proxy does not serve the cascade {' -> '.join(CASCADE)} (start it "
+          "with --config examples/stdlib_docs/flowlift.toml); classify runs on the "
+          "default model alone")
+    print()
+    return classify_single
+
+
+def _record(docs: list[Document], labeller: Any) -> list[dict[str, Any]]:
+    """The four steps of every document (inside the workflow block)."""
+    outs: list[dict[str, Any]] = []
+    for doc in docs:
+        facts = extract(doc)
+        label = labeller(doc, facts)
+        rel = related(facts, doc.name)
+        summary = summarize(doc, facts, label, rel)
+        outs.append({"facts": facts, "label": label, "related": rel, "summary": summary})
+    return outs
+
+
+def _print_rows(docs: list[Document], rows: list[dict[str, Any]], width: int | None) -> None:
+    width = width or max(shutil.get_terminal_size((140, 24)).columns, 120)
+    print(table(rows, width))
+    print()
+    classified = [r for r in rows if r["area"] != "FAILED"]
+    agree = sum(r["area"] == r["reference"] for r in classified)
+    print(f"area matches the reference label for {agree}/{len(classified)} classified "
+          "documents (labels in corpus.MODULES)")
+    print()
+
+
+def _print_failures(failures: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    n_rows = sum(bool(r["failed"]) for r in rows)
+    print(f"\n{len(failures)} step(s) failed, in {n_rows} document(s) (rows marked !):")
+    for step_id, error in failures.items():
+        print(f"  {step_id}: {_cut(str(error), 200)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.attach is not None:
+        return attach_run(args)
+    docs = load_documents(args.limit)
+    if not docs:
+        print("error: no documents to process", file=sys.stderr)
+        return 2
+    corpus_index()  # build it now, not inside the first tool call
+    _banner(docs)
+    labeller = _labeller(args)
     outs: list[dict[str, Any]] = []
     failed_run: WorkflowFailed | None = None
+    deadline_s = None if args.deadline_hours is None else args.deadline_hours * 3600
     try:
         with workflow("stdlib-docs", workflow_class="batch", trace_path=args.trace,
                       metadata={"example": "stdlib_docs", "documents": len(docs)},
+                      deadline_s=deadline_s, detach=args.detach,
                       submit=args.dump_graph is None) as wf:
-            for doc in docs:
-                facts = extract(doc)
-                label = labeller(doc, facts)
-                rel = related(facts, doc.name)
-                summary = summarize(doc, facts, label, rel)
-                outs.append({"facts": facts, "label": label, "related": rel,
-                             "summary": summary})
+            outs = _record(docs, labeller)
     except WorkflowFailed as exc:
         failed_run = exc
     except ProxyUnavailable as exc:
@@ -297,15 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(wf.graph().to_wire(), indent=1))
         print(f"graph of {len(wf.nodes)} steps written to {path}")
         return 0
+    if args.detach:
+        return write_handle(args, wf, docs, outs)
     rows = collect(docs, outs)
-    width = args.width or max(shutil.get_terminal_size((140, 24)).columns, 120)
-    print(table(rows, width))
-    print()
-    classified = [r for r in rows if r["area"] != "FAILED"]
-    agree = sum(r["area"] == r["reference"] for r in classified)
-    print(f"area matches the reference label for {agree}/{len(classified)} classified "
-          "documents (labels in corpus.MODULES)")
-    print()
+    _print_rows(docs, rows, args.width)
     if labeller is classify:
         moved, total = escalations(wf.trace)
         print(f"classify cascade {' -> '.join(CASCADE)} (confidence floor {MIN_CONFIDENCE}): "
@@ -315,11 +387,105 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trace: {wf.trace_path}")
     print(f"run id: {wf.run_id} ({wf.status})")
     if failed_run is not None:
-        n_rows = sum(bool(r["failed"]) for r in rows)
-        print(f"\n{len(wf.failures)} step(s) failed, in {n_rows} document(s) "
-              "(rows marked !):")
-        for step_id, error in wf.failures.items():
-            print(f"  {step_id}: {_cut(str(error), 200)}")
+        _print_failures(dict(wf.failures), rows)
+        return 1
+    return 0
+
+
+# -- detached -----------------------------------------------------------------------------
+
+def write_handle(args: argparse.Namespace, wf: Any, docs: list[Document],
+                 outs: list[dict[str, Any]]) -> int:
+    """Write a detached run's handle: its id, the proxy, and each document's step ids."""
+    handle = {"run_id": wf.run_id, "base_url": wf.base_url, "limit": args.limit,
+              "deadline_hours": args.deadline_hours,
+              "documents": [{"module": doc.name,
+                             **{stage: out[stage].step_id for stage in STAGES}}
+                            for doc, out in zip(docs, outs, strict=True)]}
+    path = Path(args.handle)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(handle, indent=1))
+    deadline = ("no deadline" if args.deadline_hours is None
+                else f"deadline {args.deadline_hours:g} h")
+    print(f"detached run {wf.run_id}: {len(wf.nodes)} steps, {deadline}; the script may "
+          f"exit now. Handle: {path}")
+    print(f"follow it: python examples/stdlib_docs/pipeline.py --attach {path}  "
+          f"(or `flowlift runs`, `flowlift result {wf.run_id}`)")
+    return 0
+
+
+class _Doc:
+    """A run's outputs and failures (``GET /v1/workflows/{id}``), read by step id."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+
+    def value(self, step_id: str) -> Any:
+        from flowlift.errors import StepFailed
+
+        failures = self.doc.get("failures") or {}
+        if step_id in failures:
+            raise StepFailed(step_id, failures[step_id])
+        outputs = self.doc.get("outputs") or {}
+        if step_id not in outputs:
+            raise StepFailed(step_id, "the step never ran")
+        return outputs[step_id]
+
+
+def tier_lines(doc: dict[str, Any], names: dict[str, str]) -> list[str]:
+    """Per stage: the tiers that served its steps (from the run's ``spend``), then the
+    cost against every step on the standard tier and the compiler's plan."""
+    by_step = (doc.get("spend") or {}).get("by_step") or {}
+    stages: dict[str, dict[str, int]] = {}
+    for sid, name in names.items():
+        tier = (by_step.get(sid) or {}).get("served") or ("client (@tool)" if name == "related"
+                                                          else "unpriced")
+        stages.setdefault(name, {}).setdefault(tier, 0)
+        stages[name][tier] += 1
+    lines = ["tier per step (served):"]
+    for name, tiers in stages.items():
+        lines.append(f"  {name:<10} " + ", ".join(f"{t} {n}" for t, n in tiers.items()))
+    spend = doc.get("spend") or {}
+    if spend.get("cost") is not None and spend.get("standard_cost"):
+        lines.append(f"cost: {spend['cost']:.4f} against {spend['standard_cost']:.4f} with "
+                     f"every step on standard ({spend['cost'] / spend['standard_cost']:.2f}x)")
+    plan = (doc.get("report") or {}).get("tier_plan")
+    if plan:
+        lines.append(f"planned: {plan['by_tier']}, expected {plan['cost_ratio']:.2f}x of "
+                     f"all-standard, watchdog risk {plan['watchdog_risk']:.1%}")
+    return lines
+
+
+def attach_run(args: argparse.Namespace) -> int:
+    """``--attach HANDLE``: follow the run, serving its ``related`` tool steps here, then
+    print its table, the tier per step and its cost against all-standard."""
+    handle = json.loads(Path(args.attach).read_text())
+    run_id, base_url = handle["run_id"], handle["base_url"]
+    print(f"attaching to {run_id} at {base_url} (running its @tool steps here)", flush=True)
+    try:
+        run = attach(run_id, base_url=base_url, tools=[related])
+        status = run.status
+    except WorkflowFailed:
+        status = "failed"
+    except (ProxyUnavailable, FlowliftError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    doc = httpx.get(f"{base_url}/v1/workflows/{run_id}", timeout=60).json()
+    by_name = {d.name: d for d in load_documents()}
+    docs = [by_name[d["module"]] for d in handle["documents"]]
+    reader = _Doc(doc)
+    outs = [{"facts": StepOutput(reader, d["facts"], ModuleFacts.model_validate),
+             **{stage: StepOutput(reader, d[stage]) for stage in STAGES[1:]}}
+            for d in handle["documents"]]
+    rows = collect(docs, outs)
+    _print_rows(docs, rows, args.width)
+    names = {d[stage]: name for d in handle["documents"]
+             for stage, name in zip(STAGES, ("extract", "classify", "related", "summarize"),
+                                    strict=True)}
+    print("\n".join(tier_lines(doc, names)))
+    print(f"run id: {run_id} ({status})")
+    if doc.get("failures"):
+        _print_failures(doc["failures"], rows)
         return 1
     return 0
 

@@ -31,6 +31,7 @@ from tenacity import (
 
 from flowlift.errors import Overloaded, UpstreamError
 from flowlift.proxy.dispatch.health import Call, Evidence
+from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
 from flowlift.proxy.dispatch.sse_bytes import complete_prefix, has_data
@@ -54,6 +55,37 @@ Stream = Literal[False, "bytes", "events"]
 
 
 @dataclass(slots=True)
+class Timing:
+    """One attempt's times, for the replica's latency model
+    (:class:`~flowlift.proxy.dispatch.latency.LatencyBook`).
+
+    Attributes:
+        book: where the replica's model lives.
+        model: the model asked.
+        demand: the request as known before it was sent.
+        features: the request on the replica when sent.
+        started: ``time.monotonic()`` when sent.
+        first_at: when the first stream event (or the whole answer) came.
+    """
+
+    book: LatencyBook
+    model: str
+    demand: Demand
+    features: Features
+    started: float
+    first_at: float = 0.0
+
+    def done(self, name: str, output_tokens: int | None, *, streamed: bool) -> None:
+        """The attempt on replica ``name`` succeeded now with ``output_tokens`` (None:
+        unknown); ``streamed``: False for a whole answer (its TTFT is not measured)."""
+        now = time.monotonic()
+        self.book.observe(name, self.model, self.features, ttft_s=self.first_at
+                          - self.started, total_s=now - self.started,
+                          output_tokens=output_tokens, now=now, streamed=streamed)
+        self.book.sent(name, self.demand.affinity, self.demand.prompt_tokens)
+
+
+@dataclass(slots=True)
 class Opened:
     """A successful attempt, not yet delivered. The caller must :meth:`release` it and
     records its outcome on ``call`` (:class:`~flowlift.proxy.dispatch.upstream.Call`)."""
@@ -69,19 +101,39 @@ class Opened:
     tail: bytes = b""  # the start of the next one,
     chunks: AsyncIterator[bytes] | None = None  # and the rest as it arrives
     slot: Slot | None = None  # the pool slot it holds (see Admit)
+    timing: Timing | None = None  # for the replica's latency model
+    waited_s: float = 0.0  # seconds its request waited on upstreams until now (see Waited)
+
+    def succeeded(self, output_tokens: int | None = None) -> None:
+        """The answer went through whole (``output_tokens``: its length, if known): the
+        backend's circuit closes and its latency model learns the answer's times."""
+        self.call.succeeded()
+        if self.timing is not None:
+            self.timing.done(self.upstream.name, output_tokens, streamed=self.body is None)
 
     async def release(self) -> None:
         """Close the upstream response, count the request out of the backend and give
         its pool slot back."""
         try:
             for it in (self.events, self.chunks):
-                if it is not None:
-                    await it.aclose()  # type: ignore[union-attr]
+                aclose = getattr(it, "aclose", None)  # (async generators have one)
+                if aclose is not None:
+                    await aclose()
             await self.response.aclose()
         finally:
             self.call.close()
             if self.slot is not None:
                 self.slot.release()
+
+
+@dataclass(slots=True)
+class Waited:
+    """Seconds one request's attempts spent waiting on upstreams: each attempt from
+    sending its request to its whole answer or first stream event (failed attempts
+    too), back-off between attempts, and a pool slot's queue. What the proxy's own
+    overhead leaves out (:mod:`flowlift.proxy.telemetry.requests`)."""
+
+    s: float = 0.0
 
 
 def _evidence(call: Call, exc: UpstreamError) -> Evidence:
@@ -117,23 +169,32 @@ class _Wait:
 
 
 async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
-                   headers: dict[str, str], *, stream: Stream, budget_s: float) -> Opened:
+                   headers: dict[str, str], *, stream: Stream, budget_s: float,
+                   waited: Waited) -> Opened:
     spec = upstream.spec
     response: httpx.Response | None = None
     stage = "before answering"
+    sent = 0.0  # when the request went (0: not out, or its wait already counted)
     try:
         async with asyncio.timeout(min(spec.first_token_timeout_s if stream
                                        else spec.response_timeout_s, budget_s)):
-            response = await upstream.send(upstream.request(path, body, headers))
+            request = upstream.request(path, body, headers)
+            sent = time.monotonic()
+            response = await upstream.send(request)
             call.answered(response.status_code)
             if response.status_code >= 400:
                 raise await error_from(response, upstream.name)
             if not stream:
                 stage = "while sending its answer"
-                return _whole(upstream, call, response, await response.aread())
+                answer = await _read_whole(response)
+                waited.s += time.monotonic() - sent
+                sent = 0.0
+                return _whole(upstream, call, response, answer)
             stage = "before its first stream event"
             first = _first_bytes if stream == "bytes" else _first_event
             opened = await first(upstream, call, response)
+            waited.s += time.monotonic() - sent
+            sent = 0.0
             if opened is None:
                 raise UpstreamError(f"backend {upstream.name!r} ended the stream before any "
                                     "event", status=502, backend=upstream.name)
@@ -146,6 +207,18 @@ async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
         if response is not None:
             await response.aclose()
         raise
+    finally:
+        if sent:  # a failed attempt: all its time was the upstream's
+            waited.s += time.monotonic() - sent
+
+
+async def _read_whole(response: httpx.Response) -> bytes:
+    """The answer's body: decoded by httpx when it has a ``Content-Encoding``, else the
+    transport's bytes as they are (what ``aread`` returns then, without its decoder,
+    chunker and context manager per read)."""
+    if "content-encoding" in response.headers:
+        return await response.aread()
+    return b"".join([part async for part in response.stream])  # type: ignore[union-attr]
 
 
 def _whole(upstream: Upstream, call: Call, response: httpx.Response, body: bytes) -> Opened:
@@ -175,7 +248,9 @@ async def _first_event(upstream: Upstream, call: Call,
 
 async def _first_bytes(upstream: Upstream, call: Call,
                        response: httpx.Response) -> Opened | None:
-    chunks = response.aiter_raw()
+    # the transport's own byte stream (what aiter_raw wraps; its failures are httpx's
+    # too): aiter_raw adds a context manager, a chunker and bookkeeping per read
+    chunks = aiter(response.stream)  # type: ignore[arg-type]  # (an async response)
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
@@ -188,7 +263,8 @@ async def _first_bytes(upstream: Upstream, call: Call,
 
 async def open_answer(backends: Backends, route: Route, *, path: str, body_for: BodyFor,
                       headers: dict[str, str], stream: Stream, affinity: str | None = None,
-                      admit: Admit | None = None) -> Opened | Local:
+                      admit: Admit | None = None, demand: Demand | None = None
+                      ) -> Opened | Local:
     """Try the route's backends until one answers.
 
     Args:
@@ -200,6 +276,8 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
         affinity: workflow or session id for replica affinity.
         admit: the pool slot each upstream attempt waits for (:data:`Admit`); the
             opened answer holds it until released.
+        demand: the request's prompt and output length, for the route's
+            ``"predicted-latency"`` replica choice (None: only ``affinity`` is known).
 
     Returns:
         The opened answer, or :class:`~flowlift.proxy.dispatch.backends.Local` when the
@@ -209,7 +287,8 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
         Overloaded: nothing can take the request now (429/503 with ``Retry-After``).
         UpstreamError: every attempt failed (the last one's error).
     """
-    attempts = _Attempts(backends, route, path, body_for, headers, stream, affinity, admit)
+    attempts = _Attempts(backends, route, path, body_for, headers, stream,
+                         demand or Demand(affinity=affinity), admit)
     try:  # the common case, without the retry machinery's overhead
         return await attempts.once(1)
     except UpstreamError as exc:
@@ -220,7 +299,7 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
         stop=stop_after_attempt(route.max_attempts)
         | stop_before_delay(route.total_timeout_s - (time.monotonic() - attempts.t0)),
         wait=_Wait(backends, route, attempts.tried), retry=retry_if_exception(_retryable),
-        reraise=True)
+        sleep=attempts.back_off, reraise=True)
     async for attempt in retrying:
         with attempt:
             if pending is not None:  # attempt 1 already failed: tenacity waits after it
@@ -234,19 +313,26 @@ class _Attempts:
     """The state of one request's attempts: backends tried, the last failure, the clock."""
 
     def __init__(self, backends: Backends, route: Route, path: str, body_for: BodyFor,
-                 headers: dict[str, str], stream: Stream, affinity: str | None,
+                 headers: dict[str, str], stream: Stream, demand: Demand,
                  admit: Admit | None) -> None:
         self.backends, self.route, self.path = backends, route, path
         self.body_for, self.headers, self.stream = body_for, headers, stream
-        self.affinity, self.admit = affinity, admit
+        self.demand, self.admit = demand, admit
         self.tried: set[str] = set()
         self.key = next(_REQUESTS)  # the request's id in its backends' health
         self.last: UpstreamError | None = None
         self.t0 = time.monotonic()
+        self.waited = Waited()
+
+    async def back_off(self, seconds: float) -> None:
+        """Tenacity's sleep between attempts (counted as waiting on upstreams)."""
+        self.waited.s += seconds
+        await asyncio.sleep(seconds)
 
     async def once(self, number: int) -> Opened | Local:
         try:
-            name = self.backends.choose(self.route, self.affinity, self.tried)
+            name = self.backends.choose(self.route, self.demand.affinity, self.tried,
+                                        self.demand)
         except Overloaded:
             if self.last is None:
                 raise
@@ -260,7 +346,9 @@ class _Attempts:
         if self.admit is not None:
             waiting = time.monotonic()
             slot = await self.admit()
-            self.t0 += time.monotonic() - waiting  # queued in the pool: not the budget's
+            queued = time.monotonic() - waiting
+            self.t0 += queued  # queued in the pool: not the budget's
+            self.waited.s += queued
         try:
             return await self._send(self.backends.upstreams[name], number, slot)
         except BaseException:
@@ -269,20 +357,31 @@ class _Attempts:
             raise
 
     async def _send(self, upstream: Upstream, number: int, slot: Slot | None) -> Opened:
+        timing = None  # learned only where a choice is made by it
+        if self.route.strategy == "predicted-latency" and len(self.route.replicas) > 1:
+            timing = Timing(self.backends.latency, self.route.model, self.demand,
+                            self.backends.features(upstream.name, self.demand),
+                            time.monotonic())
         call = upstream.health.call(self.key)
         try:
             opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
                                     self.headers, stream=self.stream,
                                     budget_s=self.route.total_timeout_s
-                                    - (time.monotonic() - self.t0))
+                                    - (time.monotonic() - self.t0), waited=self.waited)
         except BaseException as exc:  # cancelled too (its run or its client went away):
             call.close()  # counted out, or the backend would fill up and look busy
             if isinstance(exc, UpstreamError):
                 self.last = exc
                 evidence = _evidence(call, exc)
                 call.failed(evidence, retry_after_s=exc.retry_after_s)
+                if timing is not None and evidence in ("down", "silent"):  # its fault
+                    now = time.monotonic()
+                    self.backends.latency.failed(upstream.name, now - timing.started, now)
                 log.info("upstream_attempt_failed", backend=upstream.name, status=exc.status,
                          retryable=exc.retryable, attempt=number, evidence=evidence)
             raise
-        opened.slot = slot
+        opened.slot, opened.waited_s = slot, self.waited.s
+        if timing is not None:
+            timing.first_at = time.monotonic()
+            opened.timing = timing
         return opened

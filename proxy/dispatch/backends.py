@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -27,6 +27,8 @@ from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamS
 from flowlift.proxy.dispatch.batch import BatchClient
 from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
 from flowlift.proxy.dispatch.hints import SessionBook
+from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
+from flowlift.proxy.dispatch.prefill_ahead import AheadConfig, PrefillAhead
 from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.tier_profiles import default_book
@@ -70,11 +72,16 @@ class Backends:
         aliases: extra names (e.g. ``"default"``) -> served model name.
         fcfs: first come, first served everywhere (no priorities, no reserved slots, no
             prefix-grouped dispatch): the baseline of the scheduling benchmarks.
+        preempt: running batch requests on embedded engines are preempted for
+            interactive work and resumed later (:mod:`~flowlift.proxy.dispatch.preemption`).
         batch_prefill_budget, batch_cap_when_interactive: see
             :class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`.
         config: the parsed config file (upstreams, routes, aliases), or None.
         transport: httpx transport for every upstream (tests); None: the network.
         max_queue: requests waiting per embedded backend before the proxy answers 429.
+        prefill_ahead: when the embedded engines prefill a step's known prompt start
+            while a tool it waits for is out (:mod:`.prefill_ahead`; None: on, with the
+            defaults of :class:`~.prefill_ahead.AheadConfig`).
 
     Raises:
         ConfigError: a route names the embedded engine and ``engines`` is empty.
@@ -83,13 +90,14 @@ class Backends:
     def __init__(self, engines: Mapping[str, Engine], *, max_concurrency: int = 16,
                  aliases: Mapping[str, str] | None = None, fcfs: bool = False,
                  batch_prefill_budget: int = 1024,
-                 batch_cap_when_interactive: int | None = None,
+                 batch_cap_when_interactive: int | None = None, preempt: bool = False,
                  config: FileConfig | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 max_queue: int = 256) -> None:
+                 max_queue: int = 256,
+                 prefill_ahead: AheadConfig | None = None) -> None:
         self._new_slots = functools.partial(
             PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
-            batch_cap_when_interactive=batch_cap_when_interactive)
+            batch_cap_when_interactive=batch_cap_when_interactive, preempt=preempt)
         self._max_concurrency = max_concurrency
         self._per_engine: dict[int, Backend] = {}
         self._by_model: dict[str, Backend] = {}
@@ -108,6 +116,9 @@ class Backends:
         self.batch_journal = JournalRouter()  # their lines' records, routed to the runs
         self.turnarounds = default_book()  # per tier, learned from finished batches
         self.routes: dict[str, Route] = {}
+        self.latency = LatencyBook()  # every upstream replica's predicted latency
+        self._turn = 0  # round-robin's counter
+        self.ahead = PrefillAhead(self, prefill_ahead or AheadConfig())
         for model, engine in engines.items():
             self.add(model, engine)
         if config is not None:
@@ -151,7 +162,8 @@ class Backends:
         for model, model_spec in config.models.items():
             route = Route(model, self._names(config, model_spec.backends, model),
                           self._names(config, model_spec.fallbacks, model),
-                          model_spec.total_timeout_s, model_spec.max_attempts)
+                          model_spec.total_timeout_s, model_spec.max_attempts,
+                          model_spec.routing, model_spec.affinity_max_slowdown)
             self.routes[model] = route
             upstreams = [self.upstreams[n] for n in route.backends if n in self.upstreams]
             if upstreams:
@@ -231,6 +243,16 @@ class Backends:
         backend = self._embedded.get(name)
         return None if backend is None else Local(name.removeprefix(EMBEDDED), backend)
 
+    def local_of(self, model: str | None) -> Local | None:
+        """The embedded backend of a model whose route has nothing else (None: a route
+        with upstreams, or a name nothing serves)."""
+        try:
+            route = self.route(model)
+        except ModelNotFound:
+            return None
+        found = [self.local(name) for name in route.backends]
+        return found[0] if len(found) == 1 and found[0] is not None else None
+
     # -- routing ---------------------------------------------------------------------
     def available(self, name: str, now: float | None = None) -> bool:
         up = self.upstreams.get(name)
@@ -247,16 +269,38 @@ class Backends:
         slots = self._embedded[name].slots
         return slots.in_use + slots.queued
 
-    def choose(self, route: Route, affinity: str | None, tried: set[str]) -> str:
-        """The backend for the next attempt.
+    def features(self, name: str, demand: Demand) -> Features:
+        """``demand`` on backend ``name`` as it stands now (its requests in flight, the
+        prefix it is expected to hold)."""
+        return self.latency.features(name, demand, self.load(name))
+
+    def predict(self, route: Route, demand: Demand, now: float) -> Callable[[str], float | None]:
+        """Predicted seconds until ``demand`` is answered, per backend of ``route``
+        (None: an embedded backend, or an upstream with too few recent answers)."""
+        output = self.latency.expected_output(route.model, demand.max_output_tokens)
+
+        def predicted(name: str) -> float | None:
+            if name not in self.upstreams:
+                return None
+            return self.latency.predict(name, self.features(name, demand), output, now)
+        return predicted
+
+    def choose(self, route: Route, affinity: str | None, tried: set[str],
+               demand: Demand | None = None) -> str:
+        """The backend for the next attempt (by the route's strategy; ``demand``: what
+        is known of the request, for ``"predicted-latency"``).
 
         Raises:
             Overloaded: nothing can take it now: 503 with ``Retry-After`` until the
                 first cool-down ends, or 429 when the proxy's own queues are full.
         """
         now = time.monotonic()
+        self._turn += 1
+        predict = None
+        if route.strategy == "predicted-latency" and len(route.replicas) > 1:
+            predict = self.predict(route, demand or Demand(affinity=affinity), now)
         name = pick(route, available=lambda n: self.available(n, now), load=self.load,
-                    affinity=affinity, tried=tried)
+                    affinity=affinity, tried=tried, predict=predict, turn=self._turn)
         if name is not None:
             return name
         cooling = [self.upstreams[n].health.wait_s(now) for n in route.backends
@@ -273,8 +317,10 @@ class Backends:
 
     async def aclose(self) -> None:
         """Close every upstream's connection pool and stop waiting for batches (they run
-        on; a restarted proxy resumes them). The engines close on their own."""
+        on; a restarted proxy resumes them), close the engines' sessions and abort the
+        prefill-aheads still running. The engines close on their own."""
         await self.sessions.aclose()
+        await self.ahead.aclose()
         for up in self.upstreams.values():
             await up.aclose()
         for pool in self.batch_pools.values():

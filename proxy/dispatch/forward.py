@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.flex import tier_fields
 from flowlift.proxy.dispatch.hints import StepHints, hint_fields
+from flowlift.proxy.dispatch.latency import Demand
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.sse_bytes import (
     complete_prefix,
@@ -127,7 +129,8 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
             body_for=lambda up: _body_for(
                 up, raw, data, route.model, extra if up.spec.stream_usage else None, path,
                 affinity if sessions.is_open(up.name, affinity) else None),
-            stream="bytes" if data.get("stream") is True else False, affinity=affinity)
+            stream="bytes" if data.get("stream") is True else False, affinity=affinity,
+            demand=demand_of(raw, data, affinity))
     except UpstreamError as exc:
         return upstream_error_response(exc)
     if isinstance(opened, Local):
@@ -142,7 +145,7 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
             backend.admitted -= 1
     traced = request_tracing.current()
     if traced is not None:
-        traced.upstream(opened.upstream.name, opened.doc)
+        traced.upstream(opened.upstream.name, opened.doc, opened.waited_s)
     try:
         if opened.body is not None:
             return _plain(opened, on_output)
@@ -200,8 +203,19 @@ _CLIENT_ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
                        422: "unprocessable_entity_error", 429: "rate_limit_error"}
 
 
+def demand_of(raw: bytes, data: dict[str, Any], affinity: str | None) -> Demand:
+    """What the replica choice knows of a drop-in request: its prompt length estimated
+    from its body (4 bytes a token: no tokenizer of the upstream's model here; the same
+    estimate on every replica, so only the scale of a learned weight depends on it), its
+    ``max_tokens`` (or ``max_completion_tokens``), its affinity key."""
+    cap = data.get("max_completion_tokens", data.get("max_tokens"))
+    return Demand(len(raw) // 4, cap if isinstance(cap, int) and cap > 0 else None, affinity)
+
+
 def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
-    opened.call.succeeded()
+    usage = (opened.doc or {}).get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    opened.succeeded(tokens if isinstance(tokens, int) else None)
     body = opened.body or b""
     if on_output is not None and opened.doc is not None:
         _observe_plain(opened.doc, on_output)
@@ -249,12 +263,14 @@ class _Passing:
         self.collect = _Collect() if on_output is not None else None
         self.traced = request_tracing.current()
         self.done = False  # the end marker came
+        self.events = 0  # events passed on (about one output token each)
         self.errored = False  # the upstream sent its own error event
 
     async def pass_on(self, events: bytes) -> None:
         if self.traced is not None:
             self.traced.sse(events)
         await self.resp.write(without_usage(events) if self.strip_usage else events)
+        self.events += events.count(b"\n\n")
         self.done = self.done or finished(events)
         self.errored = self.errored or has_error(events)
         if self.collect is not None:
@@ -279,6 +295,7 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
                                        "Cache-Control": "no-cache",
                                        "X-Flowlift-Backend": upstream.name})
     passing = _Passing(resp, on_output, strip_usage)
+    traced, clock = passing.traced, time.monotonic
     buffer = opened.tail
     failure: str | None = None
     loop = asyncio.get_running_loop()
@@ -288,7 +305,16 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
         try:
             idle_s = upstream.spec.idle_timeout_s
             async with asyncio.timeout_at(min(loop.time() + idle_s, deadline)) as idle:
-                async for chunk in opened.chunks:
+                reads = opened.chunks
+                while True:
+                    asked = clock()
+                    try:
+                        chunk = await anext(reads)
+                    except StopAsyncIteration:
+                        break
+                    finally:  # each read waits on the upstream (the proxy's own time not)
+                        if traced is not None:
+                            traced.waited_s += clock() - asked
                     buffer += chunk
                     end = complete_prefix(buffer)
                     if not end:
@@ -313,8 +339,8 @@ async def _end(opened: Opened, passing: _Passing, failure: str | None,
         log.warning("stream_ended_by_upstream_error", backend=opened.upstream.name)
     elif not passing.done:
         await _cut_short(passing.resp, opened, failure)
-    else:
-        opened.call.succeeded()
+    else:  # the events less the end marker and the finish: about the output tokens
+        opened.succeeded(max(passing.events - 2, 1))
         if passing.collect is not None and on_output is not None:
             on_output("".join(passing.collect.parts), passing.collect.usage)
 

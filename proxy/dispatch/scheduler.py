@@ -17,17 +17,26 @@ per-token time grows with the batch (any CPU, a saturated GPU), that is what kee
 interactive latency near its unloaded value. Batch work is also admitted within a
 budget of prompt tokens still being prefilled (``batch_prefill_budget``): a burst of
 long batch prompts otherwise fills every engine step with prefill for seconds, and an
-interactive step's first token waits behind it. Running requests are never preempted.
+interactive step's first token waits behind it. With ``preempt`` on, running batch
+requests above that cap are preempted when interactive work is granted a slot (chosen by
+:func:`~flowlift.proxy.dispatch.preemption.choose_victims`); they give their slots back
+and wait again, ahead of batch work not yet started, to resume as continuations
+(:mod:`flowlift.proxy.dispatch.resumable`). Without it, running requests are never
+preempted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import itertools
 import math
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+
+from flowlift.proxy.dispatch.preemption import Preemptible, choose_victims
 
 CLASS_RANK = {"interactive": 0, "batch": 1, "idle": 2}
 """``idle``: deferrable work of the local tier (:mod:`flowlift.tiers`), after all batch
@@ -81,11 +90,18 @@ class PrioritySlots:
             (a single larger prompt still goes alone).
         fcfs: ignore priorities and reserve nothing: first come, first served (the
             baseline the benchmarks compare against).
+        preempt: when interactive work is granted a slot, preempt running batch requests
+            (those registered with :meth:`register`) down to the batch cap (not with
+            ``fcfs``).
+
+    Attributes:
+        preemptions: requests asked to stop so far.
     """
 
     def __init__(self, capacity: int, reserved_interactive: int = 1, fcfs: bool = False,
                  batch_cap_when_interactive: int | None = None,
-                 linger_s: float = 1.0, batch_prefill_budget: int = 1024) -> None:
+                 linger_s: float = 1.0, batch_prefill_budget: int = 1024,
+                 preempt: bool = False) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
@@ -102,6 +118,10 @@ class PrioritySlots:
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self._grant_pending = False
+        self.preempt = preempt and not fcfs
+        self.preemptions = 0
+        self._preemptible: dict[int, Preemptible] = {}
+        self._preempting: set[int] = set()
 
     @property
     def queued(self) -> int:
@@ -138,11 +158,14 @@ class PrioritySlots:
             self.batch_in_use += 1
             self.batch_prefill += tokens
 
-    async def acquire(self, priority: Priority, prefill_tokens: int = 0) -> Priority:
+    async def acquire(self, priority: Priority, prefill_tokens: int = 0,
+                      resumed: bool = False) -> Priority:
         """Wait for a slot. Cancelling the wait gives nothing up and leaks nothing.
 
         Grants happen in a callback after the current loop iteration, so steps that
         become ready together are ordered by priority, not by who asked first.
+        ``resumed``: a preempted request waiting to resume goes before others of its
+        priority (its prompt is still in the prefix cache).
 
         Returns:
             The priority the slot was granted at: ``priority``, or the one given to
@@ -151,7 +174,8 @@ class PrioritySlots:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         key = Priority() if self.fcfs else priority
-        waiter = _Waiter(key, next(self._seq), fut, priority, prefill_tokens,
+        seq = next(self._seq)
+        waiter = _Waiter(key, -seq if resumed else seq, fut, priority, prefill_tokens,
                          asyncio.current_task())
         heapq.heappush(self._heap, waiter)
         if not self._grant_pending:
@@ -210,23 +234,61 @@ class PrioritySlots:
                 heapq.heappop(self._heap)
                 continue
             if not self._can_take(best.priority, best.prefill_tokens):
+                if best.priority.interactive:
+                    self._preempt_batch(blocked=True)
                 return
             heapq.heappop(self._heap)
             self._take(best.priority, best.prefill_tokens)
             best.future.set_result(None)
+            if best.priority.interactive:
+                self._preempt_batch()
 
-    def slot(self, priority: Priority, prefill_tokens: int = 0) -> Slot:
+    # -- preemption -------------------------------------------------------------------
+    def register(self, request: Preemptible) -> None:
+        """A granted batch request that may be preempted while it runs."""
+        self._preemptible[id(request)] = request
+
+    def unregister(self, request: Preemptible) -> None:
+        """It finished, or stopped after :meth:`Preemptible.preempt`."""
+        self._preemptible.pop(id(request), None)
+        self._preempting.discard(id(request))
+
+    def _preempt_batch(self, blocked: bool = False) -> None:
+        """Bring the running batch down to the batch cap (``blocked``: also free one
+        slot for the interactive request that finds none)."""
+        if not self.preempt:
+            return
+        stopping = len(self._preempting)
+        excess = self.batch_in_use - stopping - self.batch_cap
+        if blocked:
+            excess = max(excess, self.in_use - stopping - self.capacity + 1)
+        if excess <= 0:
+            return
+        running: dict[Hashable, Preemptible] = {
+            k: r for k, r in self._preemptible.items() if k not in self._preempting}
+        candidates = [dataclasses.replace(r.candidate(), key=k) for k, r in running.items()]
+        for victim in choose_victims(candidates, excess):
+            request = running[victim.key]
+            self._preempting.add(id(request))
+            self.preemptions += 1
+            request.preempt()
+
+    def slot(self, priority: Priority, prefill_tokens: int = 0,
+             resumed: bool = False) -> Slot:
         """``async with slots.slot(priority, tokens) as slot:`` -- acquire, then release
-        on exit; call ``slot.prefilled()`` at the first token."""
-        return Slot(self, priority, prefill_tokens)
+        on exit; call ``slot.prefilled()`` at the first token (``resumed``: see
+        :meth:`acquire`)."""
+        return Slot(self, priority, prefill_tokens, resumed)
 
 
 class Slot:
     """One granted engine slot (an async context manager)."""
 
-    def __init__(self, slots: PrioritySlots, priority: Priority, prefill_tokens: int) -> None:
+    def __init__(self, slots: PrioritySlots, priority: Priority, prefill_tokens: int,
+                 resumed: bool = False) -> None:
         self._slots, self._priority = slots, priority
         self._tokens = max(int(prefill_tokens), 0)
+        self._resumed = resumed
 
     @property
     def priority(self) -> Priority:
@@ -241,7 +303,8 @@ class Slot:
 
     async def acquire(self) -> None:
         """Wait for the slot (cancelling the wait leaks nothing)."""
-        self._priority = await self._slots.acquire(self._priority, self._tokens)
+        self._priority = await self._slots.acquire(self._priority, self._tokens,
+                                                   self._resumed)
 
     def release(self) -> None:
         """Give the slot back; call it once per granted :meth:`acquire`."""

@@ -70,13 +70,28 @@ def has_error(events: bytes) -> bool:
     return False
 
 
+_BLOCK_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+def blocks(events: bytes) -> list[bytes]:
+    """Whole ``events`` cut into their blocks (the blank lines between them dropped)."""
+    return _BLOCK_END.split(events)
+
+
+def data_of(block: bytes) -> str | None:
+    """The ``data`` of one event's block (multi-line data joined by ``\\n``), or None
+    when it has no ``data:`` line."""
+    lines = [line[5:].removeprefix(b" ") for line in block.splitlines()
+             if line.startswith(b"data:")]
+    return b"\n".join(lines).decode("utf-8", "replace") if lines else None
+
+
 def data_fields(events: bytes) -> Iterator[str]:
     """The ``data`` of each event in whole ``events`` (multi-line data joined by ``\\n``)."""
-    for block in re.split(rb"\r\n\r\n|\n\n|\r\r", events):
-        lines = [line[5:].removeprefix(b" ") for line in block.splitlines()
-                 if line.startswith(b"data:")]
-        if lines:
-            yield b"\n".join(lines).decode("utf-8", "replace")
+    for block in _BLOCK_END.split(events):
+        data = data_of(block)
+        if data is not None:
+            yield data
 
 
 _EVENT = re.compile(rb"(.*?)(\r\n\r\n|\n\n|\r\r)", re.DOTALL)
@@ -100,7 +115,7 @@ def without_usage(events: bytes) -> bytes:
 
 
 def _strip_event(block: bytes) -> bytes:
-    data = next(data_fields(block + b"\n\n"), None)
+    data = data_of(block)
     try:
         doc = orjson.loads(data) if data is not None else None
     except orjson.JSONDecodeError:

@@ -10,7 +10,8 @@ priority slots like every other request there (class caps, prefill budget). Eith
 the step's priority orders the wait, and the engine or upstream stream is closed on
 every exit, cancellation included. A request with ``tools`` (an agent step's turn) is
 turned into constrained JSON for the embedded engine (:mod:`.tool_turns`); upstreams
-get OpenAI ``tools``.
+get OpenAI ``tools``. With preemption on (``--scheduling preempt``), a request the
+embedded engine can resume runs as a :class:`~.resumable.ResumableGeneration`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import dataclasses
 from collections.abc import AsyncGenerator, Callable
 
 from flowlift.local_engine.base import GenerationChunk, GenerationRequest
+from flowlift.local_engine.continuation import not_resumable
 from flowlift.proxy.dispatch.attempts import Admit, Opened
 from flowlift.proxy.dispatch.backends import Backends, Local
+from flowlift.proxy.dispatch.resumable import ResumableGeneration
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Priority, Slot
 from flowlift.proxy.dispatch.tool_turns import ToolTurn
@@ -98,6 +101,15 @@ class StepDispatcher:
                      prefill_tokens: int, started: Callable[[], None],
                      ) -> AsyncGenerator[GenerationChunk, None]:
         backend = target.backend
+        if (backend.slots.preempt and backend.engine.capabilities.resume
+                and not_resumable(request) is None):
+            run = ResumableGeneration(backend.engine, backend.slots,
+                                      dataclasses.replace(request, model=target.model),
+                                      priority, prefill_tokens, started)
+            async with contextlib.aclosing(run.stream()) as resumable:
+                async for chunk in resumable:
+                    yield chunk
+            return
         async with backend.slots.slot(priority, prefill_tokens) as slot:
             started()
             # the engine's own queue order follows the priority granted (a step the app

@@ -35,6 +35,7 @@ from flowlift.local_engine.base import (
 from flowlift.proxy.dispatch.attempts import Admit, Opened, open_answer
 from flowlift.proxy.dispatch.flex import tier_fields
 from flowlift.proxy.dispatch.hints import StepHints, hint_fields
+from flowlift.proxy.dispatch.latency import Demand
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
 from flowlift.proxy.dispatch.upstream import Upstream, translate, unretryable
@@ -135,6 +136,14 @@ def idempotency_key(request: GenerationRequest) -> str | None:
     return urllib.parse.quote(request.request_id, safe=":-._~!$&'()*+,;=@/")
 
 
+def demand_of(request: GenerationRequest) -> Demand:
+    """What the replica choice knows of a step's generation: its prompt length (4
+    characters a token: the upstream's tokenizer is not here), ``max_tokens``, its run
+    or session id."""
+    chars = sum(len(m.content or "") for m in request.messages)
+    return Demand(chars // 4, request.sampling.max_tokens, request.session_id)
+
+
 async def open_chat(backends: Backends, route: Route, request: GenerationRequest, *,
                     admit: Admit | None = None) -> Opened | Local:
     """Open ``request`` as a streamed chat completion on ``route`` (affinity: its
@@ -182,7 +191,7 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
         return await open_answer(
             backends, route, path="/chat/completions", body_for=body_for,
             headers=headers, stream="events", affinity=request.session_id,
-            admit=None if admit is None else admitted)
+            admit=None if admit is None else admitted, demand=demand_of(request))
     except UpstreamError as exc:
         raise unretryable(exc, route.model) or EngineError(
             f"model {route.model!r}: {exc.message}") from None
@@ -236,9 +245,11 @@ class UpstreamEngine(Engine):
         usage = Usage()
         calls: tuple[ToolCall, ...] | None = None
         tier: str | None = None
+        pieces = 0  # text chunks: the output's length when the upstream reports no usage
         try:
             async for chunk in self._read(opened):
                 if isinstance(chunk, GenerationChunk):
+                    pieces += 1
                     yield chunk
                 else:
                     finish, usage, calls, tier = chunk
@@ -256,7 +267,7 @@ class UpstreamEngine(Engine):
         if failure is not None:
             opened.call.failed("request")  # mid-stream: about this request only
             raise EngineError(failure)
-        opened.call.succeeded()
+        opened.succeeded(usage.completion_tokens or pieces or None)
         if finish == "content_filter":
             raise ContentRefused(f"model {self.route.model!r}: the answer was cut by the "
                                  "provider's content filter")

@@ -178,7 +178,12 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
     try:
         running = len(tasks)
         while running:
-            index, item = await queue.get()
+            if traced is None:
+                index, item = await queue.get()
+            else:  # waiting on the engine (slot and chunks): not the proxy's overhead
+                asked = time.monotonic()
+                index, item = await queue.get()
+                traced.waited_s += time.monotonic() - asked
             if item is _DONE:
                 running -= 1
             elif isinstance(item, Exception):

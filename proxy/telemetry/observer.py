@@ -32,10 +32,18 @@ from flowlift.tracing.metrics import Metrics
 from flowlift.tracing.run_spans import RunSpans
 
 if TYPE_CHECKING:
+    from flowlift.local_engine.residency import ResidencyManager
     from flowlift.proxy.dispatch.backends import Backends
     from flowlift.proxy.workflows.runs import Run
 
 log = get_logger("flowlift.tracing")
+
+
+def _model_loads(residency: ResidencyManager | None) -> list[tuple[str, int, int]]:
+    """``[(model, loads, unloads)]`` of a residency manager (none without one)."""
+    if residency is None:
+        return []
+    return [(m, residency.loads[m], residency.unloads[m]) for m in sorted(residency.models)]
 
 
 class Telemetry:
@@ -49,10 +57,13 @@ class Telemetry:
         active_runs: the number of workflow runs active now (read at scrape time).
         owned: the provider is this proxy's own (shut down with it); False for one it
             shares (a :func:`~flowlift.tracing.spans.capture_spans` provider): only flushed.
+        residency: the residency manager of the embedded models, if any (its load and
+            unload counts are read at scrape time).
     """
 
     def __init__(self, provider: TracerProvider, backends: Backends,
-                 active_runs: Callable[[], int], *, owned: bool = True) -> None:
+                 active_runs: Callable[[], int], *, owned: bool = True,
+                 residency: ResidencyManager | None = None) -> None:
         self.provider, self.owned = provider, owned
         self.tracer = provider.get_tracer("flowlift.proxy")
         self.backends = backends
@@ -60,13 +71,16 @@ class Telemetry:
         self.metrics = Metrics(queue_depth=self._queue_depth,
                                active_workflows=active_runs,
                                upstream_in_flight=self._in_flight,
-                               price_per_1k=prices.get)
+                               preemptions=self._preemptions,
+                               price_per_1k=prices.get,
+                               model_loads=lambda: _model_loads(residency))
         self._runs: dict[str, RunSpans] = {}
 
     @classmethod
     def for_proxy(cls, provider: TracerProvider | None, trace_dir: Path | None,
                   backends: Backends,
-                  active_runs: Callable[[], int]) -> Telemetry:
+                  active_runs: Callable[[], int],
+                  residency: ResidencyManager | None = None) -> Telemetry:
         """The telemetry of one proxy app.
 
         Args:
@@ -76,12 +90,13 @@ class Telemetry:
         """
         owned = provider is None and not spans.capturing()
         provider = provider or spans.proxy_tracer_provider(trace_dir)
-        return cls(provider, backends, active_runs, owned=owned)
+        return cls(provider, backends, active_runs, owned=owned, residency=residency)
 
     def request_middleware(self) -> Any:
         """The aiohttp middleware giving each OpenAI API request its span and feeding the
         metrics (:func:`flowlift.proxy.telemetry.requests.middleware`)."""
-        return request_tracing.middleware(self.tracer, self.observe_request)
+        return request_tracing.middleware(self.tracer, self.observe_request,
+                                          recording=spans.exports(self.provider))
 
     def _queue_depth(self) -> list[tuple[str, str, int]]:
         out = []
@@ -89,6 +104,10 @@ class Telemetry:
             for cls, n in backend.slots.queued_by_class().items():
                 out.append((backend.name, cls, n))
         return out
+
+    def _preemptions(self) -> list[tuple[str, int]]:
+        return [(b.name, b.slots.preemptions) for b in self.backends.backends
+                if b.slots.preempt]
 
     def _in_flight(self) -> list[tuple[str, int]]:
         return [(name, up.health.in_flight) for name, up in self.backends.upstreams.items()]
@@ -143,7 +162,8 @@ class Telemetry:
         decode = (None if rt.first_at is None or rt.last_at is None
                   else rt.last_at - rt.first_at)
         self.metrics.observe_request(rt.operation, rt.outcome, rt.response_model or rt.model,
-                                     ttft, decode, (prompt, completion, cached), partial)
+                                     ttft, decode, (prompt, completion, cached), partial,
+                                     overhead_s=rt.overhead_s(), stream=rt.stream)
         if rt.model is not None:  # spend goes by the served name: the config prices it
             self.metrics.spend(rt.model, prompt or 0, completion or 0)
             self.metrics.tenant_usage(rt.tenant, rt.model, prompt or 0, completion or 0)
@@ -172,11 +192,13 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 
 def setup(app: web.Application, telemetry: Telemetry) -> None:
-    """Serve ``telemetry`` on ``app``: ``app[TELEMETRY]``, the ``/metrics`` route, and a
-    flush at shutdown. (Its request middleware is in the app factory's middleware list:
+    """Serve ``telemetry`` on ``app``: ``app[TELEMETRY]``, the ``/metrics`` route, the
+    ``x-flowlift-overhead-ms`` header of OpenAI requests' responses, and a flush at
+    shutdown. (Its request middleware is in the app factory's middleware list:
     :meth:`Telemetry.request_middleware`.)"""
     app[TELEMETRY] = telemetry
     app.router.add_get("/metrics", metrics_handler)
+    app.on_response_prepare.append(request_tracing.overhead_header)
 
     async def flush(_: web.Application) -> None:
         await telemetry.shutdown()

@@ -14,6 +14,20 @@ The stage split, from the instants noted, as attributes (``flowlift.queue_ms``: 
 to an engine slot, embedded engine; ``flowlift.routing_ms``: arrival to an upstream's
 first answer, retries and fallbacks included; ``flowlift.prefill_ms``: slot to first
 chunk; ``flowlift.decode_ms``: first to last chunk) and a ``first_token`` event.
+
+The proxy's own overhead, as LiteLLM's ``x-litellm-overhead-duration-ms`` header and
+TensorZero's ``tensorzero_inference_latency_overhead_seconds`` metric report theirs: the
+request's handling time minus the time it waited on an upstream or an engine
+(:attr:`RequestTrace.waited_s`: an upstream attempt from sending its request to its
+whole answer or first stream event, failed attempts, back-off, a pool's queue, and each
+later read of the stream; the embedded engine's slot and chunks, as the handler waited
+for them). Sent as the response header :data:`OVERHEAD_HEADER` when the response starts
+(:func:`overhead_header`): a stream's headers leave before its body, so there it is the
+overhead up to the first byte (SSE has no trailers); the whole request's figure,
+stream included, goes to the ``flowlift_proxy_overhead_seconds`` histogram when the
+handler is done (a plain answer's header holds that same figure). Time spent writing to
+a slow client counts as the proxy's. The span's end and the metrics run right after
+the answer is written (``call_soon``), off its path.
 """
 
 from __future__ import annotations
@@ -29,10 +43,11 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from flowlift.local_engine.base import Engine, GenerationChunk, Usage
-from flowlift.proxy.dispatch.sse_bytes import data_fields, finished, has_data
+from flowlift.proxy.dispatch.sse_bytes import blocks, data_of, finished, has_data
 from flowlift.proxy.http import Handler
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.tenants import tenant_of
@@ -44,12 +59,14 @@ log = get_logger("flowlift.tracing")
 _current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
     "flowlift_request_trace", default=None)
 TRACED_PATHS = {f"/v1{path}": op for path, op in genai.OPERATIONS.items()}
+OVERHEAD_HEADER = "x-flowlift-overhead-ms"
+"""Response header: the proxy's own time in milliseconds up to when the response
+started (see the module doc)."""
 CHARS_PER_TOKEN = 4
 """The estimate of tokens from characters where no tokenizer counted them (English
 text with OpenAI-style BPE vocabularies averages about 4 characters a token)."""
 _MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"|"status":\s*"(?:incomplete|failed)"'
                        rb'|"type":\s*"error"')
-_MAY_HOLD_TEXT = re.compile(_MAY_HOLD.pattern.decode())
 
 
 def _ns(t: float) -> int:
@@ -57,12 +74,16 @@ def _ns(t: float) -> int:
     return time.time_ns() - int((time.monotonic() - t) * 1e9)
 
 
+def _failed(what: str, exc: Exception) -> None:
+    log.warning("tracing_failed", hook=what, error=f"{type(exc).__name__}: {exc}")
+
+
 @contextmanager
 def _safe(what: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # tracing must never break a request
-        log.warning("tracing_failed", hook=what, error=f"{type(exc).__name__}: {exc}")
+        _failed(what, exc)
 
 
 class RequestTrace:
@@ -71,6 +92,8 @@ class RequestTrace:
     def __init__(self, span: trace.Span, operation: str) -> None:
         self.span, self.operation = span, operation
         self.t0 = time.monotonic()
+        self.waited_s = 0.0  # waiting on an upstream or an engine (see the module doc)
+        self.ended_at: float | None = None  # the handler returned (or raised)
         self.model: str | None = None
         self.stream = False
         self.engine: Engine | None = None
@@ -88,11 +111,21 @@ class RequestTrace:
         self.upstream_counts: Usage | None = None
         self.upstream_status: str | None = None  # a Responses API answer's status
         self.upstream_text = 0  # characters of a whole upstream answer's text
+        self._answer: dict[str, Any] | None = None  # a whole upstream answer, not read yet
         self.prompt_estimate: int | None = None
         self.response_model: str | None = None
         self.outcome = "unknown"
+        self.status: int | None = None  # the response's HTTP status, once ended
         self.ids: dict[str, str] = {}  # the workflow and step it joined
         self.tenant: str | None = None  # whose request (flowlift.proxy.tenants)
+
+    def overhead_s(self, now: float | None = None) -> float:
+        """The proxy's own time so far (up to ``now``, ``time.monotonic()`` seconds;
+        None: the end if the handler is done, else now): elapsed minus
+        :attr:`waited_s`, never below 0."""
+        if now is None:
+            now = self.ended_at if self.ended_at is not None else time.monotonic()
+        return max(now - self.t0 - self.waited_s, 0.0)
 
     # -- hooks (called by the handlers; each one never raises) -------------------------
     def request(self, model: str, joined: tuple[str, str | None] | None, stream: bool,
@@ -120,7 +153,7 @@ class RequestTrace:
                                           "flowlift.backend": backend})
 
     def chunk(self, index: int, chunk: GenerationChunk) -> None:
-        with _safe("chunk"):
+        try:  # (per chunk: no context manager object, as _safe would make)
             now = time.monotonic()
             if self.first_at is None and chunk.text:
                 self.first_at = now
@@ -130,38 +163,56 @@ class RequestTrace:
                 self.usage[index] = chunk.usage
             if chunk.finish_reason:
                 self.finish[index] = chunk.finish_reason
+        except Exception as exc:  # tracing must never break a request
+            _failed("chunk", exc)
 
-    def upstream(self, backend: str, doc: dict[str, Any] | None = None) -> None:
-        """An upstream answered (``doc``: its whole JSON answer, when not streamed)."""
+    def upstream(self, backend: str, doc: dict[str, Any] | None = None,
+                 waited_s: float = 0.0) -> None:
+        """An upstream answered (``doc``: its whole JSON answer, when not streamed;
+        ``waited_s``: seconds the attempts waited on upstreams until then)."""
         with _safe("upstream"):
             self.routed_at = time.monotonic()
+            self.waited_s += waited_s
             self.span.set_attributes({genai.PROVIDER: "openai", "flowlift.backend": backend})
             if doc is not None:
                 self.done = True
-                answer = chunks.parse(doc)
-                self._note(answer)
-                self.upstream_text = sum(len(c.text) for c in answer.choices)
+                self._answer = doc  # read when the request ends (_read_answer)
 
     def sse(self, events: bytes) -> None:
         """Whole events of a forwarded upstream stream. Parsed only where they may hold
         usage or a finish reason (a byte search first), and the first (the model)."""
-        with _safe("sse"):
-            if not has_data(events):  # keep-alive comments: no model event
-                return
-            now = time.monotonic()
-            self.first_at = self.first_at or now
-            self.last_at = now
-            first = self.events == 0
-            self.events += events.count(b"data:")
-            self.done = self.done or finished(events)
-            if first or _MAY_HOLD.search(events):
-                for data in data_fields(events):  # (a write may hold the whole stream)
-                    if not data.startswith("{") or (
-                            self.response_model is not None and not _MAY_HOLD_TEXT.search(data)):
-                        continue  # a content delta: nothing to note but the model, once
-                    chunk = chunks.parse_event(data)
-                    if chunk is not None:
-                        self._note(chunk)
+        try:  # (per write: no context manager object, as _safe would make)
+            self._sse(events)
+        except Exception as exc:  # tracing must never break a request
+            _failed("sse", exc)
+
+    def _sse(self, events: bytes) -> None:
+        if not has_data(events):  # keep-alive comments: no model event
+            return
+        now = time.monotonic()
+        self.first_at = self.first_at or now
+        self.last_at = now
+        first = self.events == 0
+        self.events += events.count(b"data:")
+        self.done = self.done or finished(events)
+        if first or _MAY_HOLD.search(events):
+            for block in blocks(events):  # (a write may hold the whole stream)
+                if self.response_model is not None and not _MAY_HOLD.search(block):
+                    continue  # a content delta: nothing to note but the model, once
+                data = data_of(block)
+                chunk = (chunks.parse_event(data)
+                         if data is not None and data.startswith("{") else None)
+                if chunk is not None:
+                    self._note(chunk)
+
+    def _read_answer(self) -> None:
+        """Note what an upstream's whole answer held (its model, usage, finish reasons,
+        text length): once, when the request ends, off the answer's path."""
+        doc, self._answer = self._answer, None
+        if doc is not None:
+            answer = chunks.parse(doc)
+            self._note(answer)
+            self.upstream_text = sum(len(c.text) for c in answer.choices)
 
     def _note(self, chunk: chunks.Chunk) -> None:
         """The model, usage and finish reasons of an upstream's event or answer."""
@@ -214,14 +265,16 @@ class RequestTrace:
     def end(self, status: int | None, abandoned: bool, error: BaseException | None) -> None:
         """Record the outcome and end the span (always, whatever fails on the way)."""
         try:
+            self._read_answer()
             self._conclude(status, abandoned, error)
-            self._stages()
+            if self.span.is_recording():  # (nothing to compute for a span that goes nowhere)
+                self._span_attributes(error)
+                self._stages()
         finally:
             self.span.end()
 
     def _conclude(self, status: int | None, abandoned: bool,
                   error: BaseException | None) -> None:
-        span = self.span
         complete = self.done or (bool(self.texts) and len(self.finish) >= len(self.texts))
         failed = self.upstream_status == "failed"  # a Responses API answer that failed,
         if failed or self.upstream_status == "incomplete":  # or stopped short
@@ -229,6 +282,10 @@ class RequestTrace:
         self.outcome = ("complete" if complete and status == 200 else "abandoned"
                         if abandoned else "error" if (status or 500) >= 400 or error or failed
                         else "incomplete")
+        self.status = status
+
+    def _span_attributes(self, error: BaseException | None) -> None:
+        span, status = self.span, self.status
         attrs: dict[str, Any] = {"flowlift.outcome": self.outcome}
         if status is not None:
             attrs["http.response.status_code"] = status
@@ -245,9 +302,8 @@ class RequestTrace:
             attrs["flowlift.stream.events"] = self.events
         if self.texts:
             attrs["flowlift.stream.chunks"] = sum(len(p) for p in self.texts.values())
-        span.set_attributes(attrs)
         prompt, completion, cached, partial = self.usage_numbers()
-        span.set_attributes({**genai.usage_attributes(prompt, completion, cached),
+        span.set_attributes({**attrs, **genai.usage_attributes(prompt, completion, cached),
                              "flowlift.usage.partial": partial})
 
     def _stages(self) -> None:
@@ -257,11 +313,25 @@ class RequestTrace:
         pairs = (("queue", self.t0, self.slot_at), ("routing", self.t0, self.routed_at),
                  ("prefill", self.slot_at, self.first_at),
                  ("decode", self.first_at, self.last_at))
-        self.span.set_attributes({f"flowlift.{name}_ms": round((end - start) * 1000, 3)
-                                  for name, start, end in pairs
-                                  if start is not None and end is not None})
+        attrs = {f"flowlift.{name}_ms": round((end - start) * 1000, 3)
+                 for name, start, end in pairs if start is not None and end is not None}
+        attrs["flowlift.overhead_ms"] = round(self.overhead_s() * 1000, 3)
+        self.span.set_attributes(attrs)
         if self.first_at is not None:
             self.span.add_event("first_token", timestamp=_ns(self.first_at))
+
+
+TRACE_KEY: web.RequestKey[RequestTrace] = web.RequestKey("flowlift.request_trace",
+                                                        RequestTrace)
+"""``request[TRACE_KEY]``: the request's :class:`RequestTrace` (traced requests only)."""
+
+
+async def overhead_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` signal: a traced request's response gets
+    :data:`OVERHEAD_HEADER` (its headers are about to be sent)."""
+    rt = request.get(TRACE_KEY)
+    if rt is not None:
+        response.headers[OVERHEAD_HEADER] = f"{rt.overhead_s() * 1000:.3f}"
 
 
 def current() -> RequestTrace | None:
@@ -269,22 +339,45 @@ def current() -> RequestTrace | None:
     return _current.get()
 
 
-def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
+_IDS = RandomIdGenerator()
+
+
+def _unexported_span(parent: otel_context.Context | None) -> trace.Span:
+    """A span that records nothing, with an id of its own under the caller's trace (a
+    new trace without one): the ``traceparent`` sent upstream is what a recorded span's
+    would be (the default parent-based sampler's flags)."""
+    up = trace.get_current_span(parent).get_span_context()
+    if up.is_valid:
+        own = SpanContext(up.trace_id, _IDS.generate_span_id(), is_remote=False,
+                          trace_flags=up.trace_flags, trace_state=up.trace_state)
+    else:
+        own = SpanContext(_IDS.generate_trace_id(), _IDS.generate_span_id(), is_remote=False,
+                          trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    return trace.NonRecordingSpan(own)
+
+
+def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = True) -> Any:
     """The aiohttp middleware that traces OpenAI API requests (see the module doc).
 
     Args:
         tracer: the proxy's tracer.
         observe: ``observe(request_trace)`` after each request (metrics), or None.
+        recording: False when the tracer's spans go nowhere
+            (:func:`flowlift.tracing.spans.exports`): each request then gets a
+            non-recording span with an id of its own (the ``traceparent`` sent upstream
+            is as ever), and the metrics and overhead figures are kept as ever.
     """
     @web.middleware
     async def trace_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
         operation = TRACED_PATHS.get(request.path)
         if operation is None or request.method != "POST":
             return await handler(request)
-        span = tracer.start_span(operation, context=extract(request.headers),
-                                 kind=SpanKind.SERVER, attributes={
-                                     genai.OPERATION: operation, "http.route": request.path})
+        parent = extract(request.headers)
+        span = (tracer.start_span(operation, context=parent, kind=SpanKind.SERVER, attributes={
+            genai.OPERATION: operation, "http.route": request.path}) if recording
+            else _unexported_span(parent))
         rt = RequestTrace(span, operation)
+        request[TRACE_KEY] = rt
         token = _current.set(rt)
         ctx_token = otel_context.attach(trace.set_span_in_context(span))
         status: int | None = None
@@ -297,18 +390,28 @@ def middleware(tracer: trace.Tracer, observe: Any = None) -> Any:
             error = exc
             raise
         finally:
+            rt.ended_at = time.monotonic()
             otel_context.detach(ctx_token)
             _current.reset(token)
             transport = request.transport
             abandoned = (transport is None or transport.is_closing()
                          or isinstance(error, asyncio.CancelledError))
-            with _safe("end"):
-                rt.end(status, abandoned, error)
-                if abandoned:  # case N1: the client left; its upstream work was stopped
-                    log.info("request_cancelled_by_client", path=request.path,
-                             model=rt.model, after_ms=round((time.monotonic() - rt.t0) * 1000))
+            if abandoned:  # case N1: the client left; its upstream work was stopped
+                log.info("request_cancelled_by_client", path=request.path,
+                         model=rt.model, after_ms=round((rt.ended_at - rt.t0) * 1000))
             rt.tenant = tenant_of(request)  # (set by require_key, inside this middleware)
-            if observe is not None:
-                with _safe("observe"):
-                    observe(rt)
+            # the span's end and the metrics once the answer is on its way: a plain
+            # answer is written after this returns, and this callback runs after that
+            asyncio.get_running_loop().call_soon(_finish, rt, status, abandoned, error,
+                                                 observe)
     return trace_requests
+
+
+def _finish(rt: RequestTrace, status: int | None, abandoned: bool,
+            error: BaseException | None, observe: Any) -> None:
+    """End ``rt``'s span and count it in the metrics (never raises)."""
+    with _safe("end"):
+        rt.end(status, abandoned, error)
+    if observe is not None:
+        with _safe("observe"):
+            observe(rt)

@@ -35,6 +35,7 @@ from flowlift.errors import StepFailed, ToolError
 from flowlift.graph import LLMNode, ToolSpec, render_value
 from flowlift.local_engine.base import ChatMessage, ToolCall
 from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.workflows.ahead import next_turn_prefix
 from flowlift.proxy.workflows.cascade import Generated
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import Event
@@ -116,15 +117,21 @@ class AgentLoop:
         waiting: call id -> the future the app's result resolves (the run's
             client-run results, :meth:`Run.deliver_tool_result`).
         clock: the run's deadline clock (paused while calls are out), if any.
+        ahead: ``(model, messages)`` -> prefill the next turn's known start while the
+            calls are out (:func:`flowlift.proxy.workflows.ahead.next_turn_prefix`);
+            None: never.
     """
 
     def __init__(self, node: LLMNode, *, turn: Turn, continuation: Callable[[], Priority],
                  trace: RunTrace, emit: Callable[[str, dict[str, Any]], object],
                  history: Iterable[Event], waiting: dict[str, asyncio.Future[Any]],
-                 clock: DeadlineClock | None) -> None:
+                 clock: DeadlineClock | None,
+                 ahead: Callable[[str | None, Sequence[ChatMessage]], None] | None = None,
+                 ) -> None:
         self.node, self._turn, self._continuation = node, turn, continuation
         self.trace, self._emit, self._waiting, self._clock = trace, emit, waiting, clock
         self.tools = node.tools or ()
+        self._ahead = ahead
         self._turns, self._results = logged(history, node.id)
         self.turns = 0  # over the whole step (retries and cascade included)
         self.calls = 0
@@ -160,6 +167,8 @@ class AgentLoop:
                                               [c.id, c.name, c.arguments] for c in calls]})
             if k == self.node.max_turns:
                 break
+            if self._ahead is not None and self._asks(calls):
+                self._ahead(model, next_turn_prefix(convo, out.text, calls))
             results = await self._run_calls(calls)
             # a new list each turn: the request of an earlier turn keeps its messages
             convo = [*convo, ChatMessage("assistant", out.text, tool_calls=calls),
@@ -197,6 +206,12 @@ class AgentLoop:
         st.attempts.append(at)
         calls = tuple(ToolCall(*c) for c in data["tool_calls"])
         return Generated(data.get("content") or "", at, tool_calls=calls)
+
+    def _asks(self, calls: Sequence[ToolCall]) -> bool:
+        """True when the first call goes to the app (not replayed from the log, not
+        answered at once with an error): its result is worth waiting for ahead."""
+        return (f"{self.node.id}:call_{self.calls + 1}" not in self._results
+                and not isinstance(check_call(calls[0], self.tools), str))
 
     async def _run_calls(self, calls: Sequence[ToolCall]) -> list[str]:
         """The result texts of one turn's calls, in order (valid ones run concurrently

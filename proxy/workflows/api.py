@@ -8,23 +8,30 @@
   refused (400, ``param: deadline_s``) when the graph asks for ``strict_deadline``.
 * ``GET /v1/workflows/{run_id}/events`` -- the same stream again, from the event after
   ``Last-Event-ID`` (header) or ``?after=N``: a client that lost its connection, or a
-  proxy that restarted, loses nothing.
+  proxy that restarted, loses nothing. On a shared store a replica that does not execute
+  the run streams it from the store until it finishes.
 * ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` -- a ``@tool`` step's result,
-  ``{"value": ...}`` or ``{"error": "..."}``.
+  ``{"value": ...}`` or ``{"error": "..."}``; on a shared store any replica takes it (202
+  when another executes the run) and a second post of a result is a no-op.
 * ``POST /v1/workflows/{run_id}/nodes`` -- append ``{"nodes": [...], "awaited": [...]}``
   to an open run (a graph posted with ``"open": true``; ``"awaited"`` may go with it
   too); ``POST /v1/workflows/{run_id}/close`` -- no more nodes
-  (:mod:`flowlift.proxy.workflows.open_runs`).
+  (:mod:`flowlift.proxy.workflows.open_runs`); on a shared store a replica that does not
+  run the run validates them and keeps them for the one that does (202).
 * ``GET /v1/workflows`` -- runs, newest first, from the run store (so runs finished
   before a restart too), in OpenAI's list shape ``{"object": "list", "data": [...],
-  "first_id", "last_id", "has_more"}``; ``?state=`` (running, succeeded, failed,
+  "first_id", "last_id", "has_more"}``; each item also says its progress, deadline and
+  spend so far (``steps``, ``done``, ``failed``, ``deadline_s``, ``deadline_left_s``,
+  ``spent``, ``standard_cost``: :func:`~flowlift.proxy.workflows.progress.listing`);
+  ``?state=`` (running, succeeded, failed,
   cancelled), ``?name=`` (the graph's name), ``?limit=`` (1-100, default 20), ``?after=``
   (the last id of the previous page), ``?since=`` (epoch s).
 * ``GET /v1/workflows/{run_id}`` -- status, outputs and failures (and the trace, once
-  finished) of a run, ``prompts`` (step id -> the messages its model received) and
-  ``report``: the compiler's report of its graph.
+  finished) of a run, ``prompts`` (step id -> the messages its model received),
+  ``spend`` (each answer's tier and price: :func:`~flowlift.proxy.workflows.progress.spend`)
+  and ``report``: the compiler's report of its graph.
 * ``DELETE /v1/workflows/{run_id}`` -- cancel a run (queued steps dropped, engine
-  requests aborted).
+  requests aborted); on a shared store any replica takes it (202 when another runs it).
 * ``POST /v1/workflows:compile`` -- the compiler's report.
 
 A client that goes away does not cancel its run: it may reconnect. Runs nobody listens
@@ -36,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp_sse import sse_response
@@ -50,13 +57,16 @@ from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.tenants import tenant_of
-from flowlift.proxy.workflows import open_runs
+from flowlift.proxy.workflows import open_runs, progress
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.replay import trace_records
 from flowlift.proxy.workflows.runs import Run
 from flowlift.proxy.workflows.store import StoredRun
 from flowlift.tracing.spans import extract
+
+if TYPE_CHECKING:
+    from flowlift.proxy.workflows.registry import RunRegistry
 
 routes = web.RouteTableDef()
 
@@ -163,12 +173,25 @@ def _list_params(query: Any) -> dict[str, Any]:
 async def list_runs(request: web.Request) -> web.Response:
     """Runs in the store the request's tenant may see, newest first (see the module
     docstring for the query)."""
-    runs, more = request.app[STATE].runs.store.recent(**_list_params(request.query),
-                                                      tenant=tenant_of(request))
-    data = [r.to_json() for r in runs]
+    registry = request.app[STATE].runs
+    runs, more = registry.store.recent(**_list_params(request.query),
+                                       tenant=tenant_of(request))
+    data = [{**r.to_json(), **_figures(registry, r.run_id)} for r in runs]
     return web.json_response({"object": "list", "data": data,
                               "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+
+def _figures(registry: RunRegistry, run_id: str) -> dict[str, Any]:
+    """A listed run's progress, deadline and spend so far (:func:`progress.listing`):
+    from memory while it runs here, else from its stored event log."""
+    run = registry.active.get(run_id) or registry.finished.get(run_id)
+    if run is not None:
+        left = run.clock.left_s() if run.clock is not None and not run.finished else None
+        return progress.listing(len(run.trace.steps), run.graph.deadline_s,
+                                run.log.history(), left)
+    stored = registry.store.load(run_id)
+    return {} if stored is None else progress.stored_listing(stored)
 
 
 @routes.get("/v1/workflows/{run_id}/events")
@@ -183,8 +206,10 @@ async def follow_workflow(request: web.Request) -> web.StreamResponse:
     run = state.runs.live(run_id, tenant)
     if run is not None:
         return await _send(request, run.log.follow(after), run)
-    return await _send(request, _replay(state.runs.stored(run_id, tenant).events, after),
-                       None)
+    stored = state.runs.stored(run_id, tenant)
+    if stored.status == "running" and state.runs.store.shared:  # another proxy runs it
+        return await _send(request, state.runs.tail(stored, after), None)
+    return await _send(request, _replay(stored.events, after), None)
 
 
 @routes.post("/v1/workflows:compile")
@@ -199,23 +224,33 @@ async def compile_workflow(request: web.Request) -> web.Response:
 
 @routes.post("/v1/workflows/{run_id}/steps/{step_id}/result")
 async def tool_result(request: web.Request) -> web.Response:
-    run = request.app[STATE].runs.get(request.match_info["run_id"], tenant_of(request))
+    """A ``@tool`` result, for a run executed here or by another proxy on the same store
+    (:meth:`~flowlift.proxy.workflows.registry.RunRegistry.post_tool_result`): 200
+    ``{"ok": true, "outcome": "delivered" | "duplicate"}``, or 202 with ``"queued"`` (kept
+    in the store for the proxy that executes the run)."""
     body = parse_model(ToolResult, await read_json(request), "tool result")
-    run.deliver_tool_result(request.match_info["step_id"], body.value, body.error)
-    return web.json_response({"ok": True})
+    outcome = request.app[STATE].runs.post_tool_result(
+        request.match_info["run_id"], request.match_info["step_id"],
+        body.model_dump(exclude_none=True), tenant_of(request))
+    return web.json_response({"ok": True, "outcome": outcome},
+                             status=202 if outcome == "queued" else 200)
 
 
 @routes.post("/v1/workflows/{run_id}/nodes")
 async def append_nodes(request: web.Request) -> web.Response:
     """Append nodes to an open run (:func:`open_runs.append`)."""
     state = request.app[STATE]
-    run = state.runs.get(request.match_info["run_id"], tenant_of(request))
+    run_id, tenant = request.match_info["run_id"], tenant_of(request)
+    data = await read_json(request)
+    if state.runs.live(run_id, tenant) is None and state.runs.store.shared:
+        return web.json_response(state.runs.queue_request(  # another replica runs it
+            run_id, "nodes", data, tenant, state.backends.known()), status=202)
+    run = state.runs.get(run_id, tenant)
 
     def compile_graph(graph: Graph) -> Plan:
         return plan(graph, state.backends, state.costs, state.runs.outcomes, state.prices)
 
-    answer = await open_runs.append(run, await read_json(request), state.backends.known(),
-                                    compile_graph)
+    answer = await open_runs.append(run, data, state.backends.known(), compile_graph)
     log.info("run_grown", workflow_id=run.run_id, appended=len(answer["appended"]),
              steps=answer["steps"])
     return web.json_response(answer)
@@ -224,7 +259,12 @@ async def append_nodes(request: web.Request) -> web.Response:
 @routes.post("/v1/workflows/{run_id}/close")
 async def close_run(request: web.Request) -> web.Response:
     """No more nodes for an open run; it finishes once every node is done."""
-    run = request.app[STATE].runs.get(request.match_info["run_id"], tenant_of(request))
+    runs = request.app[STATE].runs
+    run_id, tenant = request.match_info["run_id"], tenant_of(request)
+    if runs.live(run_id, tenant) is None and runs.store.shared:  # another replica runs it
+        return web.json_response(runs.queue_request(run_id, "close", None, tenant, None),
+                                 status=202)
+    run = runs.get(run_id, tenant)
     run.close_input()
     return web.json_response({"run_id": run.run_id, "closed": True,
                               "status": run.trace.status})
@@ -253,6 +293,7 @@ async def get_run(request: web.Request) -> web.Response:
                                   "open": not run.growth.closed,
                                   "outputs": run.outputs, "failures": run.failures,
                                   "trace": run.trace.records(), "prompts": run.prompts,
+                                  "spend": progress.spend(run.log.history()),
                                   "report": await _run_report(state, run.graph, run.plan)})
     stored = runs.stored(run_id, tenant)
     graph = _stored_graph(stored)
@@ -261,6 +302,7 @@ async def get_run(request: web.Request) -> web.Response:
                               "outputs": stored.outputs(), "failures": stored.failures(),
                               "trace": trace_records(run_id, _wire(graph), stored.events),
                               "prompts": stored.prompts(),
+                              "spend": progress.spend(stored.events),
                               "report": await _run_report(state, graph, None)})
 
 
@@ -294,6 +336,13 @@ async def _run_report(state: ProxyState, graph: Graph | dict[str, Any],
 
 @routes.delete("/v1/workflows/{run_id}")
 async def cancel_run(request: web.Request) -> web.Response:
-    run = request.app[STATE].runs.get(request.match_info["run_id"], tenant_of(request))
+    """Cancel a run; on a shared store, one another replica executes is cancelled by it
+    (202, the request kept in the store for it)."""
+    runs = request.app[STATE].runs
+    run_id, tenant = request.match_info["run_id"], tenant_of(request)
+    if runs.live(run_id, tenant) is None and runs.store.shared:
+        return web.json_response(runs.queue_request(run_id, "cancel", None, tenant, None),
+                                 status=202)
+    run = runs.get(run_id, tenant)
     run.cancel()
     return web.json_response({"run_id": run.run_id, "cancelled": not run.finished})

@@ -30,6 +30,7 @@ class EventLog:
         self._changed = asyncio.Event()
         self.listeners = 0
         self.listened = asyncio.Event()  # set once anyone has followed the log
+        self.ended = False  # no more events here (the run went to another proxy)
 
     @property
     def last_seq(self) -> int:
@@ -42,6 +43,13 @@ class EventLog:
         self._events.append((seq, name, data))
         self._changed.set()
         return seq
+
+    def end(self) -> None:
+        """No more events will come here (the run's lease went to another proxy): every
+        follower's stream ends after the events it has not read yet, so its client
+        reconnects and follows the run where it runs now."""
+        self.ended = True
+        self._changed.set()
 
     def history(self) -> list[Event]:
         return list(self._events)
@@ -61,6 +69,8 @@ class EventLog:
                     yield event
                     if event[1] == FINAL:
                         return
+                if self.ended:
+                    return
                 self._changed.clear()
                 await self._changed.wait()
         finally:

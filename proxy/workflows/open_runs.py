@@ -222,11 +222,7 @@ async def append(run: Run, data: Any, models: Collection[str] | None,
         RequestError: ``awaited`` names unknown steps.
         RunClosed: the run is closed or finished.
     """
-    try:
-        body = AppendRequest.model_validate(data)
-    except ValidationError as exc:
-        raise GraphError([f"{'.'.join(map(str, e['loc'])) or '(body)'}: {e['msg']}"
-                          for e in exc.errors(include_url=False)]) from None
+    body = parse_append(data)
     async with run.growth.lock:
         run.growth.check_open(run.run_id, run.finished)
         fresh, bigger = check_append(run.graph, body.nodes, models)
@@ -237,3 +233,38 @@ async def append(run: Run, data: Any, models: Collection[str] | None,
                    awaited)
     return {"run_id": run.run_id, "appended": [n.id for n in fresh],
             "steps": len(run.graph.nodes)}
+
+
+def parse_append(data: Any) -> AppendRequest:
+    """The body of ``POST .../nodes``, parsed.
+
+    Raises:
+        GraphError: every problem of the body.
+    """
+    try:
+        return AppendRequest.model_validate(data)
+    except ValidationError as exc:
+        raise GraphError([f"{'.'.join(map(str, e['loc'])) or '(body)'}: {e['msg']}"
+                          for e in exc.errors(include_url=False)]) from None
+
+
+def check_queued(graph: Graph, queued: Iterable[Any], data: Any,
+                 models: Collection[str] | None) -> tuple[list[str], int]:
+    """Validate an append for a run another proxy executes (a shared store), against
+    ``graph`` (the stored run's, :func:`stored_graph`) grown by the appends still
+    ``queued`` for its owner (their bodies, in order); nothing is changed.
+
+    Returns:
+        The ids of the nodes it adds, and how many steps the run then holds.
+
+    Raises:
+        GraphError: the body or the grown graph is invalid (every problem listed).
+        RequestError: ``awaited`` names unknown steps.
+    """
+    for earlier in queued:
+        held = graph.node_map()
+        graph = grown(graph, (n for n in parse_append(earlier).nodes if n.id not in held))
+    body = parse_append(data)
+    fresh, bigger = check_append(graph, body.nodes, models)
+    awaited_ids(bigger, list(body.awaited))
+    return [n.id for n in fresh], len(bigger.nodes)

@@ -10,13 +10,86 @@ the store (finished before this proxy started) is counted from its event log.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from aiohttp import web
 
 from flowlift.proxy.state import STATE
 from flowlift.proxy.tenants import tenant_of
+from flowlift.proxy.workflows.store import StoredRun
 
 routes = web.RouteTableDef()
 STATUSES = ("pending", "queued", "running", "waiting_tool", "done", "failed")
+
+
+def spend(events: Iterable[tuple[int, str, dict[str, Any]]]) -> dict[str, Any]:
+    """What a run has paid so far, from its ``step.cost`` events (each answer priced at
+    the tier that served it: :mod:`flowlift.proxy.workflows.tiering`).
+
+    Returns:
+        ``{"cost", "standard_cost", "by_step": {step_id: {"asked", "served", "cost",
+        "standard_cost"}}}``: ``cost`` the sum over priced answers (None when no answer
+        was priced: a run without a tier plan, or unpriced backends), ``standard_cost``
+        what the same tokens cost on the ``standard`` tier (None when not known). A step
+        answered twice counts both: the watchdog's fast answer and its batch line that
+        finished later anyway (a ``late`` event; the provider bills it).
+    """
+    by_step: dict[str, dict[str, Any]] = {}
+    cost: float | None = None
+    standard: float | None = None
+    for _, name, data in events:
+        if name != "step.cost":
+            continue
+        step = by_step.setdefault(str(data.get("step_id")), {
+            "asked": None, "served": None, "cost": None, "standard_cost": None})
+        step["asked"], step["served"] = data.get("asked"), data.get("served")
+        for key, value in (("cost", data.get("cost")),
+                           ("standard_cost", data.get("standard_cost"))):
+            if isinstance(value, int | float):
+                step[key] = (step[key] or 0.0) + value
+        if isinstance(data.get("cost"), int | float):
+            cost = (cost or 0.0) + data["cost"]
+        if isinstance(data.get("standard_cost"), int | float):
+            standard = (standard or 0.0) + data["standard_cost"]
+    return {"cost": None if cost is None else round(cost, 8),
+            "standard_cost": None if standard is None else round(standard, 8),
+            "by_step": by_step}
+
+
+def listing(steps: int, deadline_s: float | None,
+            events: list[tuple[int, str, dict[str, Any]]],
+            deadline_left_s: float | None = None) -> dict[str, Any]:
+    """A run's progress, deadline and spend so far, for ``GET /v1/workflows``' items.
+
+    Args:
+        steps: how many steps the run has (an open run's appended ones included).
+        deadline_s: its graph's deadline budget in seconds, or None.
+        events: its event log.
+        deadline_left_s: seconds left on a live run's deadline clock (it stops while a
+            ``@tool`` step is out), None when not known (a stored run) or no deadline.
+
+    Returns:
+        ``{"steps", "done", "failed", "deadline_s", "deadline_left_s", "spent",
+        "standard_cost"}`` (``spent``: :func:`spend`'s ``cost``).
+    """
+    done = {d.get("step_id") for _, n, d in events if n == "step.finished"}
+    failed = {d.get("step_id") for _, n, d in events if n == "step.failed"}
+    paid = spend(events)
+    return {"steps": steps, "done": len(done), "failed": len(failed - done),
+            "deadline_s": deadline_s,
+            "deadline_left_s": None if deadline_left_s is None else round(deadline_left_s, 1),
+            "spent": paid["cost"], "standard_cost": paid["standard_cost"]}
+
+
+def stored_listing(stored: StoredRun) -> dict[str, Any]:
+    """:func:`listing` of a run read from the store (its appended nodes counted; no
+    deadline clock to read)."""
+    appended = sum(len(d.get("nodes") or ()) for _, n, d in stored.events
+                   if n == "nodes.appended")
+    deadline = stored.graph.get("deadline_s")
+    return listing(len(stored.graph.get("nodes") or ()) + appended,
+                   deadline if isinstance(deadline, int | float) else None, stored.events)
 
 
 @routes.get("/v1/workflows/{run_id}/progress")

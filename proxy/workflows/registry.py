@@ -8,6 +8,15 @@
 * ``heartbeat`` (shared stores: several proxies on one database) renews the leases of
   the runs this proxy executes, stops those another proxy took over, and takes over the
   runs whose proxy stopped renewing (see :mod:`flowlift.proxy.workflows.store_pg`).
+* Every event a run writes carries its lease's epoch (fencing): once another proxy has
+  taken the run over the store refuses the write (:class:`~flowlift.errors.LeaseLost`)
+  and the run stops here at once, before any client sees the event.
+* ``post_tool_result`` takes a ``@tool`` result for any run in the store, executed here
+  or by another proxy: it is kept in the store first, and ``deliver_posted`` hands kept
+  results to the runs here that wait for them (so a result posted to any replica lands
+  once, with the run's owner or whoever takes the run over).
+* ``tail`` streams a run another proxy executes, from the store; the follow is marked
+  in the store so that its owner counts it as a listener (``heartbeat``).
 * ``sweep`` cancels runs that nobody has listened to for ``detached_timeout_s`` (their
   client went away and did not come back), so orphans do not wait forever; an open run
   whose app vanished before closing it goes the same way. A ``detached`` graph's run is
@@ -16,13 +25,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +42,22 @@ from opentelemetry.context import Context
 
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
-from flowlift.errors import Overloaded, RequestError, RunNotFound
+from flowlift.errors import (
+    FlowliftError,
+    LeaseLost,
+    Overloaded,
+    RequestError,
+    RunClosed,
+    RunNotFound,
+)
 from flowlift.graph import Graph
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.tenants import visible
+from flowlift.proxy.workflows import open_runs
+from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
-from flowlift.proxy.workflows.open_runs import stored_graph
+from flowlift.proxy.workflows.open_runs import CLOSED, stored_graph
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
@@ -48,6 +68,13 @@ log = get_logger("flowlift.runs")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 """A client-chosen run id: no path separators or leading dot, since ``<id>.jsonl`` is the
 run's trace file under ``trace_dir`` (``../x`` or ``/tmp/x`` would write outside it)."""
+TAIL_POLL_S = 0.2
+"""How often :meth:`RunRegistry.tail` reads a run another proxy executes from the store."""
+
+
+def _not_waiting(run_id: str, step_id: str) -> RequestError:
+    return RequestError(f"step {step_id!r} of run {run_id} is not waiting for a tool result",
+                        param="step_id")
 
 
 def log_end(run: Run) -> None:
@@ -98,6 +125,8 @@ class RunRegistry:
         self.lease_ttl_s = lease_ttl_s
         self.outcomes = outcomes or StepOutcomes(":memory:")
         self.active: dict[str, Run] = {}
+        self.epochs: dict[str, int] = {}  # run id -> this proxy's lease epoch (fencing)
+        self.tailed: Counter[str] = Counter()  # run id -> clients tailing it from here
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
@@ -168,11 +197,13 @@ class RunRegistry:
         if graph.id is not None and (graph.id in self.active or self.store.exists(graph.id)):
             raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
                                "fresh one", param="id")
-        run = Run(graph, backends, run_plan, costs, sink=self.store.append,
+        run = Run(graph, backends, run_plan, costs, sink=self._append,
                   outcomes=self.outcomes, observer=self.observer, trace_parent=parent)
         run.tenant = tenant
         self.store.create(run.run_id, graph.to_wire(), tenant)
-        self.store.claim(run.run_id, self.owner, self.lease_ttl_s)
+        epoch = self.store.claim(run.run_id, self.owner, self.lease_ttl_s)
+        if epoch is not None:  # (None: a stranger's lease on a fresh id; its writes fail)
+            self.epochs[run.run_id] = epoch
         self._activate(run)
         return run
 
@@ -181,15 +212,16 @@ class RunRegistry:
         open run with the nodes appended to it, still open unless it was closed)."""
         resumed = []
         for run_id in self.store.orphans(self.owner):
-            if run_id in self.active or not self.store.claim(run_id, self.owner,
-                                                             self.lease_ttl_s):
+            if run_id in self.active:
                 continue
-            stored = self.store.load(run_id)
-            if stored is None:  # pruned meanwhile
+            epoch = self.store.claim(run_id, self.owner, self.lease_ttl_s)
+            stored = None if epoch is None else self.store.load(run_id)  # after the claim
+            if epoch is None or stored is None:  # another's, or pruned meanwhile
                 continue
+            self.epochs[run_id] = epoch
             graph = stored_graph(stored)
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
-                      run_id=stored.run_id, sink=self.store.append, restored=stored,
+                      run_id=stored.run_id, sink=self._append, restored=stored,
                       outcomes=self.outcomes, observer=self.observer)
             self._activate(run)
             resumed.append(run)
@@ -207,10 +239,190 @@ class RunRegistry:
         held = self.store.renew(self.owner, list(self.active), self.lease_ttl_s)
         for run_id, run in list(self.active.items()):
             if run_id not in held and not run.finished:
-                log.warning("run_lease_lost", workflow_id=run_id)
-                self.active.pop(run_id)
-                run.suspend()
+                self._lost(run_id)
+        self.store.mark_followed(list(self.tailed))
+        quiet = [rid for rid, run in self.active.items() if not run.log.listeners]
+        for run_id in self.store.followed(quiet, within_s=self.lease_ttl_s):
+            run = self.active[run_id]  # a client follows it through another proxy
+            run.log.listened.set()  # (a parked run starts)
+            run.detached_since = None  # (the sweep leaves it alone)
         return self.resume_all(backends, costs)
+
+    def _append(self, run_id: str, seq: int, name: str, data: dict[str, Any]) -> None:
+        """The runs' event sink: the store's append, fenced by this proxy's lease epoch.
+
+        Raises:
+            LeaseLost: another proxy holds the run now; the run stops here.
+        """
+        try:
+            # (no epoch known: 0, which no lease has; the write is refused: fail closed)
+            self.store.append(run_id, seq, name, data, epoch=self.epochs.get(run_id, 0))
+        except LeaseLost:
+            self._lost(run_id)
+            raise
+
+    def _lost(self, run_id: str) -> None:
+        """Another proxy took ``run_id`` over: stop it here without another event and end
+        its followers' streams (they reconnect and follow it where it runs now)."""
+        self.epochs.pop(run_id, None)
+        run = self.active.pop(run_id, None)
+        if run is None:
+            return
+        log.warning("run_lease_lost", workflow_id=run_id)
+        run.suspend()
+        run.log.end()
+
+    # -- tool results and followers across proxies (shared stores) --------------------
+    def post_tool_result(self, run_id: str, step_id: str, body: dict[str, Any],
+                         tenant: str | None = None) -> str:
+        """Take a ``@tool`` step's result (``{"value"}`` or ``{"error"}``) for a run
+        executed here or by another proxy; the store keeps it first.
+
+        Returns:
+            ``"delivered"`` (to the run, here), ``"queued"`` (kept for the proxy that
+            executes the run: it takes it within :data:`TAIL_POLL_S`) or ``"duplicate"``
+            (the step had its result: nothing changes).
+
+        Raises:
+            RunNotFound: no such run (or another tenant's).
+            RequestError: the step is not waiting for a result (unknown, failed, or the
+                run has finished).
+        """
+        run = self.live(run_id, tenant)
+        if run is not None:  # executed here (or finished here lately)
+            if run.has_tool_result(step_id):
+                return "duplicate"
+            if step_id not in run.waiting_tools():
+                raise _not_waiting(run_id, step_id)
+            self.store.put_tool_result(run_id, step_id, body)  # durable before it counts
+            run.deliver_tool_result(step_id, body.get("value"), body.get("error"))
+            return "delivered"
+        stored = self.stored(run_id, tenant)
+        logged = {d.get("step_id") for _, n, d in stored.events
+                  if n in ("step.finished", "tool.result")}
+        if step_id in logged:
+            return "duplicate"
+        nodes = {n.id for n in stored_graph(stored).nodes}
+        if stored.status != "running" or step_id.rsplit(":call_", 1)[0] not in nodes:
+            raise _not_waiting(run_id, step_id)
+        return "queued" if self.store.put_tool_result(run_id, step_id, body) else "duplicate"
+
+    def deliver_posted(self) -> int:
+        """Hand the results kept in the store (posted to any proxy) to the runs here that
+        wait for them.
+
+        Returns:
+            How many were delivered.
+        """
+        delivered = 0
+        for run_id, run in list(self.active.items()):
+            waiting = run.waiting_tools()
+            for step_id, body in self.store.tool_results(run_id, waiting).items():
+                run.deliver_tool_result(step_id, body.get("value"), body.get("error"))
+                delivered += 1
+        return delivered
+
+    def queue_request(self, run_id: str, kind: str, data: Any, tenant: str | None,
+                      models: Collection[str] | None) -> dict[str, Any]:
+        """An open run's append (``kind`` ``"nodes"``, body ``data``) or close
+        (``"close"``), or a cancel (``"cancel"``), for a run another proxy executes:
+        validated against what the store holds and the requests still queued, then kept
+        for the owner (:meth:`apply_requests`).
+
+        Returns:
+            The answer: ``{"run_id", "appended", "steps", "queued": true}`` (nodes),
+            ``{"run_id", "closed": true, "status"}`` (close) or ``{"run_id", "cancelled",
+            "queued": true}`` (cancel; ``cancelled``: whether it was still running).
+
+        Raises:
+            RunNotFound: no such run (or another tenant's).
+            RunClosed: the run was posted whole, is closed or has finished (nodes).
+            GraphError: the append is invalid (every problem listed).
+            RequestError: ``awaited`` names unknown steps.
+        """
+        stored = self.stored(run_id, tenant)
+        if kind == "cancel":
+            running = stored.status == "running"
+            if running:
+                self.store.put_request(run_id, "cancel", {})
+            return {"run_id": run_id, "cancelled": running, "queued": True}
+        queued = self.store.requests([run_id])
+        graph = stored_graph(stored)
+        closed = (not graph.open or stored.status != "running"
+                  or any(n == CLOSED for _, n, _ in stored.events)
+                  or any(k == "close" for _, _, k, _ in queued))
+        if kind == "close":
+            if not closed:
+                self.store.put_request(run_id, "close", {})
+            return {"run_id": run_id, "closed": True, "status": stored.status}
+        if closed:
+            raise RunClosed(f"run {run_id} takes no more steps: it was posted whole, is "
+                            "closed or has finished", param="run_id")
+        appended, steps = open_runs.check_queued(
+            graph, [body for _, _, k, body in queued if k == "nodes"], data, models)
+        self.store.put_request(run_id, "nodes", data)
+        return {"run_id": run_id, "appended": appended, "steps": steps, "queued": True}
+
+    async def apply_requests(self, models: Collection[str] | None,
+                             compile_graph: Callable[[Graph], Plan]) -> int:
+        """Carry out the appends, closes and cancels other proxies kept for the runs here,
+        in order, and drop them (applying one twice is harmless: held nodes are skipped,
+        a second close or cancel is a no-op).
+
+        Returns:
+            How many were carried out.
+        """
+        done: list[int] = []
+        for request_id, run_id, kind, body in self.store.requests(list(self.active)):
+            run = self.active.get(run_id)
+            if run is None:  # (lost meanwhile: the request waits for the new owner)
+                continue
+            try:
+                if kind == "cancel":
+                    run.cancel()
+                elif kind == "close":
+                    run.close_input()
+                else:
+                    await open_runs.append(run, body, models, compile_graph)
+            except LeaseLost:
+                continue
+            except FlowliftError as exc:  # validated when queued; the run may have ended
+                log.warning("run_request_dropped", workflow_id=run_id, kind=kind,
+                            error=exc.message)
+            done.append(request_id)
+        self.store.drop_requests(done)
+        return len(done)
+
+    async def tail(self, stored: StoredRun, after: int = 0,
+                   poll_s: float = TAIL_POLL_S) -> AsyncIterator[Event]:
+        """The events of a run another proxy executes (``stored``: as read now): those
+        after ``after``, then new ones from the store every ``poll_s`` s until
+        ``run.finished``; follows the run's own log once this proxy takes it over. The
+        follow is marked in the store meanwhile (:meth:`heartbeat`)."""
+        run_id = stored.run_id
+        self.tailed[run_id] += 1
+        self.store.mark_followed([run_id])
+        try:
+            current: StoredRun | None = stored
+            while current is not None:
+                for event in current.events:
+                    if event[0] > after:
+                        after = event[0]
+                        yield event
+                        if event[1] == FINAL:
+                            return
+                if current.status != "running":
+                    return
+                if run_id in self.active:  # taken over here: its own log from now on
+                    async for event in self.active[run_id].log.follow(after):
+                        yield event
+                    return
+                await asyncio.sleep(poll_s)
+                current = self.store.load(run_id)
+        finally:
+            self.tailed[run_id] -= 1
+            if not self.tailed[run_id]:
+                del self.tailed[run_id]
 
     def _activate(self, run: Run) -> None:
         self.active[run.run_id] = run
@@ -221,6 +433,7 @@ class RunRegistry:
         """Move a finished run to the finished table and write its trace (once)."""
         if self.active.pop(run.run_id, None) is None:
             return
+        self.epochs.pop(run.run_id, None)
         self.store.release(run.run_id, self.owner)  # (suspended: another proxy may take it)
         self.finished[run.run_id] = run
         log_end(run)

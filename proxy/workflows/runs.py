@@ -33,7 +33,7 @@ from opentelemetry.context import Context
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
 from flowlift.dataflow import dependencies
-from flowlift.errors import FlowliftError, RequestError, failure_kind
+from flowlift.errors import FlowliftError, LeaseLost, RequestError, failure_kind
 from flowlift.graph import (
     Graph,
     InputNode,
@@ -58,6 +58,7 @@ from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
 from flowlift.proxy.workflows.agent import AgentLoop, ToolRaised
+from flowlift.proxy.workflows.ahead import HOLE, ahead_request, consumers, known_prefix
 from flowlift.proxy.workflows.books import AttemptBooks
 from flowlift.proxy.workflows.cascade import Attempt, Generated, run_step
 from flowlift.proxy.workflows.deadline import DeadlineClock
@@ -105,6 +106,7 @@ class Run:
         self.clock = DeadlineClock(graph.deadline_s) if graph.deadline_s is not None else None
         self._warmer: dict[int, str] = {}
         self._warm: dict[int, asyncio.Event] = {}
+        self._aheads = 0  # prefill-aheads asked for (numbers their request ids)
         self.run_id = run_id or graph.id or f"wf-{secrets.token_hex(8)}"
         self.log = EventLog(None if sink is None else functools.partial(sink, self.run_id),
                             restored.events if restored else ())
@@ -144,9 +146,18 @@ class Run:
 
     def start(self) -> asyncio.Task[None]:
         ctx = self.observer.run_started(self)
-        self.task = asyncio.create_task(self._execute(), name=f"run {self.run_id}",
+        self.task = asyncio.create_task(self._fenced(), name=f"run {self.run_id}",
                                         context=ctx)
         return self.task
+
+    async def _fenced(self) -> None:
+        """The run, stopped quietly when the store refuses one of its events because
+        another proxy took it over (the sink suspended it: see
+        :meth:`flowlift.proxy.workflows.registry.RunRegistry.heartbeat`)."""
+        try:
+            await self._execute()
+        except LeaseLost:
+            log.info("run_stopped_lease_lost", workflow_id=self.run_id)
 
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():
@@ -158,6 +169,17 @@ class Run:
         self.cancel()
 
     # -- client-run steps ----------------------------------------------------------
+    def waiting_tools(self) -> list[str]:
+        """Ids of the ``@tool`` steps and agent tool calls waiting for a result now."""
+        return [step for step, fut in self._tool_results.items() if not fut.done()]
+
+    def has_tool_result(self, step_id: str) -> bool:
+        """Whether the step (or agent call) ``step_id`` has had its result already."""
+        fut = self._tool_results.get(step_id)
+        return (step_id in self.outputs or (fut is not None and fut.done())
+                or any(n == "tool.result" and d.get("step_id") == step_id
+                       for _, n, d in self.log.history()))
+
     def deliver_tool_result(self, step_id: str, value: Any = None,
                             error: str | None = None) -> None:
         """Hand a ``@tool`` step's result (or error) to the waiting branch.
@@ -308,6 +330,8 @@ class Run:
                 self._failed(node.id, f"{why}{spent}", kind)
 
     def _close(self, status: str) -> None:
+        if self._suspending:  # stopped, not finished: the run goes on elsewhere or later
+            return
         tiered = self.__dict__.get("_dispatcher")
         if isinstance(tiered, TieredDispatcher):
             tiered.close()
@@ -427,7 +451,8 @@ class Run:
             attempt = AgentLoop(node, turn=one, trace=self.trace,
                                 continuation=lambda: self._priority(node.id, "interactive"),
                                 emit=self.log.emit, history=self.log.history(),
-                                waiting=self._tool_results, clock=self.clock)
+                                waiting=self._tool_results, clock=self.clock,
+                                ahead=functools.partial(self._prefill_ahead, node))
         value, model = await run_step(node, messages, attempt, record)
         self.trace.step(node.id).model = self.backends.canonical(model)
         return value
@@ -536,6 +561,31 @@ class Run:
                            prefill_ms=at.first_token_ms - at.started_ms,
                            decode_ms=at.finished_ms - at.first_token_ms)
 
+    def _prefill_next(self, tool_id: str) -> None:
+        """While tool ``tool_id`` is out: prefill the known start of each model step that
+        reads its output (:mod:`flowlift.proxy.workflows.ahead`)."""
+        skip = self.plan.merged_into if self.plan else {}
+        for step in consumers(self.graph.nodes, self._deps, tool_id, skip):
+            if step.id in self.outputs or step.id in self.failures:
+                continue
+            messages = known_prefix(step.messages, self.outputs)
+            if messages is not None:
+                self._prefill_ahead(step, step.models()[0], messages)
+
+    def _prefill_ahead(self, node: LLMNode, want: str | None,
+                       messages: Sequence[ChatMessage]) -> None:
+        """Prefill ``messages`` (ending in :data:`~.ahead.HOLE`) of ``node`` on ``want``
+        ahead of its request (:class:`~flowlift.proxy.dispatch.prefill_ahead.PrefillAhead`
+        decides whether the engine has room)."""
+        try:
+            model, _ = self.backends.resolve(want)
+        except FlowliftError:
+            return
+        self._aheads += 1
+        request = ahead_request(node, model, messages,
+                                f"{self.run_id}:{node.id}:{self._aheads}", self.run_id)
+        self.backends.ahead.issue(request, HOLE)
+
     async def _tool(self, node: ToolNode) -> Any:
         def arg(a: Any) -> Any:
             if isinstance(a, Ref):
@@ -552,6 +602,7 @@ class Run:
         self._emit(("tool.wanted", {
             "step_id": node.id, "name": node.name, "args": [arg(a) for a in node.args],
             "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}))
+        self._prefill_next(node.id)
         if self.clock is None:
             return await fut
         async with self.clock.paused():  # the app has the ball: the deadline clock stops

@@ -10,6 +10,8 @@ Tables::
     runs(run_id PRIMARY KEY, graph TEXT, status TEXT, created_at REAL, updated_at REAL,
          tenant TEXT)   -- NULL: recorded without a tenant (see flowlift.proxy.tenants)
     events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
+    tool_results(run_id, step_id, body TEXT, PRIMARY KEY (run_id, step_id))
+    requests(id INTEGER PRIMARY KEY, run_id, kind TEXT, body TEXT)  -- for its owner
 
 :class:`RunStoreProtocol` is the contract every store keeps (tests/test_store_contract.py
 runs one suite over both); :func:`open_store` picks the store from ``--state-db``: a
@@ -43,6 +45,10 @@ CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, graph TEXT NOT NULL,
 CREATE TABLE IF NOT EXISTS events (run_id TEXT NOT NULL, seq INTEGER NOT NULL,
     name TEXT NOT NULL, data TEXT NOT NULL, PRIMARY KEY (run_id, seq));
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, updated_at);
+CREATE TABLE IF NOT EXISTS tool_results (run_id TEXT NOT NULL, step_id TEXT NOT NULL,
+    body TEXT NOT NULL, PRIMARY KEY (run_id, step_id));
+CREATE TABLE IF NOT EXISTS requests (id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL);
 """
 _MIGRATIONS = (("tenant", "ALTER TABLE runs ADD COLUMN tenant TEXT"),)
 """Columns added since the first schema: (column, statement adding it to an older file)."""
@@ -109,9 +115,16 @@ class RunStoreProtocol(Protocol):
         """
         ...
 
-    def append(self, run_id: str, seq: int, name: str, data: dict[str, Any]) -> None:
+    def append(self, run_id: str, seq: int, name: str, data: dict[str, Any],
+               epoch: int | None = None) -> None:
         """Store event ``seq`` of a run (again: replaces it); ``run.finished`` also sets
-        the run's status (``data["status"]``, default ``finished``)."""
+        the run's status (``data["status"]``, default ``finished``). ``epoch``: the
+        writer's lease epoch (from :meth:`claim`; None: unfenced).
+
+        Raises:
+            LeaseLost: a shared store where the run's lease is not at ``epoch`` any more
+                (another proxy took it over); nothing was written.
+        """
         ...
 
     def exists(self, run_id: str) -> bool:
@@ -159,12 +172,14 @@ class RunStoreProtocol(Protocol):
         a store one proxy owns grants every claim)."""
         ...
 
-    def claim(self, run_id: str, owner: str, ttl_s: float) -> bool:
+    def claim(self, run_id: str, owner: str, ttl_s: float) -> int | None:
         """Take (or renew) the lease of ``run_id`` for ``owner`` for ``ttl_s`` seconds:
         granted when nobody holds it, its holder's lease expired, or ``owner`` holds it.
 
         Returns:
-            Whether ``owner`` holds the lease now.
+            The lease's epoch (>= 1, the fencing token :meth:`append` takes; a new owner
+            gets a greater one than any before, a renewal keeps it) when ``owner`` holds
+            the lease now, else None.
         """
         ...
 
@@ -183,6 +198,45 @@ class RunStoreProtocol(Protocol):
     def orphans(self, owner: str) -> list[str]:
         """Ids of the runs still ``running`` that ``owner`` could claim (no lease, an
         expired one, or its own), oldest first."""
+        ...
+
+    # -- a tool result posted to any proxy; runs followed from another proxy ----------
+    def put_tool_result(self, run_id: str, step_id: str, body: dict[str, Any]) -> bool:
+        """Keep a ``@tool`` step's result (``{"value"}`` or ``{"error"}``) until the run's
+        owner consumes it (the first post wins).
+
+        Returns:
+            True when stored now, False when the step had a result already.
+        """
+        ...
+
+    def tool_results(self, run_id: str, step_ids: Collection[str]) -> dict[str, dict[str, Any]]:
+        """The kept results of ``step_ids`` of ``run_id`` (step id -> body)."""
+        ...
+
+    def mark_followed(self, run_ids: Collection[str]) -> None:
+        """Say (now) that a client follows these runs through this proxy."""
+        ...
+
+    def followed(self, run_ids: Collection[str], within_s: float) -> set[str]:
+        """The ids among ``run_ids`` marked followed within the last ``within_s`` s."""
+        ...
+
+    def put_request(self, run_id: str, kind: str, body: dict[str, Any]) -> int:
+        """Keep a request for the proxy that executes ``run_id`` (``kind``: ``"nodes"``,
+        an open run's append; ``"close"``; ``"cancel"``).
+
+        Returns:
+            Its id (ids grow in the order requests were kept).
+        """
+        ...
+
+    def requests(self, run_ids: Collection[str]) -> list[tuple[int, str, str, dict[str, Any]]]:
+        """Kept requests of ``run_ids`` as ``(id, run_id, kind, body)``, oldest first."""
+        ...
+
+    def drop_requests(self, ids: Collection[int]) -> None:
+        """Forget requests that were carried out."""
         ...
 
 
@@ -245,7 +299,9 @@ class SQLiteRunStore:
                          "tenant) VALUES (?, ?, 'running', ?, ?, ?)",
                          (run_id, json.dumps(graph), now, now, tenant))
 
-    def append(self, run_id: str, seq: int, name: str, data: dict[str, Any]) -> None:
+    def append(self, run_id: str, seq: int, name: str, data: dict[str, Any],
+               epoch: int | None = None) -> None:
+        """Store event ``seq`` (``epoch``: unused; one proxy owns the file)."""
         self._db.execute("INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?)",
                          (run_id, seq, name, json.dumps(data)))
         if name == "run.finished":
@@ -325,6 +381,8 @@ class SQLiteRunStore:
                 "ORDER BY updated_at DESC LIMIT -1 OFFSET ?", (cutoff, keep))]
         for rid in ids:
             self._db.execute("DELETE FROM events WHERE run_id = ?", (rid,))
+            self._db.execute("DELETE FROM tool_results WHERE run_id = ?", (rid,))
+            self._db.execute("DELETE FROM requests WHERE run_id = ?", (rid,))
             self._db.execute("DELETE FROM runs WHERE run_id = ?", (rid,))
         return len(ids)
 
@@ -342,8 +400,8 @@ class SQLiteRunStore:
     # -- ownership: one proxy owns a SQLite file, so every claim is granted ---------------
     shared = False
 
-    def claim(self, run_id: str, owner: str, ttl_s: float) -> bool:
-        return True
+    def claim(self, run_id: str, owner: str, ttl_s: float) -> int | None:
+        return 1  # one owner, one epoch: nothing to fence
 
     def renew(self, owner: str, run_ids: Collection[str], ttl_s: float) -> set[str]:
         return set(run_ids)
@@ -354,6 +412,39 @@ class SQLiteRunStore:
     def orphans(self, owner: str) -> list[str]:
         return [r[0] for r in self._db.execute(
             "SELECT run_id FROM runs WHERE status = 'running' ORDER BY created_at")]
+
+    def put_tool_result(self, run_id: str, step_id: str, body: dict[str, Any]) -> bool:
+        return self._db.execute("INSERT OR IGNORE INTO tool_results VALUES (?, ?, ?)",
+                                (run_id, step_id, json.dumps(body))).rowcount == 1
+
+    def tool_results(self, run_id: str, step_ids: Collection[str]) -> dict[str, dict[str, Any]]:
+        wanted = set(step_ids)
+        if not wanted:
+            return {}
+        return {step: json.loads(body) for step, body in self._db.execute(
+            "SELECT step_id, body FROM tool_results WHERE run_id = ?", (run_id,))
+            if step in wanted}
+
+    def mark_followed(self, run_ids: Collection[str]) -> None:
+        return None  # one proxy: its own listeners are all there are
+
+    def followed(self, run_ids: Collection[str], within_s: float) -> set[str]:
+        return set()
+
+    def put_request(self, run_id: str, kind: str, body: dict[str, Any]) -> int:
+        cursor = self._db.execute("INSERT INTO requests (run_id, kind, body) VALUES (?, ?, ?)",
+                                  (run_id, kind, json.dumps(body)))
+        return int(cursor.lastrowid or 0)
+
+    def requests(self, run_ids: Collection[str]) -> list[tuple[int, str, str, dict[str, Any]]]:
+        wanted = set(run_ids)
+        if not wanted:
+            return []
+        return [(rid, run, kind, json.loads(body)) for rid, run, kind, body in self._db.execute(
+            "SELECT id, run_id, kind, body FROM requests ORDER BY id") if run in wanted]
+
+    def drop_requests(self, ids: Collection[int]) -> None:
+        self._db.executemany("DELETE FROM requests WHERE id = ?", [(i,) for i in ids])
 
 
 RunStore = SQLiteRunStore

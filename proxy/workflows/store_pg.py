@@ -8,7 +8,11 @@ in tables prefixed ``flowlift_`` (so the database may hold other things)::
     flowlift_runs(run_id PRIMARY KEY, graph TEXT, name TEXT, status TEXT,
                   created_at DOUBLE PRECISION, updated_at DOUBLE PRECISION)
     flowlift_events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
-    flowlift_leases(run_id PRIMARY KEY, owner TEXT, expires_at DOUBLE PRECISION)
+    flowlift_leases(run_id PRIMARY KEY, owner TEXT, expires_at DOUBLE PRECISION,
+                    epoch BIGINT)                   -- the fencing token
+    flowlift_tool_results(run_id, step_id, body TEXT, PRIMARY KEY (run_id, step_id))
+    flowlift_follows(run_id PRIMARY KEY, at DOUBLE PRECISION)  -- a replica tails it
+    flowlift_requests(id BIGSERIAL PRIMARY KEY, run_id, kind TEXT, body TEXT)
 
 **Ownership.** A run is executed by one proxy at a time: the one holding its lease
 (``flowlift_leases``: owner, expiry in epoch s of the *database's* clock, so proxies'
@@ -18,9 +22,30 @@ all its leases every third of the lease's time (the heartbeat,
 stops renewing, and once its leases expire another proxy claims the runs and resumes
 them from the log (nothing finished runs again). A claim is one ``INSERT ... ON CONFLICT
 DO UPDATE ... WHERE`` (the holder's lease expired, or it is the claimer's): the row lock
-makes two claimers of one expired lease agree on one winner. Events are not fenced by
-the lease: a proxy that stalls past its lease's expiry and wakes up may append to a run
-another proxy took over until its next heartbeat tells it the lease is lost.
+makes two claimers of one expired lease agree on one winner.
+
+**Fencing.** Each grant of a lease to a new owner draws a new ``epoch`` from the sequence
+``flowlift_lease_epochs`` (a renewal by the same owner keeps it); ``claim`` returns it and
+the owner passes it with every ``append``. An append inserts only while the lease row
+still carries that epoch, reading the row ``FOR SHARE`` so a concurrent claim waits for
+the append's commit (a taker-over that loads the run after its claim sees every event
+the old owner wrote, and the old owner can write none after). A proxy that stalled past
+its lease's expiry and wakes up after another took the run gets
+:class:`~flowlift.errors.LeaseLost` from its first write, before any client sees the
+event, and stops the run. This is Kleppmann's fencing token ("How to do distributed
+locking", 2016) with the database as the resource that checks it.
+
+**Tool results.** ``POST .../steps/{step}/result`` may reach any replica: it is stored
+in ``flowlift_tool_results`` (the first post wins; a second is a no-op) and the run's
+owner, or whoever takes the run over, consumes it once: the step's ``step.finished``
+(a tool step) or ``tool.result`` (an agent's call) event, fenced as above, is the record
+that it was consumed. **Follows.** A replica that streams a run it does not execute
+(events tailed from the store) marks it in ``flowlift_follows``; the owner counts such a
+follow as a listener (a parked run starts, the sweep leaves it alone). **Requests.** An
+open run's appends and close posted to a replica that does not execute it wait in
+``flowlift_requests`` for the owner, which applies them in order (an append of nodes the
+run holds already is skipped, a second close is a no-op, so applying one twice is
+harmless) and then drops them.
 
 Graphs and events are stored as the JSON text the proxy wrote (not ``jsonb``), so a run
 reads back byte for byte as it went in. The schema is created on first use under an
@@ -47,7 +72,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from flowlift.errors import EngineError
+from flowlift.errors import EngineError, LeaseLost
 from flowlift.proxy.tenants import DEFAULT_TENANT
 from flowlift.proxy.workflows.store import SCHEMA_VERSION, RunSummary, StoredRun
 from flowlift.tracing import get_logger
@@ -67,12 +92,30 @@ CREATE INDEX IF NOT EXISTS flowlift_runs_by_status ON flowlift_runs (status, upd
 CREATE INDEX IF NOT EXISTS flowlift_runs_by_created ON flowlift_runs (created_at, run_id);
 CREATE TABLE IF NOT EXISTS flowlift_leases (run_id TEXT PRIMARY KEY, owner TEXT NOT NULL,
     expires_at DOUBLE PRECISION NOT NULL);
+CREATE SEQUENCE IF NOT EXISTS flowlift_lease_epochs;
+ALTER TABLE flowlift_leases ADD COLUMN IF NOT EXISTS epoch BIGINT NOT NULL
+    DEFAULT nextval('flowlift_lease_epochs');  -- (leases of an older schema get theirs)
+CREATE TABLE IF NOT EXISTS flowlift_tool_results (run_id TEXT NOT NULL,
+    step_id TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, step_id));
+CREATE TABLE IF NOT EXISTS flowlift_follows (run_id TEXT PRIMARY KEY,
+    at DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS flowlift_requests (id BIGSERIAL PRIMARY KEY,
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL);
 """
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock, epoch s
 _CLAIM = f"""
-INSERT INTO flowlift_leases AS held VALUES (%s, %s, {_NOW} + %s)
-ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at
+INSERT INTO flowlift_leases AS held (run_id, owner, expires_at, epoch)
+VALUES (%s, %s, {_NOW} + %s, nextval('flowlift_lease_epochs'))
+ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at,
+    epoch = CASE WHEN held.owner = excluded.owner THEN held.epoch ELSE excluded.epoch END
 WHERE held.owner = excluded.owner OR held.expires_at < {_NOW}
+RETURNING epoch
+"""
+_APPEND = """
+INSERT INTO flowlift_events SELECT %(run)s, %(seq)s, %(name)s, %(data)s
+WHERE %(epoch)s::bigint IS NULL OR EXISTS (SELECT 1 FROM flowlift_leases
+    WHERE run_id = %(run)s AND epoch = %(epoch)s FOR SHARE)
+ON CONFLICT (run_id, seq) DO UPDATE SET name = excluded.name, data = excluded.data
 """
 
 
@@ -151,11 +194,18 @@ class PostgresRunStore:
                          (run_id, json.dumps(graph), str(graph.get("name") or ""), now, now,
                           tenant))
 
-    def append(self, run_id: str, seq: int, name: str, data: dict[str, Any]) -> None:
+    def append(self, run_id: str, seq: int, name: str, data: dict[str, Any],
+               epoch: int | None = None) -> None:
+        """Store event ``seq`` (see :meth:`RunStoreProtocol.append`), fenced by ``epoch``.
+
+        Raises:
+            LeaseLost: ``epoch`` is not the run's lease's any more (nothing was written).
+        """
         with self._conn() as conn, conn.transaction():
-            conn.execute("INSERT INTO flowlift_events VALUES (%s, %s, %s, %s) "
-                         "ON CONFLICT (run_id, seq) DO UPDATE SET name = excluded.name, "
-                         "data = excluded.data", (run_id, seq, name, json.dumps(data)))
+            if conn.execute(_APPEND, {"run": run_id, "seq": seq, "name": name,
+                                      "data": json.dumps(data), "epoch": epoch}).rowcount != 1:
+                raise LeaseLost(f"run {run_id}: its lease is no longer epoch {epoch} (another "
+                                f"proxy took the run over); event {seq} was not written")
             if name == "run.finished":  # (its lease goes with it: nothing left to own)
                 conn.execute("UPDATE flowlift_runs SET status = %s, updated_at = %s "
                              "WHERE run_id = %s",
@@ -239,7 +289,9 @@ class PostgresRunStore:
                     "AND updated_at >= %s ORDER BY updated_at DESC, run_id DESC OFFSET %s",
                     (cutoff, keep))]
             if ids:
-                conn.execute("DELETE FROM flowlift_leases WHERE run_id = ANY(%s)", (ids,))
+                for table in ("flowlift_leases", "flowlift_tool_results", "flowlift_follows",
+                              "flowlift_requests"):
+                    conn.execute(f"DELETE FROM {table} WHERE run_id = ANY(%s)", (ids,))
                 conn.execute("DELETE FROM flowlift_events WHERE run_id = ANY(%s)", (ids,))
                 conn.execute("DELETE FROM flowlift_runs WHERE run_id = ANY(%s)", (ids,))
         return len(ids)
@@ -259,9 +311,10 @@ class PostgresRunStore:
     # -- ownership (see the module docstring) -----------------------------------------
     shared = True
 
-    def claim(self, run_id: str, owner: str, ttl_s: float) -> bool:
+    def claim(self, run_id: str, owner: str, ttl_s: float) -> int | None:
         with self._conn() as conn:
-            return conn.execute(_CLAIM, (run_id, owner, ttl_s)).rowcount == 1
+            row = conn.execute(_CLAIM, (run_id, owner, ttl_s)).fetchone()
+        return None if row is None else int(row[0])
 
     def renew(self, owner: str, run_ids: Collection[str], ttl_s: float) -> set[str]:
         if not run_ids:
@@ -289,3 +342,56 @@ class PostgresRunStore:
                 "ON l.run_id = r.run_id WHERE r.status = 'running' AND (l.run_id IS NULL "
                 f"OR l.owner = %s OR l.expires_at < {_NOW}) ORDER BY r.created_at, r.run_id",
                 (owner,))]
+
+    # -- tool results posted to any replica; follows from other replicas ---------------
+    def put_tool_result(self, run_id: str, step_id: str, body: dict[str, Any]) -> bool:
+        with self._conn() as conn:
+            return conn.execute(
+                "INSERT INTO flowlift_tool_results VALUES (%s, %s, %s) "
+                "ON CONFLICT (run_id, step_id) DO NOTHING",
+                (run_id, step_id, json.dumps(body))).rowcount == 1
+
+    def tool_results(self, run_id: str, step_ids: Collection[str]) -> dict[str, dict[str, Any]]:
+        if not step_ids:
+            return {}
+        with self._conn() as conn:
+            return {r[0]: json.loads(r[1]) for r in conn.execute(
+                "SELECT step_id, body FROM flowlift_tool_results WHERE run_id = %s "
+                "AND step_id = ANY(%s)", (run_id, list(step_ids)))}
+
+    def mark_followed(self, run_ids: Collection[str]) -> None:
+        if not run_ids:
+            return
+        with self._conn() as conn:
+            conn.execute(f"INSERT INTO flowlift_follows SELECT unnest(%s::text[]), {_NOW} "
+                         "ON CONFLICT (run_id) DO UPDATE SET at = excluded.at",
+                         (sorted(run_ids),))
+
+    def followed(self, run_ids: Collection[str], within_s: float) -> set[str]:
+        if not run_ids:
+            return set()
+        with self._conn() as conn:
+            return {r[0] for r in conn.execute(
+                "SELECT run_id FROM flowlift_follows WHERE run_id = ANY(%s) "
+                f"AND at >= {_NOW} - %s", (list(run_ids), within_s))}
+
+    def put_request(self, run_id: str, kind: str, body: dict[str, Any]) -> int:
+        with self._conn() as conn:
+            row = conn.execute("INSERT INTO flowlift_requests (run_id, kind, body) "
+                               "VALUES (%s, %s, %s) RETURNING id",
+                               (run_id, kind, json.dumps(body))).fetchone()
+        assert row is not None  # (RETURNING of an insert)
+        return int(row[0])
+
+    def requests(self, run_ids: Collection[str]) -> list[tuple[int, str, str, dict[str, Any]]]:
+        if not run_ids:
+            return []
+        with self._conn() as conn:
+            return [(int(i), run, kind, json.loads(body)) for i, run, kind, body in conn.execute(
+                "SELECT id, run_id, kind, body FROM flowlift_requests WHERE run_id = ANY(%s) "
+                "ORDER BY id", (list(run_ids),))]
+
+    def drop_requests(self, ids: Collection[int]) -> None:
+        if ids:
+            with self._conn() as conn:
+                conn.execute("DELETE FROM flowlift_requests WHERE id = ANY(%s)", (list(ids),))

@@ -17,7 +17,8 @@ config offers tiers). :class:`TieredDispatcher` wraps the run's
   critical path at fast-tier estimates) falls to the backend's ``watchdog_guard_s``,
   the line is abandoned and the step also runs on the fast tier; whichever answer comes
   first is kept; the other is still accounted (the batch line's usage is in its
-  ``step.batch`` event);
+  ``step.batch`` event, and a line that finishes after the fast answer won, while the
+  run lasts, is billed as a ``step.cost`` event with ``"late": true``);
 * when a deferred step becomes ready its tier is planned again from the slack left then
   (a batch step whose parents ran late goes to flex or standard: a ``step.tier`` event);
 * a step planned on ``idle`` (an embedded backend with ``idle = true``) waits in the
@@ -26,7 +27,8 @@ config offers tiers). :class:`TieredDispatcher` wraps the run's
   it; when flex has no capacity (its 429s backed off until the route gave up) or fails
   before any output, the step moves to ``standard`` (a ``step.tier`` event);
 * every answer is priced at the tier it says served it (a ``step.cost`` event: a flex
-  request served at ``default`` costs standard);
+  request served at ``default`` costs standard), next to what its tokens cost on
+  ``standard`` (``standard_cost``, None where the model offers no standard tier);
 * a line that comes back failed (a validation error, an expired or cancelled batch, a
   malformed line) runs on the fast tier at once; contract retries (later tries) run on
   the fast tier too.
@@ -117,6 +119,7 @@ class TieredDispatcher(StepDispatcher):
         self.tiers, self.slack_s = dict(tiers), slack_s
         self.records = batch_records(history)
         self.moved: set[str] = set()
+        self.fast_won: set[str] = set()  # steps whose fast answer beat their batch line
         self._emit = emit
         self.run_id = run_id
         backends.batch_journal.register(run_id, self._record)
@@ -132,6 +135,25 @@ class TieredDispatcher(StepDispatcher):
             kept = self.records[data["step_id"]] = {}
         kept.update(record)
         self._emit(EVENT, record)
+        usage = data.get("usage")
+        if event == "finished" and data.get("kind") == "ok" and \
+                data["step_id"] in self.fast_won and isinstance(usage, Mapping):
+            self._bill_late_line(data["step_id"], str(kept.get("model") or ""), usage)
+
+    def _bill_late_line(self, step_id: str, model: str, usage: Mapping[str, Any]) -> None:
+        """A ``step.cost`` for a batch line that finished after the watchdog's fast answer
+        was kept: the provider bills it all the same (``"late": true``)."""
+        offered = {t.tier: t for t in model_tiers(
+            self.backends.config, self.backends.canonical(model), self.backends.turnarounds)}
+        prompt = int(usage.get("prompt_tokens") or 0)
+        completion = int(usage.get("completion_tokens") or 0)
+        price = cost(prompt, completion, "batch", offered)
+        standard = cost(prompt, completion, "standard", offered)
+        self._emit("step.cost", {"step_id": step_id, "asked": "batch", "served": "batch",
+                                 "prompt_tokens": prompt, "completion_tokens": completion,
+                                 "cost": None if price is None else round(price, 8),
+                                 "standard_cost": None if standard is None
+                                 else round(standard, 8), "late": True})
 
     def tier_of(self, step_id: str, attempt: int) -> str | None:
         """The tier to ask for try ``attempt`` of ``step_id`` (retries: the fast tier)."""
@@ -210,6 +232,8 @@ class TieredDispatcher(StepDispatcher):
                 if fast in done:
                     for chunk in fast.result():
                         self._account(request, chunk, "standard")
+                    if not line.done():  # its batch may still finish it: billed then
+                        self.fast_won.add(step_id)
                     return fast.result()
                 if not line.exception() and line.result().advice is Advice.ACCEPT:
                     fast.cancel()
@@ -237,11 +261,15 @@ class TieredDispatcher(StepDispatcher):
         served = served_tier({"service_tier": chunk.service_tier}, asked)
         price = cost(chunk.usage.prompt_tokens, chunk.usage.completion_tokens, served,
                      offered)
+        standard = cost(chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
+                        "standard", offered)
         self._emit("step.cost", {"step_id": step_id,
                                  "asked": asked, "served": served,
                                  "prompt_tokens": chunk.usage.prompt_tokens,
                                  "completion_tokens": chunk.usage.completion_tokens,
-                                 "cost": None if price is None else round(price, 8)})
+                                 "cost": None if price is None else round(price, 8),
+                                 "standard_cost": None if standard is None
+                                 else round(standard, 8)})
 
     def _replan(self, request: GenerationRequest) -> GenerationRequest:
         """The step's tier again now that it is ready (its parents done): a deferred

@@ -87,6 +87,7 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
                                                 max_model_len=args.max_model_len,
                                                 max_num_seqs=args.max_concurrency,
                                                 speculative_ngram=args.speculative_ngram,
+                                                speculative_max_batch=args.speculative_max_batch,
                                                 block_size=args.block_size))
         for config in configs:
             _add(sized, config.served_model_name, VLLMEngine(config),
@@ -129,7 +130,8 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "batch_cap_when_interactive": args.batch_cap_when_interactive,
              "max_queue": args.max_queue, "max_sessions": args.max_sessions,
              "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs,
-             "lease_ttl_s": args.lease_ttl_s}
+             "lease_ttl_s": args.lease_ttl_s, "prefill_ahead": args.prefill_ahead,
+             "prefill_ahead_max_kv_usage": args.prefill_ahead_max_kv_usage}
     flags = {name: value for name, value in given.items() if value is not None}
     flags["state_path"] = None if args.state_db == ":memory:" else state_db
     return flags
@@ -142,11 +144,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
     from flowlift.proxy import create_app
     from flowlift.proxy.config import settings
-    from flowlift.proxy.lifecycle import bind, serve
+    from flowlift.proxy.lifecycle import bind, run, serve
     from flowlift.tracing import configure_logging
 
     configure_logging(args.log_level)
@@ -184,7 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"flowlift serve: {exc.message}", file=sys.stderr)
         return 2
     print(f"flowlift: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    failed = asyncio.run(serve(app, sock, grace_s=args.grace_s))
+    failed = run(serve(app, sock, grace_s=args.grace_s))  # on uvloop where installed
     if failed:
         print(f"flowlift serve: the engine failed to load: {failed} (the log above has "
               "the engine's own messages)", file=sys.stderr)
@@ -534,6 +534,16 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], not {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -600,18 +610,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lease-ttl-s", type=_seconds, default=None,
                        help="with a postgresql:// --state-db: seconds a run's lease lasts "
                             "unrenewed before another proxy takes the run over (default 15)")
-    serve.add_argument("--scheduling", choices=("priority", "fcfs"), default=None,
-                       help="dispatch order (default priority; fcfs: the baseline, for "
-                            "benchmarks)")
+    serve.add_argument("--scheduling", choices=("priority", "preempt", "fcfs"), default=None,
+                       help="dispatch order (default priority; preempt: priority, and "
+                            "running batch requests are preempted for interactive work "
+                            "and resumed later; fcfs: the baseline, for benchmarks)")
     serve.add_argument("--batch-prefill-budget", type=_positive_int, default=None,
                        help="prompt tokens of batch work in prefill at once (default 1024; "
                             "raise it on a GPU)")
     serve.add_argument("--batch-cap-when-interactive", type=_count, default=None,
                        help="engine slots batch work may hold while interactive work runs "
                             "(default: half of --max-concurrency)")
+    serve.add_argument("--no-prefill-ahead", dest="prefill_ahead", action="store_const",
+                       const=False, default=None,
+                       help="do not prefill the known start of the step that reads a tool's "
+                            "output while the tool is out (default: on)")
+    serve.add_argument("--prefill-ahead-max-kv-usage", type=_fraction, default=None,
+                       metavar="F",
+                       help="KV-cache share above which prefill-ahead stops and what runs "
+                            "of it is aborted (default 0.7)")
     serve.add_argument("--speculative-ngram", type=_positive_int, default=None, metavar="N",
                        help="n-gram (prompt-lookup) speculative decoding: propose up to N "
                             "tokens per step copied from the prompt (default: off)")
+    serve.add_argument("--speculative-max-batch", type=_positive_int, default=None,
+                       metavar="N",
+                       help="with --speculative-ngram: speculate only while at most N "
+                            "requests decode together (default: always)")
     serve.add_argument("--extra-model", action="append", default=[], metavar="NAME_OR_DIR",
                        type=_name,
                        help="serve another embedded model (a local HF checkpoint folder); "

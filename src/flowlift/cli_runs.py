@@ -1,7 +1,9 @@
 """Runs from the command line: find them, read them, cancel them, export them.
 
 * ``flowlift runs [--state S] [--name N] [--limit N]`` -- recent runs, newest first
-  (``GET /v1/workflows``).
+  (``GET /v1/workflows``): state, start, duration, progress (steps done of all, failed),
+  deadline (time left on a running run's clock, else its budget) and spend so far (the
+  answers priced at the tier that served each, against all-standard).
 * ``flowlift show RUN_ID`` -- status, outputs and failures with their reason.
 * ``flowlift cancel RUN_ID`` -- cancel a running run (``DELETE /v1/workflows/{id}``).
 * ``flowlift export RUN_ID --format jsonl|csv`` -- one row per step: its output (or
@@ -160,14 +162,57 @@ def _preview(value: Any) -> str:
     return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS] + "..."
 
 
+def _offline_items(store: RunStoreProtocol, args: argparse.Namespace
+                   ) -> tuple[list[dict[str, Any]], bool]:
+    """``GET /v1/workflows``' items read from the state database (with each run's
+    progress, deadline and spend from its event log)."""
+    from flowlift.proxy.workflows.progress import stored_listing
+
+    runs, more = store.recent(status=args.state, name=args.name, limit=args.limit)
+    items = []
+    for r in runs:
+        stored = store.load(r.run_id)
+        items.append({**r.to_json(), **(stored_listing(stored) if stored else {})})
+    return items, more
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``12 min``, ``5.5 h``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def runs_row(r: dict[str, Any]) -> str:
+    """One line of ``flowlift runs``: id, name, status, start (UTC), duration, progress
+    (done/steps, failed), deadline (time left while it runs, else the budget), spend
+    so far (and against all-standard)."""
+    took = "" if r["status"] == "running" else f"{r['updated_at'] - r['created_at']:.1f} s"
+    steps = r.get("steps")
+    progress = "" if steps is None else f"{r.get('done', 0)}/{steps}" + (
+        f" ({r['failed']} failed)" if r.get("failed") else "")
+    deadline = ""
+    if r.get("deadline_left_s") is not None:
+        deadline = f"{_duration(r['deadline_left_s'])} left"
+    elif r.get("deadline_s") is not None:
+        deadline = _duration(r["deadline_s"])
+    spent = ""
+    if r.get("spent") is not None:
+        spent = f"{r['spent']:.4f}"
+        if r.get("standard_cost"):
+            spent += f" ({r['spent'] / r['standard_cost']:.2f}x std)"
+    return (f"{r['id']:<24} {r['name'][:20]:<20} {r['status']:<10} "
+            f"{_when(r['created_at'])}  {took:>9}  {progress:<14} {deadline:<12} "
+            f"{spent}").rstrip()
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
-    """Print recent runs (id, name, status, start in UTC, duration)."""
+    """Print recent runs (:func:`runs_row`)."""
     query = {k: v for k, v in (("state", args.state), ("name", args.name),
                                ("limit", args.limit)) if v is not None}
     doc = _ask(args, "GET", "/v1/workflows", query)
     if doc is None:
-        runs, more = _offline(args).recent(status=args.state, name=args.name, limit=args.limit)
-        items, has_more = [r.to_json() for r in runs], more
+        items, has_more = _offline_items(_offline(args), args)
     else:
         items, has_more = doc["data"], doc["has_more"]
     if args.json:
@@ -176,11 +221,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if not items:
         print("no runs", file=sys.stderr)
         return 0
-    print(f"{'RUN':<24} {'NAME':<20} {'STATUS':<10} {'STARTED (UTC)':<19}  TOOK")
+    print(f"{'RUN':<24} {'NAME':<20} {'STATUS':<10} {'STARTED (UTC)':<19}  {'TOOK':>9}  "
+          f"{'PROGRESS':<14} {'DEADLINE':<12} SPENT")
     for r in items:
-        took = "" if r["status"] == "running" else f"{r['updated_at'] - r['created_at']:.1f} s"
-        print(f"{r['id']:<24} {r['name'][:20]:<20} {r['status']:<10} "
-              f"{_when(r['created_at'])}  {took}")
+        print(runs_row(r))
     if has_more:
         print(f"(more: --limit above {len(items)})", file=sys.stderr)
     return 0

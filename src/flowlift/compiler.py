@@ -6,7 +6,8 @@ Autellix, 2025 -- program-level priority by critical path):
 
 * dependencies from dataflow and parallel levels;
 * identical calls (same model, same resolved prompt, same params, deterministic
-  sampling), so each is paid once;
+  sampling; or the same ``pure`` tool with the same arguments), so each is paid once --
+  across the documents of one consolidated graph too (Halo);
 * shared prompt prefixes across nodes, in tokens of the model's tokenizer;
 * per-node cost under a per-model :class:`~flowlift.costs.CostModel`, the critical
   path, and each node's remaining critical-path length (the scheduler's priority);
@@ -43,7 +44,7 @@ from typing import Any
 from flowlift.costs import UNMEASURED, CostModel
 from flowlift.dataflow import dependencies, levels
 from flowlift.escalation import OutcomeCounts, expected_cost
-from flowlift.graph import Graph, InputNode, LLMNode, Node, Ref, ToolNode
+from flowlift.graph import Graph, InputNode, Items, LLMNode, Node, Ref, Template, ToolNode
 from flowlift.output_size import size_warnings
 from flowlift.report import (
     BreakReport,
@@ -174,6 +175,15 @@ def _canonical(node: Node, canon: dict[str, str]) -> str | None:
     def ref(r: Ref) -> dict[str, Any]:
         return {"ref": canon.get(r.ref, r.ref), "path": list(r.path)}
 
+    def arg(a: Any) -> Any:
+        if isinstance(a, Ref):
+            return ref(a)
+        if isinstance(a, Template):
+            return {"template": [ref(p) if isinstance(p, Ref) else p.text for p in a.template]}
+        if isinstance(a, Items):
+            return {"items": [arg(item) for item in a.items]}
+        return {"value": a.value}
+
     if isinstance(node, InputNode):
         body: Any = {"input": node.value}
     elif isinstance(node, LLMNode):
@@ -184,8 +194,11 @@ def _canonical(node: Node, canon: dict[str, str]) -> str | None:
                 "contract": node.contract.model_dump(mode="json") if node.contract else None,
                 "messages": [[m.role, [ref(p) if isinstance(p, Ref) else p.text
                                        for p in m.content]] for m in node.messages]}
+    elif isinstance(node, ToolNode) and node.pure:  # declared free of side effects
+        body = {"tool": node.name, "args": [arg(a) for a in node.args],
+                "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}
     else:
-        return None  # client-run steps may have side effects: never merged
+        return None  # other client-run steps may have side effects: never merged
     return json.dumps(body, sort_keys=True, default=str)
 
 

@@ -20,6 +20,8 @@
     │   └── ConfigError               the proxy's config file or flags are wrong
     └── RunError                      something failed while running
         ├── EngineError               the inference engine failed or is not loaded
+        ├── LeaseLost                 a shared store refused a write: another proxy took
+        │                             the run over (fencing; HTTP 503, ``Retry-After``)
         ├── ContractError             output does not satisfy the step's contract
         │                             (``step_id``, ``model``, ``attempt``, ``errors``)
         ├── ContentRefused            the provider refused the content (content policy);
@@ -191,6 +193,17 @@ class EngineError(RunError):
     status = 503
     type = "server_error"
     code = "engine_error"
+
+
+class LeaseLost(RunError):
+    """A proxy wrote for a run whose lease another proxy has taken since (its fencing
+    epoch is stale: :mod:`flowlift.proxy.workflows.store_pg`); the write was refused
+    and the run stops on this proxy. Over HTTP (an append to a run lost meanwhile): 503
+    with ``Retry-After``, so the client tries again where the run is now."""
+
+    status = 503
+    code = "lease_lost"
+    retry_after_s = 1.0
 
 
 class ContractError(RunError):

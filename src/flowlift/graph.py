@@ -248,13 +248,19 @@ class LLMNode(_Model):
 
 
 class ToolNode(_Model):
-    """A client-run step: the proxy pauses this branch and the SDK runs ``name``."""
+    """A client-run step: the proxy pauses this branch and the SDK runs ``name``.
+
+    ``pure``: the app declares the tool a function of its arguments with no side effects
+    (``@tool(pure=True)``), so identical calls (same name, same resolved arguments) run
+    once and the others take that result, as identical deterministic llm calls do.
+    """
 
     kind: Literal["tool"] = "tool"
     id: str = Field(min_length=1, max_length=200)
     name: str = Field(min_length=1)
     args: tuple[Arg, ...] = ()
     kwargs: dict[str, Arg] = {}
+    pure: bool = False
 
 
 class InputNode(_Model):

@@ -242,21 +242,28 @@ class FakeEngine(Engine):
             constraint still reaches the responder, which may ignore it.
         logprob: with it, ``(token) -> logprob`` replaces :func:`fake_logprob`'s own
             logprob (tests of confidence floors).
+        prefill_delay_s: how long :meth:`prefill` takes (tests of prefill-ahead).
+        kv_usage: ``() -> fraction`` that :meth:`kv_cache_usage` reports (tests of
+            memory pressure); ``None``: unknown.
 
     Attributes:
         requests: every request received, in order.
         aborted: ids of requests closed or aborted before they finished.
+        prefills: every :meth:`prefill` asked for, as ``(request, prefix text)``.
+        prefilled: ids of the prefills that finished (their words are cached).
     """
 
     capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True,
-                                logprobs=True, raw_prompt=True)
+                                logprobs=True, raw_prompt=True, resume=True)
 
     def __init__(self, models: Sequence[str] = ("fake-model",), *,
                  responder: Responder = default_responder, delay_s: float = 0.0,
                  chunk_chars: int = 4, fail_with: Exception | None = None,
                  fail_after_chunks: int = 0, max_running: int | None = None,
                  structured_outputs: bool = True,
-                 logprob: Callable[[str], float] | None = None) -> None:
+                 logprob: Callable[[str], float] | None = None,
+                 prefill_delay_s: float = 0.0,
+                 kv_usage: Callable[[], float] | None = None) -> None:
         if not structured_outputs:
             self.capabilities = dataclasses.replace(self.capabilities,
                                                     structured_outputs=False)
@@ -276,6 +283,10 @@ class FakeEngine(Engine):
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
         self._abort_flags: set[str] = set()
+        self.prefill_delay_s = prefill_delay_s
+        self._kv_usage = kv_usage
+        self.prefills: list[tuple[GenerationRequest, str]] = []
+        self.prefilled: list[str] = []
 
     @property
     def model_names(self) -> Sequence[str]:
@@ -301,15 +312,19 @@ class FakeEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the responder's text in ``chunk_chars`` pieces (one fake token per chunk
-        when logprobs are asked for); tokens are whitespace-separated words."""
+        when logprobs are asked for); tokens are whitespace-separated words. Each chunk's
+        ``token_ids`` holds one id (:func:`piece_id`). A continuation
+        (``resume_token_ids``) streams the pieces after as many as it resumes: like a
+        greedy model, what it generates next depends on what it was given, so a piece
+        lost or repeated by whoever resumed shows in the output. Its usage counts the
+        resumed pieces as prompt tokens and only the words it adds as completion."""
         if request.model not in self._models:
             raise EngineError(f"fake engine does not serve {request.model!r}")
         require_plain(request)  # like the embedded engine: tools arrive as constrained JSON
         self.requests.append(request)
         if self.fail_with is not None and not self.fail_after_chunks:
             raise self.fail_with
-        prompt = request.prompt if request.prompt is not None else " ".join(
-            f"{m.role}: {m.content}" for m in request.messages)
+        prompt = self.prompt_text(request)
         words = tuple(prompt.split())
         cached = self._cached(words)
         try:
@@ -326,10 +341,12 @@ class FakeEngine(Engine):
             pieces = fake_tokens(text)
         rid = request.request_id
         finished = False
+        resumed = len(request.resume_token_ids)  # a continuation: the pieces it had
+        before = "".join(pieces[:resumed])
         try:
             await self._admit(rid, request.priority)
             sent: list[str] = []
-            for n, piece in enumerate(pieces):
+            for n, piece in enumerate(pieces[resumed:]):
                 if self.fail_with is not None and n == self.fail_after_chunks:
                     raise self.fail_with
                 if self.delay_s:
@@ -339,11 +356,12 @@ class FakeEngine(Engine):
                     break
                 sent.append(piece)
                 yield GenerationChunk(text=piece, logprobs=None if k is None else (
-                    self._logprob(piece, k),))
+                    self._logprob(piece, k),), token_ids=(piece_id(piece),))
             finished = True
-            usage = Usage(len(words), len("".join(sent).split()), cached)
+            usage = Usage(len(words) + resumed, len((before + "".join(sent)).split())
+                          - len(before.split()), cached)
             yield GenerationChunk(text="", finish_reason=finish, usage=usage,
-                                  logprobs=None if k is None else ())
+                                  logprobs=None if k is None else (), token_ids=())
         finally:
             self._release(rid)
             if not finished:
@@ -393,6 +411,51 @@ class FakeEngine(Engine):
 
     def tokenize(self, model: str, text: str) -> list[int] | None:
         return [hash(w) & 0xFFFFFFFF for w in text.split()]
+
+    @staticmethod
+    def prompt_text(request: GenerationRequest) -> str:
+        """The fake's prompt: ``prompt``, or ``"role: content"`` of each message joined
+        with spaces (its tokens are the whitespace-separated words)."""
+        if request.prompt is not None:
+            return request.prompt
+        return " ".join(f"{m.role}: {m.content}" for m in request.messages)
+
+    async def prefill(self, request: GenerationRequest, upto: str) -> Usage:
+        """Cache the words of the prompt before ``upto`` after ``prefill_delay_s`` (a
+        later prompt that starts with them counts them as ``cached_tokens``); the last
+        word is left out, as the real engine leaves out the last token.
+
+        Raises:
+            EngineError: the model is not served here.
+            RequestError: ``upto`` is not in the prompt.
+        """
+        if request.model not in self._models:
+            raise EngineError(f"fake engine does not serve {request.model!r}")
+        require_plain(request)
+        text = self.prompt_text(request)
+        cut = text.find(upto)
+        if cut < 0:
+            raise RequestError("prefill-ahead: the marker is not in the prompt",
+                               param="messages")
+        self.prefills.append((request, text[:cut]))
+        words = tuple(text[:cut].split())[:-1]
+        try:
+            if self.prefill_delay_s:
+                await asyncio.sleep(self.prefill_delay_s)
+        except asyncio.CancelledError:
+            self.aborted.append(request.request_id)
+            raise
+        cached = self._cached(words)
+        self.prefilled.append(request.request_id)
+        return Usage(len(words), 1, cached)
+
+    def kv_cache_usage(self) -> float | None:
+        return None if self._kv_usage is None else self._kv_usage()
+
+
+def piece_id(piece: str) -> int:
+    """The fake token id of a streamed piece (a CRC of its text)."""
+    return zlib.crc32(piece.encode())
 
 
 def parse_sse(text: str) -> list[tuple[str, Any]]:
