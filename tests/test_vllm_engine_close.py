@@ -171,3 +171,40 @@ async def test_closing_a_stream_still_aborts_it_on_a_live_engine(tmp_path):
     assert stand_in.output_processor.request_states == {}
     assert engine.running() == 0
     await engine.close()
+
+
+async def test_steps_on_a_model_unloaded_under_them_fail_and_the_run_ends(aiohttp_client,
+                                                                         tmp_path):
+    # the proxy's view: three workflow steps stream on a managed model when it is
+    # unloaded (ResidencyManager.unload: what a shutdown does, leases or not); each step
+    # fails with the engine's error (an embedded engine's failure is not retried) and
+    # the run ends. Before the fix the steps stayed `running` and the run never ended.
+    from flowlift.local_engine.residency import ManagedModel, ResidencyManager
+    from flowlift.local_engine.resident import managed_engines
+    from flowlift.proxy import create_app
+    from flowlift.proxy.state import STATE
+    from flowlift.testing import parse_sse
+
+    stand_in = StandInAsyncLLM()
+    engine = VLLMEngine(VLLMConfig(model=str(tmp_path), served_model_name="m"),
+                        build=lambda _config: stand_in)
+    mgr = ResidencyManager({"m": ManagedModel(engine, 400.0)}, 400.0, recheck_s=0.05)
+    app = create_app(managed_engines(mgr), residency=mgr)
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    nodes = [{"id": f"s{i}", "kind": "llm", "model": "m", "params": {"max_tokens": 1000},
+              "messages": [{"role": "user", "content": [{"text": f"count {i}"}]}]}
+             for i in range(3)]
+
+    async def run() -> str:
+        resp = await client.post("/v1/workflows", json={"name": "long", "nodes": nodes})
+        return await resp.text()
+    task = asyncio.create_task(run())
+    async with asyncio.timeout(10):
+        while len(stand_in.output_processor.request_states) < 3:
+            await asyncio.sleep(0.01)
+    await mgr.unload("m")
+    body = await asyncio.wait_for(task, 5.0)  # before the fix: never returns
+    done = next(d for e, d in parse_sse(body) if e == "run.finished")
+    assert done["status"] == "failed"
+    assert "shut down" in str(done["failures"])
