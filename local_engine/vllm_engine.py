@@ -23,7 +23,7 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -202,9 +202,16 @@ class VLLMEngine(Engine):
     capabilities = Capabilities(structured_outputs=True, prefix_caching=True, priorities=True,
                                 logprobs=True, raw_prompt=True, resume=True)
 
-    def __init__(self, config: VLLMConfig) -> None:
+    def __init__(self, config: VLLMConfig,
+                 build: Callable[[VLLMConfig], Any] | None = None) -> None:
+        """Args:
+            config: the engine's settings.
+            build: builds the ``AsyncLLM`` for a config (blocking; default: vLLM's,
+                :func:`_build_engine`); tests pass a stand-in.
+        """
         self.config = config
         self.load_time_s: float | None = None  # seconds start() took (import + load)
+        self._build = build or _build_engine
         self._engine: Any = None
         self._tokenizer: Any = None
         set_env_defaults(config)
@@ -230,7 +237,8 @@ class VLLMEngine(Engine):
         # outside a running loop. No local name for the AsyncLLM: a frame was seen
         # referenced after the call returned, keeping the engine alive after close().
         built: list[Any] = []  # handed over in a list: no future keeps the engine alive
-        await asyncio.to_thread(lambda: built.append(_build_engine(self.config)))
+        build = self._build
+        await asyncio.to_thread(lambda: built.append(build(self.config)))
         self._engine = built.pop()
         self._tokenizer = self._engine.get_tokenizer()
         self.load_time_s = time.perf_counter() - started
@@ -318,7 +326,9 @@ class VLLMEngine(Engine):
             ModelNotFound: ``request.model`` is not served here.
             RequestError: invalid messages or prompt, prompt too long, constraint
                 rejected.
-            EngineError: the engine is not started or failed.
+            EngineError: the engine is not started or failed, or was closed (unloaded)
+                while this request ran: the stream fails at once instead of waiting for
+                output that a shut-down engine never sends.
         """
         engine = self._require_engine()
         if request.model not in self.model_names:
@@ -352,6 +362,10 @@ class VLLMEngine(Engine):
                 elif new or logprobs or ids:
                     yield GenerationChunk(new, logprobs=logprobs, token_ids=ids)
         except Exception as exc:  # not GeneratorExit / CancelledError: those pass
+            if self._engine is not engine:  # close() failed it (see close)
+                raise EngineError(
+                    f"the engine of {request.model} was shut down (unloaded) while this "
+                    "request was generating") from exc
             prompt_param = "messages" if request.prompt is None else "prompt"
             raise translate_error(exc, prompt_param) from exc
         finally:
@@ -412,9 +426,16 @@ class VLLMEngine(Engine):
 
     async def close(self) -> None:
         """Shut the engine core process down; safe to call twice. Blocks up to ~6 s:
-        vLLM gives the engine core 5 s to exit after SIGTERM, then kills it."""
+        vLLM gives the engine core 5 s to exit after SIGTERM, then kills it.
+
+        Requests still streaming fail with :class:`EngineError` (from :meth:`generate`):
+        vLLM's shutdown stops the task that feeds their output queues, so without this
+        their streams would wait forever (the failure is put in each queue first, as
+        vLLM's ``OutputProcessor.propagate_error`` does when the engine core dies).
+        """
         engine, self._engine = self._engine, None
         if engine is not None:
+            fail_in_flight(engine)
             engine.shutdown()
             del engine
             # AsyncLLM sits in reference cycles; collect it now, while modules are
@@ -437,6 +458,22 @@ class VLLMEngine(Engine):
         if self._tokenizer is None or model not in self.model_names:
             return None
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def fail_in_flight(engine: Any) -> None:
+    """End every request ``engine`` (an ``AsyncLLM``) still streams with vLLM's
+    ``EngineDeadError`` (its ``generate`` re-raises that one without trying to abort),
+    through ``output_processor.propagate_error``. Best effort: a vLLM without it is left
+    as it is."""
+    propagate = getattr(getattr(engine, "output_processor", None), "propagate_error", None)
+    if propagate is None:
+        return
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # a stand-in engine in tests without vLLM
+        propagate(EngineError("the engine was shut down"))
+        return
+    propagate(EngineDeadError())
 
 
 def _build_engine(cfg: VLLMConfig) -> Any:
