@@ -46,9 +46,10 @@ class Proxy:
         self.slots = self.app[STATE].backends.resolve("fake-model")[1].slots
         acquire = self.slots.acquire
 
-        async def spy(priority: Priority, prefill_tokens: int = 0) -> Priority:
+        async def spy(priority: Priority, prefill_tokens: int = 0,
+                      resumed: bool = False) -> Priority:
             self.acquired.append(priority)
-            return await acquire(priority, prefill_tokens)
+            return await acquire(priority, prefill_tokens, resumed)
         self.slots.acquire = spy  # type: ignore[method-assign]
 
     def _respond(self, request: GenerationRequest) -> str:
@@ -144,9 +145,10 @@ async def test_a_healthy_upstream_replica_takes_the_step_through_the_route_pool(
     acquired: list[Priority] = []
     acquire = pool.slots.acquire
 
-    async def spy(priority: Priority, prefill_tokens: int = 0) -> Priority:
+    async def spy(priority: Priority, prefill_tokens: int = 0,
+                  resumed: bool = False) -> Priority:
         acquired.append(priority)
-        return await acquire(priority, prefill_tokens)
+        return await acquire(priority, prefill_tokens, resumed)
     pool.slots.acquire = spy  # type: ignore[method-assign]
     events = parse_sse(await (await client.post("/v1/workflows",
                                                 json=_graph("up-first", 2))).text())

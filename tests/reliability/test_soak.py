@@ -67,6 +67,7 @@ async def small_proxy(aiohttp_server: Any) -> tuple[Any, str]:
     state.inferred = InferredWorkflows(max_workflows=BOUND)
     state.runs.finished = TTLCache(maxsize=BOUND, ttl=3600)
     state.runs.store_keep = BOUND
+    state.backends.latency.max_prefixes = BOUND  # affinity keys per replica (routing)
     return app, str(server.make_url("")).rstrip("/")
 
 
