@@ -28,7 +28,7 @@ import pytest
 DATABASE = "flowlift_test"
 TABLES = ("flowlift_events", "flowlift_runs", "flowlift_leases", "flowlift_meta",
           "flowlift_tool_results", "flowlift_follows", "flowlift_requests",
-          "step_outcomes", "step_output_tokens")
+          "flowlift_step_outcomes", "flowlift_step_output_tokens")
 
 
 def server_bin() -> Path | None:

@@ -116,6 +116,12 @@ async def test_tool_step_pauses_branch_until_result_posted(client):
             assert data == {"step_id": "t", "name": "lookup", "args": ["echo: first"],
                             "kwargs": {"k": 2}}
             assert not any(e == "step.finished" and d["step_id"] == "b" for e, d in seen)
+            for bad in ({}, {"value": 1, "error": "x"}, {"error": None}):
+                refused = await client.post(f"/v1/workflows/{run_id}/steps/t/result",
+                                            json=bad)  # never taken for a null value
+                assert refused.status == 400, bad
+                err = (await refused.json())["error"]
+                assert "exactly one of 'value'" in err["message"] or "not null" in err["message"]
             r = await client.post(f"/v1/workflows/{run_id}/steps/t/result",
                                   json={"value": {"hits": ["json", "csv"]}})
             assert r.status == 200 and (await r.json())["outcome"] == "delivered"
@@ -163,6 +169,23 @@ async def test_invalid_graph_is_rejected_whole_and_proxy_keeps_serving(client, e
     assert not_json.status == 400 and (await not_json.json())["error"]["param"] == "body"
     ok = await run_graph(client, {"nodes": [llm("a", "still alive")]})
     assert finished(ok)["a"] == "echo: still alive"
+
+
+async def test_a_tool_that_returned_none_posts_value_null(client):
+    graph = {"nodes": [{"kind": "tool", "id": "t", "name": "noop"}, llm("b", "got ", ref("t"))]}
+    resp = await client.post("/v1/workflows", json=graph)
+    run_id = None
+    while True:
+        ((event, data),) = parse_sse((await resp.content.readuntil(b"\n\n")).decode())
+        if event == "run.started":
+            run_id = data["run_id"]
+        if event == "tool.wanted":
+            r = await client.post(f"/v1/workflows/{run_id}/steps/t/result",
+                                  json={"value": None})
+            assert r.status == 200 and (await r.json())["outcome"] == "delivered"
+        if event == "run.finished":
+            break
+    assert data["status"] == "succeeded"
 
 
 async def test_tool_result_for_unknown_run_or_step(client):

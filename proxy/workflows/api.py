@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp_sse import sse_response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from flowlift.compiler import Plan
 from flowlift.dataflow import validate
@@ -72,9 +72,24 @@ routes = web.RouteTableDef()
 
 
 class ToolResult(BaseModel):
+    """A ``@tool`` step's result: exactly one of ``value`` (any JSON, ``null`` too) or
+    ``error`` (the message of what the tool raised)."""
+
     model_config = ConfigDict(extra="forbid")
     value: Any = None
     error: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ToolResult:
+        given = self.model_fields_set & {"value", "error"}
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'value' (the tool's return value, null "
+                             "included) or 'error' (what it raised), not "
+                             + (" and ".join(sorted(given)) if given else "neither"))
+        if "error" in given and self.error is None:
+            raise ValueError("'error' is the message of what the tool raised, not null: "
+                             "send {\"value\": null} for a tool that returned None")
+        return self
 
 
 def parse_graph(data: Any, backends: Backends) -> Graph:

@@ -120,9 +120,16 @@ class _Database:
         return self._pool.connection() if self._sqlite is None else _same(self._sqlite)
 
     def script(self, text: str) -> None:
+        """Run a schema script; on PostgreSQL in one transaction under the run store's
+        schema lock, so proxies starting together on a new database do not race on
+        ``CREATE TABLE IF NOT EXISTS`` (which is not atomic there)."""
         with self._conn() as conn:
             if self._sqlite is None:
-                conn.execute(self.dialect.sql(text))
+                from flowlift.proxy.workflows.store_pg import SCHEMA_LOCK_KEY
+
+                with conn.transaction():
+                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
+                    conn.execute(self.dialect.sql(text))
             else:
                 conn.executescript(self.dialect.sql(text))
 

@@ -79,7 +79,7 @@ from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
 
-_LOCK_KEY = 0x666C6F77  # pg_advisory_xact_lock key of the schema creation ("flow")
+SCHEMA_LOCK_KEY = 0x666C6F77  # pg_advisory_xact_lock key of the schema creation ("flow")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS flowlift_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS flowlift_runs (run_id TEXT PRIMARY KEY, graph TEXT NOT NULL,
@@ -176,7 +176,7 @@ class PostgresRunStore:
 
     def _create_schema(self) -> None:
         with self._conn() as conn, conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
             conn.execute(_SCHEMA)
             conn.execute("INSERT INTO flowlift_meta VALUES ('schema_version', %s) "
                          "ON CONFLICT (key) DO NOTHING", (str(SCHEMA_VERSION),))

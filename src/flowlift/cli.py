@@ -554,6 +554,18 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _lease_seconds(text: str) -> float:
+    """A lease's time to live: at least 1 s (its heartbeat renews it every third of it,
+    over a database round trip; shorter hands runs from proxy to proxy while they run)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 1 or value == float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 1, not {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flowlift import __version__
 
@@ -607,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="SQLite file of durable runs (default "
                             "$FLOWLIFT_CACHE_DIR/state.sqlite; ':memory:' keeps none), or "
                             "a postgresql:// URL: a database several proxies share")
-    serve.add_argument("--lease-ttl-s", type=_seconds, default=None,
+    serve.add_argument("--lease-ttl-s", type=_lease_seconds, default=None,
                        help="with a postgresql:// --state-db: seconds a run's lease lasts "
                             "unrenewed before another proxy takes the run over (default 15)")
     serve.add_argument("--scheduling", choices=("priority", "preempt", "fcfs"), default=None,
