@@ -114,11 +114,18 @@ class SemanticVariable:
             SemanticVariableError: not known yet.
             StepFailed: when the step (or one it depends on) failed.
         """
-        if not self._workflow.has_output(self.step_id):
+        wf = self._workflow
+        if not wf.has_output(self.step_id):
+            if wf.detach and wf.run_id is not None:  # the block ended; the run goes on
+                raise SemanticVariableError(
+                    f"the output of step {self.step_id!r} is not known here: this "
+                    f"workflow was detached (run {wf.run_id}). Read it with "
+                    f"`flowlift.attach({wf.run_id!r}).value({self.step_id!r})` or "
+                    f"`flowlift result {wf.run_id}`.")
             raise SemanticVariableError(
                 f"the output of step {self.step_id!r} is not known yet (`.value` never "
                 "waits). " + _HOW.format(sid=self.step_id))
-        return self._workflow.value_of(self.step_id, self.path)
+        return wf.value_of(self.step_id, self.path)
 
     def get(self) -> Any:
         """Wait for the value (the sync spelling of ``await var``).

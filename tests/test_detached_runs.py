@@ -16,6 +16,7 @@ from flowlift import WorkflowFailed, step, tool, workflow
 from flowlift.cli import main
 from flowlift.cli_runs import show_text
 from flowlift.costs import CostTracker
+from flowlift.errors import SemanticVariableError
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.workflows.planning import plan
@@ -108,11 +109,13 @@ async def test_sync_detach_returns_with_the_run_id(client):
 
     def submit():
         with workflow("detached-sync", base_url=base, detach=True) as wf:
-            write("hills")
-        return wf
+            poem = write("hills")
+        return wf, poem
 
-    wf = await asyncio.to_thread(submit)
+    wf, poem = await asyncio.to_thread(submit)
     assert wf.run_id and wf.status == "running"
+    with pytest.raises(SemanticVariableError, match=r"detached .*flowlift\.attach\("):
+        poem.value  # noqa: B018  # the block ended: the message points at attach
     attached = await flowlift.aattach(wf.run_id, base_url=base)
     assert len(attached.outputs) == 1
 

@@ -336,7 +336,8 @@ def cmd_result(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     if doc["status"] != "succeeded":
-        print(f"flowlift result: run {args.run_id} is {doc['status']}", file=sys.stderr)
+        print(f"flowlift result: run {args.run_id} did not succeed (status: {doc['status']})",
+              file=sys.stderr)
         return 1
     return 0
 
