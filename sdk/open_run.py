@@ -29,7 +29,10 @@ now; a replica that does not run the run keeps it for the one that does.
 Errors raised by a read:
     GraphError: the proxy rejected the steps of this flush (every problem listed); the
         run goes on without them: they count as failed steps (reading one raises
-        StepFailed, the block's end WorkflowFailed).
+        StepFailed, the block's end WorkflowFailed). The first flush alike: a refused
+        graph starts no run, its steps fail, and the next read starts the run with the
+        steps recorded since; a block whose every step was refused raises that
+        GraphError again at its end.
     RunClosed: the run ended already (cancelled, deadline passed).
     StepFailed: the step read (or one it depends on) failed.
     ProxyUnavailable: the proxy could not be reached for ``reconnect_s`` seconds.
@@ -72,15 +75,24 @@ class _Flushes:
     def __init__(self, wf: Workflow) -> None:
         self.wf = wf
         self.shipped = 0
+        self.refusal: GraphError | None = None  # the proxy's last, while no run started
 
-    def first(self, awaited: list[str]) -> dict[str, Any]:
-        """The body of ``POST /v1/workflows``: the graph so far, open."""
-        nodes = tuple(self.wf.nodes)
-        self.shipped = len(nodes)
+    def first(self, awaited: list[str]) -> tuple[dict[str, Any], int]:
+        """The body of ``POST /v1/workflows``: the graph so far, open (the steps of a
+        refused first flush left out), and how many steps it ships (count them with
+        :meth:`sent` once the run started).
+
+        Raises:
+            GraphError: nothing left to ship: every step recorded was refused (the
+                proxy's last refusal again: the workflow is wholly invalid).
+        """
+        nodes = tuple(self.wf.nodes[self.shipped:])
+        if not nodes and self.refusal is not None:
+            raise self.refusal
         body = self.wf.graph().model_copy(update={"nodes": nodes, "open": True}).to_wire()
         if awaited:
             body["awaited"] = awaited
-        return body
+        return body, len(nodes)
 
     def next(self, awaited: list[str]) -> tuple[dict[str, Any] | None, int]:
         """The body of the next ``POST .../nodes`` (None: nothing to send) and how many
@@ -100,6 +112,8 @@ class _Flushes:
         for node in self.wf.nodes[self.shipped:self.shipped + count]:
             self.wf.record_failure(node.id, f"rejected by the proxy: {error.message}")
         self.shipped += count
+        if self.wf.run_id is None:
+            self.refusal = error
 
 
 class _Backoff:
@@ -193,15 +207,10 @@ class SyncOpenRun:
     def flush(self, awaited: list[str]) -> None:
         """Ship the steps the proxy has not seen (starting the run on the first call)."""
         with self.lock:
-            starting = self.thread is None
-            if starting:
-                self.sess.first_body = self.flushes.first(awaited)
-                self.thread = threading.Thread(target=self._follow, daemon=True,
-                                               name=f"flowlift run {self.wf.name}")
-                self.thread.start()
-            self._wait(lambda: self.wf.run_id is not None)
-            if starting:
+            if self.thread is None:
+                self._start(awaited)
                 return
+            self._wait(lambda: self.wf.run_id is not None)
             body, count = self.flushes.next(awaited)
             if body is not None:
                 try:
@@ -210,6 +219,26 @@ class SyncOpenRun:
                     self.flushes.rejected(count, exc)
                     raise
                 self.flushes.sent(count)
+
+    def _start(self, awaited: list[str]) -> None:
+        """Start the run with the steps so far. A graph the proxy refuses starts nothing:
+        its steps fail as a rejected later flush's do, and the next flush starts the
+        run with the steps recorded since."""
+        self.sess.first_body, count = self.flushes.first(awaited)
+        self.error = None
+        self.thread = threading.Thread(target=self._follow, daemon=True,
+                                       name=f"flowlift run {self.wf.name}")
+        self.thread.start()
+        try:
+            self._wait(lambda: self.wf.run_id is not None)
+        except GraphError as exc:
+            if self.wf.run_id is not None:
+                raise
+            self.thread.join()
+            self.thread, self.error = None, None
+            self.flushes.rejected(count, exc)
+            raise
+        self.flushes.sent(count)
 
     def _post(self, url: str, body: dict[str, Any]) -> None:
         backoff = _Backoff(self.wf)
@@ -326,14 +355,10 @@ class AsyncOpenRun:
     async def flush(self, awaited: list[str]) -> None:
         """Ship the steps the proxy has not seen (starting the run on the first call)."""
         async with self.lock:
-            starting = self.task is None
-            if starting:
-                self.sess.first_body = self.flushes.first(awaited)
-                self.task = asyncio.create_task(self._follow(),
-                                                name=f"flowlift run {self.wf.name}")
-            await self._wait(lambda: self.wf.run_id is not None)
-            if starting:
+            if self.task is None:
+                await self._start(awaited)
                 return
+            await self._wait(lambda: self.wf.run_id is not None)
             body, count = self.flushes.next(awaited)
             if body is not None:
                 try:
@@ -342,6 +367,20 @@ class AsyncOpenRun:
                     self.flushes.rejected(count, exc)
                     raise
                 self.flushes.sent(count)
+
+    async def _start(self, awaited: list[str]) -> None:
+        """As :meth:`SyncOpenRun._start`: a refused first graph starts nothing."""
+        self.sess.first_body, count = self.flushes.first(awaited)
+        self.task = asyncio.create_task(self._follow(), name=f"flowlift run {self.wf.name}")
+        try:
+            await self._wait(lambda: self.wf.run_id is not None)
+        except GraphError as exc:
+            if self.wf.run_id is not None:
+                raise
+            self.task = None
+            self.flushes.rejected(count, exc)
+            raise
+        self.flushes.sent(count)
 
     async def _post(self, url: str, body: dict[str, Any]) -> None:
         backoff = _Backoff(self.wf)

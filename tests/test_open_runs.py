@@ -255,6 +255,58 @@ async def test_rejected_flush_lists_every_problem_and_the_run_goes_on(client):
         _ = bad.value
 
 
+async def test_a_refused_first_flush_fails_its_steps_and_the_next_read_starts_the_run(client):
+    """The first flush is rejected like a later one: its steps fail, the run starts with
+    the steps recorded after it, and the block's end raises WorkflowFailed naming them."""
+    def sync() -> tuple[Workflow, object, object, pytest.ExceptionInfo[WorkflowFailed]]:
+        with pytest.raises(WorkflowFailed) as failed, \
+                workflow("late", base_url=_base(client)) as wf:
+            a = think("x")
+            with pytest.raises(GraphError, match="no-such-model"):
+                unserved(f"{a}").get()
+            assert wf.run_id is None  # nothing started
+            c = think("after")
+            assert c.get() == "echo: Think: after"  # the run goes on
+        return wf, a, c, failed
+
+    wf, a, c, failed = await asyncio.to_thread(sync)
+    assert set(failed.value.failures) == {"think_1", "unserved_1"}  # the refused flush
+    assert wf.run_id is not None and wf.status == "succeeded"
+    assert c.value == "echo: Think: after"
+    with pytest.raises(StepFailed, match="rejected by the proxy"):
+        _ = a.value
+    run = client.server.app[STATE].runs.get(wf.run_id)
+    assert [n.id for n in run.graph.nodes] == ["think_2"]
+
+    with pytest.raises(WorkflowFailed) as afailed:
+        async with workflow("late", base_url=_base(client)) as awf:
+            with pytest.raises(GraphError):
+                await unserved("y")
+            assert await think("then") == "echo: Think: then"
+    assert set(afailed.value.failures) == {"unserved_1"} and awf.run_id is not None
+
+
+async def test_a_block_whose_every_step_is_refused_raises_graph_error(client):
+    runs = client.server.app[STATE].runs
+    with pytest.raises(GraphError, match="no-such-model"):
+        async with workflow("void", base_url=_base(client)) as wf:
+            with pytest.raises(GraphError):
+                await unserved("y")
+    assert wf.run_id is None and not runs.active
+
+    def sync() -> Workflow:
+        with pytest.raises(GraphError, match="no-such-model"), \
+                workflow("void", base_url=_base(client)) as swf:
+            with pytest.raises(GraphError):
+                unserved("z").get()
+            with pytest.raises(GraphError):
+                unserved("w").get()  # the next read is refused again: still no run
+        return swf
+
+    swf = await asyncio.to_thread(sync)
+    assert swf.run_id is None and not runs.active
+
+
 async def test_a_block_that_raises_cancels_its_open_run(client, engine):
     engine.delay_s = 0.02
     runs = client.server.app[STATE].runs
