@@ -33,7 +33,7 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncGenerator, Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -394,7 +394,7 @@ class RunRegistry:
         return len(done)
 
     async def tail(self, stored: StoredRun, after: int = 0,
-                   poll_s: float = TAIL_POLL_S) -> AsyncIterator[Event]:
+                   poll_s: float = TAIL_POLL_S) -> AsyncGenerator[Event, None]:
         """The events of a run another proxy executes (``stored``: as read now): those
         after ``after``, then new ones from the store every ``poll_s`` s until
         ``run.finished``; follows the run's own log once this proxy takes it over. The
