@@ -208,8 +208,10 @@ class _Session:
             body = self.first_body if self.first_body is not None else self.wf.graph().to_wire()
             return "POST", "/v1/workflows", {"json": body, "headers": self.trace_headers}
         headers = {"Last-Event-ID": self.last_id} if self.last_id else {}
-        return "GET", f"/v1/workflows/{self.wf.run_id}/events", {
-            "headers": {**self.trace_headers, **headers}}
+        kwargs: dict[str, Any] = {"headers": {**self.trace_headers, **headers}}
+        if self.wf.attached:  # the proxy hands each tool call to one attacher serving it
+            kwargs["params"] = {"serve": ",".join(sorted(self.wf.served_tools))}
+        return "GET", f"/v1/workflows/{self.wf.run_id}/events", kwargs
 
     def result_url(self, step_id: str) -> str:
         return f"/v1/workflows/{self.wf.run_id}/steps/{step_id}/result"

@@ -11,7 +11,9 @@
 ``@tool`` steps of a detached run need a client that has the functions: they wait (the
 run's trace marks them ``waiting_tool``) until a script runs them. ``attach(run_id,
 tools=[fn, ...])`` serves them: a ``tool.wanted`` event names the tool, the function of
-that name runs with its JSON arguments parsed by its annotations
+that name runs (one attacher gets each call: the proxy hands it to the first serving
+that tool and offers it to the next if that one's stream ends unanswered) with its JSON
+arguments parsed by its annotations
 (:meth:`~flowlift.sdk.steps.Tool.parse_arguments`: a dict into the pydantic model it
 asks for), and its result is posted as a normal run's is. Steps already finished when
 the attach starts (read from ``GET /v1/workflows/{run_id}`` first) are never run again.
@@ -105,6 +107,7 @@ def _attached(run_id: str, base_url: str | Sequence[str] | None, api_key: str | 
                   submit=False, reconnect_s=reconnect_s, progress=False)
     wf.run_id, wf.status = run_id, "running"
     wf.served_tools = {t.name: t for t in tools}
+    wf.attached = True
     return wf
 
 

@@ -146,6 +146,7 @@ class Workflow:
         self.tools: dict[str, Tool[Any, Any]] = {}
         self.agent_tools: dict[str, dict[str, Tool[Any, Any]]] = {}  # agent step -> tools
         self.served_tools: dict[str, Tool[Any, Any]] = {}  # an attached run's, by name
+        self.attached = False  # followed by flowlift.attach: serves only served_tools
         self._parsers: dict[str, Callable[[Any], Any]] = {}
         self._counts: dict[str, int] = {}
         self._outputs: dict[str, Any] = {}

@@ -19,6 +19,7 @@ from flowlift.costs import CostTracker
 from flowlift.errors import SemanticVariableError
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.workflows.events import EventLog
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.store import RunStore
@@ -208,3 +209,48 @@ async def test_a_tool_whose_argument_does_not_parse_fails_its_step(client):
         await flowlift.aattach(wf.run_id, base_url=base, tools=[strict])
     (error,) = failed.value.failures.values()
     assert "ValidationError" in str(error)
+
+
+slow_calls: list[str] = []
+
+
+@tool(name="slow_describe")
+def slow_describe(topic: Topic) -> str:
+    slow_calls.append(topic.name)
+    import time
+    time.sleep(0.6)  # both attachers follow the run while the call is out
+    return f"about {topic.name}"
+
+
+async def test_two_attachers_at_once_run_a_tool_step_once(client):
+    base = str(client.make_url("")).rstrip("/")
+    slow_calls.clear()
+    async with workflow("attach-twice", base_url=base, detach=True) as wf:
+        text = slow_describe(pick("dunes"))
+    one, two = await asyncio.gather(*(
+        asyncio.to_thread(flowlift.attach, wf.run_id, base_url=base, tools=[slow_describe])
+        for _ in range(2)))
+    assert len(slow_calls) == 1, "the tool call is handed to one attacher only"
+    assert one.value(text.step_id) == two.value(text.step_id) == f"about {slow_calls[0]}"
+
+
+async def test_a_held_tool_call_goes_to_the_next_follower_when_its_holder_leaves():
+    log = EventLog()
+    log.emit("run.started", {"run_id": "r"})
+    log.emit("tool.wanted", {"step_id": "t_1", "name": "t", "args": [], "kwargs": {}})
+    first, second = log.follow(0, frozenset({"t"})), log.follow(0, frozenset({"t"}))
+    watcher = log.follow(0, frozenset())
+    assert [(await anext(first))[1] for _ in range(2)] == ["run.started", "tool.wanted"]
+    assert (await anext(second))[1] == "run.started"
+    pending = asyncio.ensure_future(anext(second))
+    await asyncio.sleep(0.05)
+    assert not pending.done(), "another follower holds the call"
+    assert [(await anext(watcher))[1] for _ in range(2)] == ["run.started", "tool.wanted"]
+    await first.aclose()  # its stream ended before the result: the call is offered again
+    assert (await asyncio.wait_for(pending, 1))[2]["step_id"] == "t_1"
+    log.emit("step.finished", {"step_id": "t_1", "value": "v"})
+    again = log.follow(0, frozenset({"t"}))  # answered: replayed to anyone
+    assert [(await anext(again))[1] for _ in range(3)] == [
+        "run.started", "tool.wanted", "step.finished"]
+    for follower in (second, watcher, again):
+        await follower.aclose()

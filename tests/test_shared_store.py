@@ -358,6 +358,34 @@ async def test_a_replica_that_does_not_run_a_run_streams_it_and_takes_its_tool_r
         assert (await late.json())["outcome"] == "duplicate"
     bad = await c.post("/v1/workflows/wf-x/steps/nope/result", json={"value": 1})
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "step_id"
+    for step_id, why in (("a", "not a @tool step"), ("nope", "no such step")):
+        for replica in (b, c):  # the owner and the other say the same: a model step is no tool
+            refused = await replica.post(f"/v1/workflows/wf-x/steps/{step_id}/result",
+                                         json={"value": "x"})
+            error = (await refused.json())["error"]
+            assert refused.status == 400 and error["param"] == "step_id", error
+            assert why in error["message"]
+
+
+async def test_a_replica_refuses_a_result_for_a_model_step_as_the_owner_does(
+        aiohttp_client, pg_url: str) -> None:
+    (_, a, _), (_, b, _) = [await _replica(aiohttp_client, pg_url) for _ in range(2)]
+    graph = {"name": "ask", "id": "wf-m", "nodes": [
+        llm("ask_1", "hi"), {"kind": "tool", "id": "t", "name": "look", "args": [{"ref": "ask_1"}]},
+        {"kind": "llm", "model": "fake-model", "id": "ask_2",
+         "messages": [{"role": "user", "content": [{"ref": "t"}]}]}]}
+    resp = await a.post("/v1/workflows", json=graph)  # A executes the run; t waits
+    async for line in resp.content:
+        if line.startswith(b"event: tool.wanted"):
+            break
+    answers = [await r.post("/v1/workflows/wf-m/steps/ask_2/result", json={"value": "x"})
+               for r in (a, b)]
+    bodies = [await r.json() for r in answers]
+    assert [r.status for r in answers] == [400, 400], bodies
+    assert bodies[0]["error"] == bodies[1]["error"]
+    assert "not a @tool step" in bodies[1]["error"]["message"]
+    await b.delete("/v1/workflows/wf-m")  # cancelled through B; A stops it
+    resp.close()
 
 
 async def test_a_run_taken_over_starts_when_its_client_follows_it_through_another_replica(

@@ -9,7 +9,9 @@
 * ``GET /v1/workflows/{run_id}/events`` -- the same stream again, from the event after
   ``Last-Event-ID`` (header) or ``?after=N``: a client that lost its connection, or a
   proxy that restarted, loses nothing. On a shared store a replica that does not execute
-  the run streams it from the store until it finishes.
+  the run streams it from the store until it finishes. ``?serve=a,b`` (``flowlift.attach``
+  sends its tools' names): each waiting ``tool.wanted`` of those tools goes to one such
+  follower at a time (:class:`~flowlift.proxy.workflows.events.EventLog`).
 * ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` -- a ``@tool`` step's result,
   ``{"value": ...}`` or ``{"error": "..."}``; on a shared store any replica takes it (202
   when another executes the run) and a second post of a result is a no-op.
@@ -41,8 +43,9 @@ to for a while are cancelled by the registry's sweep.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -108,11 +111,12 @@ def parse_graph(data: Any, backends: Backends) -> Graph:
     return graph
 
 
-async def _send(request: web.Request, events: AsyncIterator[Event],
+async def _send(request: web.Request, events: AsyncGenerator[Event, None],
                 run: Run | None, headers: dict[str, str] | None = None) -> web.StreamResponse:
-    async with sse_response(request, sep="\n", allow_all_methods=True,
-                            headers=headers) as resp:
-        async for seq, name, data in events:
+    async with (sse_response(request, sep="\n", allow_all_methods=True,
+                             headers=headers) as resp,
+                contextlib.aclosing(events) as stream):  # a closed stream frees its claims
+        async for seq, name, data in stream:
             if name == FINAL and run is not None:  # trace on disk before the client hears
                 if run.task is not None:  # a run that logs events has been started
                     await asyncio.wait([run.task])
@@ -121,7 +125,14 @@ async def _send(request: web.Request, events: AsyncIterator[Event],
     return resp
 
 
-async def _replay(events: list[Event], after: int) -> AsyncIterator[Event]:
+def _serves(query: Any) -> frozenset[str] | None:
+    """``?serve=a,b``: the tools a follower runs (empty: none); absent: all (see
+    :class:`~flowlift.proxy.workflows.events.EventLog`)."""
+    raw = query.get("serve")
+    return None if raw is None else frozenset(n for n in raw.split(",") if n)
+
+
+async def _replay(events: list[Event], after: int) -> AsyncGenerator[Event, None]:
     for event in events:
         if event[0] > after:
             yield event
@@ -220,7 +231,7 @@ async def follow_workflow(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
     run = state.runs.live(run_id, tenant)
     if run is not None:
-        return await _send(request, run.log.follow(after), run)
+        return await _send(request, run.log.follow(after, _serves(request.query)), run)
     stored = state.runs.stored(run_id, tenant)
     if stored.status == "running" and state.runs.store.shared:  # another proxy runs it
         return await _send(request, state.runs.tail(stored, after), None)

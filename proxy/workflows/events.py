@@ -3,16 +3,25 @@
 Every event gets the next sequence number (its SSE ``id``), so a client that lost its
 connection resumes with ``Last-Event-ID`` and misses nothing. An optional ``sink``
 persists each event as it is appended (see :mod:`flowlift.proxy.workflows.store`).
+
+Tool calls are handed out, not broadcast: a follower that serves a tool (``serves``:
+its names, or None for all of them, as the run's own client) claims each ``tool.wanted``
+of that name it reads first; while it holds the claim, other followers that serve the
+name do not get that event. The claim ends with the step's result (``step.finished``,
+``step.failed``, ``tool.result``) or with the claimant's stream, whose claims are then
+offered to the others. Followers that serve none of it see the event as any other.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 
 Event = tuple[int, str, dict[str, Any]]
 FINAL = "run.finished"
+WANTED = "tool.wanted"
+ANSWERED = ("step.finished", "step.failed", "tool.result")
 
 
 class EventLog:
@@ -31,6 +40,9 @@ class EventLog:
         self.listeners = 0
         self.listened = asyncio.Event()  # set once anyone has followed the log
         self.ended = False  # no more events here (the run went to another proxy)
+        self._claims: dict[str, object] = {}  # waiting tool call -> the follower it went to
+        self._answered: set[str] = {d.get("step_id", "") for _, n, d in self._events
+                                    if n in ANSWERED}
 
     @property
     def last_seq(self) -> int:
@@ -41,6 +53,9 @@ class EventLog:
         if self._sink is not None:
             self._sink(seq, name, data)
         self._events.append((seq, name, data))
+        if name in ANSWERED:
+            self._answered.add(data.get("step_id", ""))
+            self._claims.pop(data.get("step_id", ""), None)
         self._changed.set()
         return seq
 
@@ -54,9 +69,33 @@ class EventLog:
     def history(self) -> list[Event]:
         return list(self._events)
 
-    async def follow(self, after: int = 0) -> AsyncIterator[Event]:
+    def _take(self, me: object, event: Event, serves: frozenset[str] | None) -> bool:
+        """Whether follower ``me`` gets ``tool.wanted`` ``event`` now (claiming it when it
+        serves the tool); False: another follower holds it."""
+        data = event[2]
+        step_id = data.get("step_id", "")
+        if serves is not None and data.get("name") not in serves:
+            return True
+        if step_id in self._answered:
+            return True
+        holder = self._claims.setdefault(step_id, me)
+        return holder is me
+
+    def _release(self, me: object) -> None:
+        mine = [step for step, holder in self._claims.items() if holder is me]
+        for step in mine:
+            del self._claims[step]
+        if mine:
+            self._changed.set()  # the other followers take them over
+
+    async def follow(self, after: int = 0, serves: frozenset[str] | None = None
+                     ) -> AsyncGenerator[Event, None]:
         """Events with ``seq > after``: the past at once, then new ones as they come;
-        ends after the run's final event."""
+        ends after the run's final event. ``serves``: the tools this follower runs (None:
+        all), so it gets a ``tool.wanted`` only when no other follower holds it (see the
+        module docstring); a held one comes once its holder's stream ends unanswered."""
+        me = object()
+        held: list[Event] = []  # tool calls another follower holds
         self.listeners += 1
         self.listened.set()
         try:
@@ -66,12 +105,23 @@ class EventLog:
                 while index < len(self._events):
                     event = self._events[index]
                     index += 1
+                    if event[1] == WANTED and not self._take(me, event, serves):
+                        held.append(event)
+                        continue
                     yield event
                     if event[1] == FINAL:
                         return
+                held = [e for e in held if e[2].get("step_id") not in self._answered]
+                freed = [e for e in held if self._take(me, e, serves)]
+                for event in freed:
+                    held.remove(event)
+                    yield event
+                if freed or index < len(self._events):
+                    continue
                 if self.ended:
                     return
                 self._changed.clear()
                 await self._changed.wait()
         finally:
             self.listeners -= 1
+            self._release(me)

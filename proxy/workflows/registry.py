@@ -33,7 +33,7 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncGenerator, Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ from flowlift.errors import (
     RunClosed,
     RunNotFound,
 )
-from flowlift.graph import Graph
+from flowlift.graph import Graph, LLMNode, ToolNode
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.tenants import visible
@@ -72,9 +72,26 @@ TAIL_POLL_S = 0.2
 """How often :meth:`RunRegistry.tail` reads a run another proxy executes from the store."""
 
 
-def _not_waiting(run_id: str, step_id: str) -> RequestError:
-    return RequestError(f"step {step_id!r} of run {run_id} is not waiting for a tool result",
-                        param="step_id")
+def _not_waiting(run_id: str, step_id: str, why: str = "") -> RequestError:
+    return RequestError(f"step {step_id!r} of run {run_id} is not waiting for a tool result"
+                        f"{why}", param="step_id")
+
+
+def _check_tool_step(graph: Graph, run_id: str, step_id: str) -> None:
+    """Refuse a result for ``step_id`` unless it names a ``@tool`` step of ``graph`` or a
+    call of one of its agent steps (``<step id>:call_<n>``).
+
+    Raises:
+        RequestError: no such step (``param: step_id``), or not one that takes a result.
+    """
+    nodes = {n.id: n for n in graph.nodes}
+    agent, sep, _ = step_id.rpartition(":call_")
+    node = nodes.get(agent) if sep else nodes.get(step_id)
+    if node is None:
+        raise _not_waiting(run_id, step_id, ": no such step")
+    if not (isinstance(node, ToolNode) if not sep
+            else isinstance(node, LLMNode) and bool(node.tools)):
+        raise _not_waiting(run_id, step_id, f": it is a {node.kind} step, not a @tool step")
 
 
 def log_end(run: Run) -> None:
@@ -285,11 +302,12 @@ class RunRegistry:
 
         Raises:
             RunNotFound: no such run (or another tenant's).
-            RequestError: the step is not waiting for a result (unknown, failed, or the
-                run has finished).
+            RequestError: the step is not waiting for a result (unknown, not a ``@tool``
+                step or agent call, failed, or the run has finished), here or elsewhere.
         """
         run = self.live(run_id, tenant)
         if run is not None:  # executed here (or finished here lately)
+            _check_tool_step(run.graph, run_id, step_id)
             if run.has_tool_result(step_id):
                 return "duplicate"
             if step_id not in run.waiting_tools():
@@ -298,13 +316,13 @@ class RunRegistry:
             run.deliver_tool_result(step_id, body.get("value"), body.get("error"))
             return "delivered"
         stored = self.stored(run_id, tenant)
+        _check_tool_step(stored_graph(stored), run_id, step_id)  # as the owner checks it
         logged = {d.get("step_id") for _, n, d in stored.events
                   if n in ("step.finished", "tool.result")}
         if step_id in logged:
             return "duplicate"
-        nodes = {n.id for n in stored_graph(stored).nodes}
-        if stored.status != "running" or step_id.rsplit(":call_", 1)[0] not in nodes:
-            raise _not_waiting(run_id, step_id)
+        if stored.status != "running":
+            raise _not_waiting(run_id, step_id, f": the run has {stored.status}")
         return "queued" if self.store.put_tool_result(run_id, step_id, body) else "duplicate"
 
     def deliver_posted(self) -> int:
@@ -394,7 +412,7 @@ class RunRegistry:
         return len(done)
 
     async def tail(self, stored: StoredRun, after: int = 0,
-                   poll_s: float = TAIL_POLL_S) -> AsyncIterator[Event]:
+                   poll_s: float = TAIL_POLL_S) -> AsyncGenerator[Event, None]:
         """The events of a run another proxy executes (``stored``: as read now): those
         after ``after``, then new ones from the store every ``poll_s`` s until
         ``run.finished``; follows the run's own log once this proxy takes it over. The
