@@ -49,6 +49,16 @@ def standard_answer() -> FakeUpstream:
         {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}))])
 
 
+async def batch_text(dispatcher: TieredDispatcher, request: GenerationRequest) -> str:
+    """The whole answer of ``request`` through ``dispatcher`` at batch priority."""
+    text = ""
+    async with contextlib.aclosing(dispatcher.generate(
+            request, priority=Priority.of("batch"))) as chunks:
+        async for c in chunks:
+            text += c.text
+    return text
+
+
 async def proxy(aiohttp_client: Any, aiohttp_server: Any, api: FakeBatchAPI,
                 std: FakeUpstream, **batch: Any) -> Any:
     std_url = str((await aiohttp_server(std.app())).make_url("/v1"))
@@ -132,11 +142,7 @@ async def test_a_restarted_run_waits_for_its_submitted_line_and_submits_nothing(
     posts_before = [r for r in api.requests if r[0] == "POST"]
     request = GenerationRequest("run1:s0:1", "up", [ChatMessage("user", "earlier")],
                                 service_tier="batch")
-    text = ""
-    async with contextlib.aclosing(dispatcher.generate(
-            request, priority=Priority.of("batch"))) as chunks:
-        async for c in chunks:
-            text += c.text
+    text = await batch_text(dispatcher, request)
     assert text == "echo: earlier"
     assert [r for r in api.requests if r[0] == "POST"] == posts_before  # nothing new
     assert [d["state"] for e, d in emitted if e == "step.batch"] == ["finished"]
@@ -248,11 +254,7 @@ async def test_a_batch_step_ready_too_late_for_batch_is_planned_again_on_the_fas
                                   slack_s=slack.get, emit=emit)
     request = GenerationRequest("r:s0:1", "up", [ChatMessage("user", "hi")],
                                 service_tier="batch")
-    text = ""
-    async with contextlib.aclosing(dispatcher.generate(
-            request, priority=Priority.of("batch"))) as chunks:
-        async for c in chunks:
-            text += c.text
+    text = await batch_text(dispatcher, request)
     assert text == "from standard" and not api.batches
     assert [x for x in emitted if x[0] == "step.tier"] == [
         ("step.tier", {"step_id": "s0", "from": "batch", "to": "standard",
@@ -373,12 +375,7 @@ async def test_a_batch_line_that_finishes_after_the_watchdogs_answer_is_billed_t
     async def answer(run: str) -> str:
         request = GenerationRequest(f"{run}:s0:1", "up", [ChatMessage("user", run)],
                                     service_tier="batch")
-        text = ""
-        async with contextlib.aclosing(dispatchers[run].generate(
-                request, priority=Priority.of("batch"))) as chunks:
-            async for c in chunks:
-                text += c.text
-        return text
+        return await batch_text(dispatchers[run], request)
     late, calm = await asyncio.gather(answer("late"), answer("calm"))
     assert (late, calm) == ("from standard", "echo: calm")
     assert len(api.batches) == 1 and next(iter(api.batches.values())).cancelled_sim is None
