@@ -13,7 +13,6 @@ a run's progress (:mod:`flowlift.proxy.workflows.progress`) and the pages under 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Mapping
 
@@ -40,7 +39,7 @@ from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
 from flowlift.proxy.workflows.outcomes import StepOutcomes
-from flowlift.proxy.workflows.planning import plan
+from flowlift.proxy.workflows.planning import compile_options
 from flowlift.proxy.workflows.registry import TAIL_POLL_S, RunRegistry
 from flowlift.proxy.workflows.store import open_store
 
@@ -109,9 +108,10 @@ async def _posted_results(app: web.Application) -> None:
         await asyncio.sleep(TAIL_POLL_S)
         try:
             state.runs.deliver_posted()
-            await state.runs.apply_requests(state.backends.known(), functools.partial(
-                plan, backends=state.backends, costs=state.costs,
-                outcomes=state.runs.outcomes, prices=state.prices))
+            await state.runs.apply_requests(
+                state.backends.known(), compile_options(state.backends, state.costs,
+                                                        state.runs.outcomes, state.prices),
+                recompile=state.config.append_recompile)
         except Exception:  # a database hiccup: the next round tries again
             log.exception("run_tool_results_failed")
 

@@ -134,6 +134,9 @@ class ProxyConfig:
             while the tool is out (:mod:`flowlift.proxy.dispatch.prefill_ahead`).
         prefill_ahead_max_kv_usage: KV-cache share (0 to 1) above which prefill-ahead
             stops and what runs of it is aborted.
+        append_recompile: an open run's append compiles the whole grown graph (the
+            behaviour before issue 24; a benchmark baseline) instead of the new nodes
+            alone (:mod:`flowlift.incremental`).
     """
 
     max_concurrency: int = 16
@@ -154,6 +157,7 @@ class ProxyConfig:
     lease_ttl_s: float = 15.0
     prefill_ahead: bool = True
     prefill_ahead_max_kv_usage: float = 0.7
+    append_recompile: bool = False
 
 
 class _Strict(BaseModel):

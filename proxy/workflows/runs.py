@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
 import functools
 import secrets
 from collections.abc import Callable, Iterable, Sequence
@@ -44,6 +43,7 @@ from flowlift.graph import (
     Ref,
     Template,
     ToolNode,
+    node_refs,
     project,
     render_value,
 )
@@ -128,7 +128,6 @@ class Run:
         self.observer = observer
         self.trace_parent = trace_parent
         self.deadline_missed = False
-        self._output_tokens: tuple[Plan | None, dict[str, int]] = (None, {})  # per plan
         self.tenant: str | None = restored.tenant if restored else None
         for node in graph.nodes:
             model = node.model if isinstance(node, LLMNode) else None
@@ -270,8 +269,8 @@ class Run:
         self.growth.check_open(self.run_id, self.finished)
         if nodes:
             self.graph = self.graph.model_copy(update={"nodes": (*self.graph.nodes, *nodes)})
-            self._deps = dependencies(self.graph)
             for node in nodes:
+                self._deps[node.id] = frozenset(r.ref for r in node_refs(node))
                 self._done[node.id] = asyncio.Event()
                 model = node.model if isinstance(node, LLMNode) else None
                 self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
@@ -308,8 +307,7 @@ class Run:
         self.growth.closed = True
         self._emit((CLOSED, {"steps": len(self.graph.nodes)}))
         if self.plan is not None:
-            self.plan = dataclasses.replace(
-                self.plan, report=self.plan.report.model_copy(update={"open": False}))
+            self.plan = self.plan.closed()
         self.growth.changed.set()
         return True
 
@@ -466,7 +464,8 @@ class Run:
     def _dispatcher(self) -> StepDispatcher:
         """The run's dispatcher: tiered (:mod:`.tiering`) when the plan defers a step
         (batch, flex or idle)."""
-        tiers = planned_tiers(self.plan.report.tier_plan if self.plan else None)
+        tiers = planned_tiers(self.plan.report.tier_plan  # (only a deadline has one)
+                              if self.plan and self.graph.deadline_s else None)
         if not {"batch", "flex", "idle"} & set(tiers.values()):
             return StepDispatcher(self.backends)
         return TieredDispatcher(self.backends, run_id=self.run_id, tiers=tiers,
@@ -544,13 +543,8 @@ class Run:
     def _expected_output_tokens(self, step_id: str) -> int | None:
         """The plan's output length of ``step_id`` (its learned median, contract bound or
         ``max_tokens``), for the engines' hints; None without a plan."""
-        if self.plan is None:
-            return None
-        plan, lengths = self._output_tokens
-        if plan is not self.plan:  # one table per plan (a growing run's plan is replaced)
-            lengths = {n.step_id: n.output_tokens for n in self.plan.report.nodes}
-            self._output_tokens = (self.plan, lengths)
-        return lengths.get(step_id)
+        tokens = None if self.plan is None else self.plan.output_tokens.get(step_id)
+        return None if tokens is None else round(tokens)
 
     def _observe(self, model: str, at: AttemptTrace) -> None:
         if self.costs is None or at.first_token_ms is None or at.finished_ms is None:

@@ -131,7 +131,8 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "max_queue": args.max_queue, "max_sessions": args.max_sessions,
              "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs,
              "lease_ttl_s": args.lease_ttl_s, "prefill_ahead": args.prefill_ahead,
-             "prefill_ahead_max_kv_usage": args.prefill_ahead_max_kv_usage}
+             "prefill_ahead_max_kv_usage": args.prefill_ahead_max_kv_usage,
+             "append_recompile": getattr(args, "append_recompile", None)}
     flags = {name: value for name, value in given.items() if value is not None}
     flags["state_path"] = None if args.state_db == ":memory:" else state_db
     return flags
@@ -636,6 +637,11 @@ def build_parser() -> argparse.ArgumentParser:
                        const=False, default=None,
                        help="do not prefill the known start of the step that reads a tool's "
                             "output while the tool is out (default: on)")
+    serve.add_argument("--append-recompile", dest="append_recompile",
+                       action="store_const", const=True, default=None,
+                       help="compile an open run's whole grown graph on every append, as "
+                            "before appends were incremental (a baseline for "
+                            "bench/append_cost.py; default: off)")
     serve.add_argument("--prefill-ahead-max-kv-usage", type=_fraction, default=None,
                        metavar="F",
                        help="KV-cache share above which prefill-ahead stops and what runs "
