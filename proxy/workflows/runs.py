@@ -31,7 +31,6 @@ from opentelemetry.context import Context
 
 from flowlift.compiler import Plan
 from flowlift.costs import CostTracker
-from flowlift.dataflow import dependencies
 from flowlift.errors import FlowliftError, LeaseLost, RequestError, failure_kind
 from flowlift.graph import (
     Graph,
@@ -117,7 +116,10 @@ class Run:
         self.detached_since: float | None = None
         self._suspending = False
         self.trace = RunTrace(self.run_id, graph.name, graph.workflow_class)
-        self._deps = dependencies(graph)
+        self._deps: dict[str, frozenset[str]] = {}
+        self._nodes: dict[str, Node] = {}
+        self._readers: dict[str, list[str]] = {}  # step id -> the steps reading it
+        self._know(graph.nodes)
         self._done = {n.id: asyncio.Event() for n in graph.nodes}
         self._tool_results: dict[str, asyncio.Future[Any]] = {}
         self.growth = Growth(graph.open, restored.events if restored else ())
@@ -269,8 +271,8 @@ class Run:
         self.growth.check_open(self.run_id, self.finished)
         if nodes:
             self.graph = self.graph.model_copy(update={"nodes": (*self.graph.nodes, *nodes)})
+            self._know(nodes)
             for node in nodes:
-                self._deps[node.id] = frozenset(r.ref for r in node_refs(node))
                 self._done[node.id] = asyncio.Event()
                 model = node.model if isinstance(node, LLMNode) else None
                 self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
@@ -282,6 +284,14 @@ class Run:
                 self._spawn(nodes)
             self.growth.changed.set()
         self.mark_awaited(awaited)
+
+    def _know(self, nodes: Iterable[Node]) -> None:
+        """Index new nodes: by id, their inputs, and who reads each output."""
+        for node in nodes:
+            self._nodes[node.id] = node
+            self._deps[node.id] = deps = frozenset(r.ref for r in node_refs(node))
+            for d in deps:
+                self._readers.setdefault(d, []).append(node.id)
 
     def mark_awaited(self, step_ids: Iterable[str]) -> None:
         """The app is blocked on ``step_ids``: they (and what they wait for) get
@@ -559,7 +569,8 @@ class Run:
         """While tool ``tool_id`` is out: prefill the known start of each model step that
         reads its output (:mod:`flowlift.proxy.workflows.ahead`)."""
         skip = self.plan.merged_into if self.plan else {}
-        for step in consumers(self.graph.nodes, self._deps, tool_id, skip):
+        readers = (self._nodes[r] for r in self._readers.get(tool_id, ()))
+        for step in consumers(readers, self._nodes, skip):
             if step.id in self.outputs or step.id in self.failures:
                 continue
             messages = known_prefix(step.messages, self.outputs)
