@@ -239,7 +239,8 @@ def main() -> int:
             results["shapes"][shape] = measure(bases, shape, sizes, a.window, recompile_max)
     for shape, modes in results["shapes"].items():
         for mode, got in modes.items():
-            print(f"\n{shape} / {mode}: p50 ratio {sizes[-1]} vs {sizes[0]} steps: client "
+            ends = sorted(got["per_size"], key=int)
+            print(f"\n{shape} / {mode}: p50 ratio {ends[-1]} vs {ends[0]} steps: client "
                   f"{got['client_p50_ratio']}, proxy {got['proxy_p50_ratio']}")
             for n, row in got["per_size"].items():
                 print(f"  {n:>5} steps  client p50 {row['client_p50_ms']:8.2f}  p90 "

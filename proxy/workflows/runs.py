@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import json
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -278,7 +279,8 @@ class Run:
                 self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
             self.plan = plan or self.plan
             self._emit((APPENDED, {
-                "nodes": [n.model_dump(mode="json", by_alias=True) for n in nodes],
+                # (pydantic's JSON text, read back: 3x faster than a JSON-mode dump)
+                "nodes": [json.loads(n.model_dump_json(by_alias=True)) for n in nodes],
                 "awaited": list(awaited)}))
             if self._tasks is not None:  # else a resumed run, parked: all start together
                 self._spawn(nodes)
