@@ -129,3 +129,25 @@ def test_an_appends_problems_are_the_full_validations(batches, bad):
     grown = graph.model_copy(update={"nodes": (*graph.nodes, *nodes)})
     assert set(state.problems(nodes, {"m1", "m2"})) == _problems(grown)
     assert state.problems(nodes, {"m1", "m2"})  # every one of them is a problem
+
+
+@settings(max_examples=100)
+@given(_growth(), st.data())
+def test_finished_steps_are_left_alone_and_the_others_stay_exact(batches, data):
+    """Updates stop at finished steps (a prefix of a topological order: a step finishes
+    after its inputs); every unfinished step's remaining path is the full compile's."""
+    done: set[str] = set()
+    graph = Graph.model_validate({"open": True, "nodes": batches[0]})
+    state = GrowingPlan(graph, OPTS, finished=done.__contains__)
+    for batch in batches[1:]:
+        order = sorted(state.nodes, key=state.seq.__getitem__)
+        done.update(order[:data.draw(st.integers(0, len(order)))])
+        nodes = Graph.model_validate({"nodes": batch}).nodes
+        graph = graph.model_copy(update={"nodes": (*graph.nodes, *nodes)})
+        full = compile_graph(graph, OPTS)
+        held = set(state.nodes)
+        assume(not any(k in held and v not in held for k, v in full.merged_into.items()))
+        state.add(nodes)
+        live = {n for n in state.nodes if n not in done}
+        assert {n: state.tail[n] for n in live} == pytest.approx(
+            {n: full.tail_ms[n] for n in live})
