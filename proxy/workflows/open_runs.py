@@ -13,9 +13,15 @@ OSDI'24: calls are submitted as made, a read blocks only on the value it needs):
 * ``POST /v1/workflows/{run_id}/close`` -- no more nodes; the run finishes once every
   node is done. Appending to a closed or finished run: :class:`RunClosed` (HTTP 409).
 
+An append costs what it adds: the run keeps the compiler's state
+(:class:`~flowlift.incremental.GrowingPlan`) and grows it by the new nodes alone --
+validation, identical calls, prefix groups, costs and remaining critical paths; the
+whole report is compiled when read. ``--append-recompile`` keeps the earlier whole-graph
+recompile per append (a benchmark baseline).
+
 Events in the run's log (durable like the rest): ``nodes.appended`` ``{nodes, awaited}``
-(the wire nodes) and ``run.closed``. A restarted proxy rebuilds the graph from the
-stored one plus the appended nodes (:func:`stored_graph`).
+(the new wire nodes only) and ``run.closed``. A restarted proxy rebuilds the graph from
+the stored one plus the appended nodes (:func:`stored_graph`) and compiles it once.
 
 Scheduling: a step the app awaits, with every unfinished step it depends on and the
 step warming its prefix group, is on the critical path now: it gets interactive

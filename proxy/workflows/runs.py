@@ -262,9 +262,9 @@ class Run:
                awaited: Sequence[str] = ()) -> None:
         """Add validated nodes to this open run (see
         :func:`flowlift.proxy.workflows.open_runs.append`): logged as ``nodes.appended``,
-        started at once (inputs already finished count as ready). ``plan``: compiled
-        over the grown graph (None: keep the current one); ``awaited``: steps the app
-        is blocked on (:meth:`mark_awaited`).
+        started at once (inputs already finished count as ready). ``plan``: the grown
+        graph's plan (None: keep the current one); ``awaited``: steps the app is
+        blocked on (:meth:`mark_awaited`). Work: the new nodes and their inputs.
 
         Raises:
             RunClosed: the run is closed or finished.
