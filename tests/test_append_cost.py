@@ -125,3 +125,11 @@ async def test_both_append_paths_give_the_scheduler_the_same_plan(make_app, aioh
     assert plan.tail_ms["s0"] == pytest.approx(plan.cost_ms["s0"] + plan.tail_ms["join"])
     await client.post(f"/v1/workflows/{run_id}/close")
     await events
+
+
+def test_serve_append_recompile_reaches_the_settings():
+    from flowlift.cli import build_parser, serve_flags
+    from flowlift.proxy.config import settings
+    parse = build_parser().parse_args
+    assert settings(serve_flags(parse(["serve", "--append-recompile"]))).append_recompile
+    assert not settings(serve_flags(parse(["serve"]))).append_recompile

@@ -132,7 +132,7 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs,
              "lease_ttl_s": args.lease_ttl_s, "prefill_ahead": args.prefill_ahead,
              "prefill_ahead_max_kv_usage": args.prefill_ahead_max_kv_usage,
-             "append_recompile": getattr(args, "append_recompile", None)}
+             "append_recompile": args.append_recompile}
     flags = {name: value for name, value in given.items() if value is not None}
     flags["state_path"] = None if args.state_db == ":memory:" else state_db
     return flags
