@@ -53,6 +53,7 @@ from flowlift.tracing.timeline import (
 )
 
 routes = web.RouteTableDef()
+NO_ICON = '<link rel="icon" href="data:,">'  # no /favicon.ico request
 OUTPUT_PREVIEW_CHARS = 240
 ARROW = " \u2192 "
 
@@ -80,7 +81,7 @@ def page(title: str, body: str, *, scripts: tuple[str, ...] = (), init_js: str =
                  for code in (*map(static, scripts), init_js) if code)
     meta = f'<meta http-equiv="refresh" content="{refresh_s}">' if refresh_s else ""
     html = (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">{meta}'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">{meta}{NO_ICON}'
             f"<title>{escape(title)}</title><style nonce=\"{nonce}\">{static('ui.css')}</style>"
             f'</head><body><header><h1>flowlift</h1><nav><a href="/ui/">runs</a>'
             f'<a href="/ui/compile">compile a graph</a></nav></header>'
@@ -289,7 +290,7 @@ def static_compile_page() -> dict[str, str]:
     html = ('<!doctype html><html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            '<title>flowlift: compile a graph</title><link rel="stylesheet" href="ui.css">'
+            f'{NO_ICON}<title>flowlift: compile a graph</title><link rel="stylesheet" href="ui.css">'
             "</head><body><header><h1>flowlift</h1></header>"
             f'<main>{body}</main><script src="report.js"></script>'
             '<script src="compile.js"></script></body></html>')
