@@ -163,5 +163,5 @@ def test_the_static_page(tmp_path, fake_pyodide):
 
 def test_the_static_page_needs_pyodide(tmp_path, monkeypatch):
     monkeypatch.setenv(offline.PYODIDE_DIR_ENV, str(tmp_path / "none"))
-    with pytest.raises(ConfigError, match="fetch_pyodide.sh"):
+    with pytest.raises(ConfigError, match=r"fetch_pyodide\.sh"):
         offline.build_static(tmp_path / "site", {"index.html": ""})

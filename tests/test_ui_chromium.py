@@ -23,7 +23,7 @@ import threading
 import time
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -242,9 +242,9 @@ async def test_compile_page_compiles_in_the_browser(proxy, tmp_path):
 
 
 class LoggedFiles(http.server.SimpleHTTPRequestHandler):
-    log: list[str] = []
+    log: ClassVar[list[str]] = []
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib's name)
+    def log_message(self, format: str, *args: Any) -> None:
         LoggedFiles.log.append(self.path)
 
 

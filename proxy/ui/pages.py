@@ -86,8 +86,8 @@ def page(title: str, body: str, *, scripts: tuple[str, ...] = (), init_js: str =
             f'</head><body><header><h1>flowlift</h1><nav><a href="/ui/">runs</a>'
             f'<a href="/ui/compile">compile a graph</a></nav></header>'
             f"<main>{body}</main>{js}</body></html>")
-    csp = (f"default-src 'none'; script-src 'nonce-{nonce}'{' ' + script_src if script_src else ''}; "
-           f"style-src 'nonce-{nonce}'; "
+    scripts_csp = " ".join(filter(None, (f"'nonce-{nonce}'", script_src)))
+    csp = (f"default-src 'none'; script-src {scripts_csp}; style-src 'nonce-{nonce}'; "
            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'self'; "
            "frame-ancestors 'none'")
     return web.Response(text=html, status=status, content_type="text/html", headers={
@@ -290,7 +290,8 @@ def static_compile_page() -> dict[str, str]:
     html = ('<!doctype html><html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f'{NO_ICON}<title>flowlift: compile a graph</title><link rel="stylesheet" href="ui.css">'
+            f"{NO_ICON}<title>flowlift: compile a graph</title>"
+            '<link rel="stylesheet" href="ui.css">'
             "</head><body><header><h1>flowlift</h1></header>"
             f'<main>{body}</main><script src="report.js"></script>'
             '<script src="compile.js"></script></body></html>')
