@@ -5,6 +5,7 @@ Chromium)."""
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
@@ -64,7 +65,7 @@ def test_the_bundle_runs_alone(tmp_path):
     .pth files, so no editable install), compiles as the installed package does."""
     with zipfile.ZipFile(io.BytesIO(offline.python_bundle())) as zf:
         assert sorted(zf.namelist()) == sorted(
-            ["flowlift/__init__.py", *(f"flowlift/{m}.py" for m in offline.BROWSER_MODULES)])
+            ["flowlift/__init__.py", *(f"flowlift/{m}.py" for m in offline.browser_modules())])
         zf.extractall(tmp_path / "py")
     code = ("import json, sys\nfrom flowlift.browser import compile_text\n"
             "print(json.dumps({'result': compile_text(sys.stdin.read()), 'files': sorted("
@@ -78,6 +79,27 @@ def test_the_bundle_runs_alone(tmp_path):
     doc = json.loads(out.stdout)
     assert doc["result"]["text"] == compile_text(json.dumps(rich_graph()))["text"]
     assert all(f.startswith(str(tmp_path / "py")) for f in doc["files"]), doc["files"]
+
+
+def test_the_bundle_follows_the_imports():
+    assert {"browser", "compiler", "graph", "dataflow", "report"} <= set(
+        offline.browser_modules())
+    tree = ast.parse("from typing import TYPE_CHECKING\nimport flowlift.a\n"
+                     "from flowlift import b\nfrom flowlift.c import X\nfrom . import d\n"
+                     "def f():\n    from flowlift.e import Y\n"
+                     "if TYPE_CHECKING:\n    from flowlift.sdk import Z\nelse:\n"
+                     "    import flowlift.g\n")
+    assert offline._flowlift_imports(tree) == {f"flowlift.{m}" for m in "abceg"}
+
+
+def test_a_package_cannot_go_in_the_bundle(monkeypatch):
+    monkeypatch.setattr(offline, "BROWSER_ENTRY", "cli")  # imports flowlift.local_engine...
+    offline.browser_modules.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="only plain modules"):
+            offline.browser_modules()
+    finally:
+        offline.browser_modules.cache_clear()
 
 
 @pytest.fixture
@@ -142,6 +164,8 @@ async def test_the_compile_page_fills_in_a_recorded_graph(client):
     resp = await client.post("/v1/workflows", json=graph)
     assert resp.status == 200
     run_id = (await resp.text()).split('"run_id": "')[1].split('"')[0]
+    timeline = await (await client.get(f"/ui/workflows/{run_id}")).text()
+    assert f'href="/ui/compile?run={run_id}"' in timeline
     html = await (await client.get(f"/ui/compile?run={run_id}")).text()
     assert "only_step" in html and "recorded" in html
     missing = await client.get("/ui/compile?run=wf-missing")

@@ -275,6 +275,16 @@ async def test_static_page_compiles_with_nothing_sent(tmp_path):
         server.shutdown()
 
 
+def test_compile_page_without_pyodide_asks_the_proxy(tmp_path, monkeypatch):
+    """No browser compiler installed: the page posts the graph to the proxy's compiler."""
+    monkeypatch.setenv(offline.PYODIDE_DIR_ENV, str(tmp_path / "no-pyodide"))
+    with running_proxy("--engine", "fake", "--state-db", ":memory:", log_path=tmp_path / "log",
+                       ready_timeout_s=60) as (base, _):
+        dom = dump(f"{base}/ui/compile", tmp_path / "profile")
+    assert dom.attrs["report"].get("data-compiled") == "1", "the report was not drawn"
+    assert {r["data-step"] for r in dom.report_rows} == {"doc", "facts", "title", "summary"}
+
+
 def test_missing_run_in_chromium(proxy, tmp_path):
     out = chromium("--dump-dom", f"{proxy}/ui/workflows/wf-missing", profile=tmp_path / "p")
     assert "No such run" in out.stdout and "wf-missing" in out.stdout

@@ -5,9 +5,10 @@ compiler under Pyodide (CPython compiled to WebAssembly), all from this machine.
   wheels the compiler imports (pydantic with pydantic-core's wasm build, jsonschema, ...),
   as ``scripts/fetch_pyodide.sh`` put them in ``.cache/pyodide`` (``FLOWLIFT_PYODIDE_DIR``
   overrides); 404 with the fix when they are missing.
-* ``GET /ui/py/flowlift.zip`` -- flowlift's compiler modules (:data:`BROWSER_MODULES`,
-  the installed sources, read as package data) under a ``flowlift/__init__.py`` of their
-  own (the real one imports the SDK, whose HTTP client the browser has no use for).
+* ``GET /ui/py/flowlift.zip`` -- flowlift's compiler modules (:func:`browser_modules`:
+  :mod:`flowlift.browser` and what it imports, found in the installed sources) under a
+  ``flowlift/__init__.py`` of their own (the real one imports the SDK, whose HTTP client
+  the browser has no use for).
 
 ``python -m flowlift.proxy.ui DIR`` writes the same page as a static folder
 (``index.html``, ``pyodide/``, ``py/``) that needs no proxy: serve it with
@@ -16,6 +17,7 @@ compiler under Pyodide (CPython compiled to WebAssembly), all from this machine.
 
 from __future__ import annotations
 
+import ast
 import functools
 import io
 import os
@@ -33,10 +35,9 @@ routes = web.RouteTableDef()
 
 PYODIDE_DIR_ENV: Final = "FLOWLIFT_PYODIDE_DIR"
 BUNDLE_NAME: Final = "flowlift.zip"
-BROWSER_MODULES: Final = ("browser", "compiler", "costs", "dataflow", "errors", "escalation",
-                          "graph", "output_size", "report", "tiers")
-"""The modules of ``flowlift`` that :func:`flowlift.browser.compile_text` imports (a test
-runs the bundle alone, so a new import that is missing here fails it)."""
+BROWSER_ENTRY: Final = "browser"
+"""The module the page calls (:func:`flowlift.browser.compile_text`); the bundle holds it
+and every module of ``flowlift`` it imports (:func:`browser_modules`)."""
 BUNDLE_INIT: Final = ('"""flowlift\'s compiler, as the compile page runs it in the browser '
                       '(a subset of flowlift: see flowlift.proxy.ui.offline)."""\n')
 BOOT_PY: Final = """
@@ -80,14 +81,62 @@ def boot_config(root: Path | None = None) -> dict[str, Any] | None:
             "python": BOOT_PY}
 
 
+def _flowlift_imports(tree: ast.Module) -> set[str]:
+    """The ``flowlift.X`` modules a module's source imports (``if TYPE_CHECKING:`` blocks
+    left out: they do not run)."""
+    found: set[str] = set()
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            todo.extend(node.orelse)
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "flowlift":
+                found.update(f"flowlift.{a.name}" for a in node.names)
+            elif node.module.startswith("flowlift."):
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("flowlift."))
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+@functools.cache
+def browser_modules() -> tuple[str, ...]:
+    """The modules of ``flowlift`` (names under it, e.g. ``compiler``) that
+    :data:`BROWSER_ENTRY` imports, directly or not, read from their sources.
+
+    Raises:
+        ConfigError: one of them is a package or not a source file of ``flowlift`` (the
+            SDK, the proxy: the browser compiler carries plain modules only).
+    """
+    package = resources.files("flowlift")
+    seen: set[str] = set()
+    todo = [BROWSER_ENTRY]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        source = package.joinpath(f"{name}.py")
+        if "." in name or not source.is_file():
+            raise ConfigError(f"the browser compiler cannot carry flowlift.{name} (imported "
+                              f"by flowlift.{BROWSER_ENTRY}'s modules): only plain modules "
+                              "of flowlift, not its packages", param="flowlift.browser")
+        seen.add(name)
+        imports = _flowlift_imports(ast.parse(source.read_text("utf-8")))
+        todo.extend(m.removeprefix("flowlift.") for m in imports)
+    return tuple(sorted(seen))
+
+
 @functools.cache
 def python_bundle() -> bytes:
-    """The zip of :data:`BROWSER_MODULES` (``flowlift/NAME.py``) and their ``__init__``."""
+    """The zip of :func:`browser_modules` (``flowlift/NAME.py``) and their ``__init__``."""
     package = resources.files("flowlift")
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("flowlift/__init__.py", BUNDLE_INIT)
-        for name in BROWSER_MODULES:
+        for name in browser_modules():
             zf.writestr(f"flowlift/{name}.py", package.joinpath(f"{name}.py").read_text("utf-8"))
     return buf.getvalue()
 

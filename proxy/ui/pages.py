@@ -117,7 +117,9 @@ def _head(doc: dict[str, Any], head: dict[str, Any], steps: list[Any]) -> str:
             f"<b>{len(steps)}</b> steps, <b>{len(doc.get('failures') or {})}</b> failed · "
             f"class {escape(str(head.get('class', '-')))} · tokens: {tok['prompt']} prompt "
             f"({tok['cached']} from prefix cache), {tok['completion']} generated · "
-            f'<a href="/v1/workflows/{escape(str(doc.get("run_id")))}">JSON</a></p>')
+            f'<a href="/v1/workflows/{escape(str(doc.get("run_id")))}">JSON</a> · '
+            f'<a href="/ui/compile?run={quote(str(doc.get("run_id")))}">compile its graph</a>'
+            "</p>")
 
 
 def _path_html(steps: list[Any], path: tuple[str, ...], planned: tuple[str, ...],
