@@ -45,9 +45,15 @@ for f in pyodide.mjs pyodide.asm.mjs pyodide.asm.wasm python_stdlib.zip pyodide-
     package.json; do
   cp "$tmp/package/$f" "$DEST/"
 done
-"$PY" -m pip --disable-pip-version-check -qq download --no-deps --only-binary=:all: \
-  --platform "$PYODIDE_PLATFORM" --python-version 3.14 --implementation cp --abi cp314 \
-  -d "$DEST/wheels" "${wheels[@]}"
+if ! "$PY" -m pip --disable-pip-version-check -qq download --no-deps --only-binary=:all: \
+    --platform "$PYODIDE_PLATFORM" --python-version 3.14 --implementation cp --abi cp314 \
+    -d "$DEST/wheels" "${wheels[@]}"; then
+  echo "flowlift install: a wheel for Pyodide ($PYODIDE_PLATFORM) is missing on PyPI for" \
+    "one of: ${wheels[*]} (pydantic-core publishes one per release: pin the venv's" \
+    "pydantic to a release that has it, or move PYODIDE_VERSION to the Pyodide of that" \
+    "platform)" >&2
+  exit 1
+fi
 (cd "$DEST/wheels" && ls -1 ./*.whl | sed 's|^\./||' > ../wheels.txt)
 echo "$key" > "$DEST/.stamp"
 echo "flowlift install: browser compiler files ($(du -sh "$DEST" | cut -f1)) in $(( $(date +%s) - t0 )) s"

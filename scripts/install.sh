@@ -45,6 +45,11 @@ browser_compiler() {
       bash scripts/fetch_pyodide.sh "$VENV/bin/python" || echo "flowlift install: warning:" \
         "no browser compiler (the compile page will ask the proxy's compiler)" >&2
     fi
+  elif [[ $want_test == 1 && $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "flowlift install: npm (apt-get) for the browser compiler's tests"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm >/dev/null
+    bash scripts/fetch_pyodide.sh "$VENV/bin/python"
   elif [[ $want_test == 1 ]]; then
     echo "flowlift install: npm is needed for the browser compiler's tests (Pyodide comes" \
       "from the npm registry): install Debian's npm package" >&2

@@ -278,7 +278,9 @@ def compile_body(graph_text: str, boot: dict[str, Any] | None, *, intro: str = "
             '<form id="compile-form"><textarea id="graph" spellcheck="false">'
             f"{escape(graph_text)}</textarea>"
             '<br><button type="submit">Compile</button></form><ul class="errors" id="errors">'
-            '</ul><div class="report" id="report"></div><pre id="report-text"></pre>'
+            '</ul><div class="report" id="report"></div><details class="report-text" open><summary>'
+            'What <code>flowlift compile --local</code> prints</summary>'
+            '<pre id="report-text"></pre></details>'
             f'<script type="application/json" id="compiler-boot">{json_for_script(boot)}'
             "</script></section>")
 
