@@ -78,8 +78,12 @@ async def test_pipeline_classifies_on_the_cascade_of_its_config(aiohttp_client, 
     def logprob(token):  # the fake is unsure of two areas only
         return -2.0 if token.strip() in ("networking", "text", "processing") else -0.05
 
-    engine = FakeEngine(["fake-model"], responder=responder, logprob=logprob)
-    app = create_app({"fake-model": engine}, file_config=config)
+    # the config's cascade is two distinct embedded models (the Qwen2.5-Coder pair)
+    small, large = config.embedded_models()
+    assert (small, large) == ("Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-1.5B-Instruct")
+    engines = {name: FakeEngine([name], responder=responder, logprob=logprob)
+               for name in (small, large)}
+    app = create_app(engines, file_config=config)
     client = await aiohttp_client(app)
     await app[STATE].ready.wait()
     monkeypatch.setenv("FLOWLIFT_BASE_URL", str(client.make_url("")).rstrip("/"))
@@ -98,6 +102,8 @@ async def test_pipeline_classifies_on_the_cascade_of_its_config(aiohttp_client, 
     moved = [r for r in labels if len(r["attempts"]) > 1]
     assert all(r["attempts"][0]["outcome"] == "low_confidence" for r in moved)
     assert all(r["attempts"][-1]["model"] == "large" for r in moved)
+    # each cascade name reached its own engine: small took every first attempt
+    assert engines[small].requests and len(engines[large].requests) == len(moved)
     counts = app[STATE].runs.outcomes.counts("classify", "small")
     assert counts.items == 6 and counts.failures == len(moved)
     # labels the fake is unsure of fall under the floor, the others do not

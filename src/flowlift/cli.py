@@ -63,6 +63,21 @@ def _add(sized: dict[str, tuple[Engine, float]], name: str, engine: Engine,
     sized[name] = (engine, memory_mb)
 
 
+def add_config_models(args: argparse.Namespace, named: list[str]) -> None:
+    """Add the embedded models a config file names (``[backends.X] model = ...``) to
+    ``args.model`` / ``args.extra_model``: the first becomes ``--model`` when none was
+    given; a model already given (by its served name) is not added twice."""
+    from flowlift.local_engine.models import served_name
+
+    extra = list(getattr(args, "extra_model", None) or ())
+    for model in named:
+        if args.model is None and not extra:
+            args.model = model
+        elif served_name(model) not in {served_name(m) for m in [args.model, *extra]}:
+            extra.append(model)
+    args.extra_model = extra
+
+
 def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyManager | None]:
     """The embedded engines of ``flowlift serve`` and, with ``--memory-budget-mb``, the
     residency manager they share (then each engine is a ResidentEngine)."""
@@ -160,6 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if file_config is not None:  # its keys never reach the log
         configure_logging(args.log_level, secrets=file_config.secrets())
+        add_config_models(args, file_config.embedded_models())
     if args.engine is None:
         wants_local = file_config is None or any(
             isinstance(b, EmbeddedSpec) for b in file_config.backends.values())
@@ -392,18 +408,24 @@ def _local_compile_options(args: argparse.Namespace) -> CompileOptions:
 
 
 def _model_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """``(model, source, state)`` of the embedded model(s) and the config file's routes."""
+    """``(model, source, state)`` of the embedded model(s), the PyPI-packaged models and
+    the config file's routes."""
     from flowlift.local_engine import models as m
+    from flowlift.local_engine import packaged as pk
     from flowlift.proxy.config import EmbeddedSpec, load_config
 
+    cfg = load_config(args.config) if args.config else None
     rows = []
-    target = m._target_dir(args.dtype)
+    dtype = args.dtype or "float32"
+    target = m._target_dir(dtype)
     state = (f"converted ({target})" if (target / m._MARKER).is_file()
              else "not converted yet (converted on first `flowlift serve`)")
     rows.append((m.DEFAULT_MODEL + " (default)",
-                 f"PyPI-shipped GGUF ({m._GGUF_DIST}, {args.dtype})", state))
-    for model in [args.model, *(args.extra_model or ())]:
-        if not model or model == m.DEFAULT_MODEL:
+                 f"PyPI-shipped GGUF ({m._GGUF_DIST}, {dtype})", state))
+    rows += [_packaged_row(model, args.dtype) for model in pk.CATALOG.values()]
+    for model in [args.model, *(args.extra_model or ()), *(cfg.embedded_models() if cfg
+                                                           else ())]:
+        if not model or model == m.DEFAULT_MODEL or model in pk.CATALOG:
             continue
         path = Path(model).expanduser()
         if path.is_dir():
@@ -417,18 +439,64 @@ def _model_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
                          "when a model hub is reachable)"))
         else:
             rows.append((model, "unknown", "neither a folder nor a hub id (org/name)"))
-    if args.config:
-        cfg = load_config(args.config)
+    if cfg is not None:
         for name, route in cfg.models.items():
-            kinds = ["embedded" if isinstance(spec := cfg.backends[b], EmbeddedSpec)
-                     else f"upstream {b} ({spec.base_url})" for b in route.backends]
+            kinds = [(f"embedded {spec.model or '(first embedded model)'}"
+                      if isinstance(spec := cfg.backends[b], EmbeddedSpec)
+                      else f"upstream {b} ({spec.base_url})") for b in route.backends]
             rows.append((name, ", ".join(kinds), "configured"))
     return rows
+
+
+def _packaged_row(model: Any, dtype: str | None) -> tuple[str, str, str]:
+    from flowlift.local_engine import packaged as pk
+
+    source = (f"PyPI wheels {model.package_line()} ({model.params} Q4_K_M GGUF, "
+              f"{model.gguf_bytes / 1e9:.2f} GB; license {model.license.split(' ')[0]})")
+    target = pk.target_dir(model, dtype)
+    if pk.prepared(model, dtype):
+        size = sum(p.stat().st_size for p in target.iterdir() if p.is_file())
+        return model.name, source, (f"converted ({target}, {size / 1e9:.2f} GB "
+                                    f"{dtype or model.dtype})")
+    kept = pk.wheel_bytes(model)
+    return model.name, source, (
+        "not converted yet (`flowlift models --prepare " + model.name + "`, or the first "
+        "`flowlift serve` that uses it: downloads "
+        + (f"{model.gguf_bytes / 1e9:.2f} GB of wheels" if not kept else
+           f"the rest of the wheels ({kept / 1e9:.2f} GB kept)") + ")")
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    """``flowlift models --prepare [NAME...]``: download and convert the named models
+    (none named: those of ``--model``, ``--extra-model`` and the config file)."""
+    from flowlift.errors import ConfigError, EngineError
+    from flowlift.local_engine.models import resolve_model
+    from flowlift.proxy.config import load_config
+
+    names = list(args.prepare)
+    if not names:
+        try:
+            named = load_config(args.config).embedded_models() if args.config else []
+        except ConfigError as exc:
+            print(f"flowlift models: {exc.message}", file=sys.stderr)
+            return 2
+        names = [n for n in [args.model, *(args.extra_model or ()), *named] if n] or [None]
+    for name in dict.fromkeys(names):
+        t0 = time.monotonic()
+        try:
+            served, path = resolve_model(name, args.dtype)
+        except EngineError as exc:
+            print(f"flowlift models: {exc.message}", file=sys.stderr)
+            return 2
+        print(f"flowlift models: {served} ready in {path} ({time.monotonic() - t0:.1f} s)")
+    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
     from flowlift.errors import ConfigError
 
+    if args.prepare is not None:
+        return _prepare(args)
     try:
         rows = _model_rows(args)
     except ConfigError as exc:
@@ -592,7 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8470,
                        help="port to listen on (default 8470)")
     engine_opts(serve)
-    serve.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
+    serve.add_argument("--dtype", default=None, help="engine dtype (default: each model's "
+                       "own: float32, bfloat16 for the Qwen2.5-Coder pair)")
     serve.add_argument("--max-model-len", type=_positive_int, default=4096,
                        help="embedded engine context in tokens, prompt plus completion "
                             "(default 4096); longer requests get HTTP 400")
@@ -717,8 +786,12 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--extra-model", action="append", default=[], metavar="NAME_OR_DIR",
                         type=_name,
                         help="another embedded model to describe (as `serve --extra-model`)")
-    models.add_argument("--dtype", default="float32", help="dtype of the default model's "
-                        "converted copy (default float32)")
+    models.add_argument("--dtype", default=None, help="dtype of the converted copies "
+                        "(default: each model's own: float32 for SmolLM2-135M-Instruct, "
+                        "bfloat16 for the Qwen2.5-Coder pair)")
+    models.add_argument("--prepare", nargs="*", default=None, metavar="NAME",
+                        help="download and convert these models now (none named: those "
+                             "of --model, --extra-model and --config's embedded backends)")
     models.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
                         help="TOML file of upstream providers and model routes")
     models.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL",
