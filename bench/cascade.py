@@ -17,11 +17,19 @@ The models, honestly (no larger chat model is available offline here):
   question (few-shot), then asks the proxy's embedded engine for a JSON-enum answer.
   Its quality is measured, but it is a stronger *prompt*, not a larger model; its price
   is set 30x the small one's as for a real large model.
+* ``--engine pair``: two distinct models (issue 26): ``small`` is
+  Qwen2.5-Coder-0.5B-Instruct and ``large`` Qwen2.5-Coder-1.5B-Instruct, each its own
+  embedded vLLM engine (the stdlib_docs example's pair), both with the same prompt.
+  Prices are in proportion to the parameter counts (0.5 and 1.5 per 1,000 tokens): what
+  a token costs in compute on one machine. With a 3x price ratio a cascade that sends
+  every item to ``small`` first costs at least a third of always-large, so P6's "<= 30%
+  of large's cost" is out of reach for this pair by construction; the bench says so.
 * ``large`` with ``--engine fake``: a scripted upstream that answers the reference label
   for 90% of the documents (a stated, simulated accuracy) and FakeEngine as ``small``:
   the quality axis is simulated there; only the escalation and cost mechanics are real.
 
-Run: ``.venv/bin/python bench/cascade.py --engine vllm`` (a few minutes on 2 CPU
+Run: ``.venv/bin/python bench/cascade.py --engine pair`` (two engine loads, 4 x 42
+labels plus the escalations) or ``--engine vllm`` (a few minutes on 2 CPU
 cores: one engine load, 3 x 42 labels plus the escalations) or ``--engine fake``
 (seconds). Writes ``bench/results/cascade.<engine>.json``. ``--smoke``: the fake
 engine on 8 documents, one floor, its log and results in a temporary folder (the
@@ -58,6 +66,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 os.environ.setdefault("FLOWLIFT_CACHE_DIR",
                       str(Path(__file__).resolve().parents[1] / ".cache" / "flowlift"))
 PRICES = {"small": 0.02, "large": 0.6}  # per 1,000 tokens; large = 30x small
+PAIR = {"small": "Qwen2.5-Coder-0.5B-Instruct", "large": "Qwen2.5-Coder-1.5B-Instruct"}
+PAIR_PRICES = {"small": 0.5, "large": 1.5}  # in proportion to the parameter counts
 SIMULATED_LARGE_ACCURACY = 0.9
 
 # Labelled examples for the few-shot "large" prompt: other stdlib modules, not in the
@@ -163,6 +173,18 @@ class Shim:
         threading.Thread(target=run, daemon=True).start()
 
 
+def pair_toml() -> str:
+    """Both cascade names on their own embedded model (:data:`PAIR`)."""
+    return "".join(f"""
+[backends.{role}-engine]
+kind = "embedded"
+model = "{model}"
+[models."{role}"]
+backends = ["{role}-engine"]
+price_per_1k_tokens = {PAIR_PRICES[role]}
+""" for role, model in PAIR.items())
+
+
 def config_toml(shim_ports: dict[str, int]) -> str:
     small = "small-shim" if "small" in shim_ports else "local"
     shims = "".join(f"""
@@ -259,7 +281,7 @@ def cascade_graph(docs: list[Document], floor: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--engine", choices=("vllm", "fake"), default="vllm")
+    parser.add_argument("--engine", choices=("vllm", "fake", "pair"), default="vllm")
     parser.add_argument("--limit", type=int, default=None, help="first N documents")
     parser.add_argument("--floors", default="0.7,0.8",
                         help="confidence floors of the cascade runs (default 0.7,0.8)")
@@ -269,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.engine, args.limit, args.floors = "fake", 8, "0.7"
     docs = load_documents(args.limit)
-    shims = {role: Shim(role, args.engine) for role in
-             (("small", "large") if args.engine == "fake" else ("large",))}
+    if args.engine == "pair":
+        PRICES.update(PAIR_PRICES)
+    roles = {"fake": ("small", "large"), "vllm": ("large",), "pair": ()}[args.engine]
+    shims = {role: Shim(role, args.engine) for role in roles}
     ports = {role: free_port() for role in shims}
     for role, shim in shims.items():
         shim.serve(ports[role])
@@ -287,8 +311,9 @@ def run_all(args: argparse.Namespace, docs: list[Document], tmp: Path, out_dir: 
     """The proxy (with the shims as upstreams), every mode's run and the compiler's
     report after them; returns the summary."""
     cfg = tmp / "cascade.toml"
-    cfg.write_text(config_toml(ports))
-    serve = ("--config", str(cfg), "--engine", args.engine, "--state-db",
+    cfg.write_text(pair_toml() if args.engine == "pair" else config_toml(ports))
+    engine = "vllm" if args.engine == "pair" else args.engine
+    serve = ("--config", str(cfg), "--engine", engine, "--state-db",
              str(tmp / "state.sqlite"), "--log-level", "warning")
     with running_proxy(*serve, log_path=out_dir / "cascade.log") as (base, _):
         for shim in shims.values():
@@ -308,6 +333,11 @@ def run_all(args: argparse.Namespace, docs: list[Document], tmp: Path, out_dir: 
             "floor": c["floor"], "cost_ratio": round(c["cost"] / large["cost"], 3),
             "pass_rate_delta": round(c["pass_rate"] - large["pass_rate"], 4)}
             for c in cascades],
+        "p6": [{"floor": c["floor"], "pass_rate_vs_large": (
+            round(c["pass_rate"] / large["pass_rate"], 3) if large["pass_rate"] else None),
+            "cost_vs_large": round(c["cost"] / large["cost"], 3),
+            "met": bool(large["pass_rate"]) and c["pass_rate"] >= 0.95 * large["pass_rate"]
+            and c["cost"] <= 0.3 * large["cost"]} for c in cascades],
         "calibration": calibration(docs, small, cascades[0]),
         "compiler_after_runs": compiled.get("cascade_totals"),
         "learned_failure_rates": (compiled.get("cascades") or [{}])[0].get("failure_rates"),
@@ -325,6 +355,7 @@ def report(summary: dict[str, Any], out: Path) -> None:
         print(f"{r['mode']:<12} {r['pass_rate']:>6.1%} {r['contract_failures']:>13} "
               f"{r['escalated']:>9} {r['tokens']:>7} {r['cost']:>8.4f} {r['wall_s']:>7}")
     print(f"cascade vs large-only: {summary['cascade_vs_large']}")
+    print(f"P6 (>= 95% of large's pass rate at <= 30% of its cost): {summary['p6']}")
     print(f"small model's confidence: {summary['calibration']}")
     print(f"compiler's estimate after the runs (floor {floors[0]}): "
           f"{summary['compiler_after_runs']}")
