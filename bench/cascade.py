@@ -285,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="first N documents")
     parser.add_argument("--floors", default="0.7,0.8",
                         help="confidence floors of the cascade runs (default 0.7,0.8)")
+    parser.add_argument("--base-url", default=None,
+                        help="with --engine pair: use this running proxy (started with "
+                             "--config examples/stdlib_docs/flowlift.toml) instead of "
+                             "starting one")
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine, 8 documents, floor 0.7, nothing in bench/results")
     args = parser.parse_args(argv)
@@ -315,7 +319,9 @@ def run_all(args: argparse.Namespace, docs: list[Document], tmp: Path, out_dir: 
     engine = "vllm" if args.engine == "pair" else args.engine
     serve = ("--config", str(cfg), "--engine", engine, "--state-db",
              str(tmp / "state.sqlite"), "--log-level", "warning")
-    with running_proxy(*serve, log_path=out_dir / "cascade.log") as (base, _):
+    started = (contextlib.nullcontext((args.base_url, None)) if args.base_url
+               else running_proxy(*serve, log_path=out_dir / "cascade.log"))
+    with started as (base, _):
         for shim in shims.values():
             shim.proxy_url = base
         os.environ["FLOWLIFT_BASE_URL"] = base
