@@ -57,7 +57,7 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.stdlib_docs.corpus import AREAS, Area, Document, load_documents
-from examples.stdlib_docs.pipeline import PREAMBLE
+from examples.stdlib_docs.pipeline import AREA_HINTS, PREAMBLE
 from flowlift import step, workflow
 from flowlift.testing import free_port, running_proxy
 
@@ -86,8 +86,10 @@ FEW_SHOT = [
 
 
 def question(doc: Document) -> str:
+    """The docstring, then the pipeline's question (each area described: AREA_HINTS)."""
+    areas = ", ".join(f"{area} ({AREA_HINTS[area]})" for area in AREAS)
     return (f"Documentation of the {doc.name} module:\n{doc.text}\n\nWhich area is the "
-            f"{doc.name} module in: {', '.join(AREAS[:-1])}, or {AREAS[-1]}?")
+            f"{doc.name} module in? The areas: {areas}. Answer with the area's name.")
 
 
 def few_shot_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -95,7 +95,7 @@ async def test_pipeline_classifies_on_the_cascade_of_its_config(aiohttp_client, 
             return pipeline.main(["--limit", "6", "--trace", str(trace)])
 
     assert await asyncio.to_thread(run) == 0, out.getvalue()
-    assert "classify cascade small -> large (confidence floor 0.7): " in out.getvalue()
+    assert "classify cascade small -> large (confidence floor 0.9): " in out.getvalue()
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     labels = [r for r in records if r.get("name") == "classify"]
     assert len(labels) == 6 and all(r["attempts"][0]["model"] == "small" for r in labels)
