@@ -54,7 +54,7 @@ def probe(model_dir: Path, kinds: list[str], docs: list[Document]) -> list[dict[
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
     firsts = [tok.encode(a, add_special_tokens=False)[0] for a in AREAS]
     rows = []
     for kind in kinds:
