@@ -270,6 +270,31 @@ def calibration(docs: list[Document], small: dict[str, Any],
             "mean_confidence_wrong": mean(wrong)}
 
 
+def floor_sweep(docs: list[Document], small: dict[str, Any], large: dict[str, Any],
+                first_confidence: list[float | None],
+                floors: tuple[float, ...] = (0.7, 0.75, 0.8, 0.85, 0.9)
+                ) -> list[dict[str, Any]]:
+    """Cascades at other floors, derived from the runs (greedy decoding: an item keeps
+    the small-only label when its first confidence reaches the floor, else takes the
+    large-only label). Cost: all of small's plus large's mean cost per item for each
+    escalated item. Returns one row per floor."""
+    n = len(docs)
+    large_pass = sum(lab == d.reference_area for lab, d in zip(large["labels"], docs,
+                                                              strict=True))
+    rows = []
+    for floor in floors:
+        kept = [c is not None and c >= floor for c in first_confidence]
+        labels = [s if k else g for s, g, k in zip(small["labels"], large["labels"], kept,
+                                                  strict=True)]
+        passed = sum(lab == d.reference_area for lab, d in zip(labels, docs, strict=True))
+        escalated = n - sum(kept)
+        cost = small["cost"] + large["cost"] * escalated / n
+        rows.append({"floor": floor, "passed": passed, "escalated": escalated,
+                     "pass_vs_large": round(passed / large_pass, 3) if large_pass else None,
+                     "cost_vs_large": round(cost / large["cost"], 3) if large["cost"] else None})
+    return rows
+
+
 def cascade_graph(docs: list[Document], floor: float) -> dict[str, Any]:
     """The cascade run's graph, for the compiler's estimate after the runs."""
     def node(i: int, doc: Document) -> dict[str, Any]:
@@ -347,6 +372,7 @@ def run_all(args: argparse.Namespace, docs: list[Document], tmp: Path, out_dir: 
             "met": bool(large["pass_rate"]) and c["pass_rate"] >= 0.95 * large["pass_rate"]
             and c["cost"] <= 0.3 * large["cost"]} for c in cascades],
         "calibration": calibration(docs, small, cascades[0]),
+        "floor_sweep": floor_sweep(docs, small, large, cascades[0]["first_confidence"]),
         "compiler_after_runs": compiled.get("cascade_totals"),
         "learned_failure_rates": (compiled.get("cascades") or [{}])[0].get("failure_rates"),
         "floors": floors}
@@ -365,6 +391,10 @@ def report(summary: dict[str, Any], out: Path) -> None:
     print(f"cascade vs large-only: {summary['cascade_vs_large']}")
     print(f"P6 (>= 95% of large's pass rate at <= 30% of its cost): {summary['p6']}")
     print(f"small model's confidence: {summary['calibration']}")
+    print("other floors, derived from the runs (greedy): " + "; ".join(
+        f"{r['floor']}: {r['passed']}/{summary['documents']} passed, {r['escalated']} "
+        f"escalated, {r['pass_vs_large']} of large's pass rate at {r['cost_vs_large']} of "
+        "its cost" for r in summary["floor_sweep"]))
     print(f"compiler's estimate after the runs (floor {floors[0]}): "
           f"{summary['compiler_after_runs']}")
     print(f"written to {out}")
