@@ -191,6 +191,11 @@ class _Priced(_Strict):
 
 class EmbeddedSpec(_Priced):
     kind: Literal["embedded"]
+    model: str | None = Field(default=None, min_length=1)
+    """The embedded model this backend is: a known model's name
+    (``flowlift.local_engine.models.known_models``), a checkpoint folder or a hub id.
+    ``flowlift serve --config`` loads one engine per model named here (next to
+    ``--model``). None: the proxy's first embedded model."""
     tier: Literal["local"] = "local"
     idle: bool = False
     """Offer the ``idle`` mode to the tier planner: a step with the slack for it runs
@@ -350,6 +355,13 @@ class FileConfig(_Strict):
         if not self.server.api_keys_env:
             return frozenset()
         return _split_keys(os.environ.get(self.server.api_keys_env, ""))
+
+    def embedded_models(self) -> list[str]:
+        """The ``model`` of every embedded backend that names one, first-named first,
+        each once."""
+        named = [spec.model for spec in self.backends.values()
+                 if isinstance(spec, EmbeddedSpec) and spec.model]
+        return list(dict.fromkeys(named))
 
     def secrets(self) -> frozenset[str]:
         """Every secret the config reads from the environment (for the log redactor)."""

@@ -116,3 +116,29 @@ async def test_both_variants_run_end_to_end_on_a_scripted_engine(
         # the loop's run holds every turn (11 decide steps) and tool call (9 @tool steps)
         assert sum(r["type"] == "step" for r in records) == steps
     assert text.count("decode") >= 2  # wf.report()'s stage table, once per variant
+
+
+def test_the_agents_run_on_the_larger_model_when_the_proxy_serves_it():
+    import httpx
+    import respx
+
+    with respx.mock:
+        respx.get("http://pair/v1/models").respond(json={"data": [
+            {"id": "small"}, {"id": "large"}, {"id": "Qwen2.5-Coder-0.5B-Instruct"}]})
+        respx.get("http://single/v1/models").respond(json={"data": [{"id": "fake-model"}]})
+        respx.get("http://down/v1/models").mock(side_effect=httpx.ConnectError("refused"))
+        assert research.agent_model("http://pair") == "large"
+        assert research.agent_model("http://single") is None  # the proxy's default
+        assert research.agent_model("http://down") is None
+
+
+def test_tool_call_validity_counts_agent_calls_and_loop_decisions():
+    trace = [
+        {"type": "run"},
+        {"type": "step", "name": "research", "tool_calls": [
+            {"outcome": "ok"}, {"outcome": "invalid"}, {"outcome": "error"}]},
+        {"type": "step", "name": "decide", "attempts": [
+            {"outcome": "contract_failed"}, {"outcome": "ok"}]},
+        {"type": "step", "name": "search"},
+    ]
+    assert research.tool_call_validity(trace) == (3, 5)
