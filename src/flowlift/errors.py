@@ -139,6 +139,21 @@ class RunNotFound(RequestError):
         self.run_id = run_id
 
 
+class ResponseNotFound(RequestError):
+    """No stored Responses API response has this id for the caller: never stored
+    (``store: false``), expired, deleted, or another tenant's (HTTP 404
+    ``response_not_found``; ``param`` names the field that carried the id)."""
+
+    status = 404
+    code = "response_not_found"
+
+    def __init__(self, response_id: str, *, param: str | None = None) -> None:
+        super().__init__(f"no stored response {response_id[:128]!r} here: it was never "
+                         "stored (store: false), has expired or was deleted; start the "
+                         "conversation again without previous_response_id", param=param)
+        self.response_id = response_id
+
+
 class IncompleteBody(RequestError):
     """The request body ended (the connection closed) or stalled past the body-read
     timeout before the bytes its ``Content-Length`` announced arrived (HTTP 400
