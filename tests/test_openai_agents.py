@@ -28,7 +28,7 @@ async def test_an_agent_calls_two_tools_and_hands_off_over_previous_response_id(
     # the SDK sent only each turn's new items; the proxy kept the conversation, and the
     # turns of the same agent reused their cached prefix
     assert all(c > 0 for c in report.cached_tokens[1:3])
-    for before, turn in zip(report.response_ids, report.response_ids[1:]):
+    for before, turn in zip(report.response_ids, report.response_ids[1:], strict=False):
         stored = await (await client.get(f"/v1/responses/{turn}")).json()
         assert stored["previous_response_id"] == before
     assert report.run is not None and len(report.run["graph"]["nodes"]) == 4

@@ -7,6 +7,7 @@ shapes against OpenAI's published description, tenants and errors."""
 from __future__ import annotations
 
 import json
+
 import openai
 import pytest
 
@@ -59,7 +60,8 @@ async def test_create_then_continue_with_previous_response_id_sends_only_the_del
     assert second.output_text == "echo: and again"
     sent = engine.requests[-1].messages  # the proxy prepended the stored conversation
     assert [(m.role, m.content) for m in sent] == [
-        ("system", "Be brief."), ("user", "hello there"), ("assistant", "echo: hello there"), ("user", "and again")]
+        ("system", "Be brief."), ("user", "hello there"), ("assistant", "echo: hello there"),
+        ("user", "and again")]
     assert second.usage is not None and second.usage.input_tokens_details.cached_tokens > 0
     assert engine.requests[-1].session_id == first.id  # the conversation's engine session
     got = await oa.responses.retrieve(second.id)

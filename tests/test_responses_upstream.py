@@ -98,3 +98,35 @@ async def test_a_native_upstream_still_gets_the_request_as_sent(aiohttp_client):
     await app[STATE].ready.wait()
     resp = await client.post("/v1/responses", json={"model": "up-model", "input": "hi"})
     assert (await resp.json())["id"] == "resp_up" and seen == ["/v1/responses"]
+
+
+async def test_the_turns_of_a_conversation_stay_on_one_replica(aiohttp_client):
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.host)
+        data = json.loads(request.content)
+        events = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in upstream_chunks(data))
+        return httpx.Response(200, content=events + b"data: [DONE]\n\n",
+                              headers={"content-type": "text/event-stream"})
+
+    replicas = {name: {"kind": "openai", "base_url": f"http://{name}.test/v1",
+                       "responses_api": "chat"} for name in ("a", "b")}
+    app = create_app({"fake-model": FakeEngine(["fake-model"])}, file_config=parse_config({
+        "backends": replicas, "models": {"up-model": {"backends": ["a", "b"],
+                                                      "routing": "least-loaded"}}}),
+        transport=httpx.MockTransport(answer))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    homes = set()
+    for _ in range(16):  # conversations: each lands on one replica, keyed by its id
+        previous, hosts = None, set()
+        for turn in range(3):
+            resp = await client.post("/v1/responses", json={
+                "model": "up-model", "input": f"turn {turn}",
+                **({"previous_response_id": previous} if previous else {})})
+            previous = (await resp.json())["id"]
+            hosts.add(resp.headers["X-Flowlift-Backend"])
+        assert len(hosts) == 1
+        homes |= hosts
+    assert homes == {"a", "b"}  # (by the conversation: not one replica for everything)

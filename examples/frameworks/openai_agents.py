@@ -34,8 +34,8 @@ from agents import (
     Agent,
     ModelSettings,
     OpenAIResponsesModel,
-    RunResult,
     Runner,
+    RunResult,
     function_tool,
     set_tracing_disabled,
 )
