@@ -237,8 +237,9 @@ class UpstreamSpec(_Priced):
     defers (flex on a standard backend)."""
     responses_api: Literal["native", "chat"] = "native"
     """How ``/v1/responses`` reaches it: ``native`` passes the request through (the backend
-    keeps the state, e.g. OpenAI); ``chat``: the proxy serves the Responses API itself,
-    statefully, over the backend's ``/chat/completions`` (vLLM, SGLang, llama.cpp)."""
+    keeps the state, e.g. OpenAI) when every backend of the model is ``native``;
+    ``chat``: the proxy serves the Responses API itself, statefully, over the backend's
+    ``/chat/completions`` (vLLM, SGLang, llama.cpp)."""
     hints: list[Literal["vllm-priority", "sglang-session", "dynamo"]] = Field(
         default_factory=list)
     """Scheduler hints written into workflow steps' requests in the engine's own fields

@@ -100,6 +100,31 @@ async def test_a_native_upstream_still_gets_the_request_as_sent(aiohttp_client):
     assert (await resp.json())["id"] == "resp_up" and seen == ["/v1/responses"]
 
 
+async def test_a_model_mixing_native_and_chat_upstreams_is_served_by_the_proxy(
+        aiohttp_client):
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        data = json.loads(request.content)
+        events = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in upstream_chunks(data))
+        return httpx.Response(200, content=events + b"data: [DONE]\n\n",
+                              headers={"content-type": "text/event-stream"})
+
+    backends = {name: {"kind": "openai", "base_url": f"http://{name}.test/v1",
+                       "responses_api": kind} for name, kind in (("a", "native"),
+                                                                 ("b", "chat"))}
+    app = create_app({"fake-model": FakeEngine(["fake-model"])}, file_config=parse_config({
+        "backends": backends, "models": {"up-model": {"backends": ["a"],
+                                                      "fallbacks": ["b"]}}}),
+        transport=httpx.MockTransport(answer))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    resp = await client.post("/v1/responses", json={"model": "up-model", "input": "hi"})
+    assert (await resp.json())["output"][0]["content"][0]["text"] == "upstream says hi"
+    assert seen == ["/v1/chat/completions"]  # the native one speaks chat completions too
+
+
 async def test_the_turns_of_a_conversation_stay_on_one_replica(aiohttp_client):
     seen: list[str] = []
 

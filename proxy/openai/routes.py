@@ -121,8 +121,8 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/responses")
 async def responses(request: web.Request) -> web.StreamResponse:
     """The Responses API: served by the proxy, statefully, over chat completions
-    (:mod:`flowlift.proxy.openai.responses.serving`), unless the route has an upstream
-    that speaks it natively (passed through then)."""
+    (:mod:`flowlift.proxy.openai.responses.serving`), unless every backend of the route
+    is an upstream that speaks it natively (passed through then)."""
     state = request.app[STATE]
     data = json_object(await read_body(request))
     route = state.backends.route(data["model"])

@@ -55,11 +55,14 @@ Done = Callable[[dict[str, Any]], None]
 
 
 def served_here(backends: Backends, route: Route) -> bool:
-    """Whether the proxy serves ``route``'s Responses requests itself: every upstream of
-    the route speaks chat completions (``responses_api = "chat"``) or it has none. A
-    route with an upstream that speaks the Responses API natively is passed through."""
-    return all(backends.upstreams[n].spec.responses_api == "chat"
-               for n in route.backends if n in backends.upstreams)
+    """Whether the proxy serves ``route``'s Responses requests itself: unless every
+    backend of the route is an upstream that speaks the Responses API natively
+    (``responses_api = "native"``, the default; e.g. OpenAI, which keeps the state
+    then), which get the request passed through. Every backend speaks chat completions,
+    so a mixed route (the embedded engine, ``responses_api = "chat"`` upstreams) is
+    served here, on whichever of its backends the route picks."""
+    ups = backends.upstreams
+    return not all(n in ups and ups[n].spec.responses_api == "native" for n in route.backends)
 
 
 def _head(req: ResponsesRequest, rid: str, model: str) -> dict[str, Any]:
