@@ -11,6 +11,7 @@ import json
 import openai
 import pytest
 
+from flowlift.errors import EngineError
 from flowlift.local_engine.base import GenerationRequest
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.state import STATE
@@ -66,8 +67,10 @@ async def test_create_then_continue_with_previous_response_id_sends_only_the_del
     assert engine.requests[-1].session_id == first.id  # the conversation's engine session
     got = await oa.responses.retrieve(second.id)
     assert got.id == second.id and got.previous_response_id == first.id
-    items = await client.get(f"/v1/responses/{second.id}/input_items")
-    assert [i["content"][0]["text"] for i in (await items.json())["data"]] == ["and again"]
+    items = await (await client.get(f"/v1/responses/{second.id}/input_items")).json()
+    validate(items, "ResponseItemList")
+    assert [i["content"][0]["text"] for i in items["data"]] == ["and again"]
+    validate(await (await client.get(f"/v1/responses/{second.id}")).json(), "Response")
     # every turn of the conversation is a step of one inferred workflow run
     wf = await (await client.get(f"/v1/workflows/{first.id}")).json()
     assert len(wf["graph"]["nodes"]) == 2
@@ -152,6 +155,9 @@ async def test_unknown_expired_deleted_and_unstored_ids_are_404_naming_the_field
     await oa.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         await oa.responses.retrieve(kept.id)
+    missing = await client.get("/v1/responses/resp_nope")
+    assert missing.status == 404
+    validate(await missing.json(), "ErrorResponse")
     bad = await client.post("/v1/responses", json={"model": "fake-model", "input": [
         {"type": "web_search_call", "id": "w"}]})
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "input[0].type"
@@ -177,3 +183,26 @@ async def test_a_response_of_one_tenant_is_invisible_to_another(aiohttp_client):
         await b.responses.create(model="fake-model", input="x", previous_response_id=mine.id)
     with pytest.raises(openai.NotFoundError):
         await b.responses.delete(mine.id)
+
+
+async def test_a_failure_mid_stream_ends_with_response_failed_and_is_not_stored(
+        aiohttp_client):
+    engine = FakeEngine(["fake-model"], fail_with=EngineError("engine fell over"),
+                        fail_after_chunks=2)
+    app = create_app({"fake-model": engine})
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    resp = await client.post("/v1/responses", json={
+        "model": "fake-model", "input": "a prompt long enough to stream", "stream": True})
+    events = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+              if line.startswith("data: ")]
+    last = events[-1]
+    validate_event(last)
+    assert last["type"] == "response.failed" and "usage" in last["response"]
+    assert last["response"]["error"] == {"code": "server_error",
+                                         "message": "engine fell over"}
+    gone = await client.get(f"/v1/responses/{last['response']['id']}")
+    assert gone.status == 404
+    engine.fail_after_chunks = 0  # before the first token: an HTTP error, not a 200
+    plain = await client.post("/v1/responses", json={"model": "fake-model", "input": "x"})
+    assert plain.status == 503 and (await plain.json())["error"]["code"] == "engine_error"
