@@ -108,6 +108,14 @@ async def test_function_tools_round_trip_with_function_call_output(served):
     assert second.output_text == "It is sunny in Paris."
     rendered = [m.content for m in engine.requests[-1].messages]
     assert any("get_weather" in m for m in rendered) and "sunny" in rendered[-1]
+    # the call sent again with its output (some clients do) is not in the prompt twice
+    again = await oa.responses.create(
+        model="fake-model", previous_response_id=first.id, tools=[WEATHER], input=[
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert again.output_text == "It is sunny in Paris."
+    assert [m.content for m in engine.requests[-1].messages] == rendered
 
 
 async def test_streaming_with_the_client_and_text_format_json_schema(served):

@@ -45,6 +45,7 @@ from flowlift.proxy.openai.responses.translation import (
     chat_request,
     input_items,
     item_json,
+    without_replayed,
 )
 from flowlift.proxy.state import STATE
 from flowlift.proxy.tenants import tenant_of
@@ -99,6 +100,7 @@ async def create(request: web.Request, data: dict[str, Any], route: Route
     items = input_items(req.input)
     new, rid = chat_messages(items), new_id("resp")
     history = previous.messages if previous else []
+    new = without_replayed(history, new)
     conversation = previous.conversation if previous else rid
     joined = workflow_from(request.headers, data)
     workflow = joined[0] if joined else conversation

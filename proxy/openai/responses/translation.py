@@ -82,6 +82,25 @@ def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     return out
 
 
+def without_replayed(history: list[dict[str, Any]], new: list[dict[str, Any]]
+                     ) -> list[dict[str, Any]]:
+    """``new`` less the function calls the stored conversation already holds (a client
+    that continues by ``previous_response_id`` may still send the calls it answers, as
+    ``function_call`` items before their outputs): each call appears once."""
+    known = {c["id"] for m in history for c in m.get("tool_calls") or ()}
+    out = []
+    for message in new:
+        if not message.get("tool_calls"):
+            out.append(message)
+            continue
+        calls = [c for c in message["tool_calls"] if c["id"] not in known]
+        if calls:
+            out.append({**message, "tool_calls": calls})
+        elif message.get("content"):
+            out.append({k: v for k, v in message.items() if k != "tool_calls"})
+    return out
+
+
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Function tools in the chat shape.
 
