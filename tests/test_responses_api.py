@@ -21,7 +21,7 @@ from tests.openapi_spec import validate, validate_event
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                          "required": ["city"]}}
+                          "required": ["city"]}, "strict": False}
 
 
 def last_text(request: GenerationRequest) -> str:
@@ -95,6 +95,32 @@ async def test_responses_and_stream_events_validate_against_the_spec(served):
     assert names[-3:] == ["response.function_call_arguments.done",
                           "response.output_item.done", "response.completed"]
     assert events[-1]["response"]["usage"]["output_tokens"] > 0
+
+
+async def test_the_request_shapes_served_are_the_spec_s_and_each_is_answered(served):
+    client, _, _ = served
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    bodies = [
+        {"model": "fake-model", "input": "hi", "instructions": "Be brief.",
+         "max_output_tokens": 16, "temperature": 0.5, "top_p": 0.9, "store": False,
+         "metadata": {"k": "v"}},
+        {"model": "fake-model", "input": [
+            {"role": "system", "content": "sys"},
+            {"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "weather?"}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}],
+         "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+         "parallel_tool_calls": False},
+        {"model": "fake-model", "input": "n?", "text": {"format": {
+            "type": "json_schema", "name": "n", "schema": schema}}},
+        {"model": "fake-model", "input": "x", "text": {"format": {"type": "json_object"}},
+         "stream": True}]
+    for body in bodies:
+        validate(body, "CreateResponse")
+        resp = await client.post("/v1/responses", json=body)
+        assert resp.status == 200, await resp.text()
 
 
 async def test_function_tools_round_trip_with_function_call_output(served):
