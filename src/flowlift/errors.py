@@ -9,6 +9,8 @@
     │   ├── RequestError              malformed request (``param`` names the field)
     │   │   ├── PayloadTooLarge       body over the configured limit (HTTP 413)
     │   │   ├── RunNotFound           no workflow run has that id (HTTP 404)
+    │   │   ├── ResponseNotFound      no stored Responses API response has that id
+    │   │   │                         for the caller (HTTP 404)
     │   │   ├── IncompleteBody        a body shorter than its Content-Length, or one
     │   │   │                         that stalled half-sent (HTTP 400)
     │   │   └── ContextLengthExceeded prompt (+ max_tokens) past the model's context;
