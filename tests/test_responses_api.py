@@ -198,6 +198,19 @@ async def test_unknown_expired_deleted_and_unstored_ids_are_404_naming_the_field
     tool = await client.post("/v1/responses", json={"model": "fake-model", "input": "x",
                                                    "tools": [{"type": "web_search"}]})
     assert (await tool.json())["error"]["param"] == "tools[0].type"
+    for body, param in (
+            ({}, "input"),
+            ({"input": [{"role": "user", "content": [{"type": "input_image",
+                                                      "image_url": "x"}]}]},
+             "input[0].content[0].type"),
+            ({"input": "x", "text": {"format": {"type": "json_schema",
+                                                "schema": {"type": "nope"}}}},
+             "text.format.schema"),
+            ({"input": "x", "max_output_tokens": 0}, "max_output_tokens")):
+        resp = await client.post("/v1/responses", json={"model": "fake-model", **body})
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == param, error
+        assert "response_format" not in error["message"]  # named as the client sent it
 
 
 async def test_a_response_of_one_tenant_is_invisible_to_another(aiohttp_client):

@@ -27,7 +27,7 @@ import structlog
 from aiohttp import web
 from aiohttp_sse import EventSourceResponse, sse_response
 
-from flowlift.errors import FlowliftError, UpstreamError
+from flowlift.errors import FlowliftError, RequestError, UpstreamError
 from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.forward import demand_of, upstream_error_response
@@ -101,6 +101,10 @@ async def create(request: web.Request, data: dict[str, Any], route: Route
     new, rid = chat_messages(items), new_id("resp")
     history = previous.messages if previous else []
     new = without_replayed(history, new)
+    if not history and not new:
+        raise RequestError("input is empty: send the turn's input (a string or a list of "
+                           "items), or continue a conversation with previous_response_id",
+                           param="input")
     conversation = previous.conversation if previous else rid
     joined = workflow_from(request.headers, data)
     workflow = joined[0] if joined else conversation

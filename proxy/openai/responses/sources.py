@@ -34,15 +34,19 @@ from flowlift.proxy.openai.generation import Chunks, Timing, started, usage_json
 ChatChunks = AsyncIterator[dict[str, Any]]
 
 
-def _responses_param(param: str | None) -> str | None:
-    """A chat field's name as the Responses request names it."""
-    if param is None:
-        return None
-    for chat, ours in (("response_format", "text.format"), ("max_completion_tokens",
-                       "max_output_tokens"), ("messages", "input")):
-        if param.startswith(chat):
-            return ours + param[len(chat):]
-    return param
+_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
+          ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
+          ("messages", "input"))
+"""Chat fields and the Responses fields they came from."""
+
+
+def _in_responses_terms(exc: RequestError) -> None:
+    """Name the fields of ``exc`` (message and ``param``) as the Responses request does."""
+    for chat, ours in _NAMES:
+        exc.message = exc.message.replace(chat, ours)
+        if exc.param is not None and exc.param.startswith(chat):
+            exc.param = ours + exc.param[len(chat):]
+    exc.args = (exc.message,)
 
 
 @contextlib.asynccontextmanager
@@ -62,9 +66,10 @@ async def embedded(chat: dict[str, Any], model: str, backend: Backend, session: 
                                      session)
         async with started(backend, [gen], timing) as chunks:
             yield _chat_chunks(chunks, choices[0])
-    except RequestError as exc:  # the schema the engine rejected was built from the tools
-        exc.param = ("tools" if plan is not None and exc.param == "response_format"
-                     else _responses_param(exc.param))
+    except RequestError as exc:
+        if plan is not None and exc.param == "response_format":
+            exc.param = "tools"  # the schema the engine rejected was built from the tools
+        _in_responses_terms(exc)
         raise
 
 

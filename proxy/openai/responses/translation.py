@@ -58,8 +58,20 @@ def input_items(raw: str | list[dict[str, Any]]) -> list[InputItem]:
                 f"input[{i}].type {kind!r} is not supported by flowlift's Responses API; "
                 f"send messages, function_call or function_call_output items "
                 f"({', '.join(ITEM_TYPES)})", param=f"input[{i}].type")
+        _text_parts(item.get("content", item.get("output")), f"input[{i}]")
         out.append(_parsed(model, item, f"input[{i}]"))
     return out
+
+
+def _text_parts(content: Any, where: str) -> None:
+    """Raise for a content part that is not text (images, files, audio)."""
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise RequestError(
+                f"{where}.content[{j}].type {kind!r} is not supported: flowlift's Responses "
+                "API takes text only; send the text as an input_text part",
+                param=f"{where}.content[{j}].type")
 
 
 def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
