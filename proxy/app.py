@@ -30,6 +30,8 @@ from flowlift.proxy.dispatch.prefill_ahead import AheadConfig
 from flowlift.proxy.http import log, openai_errors
 from flowlift.proxy.middleware import readiness_gate, require_key
 from flowlift.proxy.openai import routes as openai_api
+from flowlift.proxy.openai.responses import serving as responses_api
+from flowlift.proxy.openai.responses.store import ResponseStore
 from flowlift.proxy.sessions import api as sessions_api
 from flowlift.proxy.sessions.table import SessionTable
 from flowlift.proxy.state import STATE, ProxyState
@@ -206,6 +208,9 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     # per-turn cache accounting of X-Flowlift-Session sessions
     sessions_api.setup(app, SessionTable(max_sessions=config.max_sessions,
                                          ttl_s=config.session_ttl_s))
+    # stored Responses API turns (previous_response_id), in the run store
+    responses_api.setup(app, ResponseStore(store, ttl_s=config.response_ttl_s,
+                                           max_responses=config.max_responses))
     progress_api.setup(app)  # step counts of a run (the SDK's progress bar)
     ui.setup(app)  # /ui/workflows/{run_id} (timeline) and /ui/compile
     telemetry.setup(app, tel)  # /metrics, flushed at shutdown

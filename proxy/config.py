@@ -126,6 +126,8 @@ class ProxyConfig:
         max_queue: OpenAI requests waiting per engine before the proxy answers 429.
         max_sessions, session_ttl_s: bounds of the ``X-Flowlift-Session`` table (sessions
             kept; seconds a session lives after its last turn).
+        max_responses, response_ttl_s: bounds of the stored Responses API turns
+            (``previous_response_id``; responses kept, seconds each lives).
         max_runs: workflow runs active at once before ``POST /v1/workflows`` answers 429.
         lease_ttl_s: on a shared (PostgreSQL) state database, how long a run's lease lasts
             unrenewed: a proxy renews its leases every third of it, and another proxy
@@ -153,6 +155,8 @@ class ProxyConfig:
     max_queue: int = 256
     max_sessions: int = 10_000
     session_ttl_s: float = 1800.0
+    max_responses: int = 10_000
+    response_ttl_s: float = 86_400.0
     max_runs: int = 4096
     lease_ttl_s: float = 15.0
     prefill_ahead: bool = True
@@ -240,6 +244,11 @@ class UpstreamSpec(_Priced):
     offers_flex: bool = False
     """The backend also takes ``service_tier: "flex"`` for the steps the tier planner
     defers (flex on a standard backend)."""
+    responses_api: Literal["native", "chat"] = "native"
+    """How ``/v1/responses`` reaches it: ``native`` passes the request through (the backend
+    keeps the state, e.g. OpenAI) when every backend of the model is ``native``;
+    ``chat``: the proxy serves the Responses API itself, statefully, over the backend's
+    ``/chat/completions`` (vLLM, SGLang, llama.cpp)."""
     hints: list[Literal["vllm-priority", "sglang-session", "dynamo"]] = Field(
         default_factory=list)
     """Scheduler hints written into workflow steps' requests in the engine's own fields
