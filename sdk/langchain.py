@@ -20,9 +20,11 @@ an ``llm`` step of that workflow (named after the LangGraph node that made the c
 whose content is the step's Semantic Variable marker (:mod:`flowlift.sdk.variables`).
 The graph carries the marker on in its state; a later call whose messages hold it gets
 the dataflow edge (Parrot, Lin et al., OSDI'24), and its prompt receives the value when
-the proxy runs it. So LangGraph's supersteps finish without waiting and the proxy runs
-the recorded steps in dataflow order: independent branches at once, a step as soon as
-its own inputs are done, not at the end of a superstep (LangGraph's Pregel barrier).
+the proxy runs it. A value already read and passed on as text makes the edge too: its
+verbatim copies become the marker again (:func:`relink`). So LangGraph's supersteps
+finish without waiting and the proxy runs the recorded steps in dataflow order:
+independent branches at once, a step as soon as its own inputs are done, not at the
+end of a superstep (LangGraph's Pregel barrier).
 
 Where the app needs a value (a conditional edge, a tool), :func:`areveal` (``async
 with``) / :func:`reveal` (``with``) reads it: that ships the steps recorded so far (the
@@ -71,6 +73,7 @@ from flowlift.sdk.workflow import Workflow, current_workflow
 _ROLES: dict[type[BaseMessage], str] = {SystemMessage: "system", HumanMessage: "user",
                                         AIMessage: "assistant", ToolMessage: "user"}
 _NAME = re.compile(r"[^A-Za-z0-9_-]+")
+MIN_RELINK_CHARS = 20  # as the proxy's inferred workflows (``inferred.MIN_OUTPUT_CHARS``)
 
 
 def _role(message: BaseMessage) -> str:
@@ -164,7 +167,8 @@ class FlowliftChat(BaseChatModel):
 
     def _record(self, wf: Workflow, messages: list[BaseMessage], stop: list[str] | None,
                 name: str) -> ChatResult:
-        var = self._step(name, stop or ())(to_prompt(messages))
+        prompt = [{**m, "content": relink(m["content"], wf)} for m in to_prompt(messages)]
+        var = self._step(name, stop or ())(prompt)
         text = str.__str__(str(var))  # a plain str: LangChain may slice or strip it
         message = AIMessage(content=text, response_metadata={
             "flowlift_step": var.step_id, "flowlift_workflow": wf.name})
@@ -197,6 +201,19 @@ class FlowliftChat(BaseChatModel):
             var = self._step(name, stop or ())(to_prompt(messages))
         del eager
         return self._answer(var.value)
+
+
+def relink(text: str, wf: Workflow) -> str:
+    """``text`` with each verbatim copy of an output already read in this run (text of
+    at least :data:`MIN_RELINK_CHARS` characters, longest first) put back as that step's
+    marker: a value the app read (:func:`areveal`) and wrote into the graph's state as
+    text still makes an edge. The prompt the model gets is the same."""
+    found = sorted(((v.strip(), sid) for sid, v in wf.outputs.items()
+                    if isinstance(v, str) and len(v.strip()) >= MIN_RELINK_CHARS
+                    and v.strip() in text), key=lambda vs: -len(vs[0]))
+    for value, sid in found:
+        text = text.replace(value, str.__str__(str(SemanticVariable(wf, sid))))
+    return text
 
 
 def _str(value: Any) -> str:
@@ -280,4 +297,5 @@ def reveal_state(state: Any, wf: Workflow) -> Any:
     return state
 
 
-__all__ = ["FlowliftChat", "areveal", "reveal", "reveal_state", "to_prompt"]
+__all__ = ["MIN_RELINK_CHARS", "FlowliftChat", "areveal", "relink", "reveal", "reveal_state",
+           "to_prompt"]

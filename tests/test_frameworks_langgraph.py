@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
@@ -18,7 +18,10 @@ from examples.frameworks import langgraph_graph as example
 from flowlift import SemanticVariableError, workflow
 from flowlift.graph import Ref
 from flowlift.local_engine.base import GenerationRequest
-from flowlift.sdk.langchain import FlowliftChat, areveal, reveal_state
+from flowlift.proxy import create_app
+from flowlift.sdk.langchain import FlowliftChat, areveal, reveal, reveal_state
+from flowlift.testing import FakeEngine
+from tests.openapi_spec import LiveServers
 
 CAUSES = "Causes: the row limit of the CSV writer and a timeout in the export job."
 
@@ -158,3 +161,50 @@ def test_flowlift_imports_without_langchain():
                          check=True)
     assert out.stdout.strip() == "ok"
 
+
+
+async def test_a_value_read_and_passed_on_as_text_still_makes_an_edge(proxy):
+    proxy.responder = lambda r: "a long enough answer to quote later: " + r.messages[-1].content
+    llm = FlowliftChat(step_name="ask")
+    async with workflow("relinked") as wf:
+        first = await areveal(await llm.ainvoke("one"))  # plain text now
+        second = await llm.ainvoke(f"Given: {first}\nGo on.")
+    assert _deps(wf) == {"ask_1": set(), "ask_2": {"ask_1"}}
+    assert reveal_state(second, wf).content.endswith(f"Given: {first}\nGo on.")
+
+
+class Sync(TypedDict, total=False):
+    question: str
+    label: str
+    answer: str
+
+
+def test_a_sync_graph_in_a_sync_workflow(monkeypatch):
+    """``graph.invoke`` in ``with workflow(...)``: the router reads with ``reveal``."""
+    engine = FakeEngine(["fake-model"])
+    llm = FlowliftChat(output=Literal["short", "long"])
+    writer = FlowliftChat()
+
+    def classify(state: Sync) -> Sync:
+        return {"label": str(llm.invoke(state["question"]).content)}
+
+    def route(state: Sync) -> str:
+        return "answer" if reveal(state["label"]) == "short" else END
+
+    def answer(state: Sync) -> Sync:
+        return {"answer": str(writer.invoke(f"{state['label']}: {state['question']}").content)}
+
+    graph = StateGraph(Sync)
+    graph.add_node("classify", classify)
+    graph.add_node("answer", answer)
+    graph.add_edge(START, "classify")
+    graph.add_conditional_edges("classify", route, ["answer", END])
+    graph.add_edge("answer", END)
+    with LiveServers() as servers:
+        url = servers.serve(lambda: create_app({"fake-model": engine}))
+        monkeypatch.setenv("FLOWLIFT_BASE_URL", url)
+        with workflow("sync-graph") as wf:
+            state = graph.compile().invoke({"question": "why?"})
+    assert reveal_state(state, wf) == {"question": "why?", "label": "short",
+                                       "answer": "echo: short: why?"}
+    assert _deps(wf) == {"classify_1": set(), "answer_1": {"classify_1"}}
