@@ -109,3 +109,13 @@ def test_a_field_of_an_earlier_answer_in_a_prompt_is_an_edge(output):
     graph = store.graph("wf")
     assert graph is not None
     assert dependencies(graph) == {"extract": frozenset(), "answer": frozenset({"extract"})}
+
+
+def test_the_example_prints_the_inferred_workflow(live, monkeypatch, capsys):
+    url, _ = live
+    monkeypatch.setenv("FLOWLIFT_BASE_URL", url)
+    assert example.main([]) == 0
+    out = capsys.readouterr().out
+    assert f"answer: {ANSWER}" in out and "critical path: extract -> answer" in out
+    monkeypatch.setenv("FLOWLIFT_BASE_URL", "http://127.0.0.1:9")  # nothing listens
+    assert example.main([]) == 2

@@ -208,3 +208,16 @@ def test_a_sync_graph_in_a_sync_workflow(monkeypatch):
     assert reveal_state(state, wf) == {"question": "why?", "label": "short",
                                        "answer": "echo: short: why?"}
     assert _deps(wf) == {"classify_1": set(), "answer_1": {"classify_1"}}
+
+
+def test_the_example_prints_its_steps_and_the_overlap(monkeypatch, tmp_path, capsys):
+    seen: list[GenerationRequest] = []
+    engine = FakeEngine(["fake-model"], responder=responder("bug", seen), delay_s=0.004)
+    with LiveServers() as servers:
+        monkeypatch.setenv("FLOWLIFT_BASE_URL",
+                           servers.serve(lambda: create_app({"fake-model": engine})))
+        assert example.main(["--trace", str(tmp_path / "t.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "visited: classify -> diagnose -> draft -> summarize" in out
+    assert "fan-out diagnose | draft: ran side by side for" in out
+    assert "after ['diagnose_1', 'draft_1']" in out and (tmp_path / "t.jsonl").exists()
