@@ -36,9 +36,13 @@ Outside a workflow a call runs eagerly (one step in a workflow of its own) and a
 with the real text. ``langchain-core`` is an optional dependency: ``flowlift`` imports
 without it; this module needs it (``pip install flowlift[frameworks]``).
 
+Not supported: tools (``bind_tools``; a flowlift agent step, ``@step(tools=[...])``,
+loops tool calls on the proxy) and per-call options (``.bind(max_tokens=...)``: set
+them as fields).
+
 Errors:
     UserError: a message role or content part a step cannot carry (images, tool calls),
-        or bad sampling parameters.
+        per-call options, or bad sampling parameters.
     SemanticVariableError: a prompt holding a changed marker (sliced, upper-cased) or a
         marker of another workflow, raised when the call is recorded.
 """
@@ -181,6 +185,7 @@ class FlowliftChat(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None,
                   **kwargs: Any) -> ChatResult:
+        _no_call_options(kwargs)
         name = _step_name(run_manager, self.step_name)
         wf = current_workflow()
         if wf is not None:
@@ -193,6 +198,7 @@ class FlowliftChat(BaseChatModel):
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None,
                          **kwargs: Any) -> ChatResult:
+        _no_call_options(kwargs)
         name = _step_name(run_manager, self.step_name)
         wf = current_workflow()
         if wf is not None:
@@ -214,6 +220,16 @@ def relink(text: str, wf: Workflow) -> str:
     for value, sid in found:
         text = text.replace(value, str.__str__(str(SemanticVariable(wf, sid))))
     return text
+
+
+def _no_call_options(kwargs: Mapping[str, Any]) -> None:
+    """Refuse per-call options (``.bind(...)``, ``invoke(..., x=...)``, ``bind_tools``):
+    a step's sampling is the model's fields; dropping them would be a silent change."""
+    if kwargs:
+        raise UserError(f"FlowliftChat takes no per-call options (got {sorted(kwargs)}): "
+                        "set sampling as fields, FlowliftChat(max_tokens=..., "
+                        "temperature=...); for a model that calls tools use a flowlift "
+                        "agent step, @step(tools=[...])", param=sorted(kwargs)[0])
 
 
 def _str(value: Any) -> str:

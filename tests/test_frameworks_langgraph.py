@@ -15,7 +15,7 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langgraph.graph import END, START, StateGraph
 
 from examples.frameworks import langgraph_graph as example
-from flowlift import SemanticVariableError, workflow
+from flowlift import SemanticVariableError, UserError, workflow
 from flowlift.graph import Ref
 from flowlift.local_engine.base import GenerationRequest
 from flowlift.proxy import create_app
@@ -221,3 +221,16 @@ def test_the_example_prints_its_steps_and_the_overlap(monkeypatch, tmp_path, cap
     assert "visited: classify -> diagnose -> draft -> summarize" in out
     assert "fan-out diagnose | draft: ran side by side for" in out
     assert "after ['diagnose_1', 'draft_1']" in out and (tmp_path / "t.jsonl").exists()
+
+
+async def test_per_call_options_and_image_parts_are_refused(proxy):
+    llm = FlowliftChat()
+    async with workflow("refused"):
+        with pytest.raises(UserError, match="per-call options") as info:
+            await llm.bind(max_tokens=5).ainvoke("hi")
+        assert info.value.param == "max_tokens"
+        with pytest.raises(UserError, match="'image_url' part"):
+            await llm.ainvoke([HumanMessage(content=[
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}])])
+        await llm.ainvoke("fine")  # the block still runs the rest
