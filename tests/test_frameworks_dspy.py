@@ -68,7 +68,7 @@ def test_two_modules_form_one_inferred_workflow_with_their_edge(live, adapter):
     prediction, doc = example.run(example.DOCUMENT, example.QUESTION, base_url=url,
                                   model="fake-model", adapter=adapter,
                                   workflow_id=f"dspy-{adapter}")
-    assert prediction.answer == ANSWER
+    assert (prediction.facts, prediction.answer) == (FACTS, ANSWER)
     calls = engine.requests[before:]
     assert len(calls) == 2  # one per module: nothing failed to parse, nothing retried
     assert FACTS in "\n".join(m.content for m in calls[1].messages)

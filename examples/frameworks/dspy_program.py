@@ -80,7 +80,8 @@ class FactsThenAnswer(dspy.Module):
 
     def forward(self, document: str, question: str) -> dspy.Prediction:
         facts = self.extract(document=document).facts
-        return self.answer(facts=facts, question=question)
+        answer = self.answer(facts=facts, question=question).answer
+        return dspy.Prediction(facts=facts, answer=answer)
 
 
 def proxy_lm(base_url: str, model: str, workflow_id: str, *, step: str | None = None,
@@ -152,6 +153,7 @@ def run(document: str, question: str, *, base_url: str, model: str,
 
 
 def _print(prediction: dspy.Prediction, doc: dict[str, Any]) -> None:
+    print(f" facts: {' '.join(str(prediction.facts).split())}")
     print(f"answer: {' '.join(str(prediction.answer).split())}")
     print(f"\nworkflow {doc['id']} inferred from {len(doc['steps'])} calls:")
     for s in doc["steps"]:
