@@ -182,30 +182,31 @@ class FlowliftChat(BaseChatModel):
     def _answer(value: Any) -> ChatResult:
         return ChatResult(generations=[ChatGeneration(message=AIMessage(content=_str(value)))])
 
+    def _begin(self, kwargs: Mapping[str, Any],
+               run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None
+               ) -> tuple[str, Workflow | None]:
+        """The step name of a call and the workflow it joins (None: run it eagerly)."""
+        _no_call_options(kwargs)
+        return _step_name(run_manager, self.step_name), current_workflow()
+
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None,
                   **kwargs: Any) -> ChatResult:
-        _no_call_options(kwargs)
-        name = _step_name(run_manager, self.step_name)
-        wf = current_workflow()
+        name, wf = self._begin(kwargs, run_manager)
         if wf is not None:
             return self._record(wf, messages, stop, name)
-        with Workflow(name) as eager:
+        with Workflow(name):
             var = self._step(name, stop or ())(to_prompt(messages))
-        del eager
         return self._answer(var.value)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None,
                          **kwargs: Any) -> ChatResult:
-        _no_call_options(kwargs)
-        name = _step_name(run_manager, self.step_name)
-        wf = current_workflow()
+        name, wf = self._begin(kwargs, run_manager)
         if wf is not None:
             return self._record(wf, messages, stop, name)
-        async with Workflow(name) as eager:
+        async with Workflow(name):
             var = self._step(name, stop or ())(to_prompt(messages))
-        del eager
         return self._answer(var.value)
 
 
