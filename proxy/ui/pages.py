@@ -356,7 +356,7 @@ def runs_body(runs: list[RunSummary], more: bool, state: str | None) -> str:
 @routes.get("/ui/")
 async def runs_page(request: web.Request) -> web.Response:
     state = request.query.get("state") or None
-    runs, more = request.app[STATE].runs.store.recent(
+    runs, more = request.app[STATE].runs.recent(
         status=state, limit=INDEX_PAGE, after=request.query.get("after"),
         tenant=tenant_of(request))
     return page("flowlift: runs", runs_body(runs, more, state),

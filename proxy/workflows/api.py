@@ -59,7 +59,7 @@ from flowlift.graph import DEADLINE_WARNING_HEADER, Graph
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.state import STATE, ProxyState
-from flowlift.proxy.tenants import tenant_of
+from flowlift.proxy.tenants import run_key, tenant_of
 from flowlift.proxy.workflows import open_runs, progress
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.planning import plan
@@ -199,24 +199,24 @@ def _list_params(query: Any) -> dict[str, Any]:
 async def list_runs(request: web.Request) -> web.Response:
     """Runs in the store the request's tenant may see, newest first (see the module
     docstring for the query)."""
-    registry = request.app[STATE].runs
-    runs, more = registry.store.recent(**_list_params(request.query),
-                                       tenant=tenant_of(request))
-    data = [{**r.to_json(), **_figures(registry, r.run_id)} for r in runs]
+    registry, tenant = request.app[STATE].runs, tenant_of(request)
+    runs, more = registry.recent(**_list_params(request.query), tenant=tenant)
+    data = [{**r.to_json(), **_figures(registry, run_key(tenant, r.run_id))} for r in runs]
     return web.json_response({"object": "list", "data": data,
                               "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None, "has_more": more})
 
 
-def _figures(registry: RunRegistry, run_id: str) -> dict[str, Any]:
+def _figures(registry: RunRegistry, key: str) -> dict[str, Any]:
     """A listed run's progress, deadline and spend so far (:func:`progress.listing`):
-    from memory while it runs here, else from its stored event log."""
-    run = registry.active.get(run_id) or registry.finished.get(run_id)
+    from memory while it runs here, else from its stored event log (``key``: the run's,
+    :func:`~flowlift.proxy.tenants.run_key`)."""
+    run = registry.active.get(key) or registry.finished.get(key)
     if run is not None:
         left = run.clock.left_s() if run.clock is not None and not run.finished else None
         return progress.listing(len(run.trace.steps), run.graph.deadline_s,
                                 run.log.history(), left)
-    stored = registry.store.load(run_id)
+    stored = registry.store.load(key)
     return {} if stored is None else progress.stored_listing(stored)
 
 

@@ -1,6 +1,10 @@
 """Runs known to this proxy: the active ones, recently finished ones, and the store.
 
-* ``start`` creates a run (persisted before it starts) and starts it.
+* ``start`` creates a run (persisted before it starts) and starts it. Run ids are per
+  tenant: ``active``, ``finished`` and the store are keyed by
+  :func:`~flowlift.proxy.tenants.run_key` (the same client id in two tenants is two runs;
+  another tenant's id answers what an unknown id answers), every answer shows the
+  client's id.
 * ``resume_all`` restarts every run the store holds as unfinished (after a crash or a
   restart): finished steps keep their outputs and are not run again. A resumed run is
   parked until its client reconnects, so orphans never take engine capacity (a
@@ -26,9 +30,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
+import secrets
 import socket
 import time
 import uuid
@@ -53,7 +59,7 @@ from flowlift.errors import (
 from flowlift.graph import Graph, LLMNode, ToolNode
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.tenants import visible
+from flowlift.proxy.tenants import client_run_id, run_key, visible
 from flowlift.proxy.workflows import open_runs
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
@@ -61,7 +67,12 @@ from flowlift.proxy.workflows.open_runs import CLOSED, stored_graph
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
-from flowlift.proxy.workflows.store import RunStoreProtocol, SQLiteRunStore, StoredRun
+from flowlift.proxy.workflows.store import (
+    RunStoreProtocol,
+    RunSummary,
+    SQLiteRunStore,
+    StoredRun,
+)
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
@@ -141,9 +152,9 @@ class RunRegistry:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.lease_ttl_s = lease_ttl_s
         self.outcomes = outcomes or StepOutcomes(":memory:")
-        self.active: dict[str, Run] = {}
-        self.epochs: dict[str, int] = {}  # run id -> this proxy's lease epoch (fencing)
-        self.tailed: Counter[str] = Counter()  # run id -> clients tailing it from here
+        self.active: dict[str, Run] = {}  # run key (tenants.run_key) -> run
+        self.epochs: dict[str, int] = {}  # run key -> this proxy's lease epoch (fencing)
+        self.tailed: Counter[str] = Counter()  # run key -> clients tailing it from here
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
@@ -155,7 +166,8 @@ class RunRegistry:
     def live(self, run_id: str, tenant: str | None = None) -> Run | None:
         """The active or recently finished run ``run_id`` when ``tenant`` may see it
         (:func:`~flowlift.proxy.tenants.visible`), else None."""
-        run = self.active.get(run_id) or self.finished.get(run_id)
+        key = run_key(tenant, run_id)
+        run = self.active.get(key) or self.finished.get(key)
         return run if run is not None and visible(run.tenant, tenant) else None
 
     def get(self, run_id: str, tenant: str | None = None) -> Run:
@@ -176,10 +188,19 @@ class RunRegistry:
         Raises:
             RunNotFound: the store has no such run, or it is another tenant's (HTTP 404).
         """
-        stored = self.store.load(run_id)
+        stored = self.store.load(run_key(tenant, run_id))
         if stored is None or not visible(stored.tenant, tenant):
             raise RunNotFound(run_id)
         return stored
+
+    def recent(self, *, tenant: str | None = None, after: str | None = None,
+               **filters: Any) -> tuple[list[RunSummary], bool]:
+        """:meth:`RunStoreProtocol.recent` as ``tenant`` sees it: ``after`` and the runs'
+        ids are its clients' ids (:func:`~flowlift.proxy.tenants.client_run_id`)."""
+        runs, more = self.store.recent(
+            tenant=tenant, after=None if after is None else run_key(tenant, after), **filters)
+        return [dataclasses.replace(r, run_id=client_run_id(r.run_id, tenant))
+                for r in runs], more
 
     def active_of(self, tenant: str) -> int:
         """How many active runs ``tenant`` has."""
@@ -211,16 +232,19 @@ class RunRegistry:
             raise Overloaded(f"tenant {tenant!r} has {tenant_max_active} workflow runs "
                              "active, its max_active_runs; retry when one finishes",
                              retry_after_s=1.0, status=429)
-        if graph.id is not None and (graph.id in self.active or self.store.exists(graph.id)):
+        run_id = graph.id or f"wf-{secrets.token_hex(8)}"
+        key = run_key(tenant, run_id)  # (ids are per tenant: another's is not looked at)
+        if graph.id is not None and (key in self.active or self.store.exists(key)):
             raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
                                "fresh one", param="id")
-        run = Run(graph, backends, run_plan, costs, sink=self._append,
-                  outcomes=self.outcomes, observer=self.observer, trace_parent=parent)
+        run = Run(graph, backends, run_plan, costs, run_id=run_id, key=key,
+                  sink=self._append, outcomes=self.outcomes, observer=self.observer,
+                  trace_parent=parent)
         run.tenant = tenant
-        self.store.create(run.run_id, graph.to_wire(), tenant)
-        epoch = self.store.claim(run.run_id, self.owner, self.lease_ttl_s)
+        self.store.create(key, graph.to_wire(), tenant)
+        epoch = self.store.claim(key, self.owner, self.lease_ttl_s)
         if epoch is not None:  # (None: a stranger's lease on a fresh id; its writes fail)
-            self.epochs[run.run_id] = epoch
+            self.epochs[key] = epoch
         self._activate(run)
         return run
 
@@ -238,8 +262,9 @@ class RunRegistry:
             self.epochs[run_id] = epoch
             graph = stored_graph(stored)
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
-                      run_id=stored.run_id, sink=self._append, restored=stored,
-                      outcomes=self.outcomes, observer=self.observer)
+                      run_id=client_run_id(run_id, stored.tenant), key=run_id,
+                      sink=self._append, restored=stored, outcomes=self.outcomes,
+                      observer=self.observer)
             self._activate(run)
             resumed.append(run)
             log.info("run_resumed", workflow_id=run.run_id, done=len(run.outputs),
@@ -312,7 +337,7 @@ class RunRegistry:
                 return "duplicate"
             if step_id not in run.waiting_tools():
                 raise _not_waiting(run_id, step_id)
-            self.store.put_tool_result(run_id, step_id, body)  # durable before it counts
+            self.store.put_tool_result(run.key, step_id, body)  # durable before it counts
             run.deliver_tool_result(step_id, body.get("value"), body.get("error"))
             return "delivered"
         stored = self.stored(run_id, tenant)
@@ -323,7 +348,8 @@ class RunRegistry:
             return "duplicate"
         if stored.status != "running":
             raise _not_waiting(run_id, step_id, f": the run has {stored.status}")
-        return "queued" if self.store.put_tool_result(run_id, step_id, body) else "duplicate"
+        queued = self.store.put_tool_result(stored.run_id, step_id, body)
+        return "queued" if queued else "duplicate"
 
     def deliver_posted(self) -> int:
         """Hand the results kept in the store (posted to any proxy) to the runs here that
@@ -359,26 +385,27 @@ class RunRegistry:
             RequestError: ``awaited`` names unknown steps.
         """
         stored = self.stored(run_id, tenant)
+        key = stored.run_id
         if kind == "cancel":
             running = stored.status == "running"
             if running:
-                self.store.put_request(run_id, "cancel", {})
+                self.store.put_request(key, "cancel", {})
             return {"run_id": run_id, "cancelled": running, "queued": True}
-        queued = self.store.requests([run_id])
+        queued = self.store.requests([key])
         graph = stored_graph(stored)
         closed = (not graph.open or stored.status != "running"
                   or any(n == CLOSED for _, n, _ in stored.events)
                   or any(k == "close" for _, _, k, _ in queued))
         if kind == "close":
             if not closed:
-                self.store.put_request(run_id, "close", {})
+                self.store.put_request(key, "close", {})
             return {"run_id": run_id, "closed": True, "status": stored.status}
         if closed:
             raise RunClosed(f"run {run_id} takes no more steps: it was posted whole, is "
                             "closed or has finished", param="run_id")
         appended, steps = open_runs.check_queued(
             graph, [body for _, _, k, body in queued if k == "nodes"], data, models)
-        self.store.put_request(run_id, "nodes", data)
+        self.store.put_request(key, "nodes", data)
         return {"run_id": run_id, "appended": appended, "steps": steps, "queued": True}
 
     async def apply_requests(self, models: Collection[str] | None,
@@ -443,22 +470,22 @@ class RunRegistry:
                 del self.tailed[run_id]
 
     def _activate(self, run: Run) -> None:
-        self.active[run.run_id] = run
+        self.active[run.key] = run
         run.detached_since = time.monotonic()
         run.start().add_done_callback(lambda _: self.retire(run))
 
     def retire(self, run: Run) -> None:
         """Move a finished run to the finished table and write its trace (once)."""
-        if self.active.pop(run.run_id, None) is None:
+        if self.active.pop(run.key, None) is None:
             return
-        self.epochs.pop(run.run_id, None)
-        self.store.release(run.run_id, self.owner)  # (suspended: another proxy may take it)
-        self.finished[run.run_id] = run
+        self.epochs.pop(run.key, None)
+        self.store.release(run.key, self.owner)  # (suspended: another proxy may take it)
+        self.finished[run.key] = run
         log_end(run)
         learn_lengths(run, self.outcomes)
         if self.trace_dir is not None and _RUN_ID.fullmatch(run.run_id):  # (older stores)
-            self.trace_dir.mkdir(parents=True, exist_ok=True)
-            path = self.trace_dir / f"{run.run_id}.jsonl"
+            path = self.trace_dir / f"{run.key}.jsonl"  # (a tenant's: in its own folder)
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(r) + "\n" for r in run.trace.records()))
 
     def lookahead(self, canonical: Callable[[str | None], str]) -> Lookahead:

@@ -4,7 +4,7 @@ postgresql://user@host/db``).
 The same event-sourced log as :class:`~flowlift.proxy.workflows.store.SQLiteRunStore`,
 in tables prefixed ``flowlift_`` (so the database may hold other things)::
 
-    flowlift_meta(key PRIMARY KEY, value)            -- ('schema_version', '1')
+    flowlift_meta(key PRIMARY KEY, value)            -- ('schema_version', '2')
     flowlift_runs(run_id PRIMARY KEY, graph TEXT, name TEXT, status TEXT,
                   created_at DOUBLE PRECISION, updated_at DOUBLE PRECISION)
     flowlift_events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
@@ -74,7 +74,12 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from flowlift.errors import EngineError, LeaseLost
 from flowlift.proxy.tenants import DEFAULT_TENANT
-from flowlift.proxy.workflows.store import SCHEMA_VERSION, RunSummary, StoredRun
+from flowlift.proxy.workflows.store import (
+    SCHEMA_VERSION,
+    RunSummary,
+    StoredRun,
+    per_tenant_keys,
+)
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
@@ -102,6 +107,9 @@ CREATE TABLE IF NOT EXISTS flowlift_follows (run_id TEXT PRIMARY KEY,
 CREATE TABLE IF NOT EXISTS flowlift_requests (id BIGSERIAL PRIMARY KEY,
     run_id TEXT NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL);
 """
+_KEYED = ("flowlift_events", "flowlift_leases", "flowlift_tool_results", "flowlift_follows",
+          "flowlift_requests")
+"""The tables keyed by a run's ``run_id`` besides ``flowlift_runs``."""
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock, epoch s
 _CLAIM = f"""
 INSERT INTO flowlift_leases AS held (run_id, owner, expires_at, epoch)
@@ -182,6 +190,12 @@ class PostgresRunStore:
                          "ON CONFLICT (key) DO NOTHING", (str(SCHEMA_VERSION),))
             row = conn.execute("SELECT value FROM flowlift_meta "
                                "WHERE key = 'schema_version'").fetchone()
+            if row is not None and int(row[0]) < 2:  # (run ids per tenant)
+                for statement in per_tenant_keys("flowlift_runs", _KEYED, "%s"):
+                    conn.execute(statement, (DEFAULT_TENANT,))
+                conn.execute("UPDATE flowlift_meta SET value = %s "
+                             "WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+                row = (str(SCHEMA_VERSION),)
         if row is None or int(row[0]) > SCHEMA_VERSION:
             raise EngineError(f"the run store {self.path} has schema version "
                               f"{row and row[0]}, newer than this flowlift's {SCHEMA_VERSION}")
