@@ -51,7 +51,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
-    reason = lifecycle.not_ready_reason(state, request.app[lifecycle.DRAIN])
+    reason = await lifecycle.not_ready_reason(state, request.app[lifecycle.DRAIN])
     body = {"ready": reason is None, "models": state.backends.models,
             "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason}
     if state.residency is not None:
@@ -74,7 +74,7 @@ async def _load_engines(app: web.Application) -> None:
         log.exception("engine_load_failed")
         return
     state.load_time_s = round(time.monotonic() - t0, 2)
-    state.runs.resume_all(state.backends, state.costs)
+    await state.runs.resume_all(state.backends, state.costs)
     state.ready.set()
     log.info("engine_ready", models=state.backends.models, load_time_s=state.load_time_s)
 
@@ -82,7 +82,7 @@ async def _load_engines(app: web.Application) -> None:
 async def _sweep(app: web.Application, every_s: float = 5.0) -> None:
     while True:
         await asyncio.sleep(every_s)
-        app[STATE].runs.sweep()
+        await app[STATE].runs.sweep()
 
 
 async def _heartbeat(app: web.Application) -> None:
@@ -93,7 +93,7 @@ async def _heartbeat(app: web.Application) -> None:
     while True:
         await asyncio.sleep(max(state.runs.lease_ttl_s / 3, 0.1))
         try:
-            state.runs.heartbeat(state.backends, state.costs)
+            await state.runs.heartbeat(state.backends, state.costs)
         except Exception:  # a database hiccup: the next beat tries again
             log.exception("run_heartbeat_failed")
 
@@ -108,7 +108,7 @@ async def _posted_results(app: web.Application) -> None:
     while True:
         await asyncio.sleep(TAIL_POLL_S)
         try:
-            state.runs.deliver_posted()
+            await state.runs.deliver_posted()
             await state.runs.apply_requests(state.backends.known(), functools.partial(
                 plan, backends=state.backends, costs=state.costs,
                 outcomes=state.runs.outcomes, prices=state.prices))
@@ -133,6 +133,7 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     for engine in state.backends.engines:
         await engine.close()
     await state.backends.aclose()
+    state.runs.io.close()  # (every event submitted is written first)
     state.runs.store.close()
     state.runs.outcomes.close()
 

@@ -62,7 +62,7 @@ from flowlift.proxy.workflows.ahead import HOLE, ahead_request, consumers, known
 from flowlift.proxy.workflows.books import AttemptBooks
 from flowlift.proxy.workflows.cascade import Attempt, Generated, run_step
 from flowlift.proxy.workflows.deadline import DeadlineClock
-from flowlift.proxy.workflows.events import EventLog
+from flowlift.proxy.workflows.events import EventLog, Written
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth
 from flowlift.proxy.workflows.outcomes import StepOutcomes
@@ -96,7 +96,7 @@ class Run:
 
     def __init__(self, graph: Graph, backends: Backends, plan: Plan | None = None,
                  costs: CostTracker | None = None, *, run_id: str | None = None,
-                 sink: Callable[[str, int, str, dict[str, Any]], None] | None = None,
+                 sink: Callable[[str, int, str, dict[str, Any]], Written] | None = None,
                  restored: StoredRun | None = None,
                  outcomes: StepOutcomes | None = None,
                  observer: RunObserver = NO_OBSERVER,

@@ -51,10 +51,9 @@ Graphs and events are stored as the JSON text the proxy wrote (not ``jsonb``), s
 reads back byte for byte as it went in. The schema is created on first use under an
 advisory lock (two proxies starting together do not race).
 
-Synchronous psycopg 3, as the SQLite store is synchronous: the run's event sink
-(:class:`~flowlift.proxy.workflows.runs.Run`) calls ``append`` from the event loop and
-the event must be committed before the run goes on, so each call blocks the loop for one
-round trip to the database (a fraction of a millisecond on a local network). Connections
+Synchronous psycopg 3, as the SQLite store is synchronous; the proxy calls both from
+one worker thread in order (:mod:`~flowlift.proxy.workflows.store_worker`), never from
+its event loop, and a follower gets an event only once its ``append`` returned. Connections
 come from a :class:`psycopg_pool.ConnectionPool` (autocommit; a connection broken by a
 database restart is dropped and replaced), and every write commits before it returns
 (``synchronous_commit`` as the server sets it: on by default, so committed means on disk).
