@@ -52,7 +52,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
-    reason = lifecycle.not_ready_reason(state, request.app[lifecycle.DRAIN])
+    reason = await lifecycle.not_ready_reason(state, request.app[lifecycle.DRAIN])
     body = {"ready": reason is None, "models": state.backends.models,
             "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason}
     if state.residency is not None:
@@ -75,7 +75,7 @@ async def _load_engines(app: web.Application) -> None:
         log.exception("engine_load_failed")
         return
     state.load_time_s = round(time.monotonic() - t0, 2)
-    state.runs.resume_all(state.backends, state.costs)
+    await state.runs.resume_all(state.backends, state.costs)
     state.ready.set()
     log.info("engine_ready", models=state.backends.models, load_time_s=state.load_time_s)
 
@@ -83,7 +83,7 @@ async def _load_engines(app: web.Application) -> None:
 async def _sweep(app: web.Application, every_s: float = 5.0) -> None:
     while True:
         await asyncio.sleep(every_s)
-        app[STATE].runs.sweep()
+        await app[STATE].runs.sweep()
 
 
 async def _heartbeat(app: web.Application) -> None:
@@ -94,7 +94,7 @@ async def _heartbeat(app: web.Application) -> None:
     while True:
         await asyncio.sleep(max(state.runs.lease_ttl_s / 3, 0.1))
         try:
-            state.runs.heartbeat(state.backends, state.costs)
+            await state.runs.heartbeat(state.backends, state.costs)
         except Exception:  # a database hiccup: the next beat tries again
             log.exception("run_heartbeat_failed")
 
@@ -109,7 +109,7 @@ async def _posted_results(app: web.Application) -> None:
     while True:
         await asyncio.sleep(TAIL_POLL_S)
         try:
-            state.runs.deliver_posted()
+            await state.runs.deliver_posted()
             await state.runs.apply_requests(
                 state.backends.known(), compile_options(state.backends, state.costs,
                                                         state.runs.outcomes, state.prices),
@@ -135,6 +135,7 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     for engine in state.backends.engines:
         await engine.close()
     await state.backends.aclose()
+    state.runs.io.close()  # (every event submitted is written first)
     state.runs.store.close()
     state.runs.outcomes.close()
 
@@ -209,7 +210,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     sessions_api.setup(app, SessionTable(max_sessions=config.max_sessions,
                                          ttl_s=config.session_ttl_s))
     # stored Responses API turns (previous_response_id), in the run store
-    responses_api.setup(app, ResponseStore(store, ttl_s=config.response_ttl_s,
+    responses_api.setup(app, ResponseStore(store, io=runs.io,
+                                           ttl_s=config.response_ttl_s,
                                            max_responses=config.max_responses))
     progress_api.setup(app)  # step counts of a run (the SDK's progress bar)
     ui.setup(app)  # /ui/workflows/{run_id} (timeline) and /ui/compile

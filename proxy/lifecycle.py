@@ -75,7 +75,7 @@ class Drain:
 DRAIN: web.AppKey[Drain] = web.AppKey("flowlift.drain", Drain)
 
 
-def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
+async def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
     """Why the proxy should get no traffic now, or None when it is ready."""
     if drain.draining:
         return "draining: the proxy is shutting down"
@@ -83,7 +83,10 @@ def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
         return f"the engine failed to load: {state.load_error}"
     if not state.ready.is_set():
         return "the engine is still loading"
-    problem = state.runs.store.problem()
+    behind = state.runs.io.behind()
+    if behind:
+        return behind
+    problem = await state.runs.io.call(state.runs.store.problem)  # (off the loop)
     if problem:
         return f"the run store is not usable: {problem}"
     return None

@@ -22,7 +22,7 @@ from flowlift.errors import AuthenticationError, EngineError, Overloaded, Shutti
 from flowlift.proxy.http import Handler, error_response
 from flowlift.proxy.lifecycle import DRAIN
 from flowlift.proxy.state import STATE, ProxyState
-from flowlift.proxy.tenants import TENANT_KEY, tenant_of
+from flowlift.proxy.tenants import TENANT_KEY, run_key, tenant_of
 from flowlift.proxy.workflows.registry import RunRegistry
 
 PROBES = frozenset({"/healthz", "/readyz"})
@@ -62,7 +62,8 @@ async def require_key(request: web.Request, handler: Handler) -> web.StreamRespo
 
 def _follows_running_run(request: web.Request, runs: RunRegistry) -> bool:
     parts = request.path.split("/")  # ["", "v1", "workflows", run_id, "events"]
-    if len(parts) != 5 or parts[4] != "events" or parts[3] not in runs.active:
+    if (len(parts) != 5 or parts[4] != "events"
+            or run_key(tenant_of(request), parts[3]) not in runs.active):
         return False
     # another tenant's run is refused like an unknown one (no answer tells them apart)
     return runs.live(parts[3], tenant_of(request)) is not None

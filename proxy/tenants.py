@@ -19,6 +19,11 @@ and inferred workflows: another tenant's id answers exactly what an unknown id a
 (404), never a 403 that would confirm it exists. Runs recorded before tenants existed
 (no tenant in the store) belong to :data:`DEFAULT_TENANT`.
 
+Run ids are per tenant: the same client-chosen id in two tenants names two runs. The
+store keys a run by :func:`run_key` (``<tenant>/<id>``; the id alone for the anonymous
+and the default tenant, so stores written before tenants read as they were), while every
+answer, event and trace shows the client's own id (:func:`client_run_id`).
+
 Tenant names come only from the config, so a ``tenant`` metrics label is bounded.
 """
 
@@ -156,3 +161,17 @@ def visible(owner: str | None, tenant: str | None) -> bool:
     configured) sees everything; a tenant sees its own, and :data:`DEFAULT_TENANT` also
     what has no owner (recorded before tenants)."""
     return tenant is None or (owner or DEFAULT_TENANT) == tenant
+
+
+def run_key(tenant: str | None, run_id: str) -> str:
+    """The store's key of ``tenant``'s run ``run_id``: ``<tenant>/<run_id>``, or ``run_id``
+    itself for the anonymous tenant (None) and :data:`DEFAULT_TENANT` (the runs of stores
+    written before tenants). A client's id never holds ``/``, so keys never collide."""
+    return run_id if tenant is None or tenant == DEFAULT_TENANT else f"{tenant}/{run_id}"
+
+
+def client_run_id(key: str, tenant: str | None) -> str:
+    """The id ``tenant``'s client knows its run ``key`` by (the inverse of :func:`run_key`;
+    the anonymous tenant, which sees every run, knows each by its whole key)."""
+    prefix = "" if tenant is None or tenant == DEFAULT_TENANT else f"{tenant}/"
+    return key[len(prefix):] if prefix and key.startswith(prefix) else key

@@ -354,7 +354,7 @@ async def test_a_resumed_run_does_not_ask_again_for_a_tool_result_in_its_log():
         store.append("wf-agent", seq, name, data)
     engine = FakeEngine(["m"])
     seen = scripted(engine, "final")
-    (run,) = RunRegistry(store).resume_all(Backends({"m": engine}), CostTracker())
+    (run,) = await RunRegistry(store).resume_all(Backends({"m": engine}), CostTracker())
     wanted: list[dict] = []
 
     async def app() -> None:  # the reconnected SDK: answers what is asked for

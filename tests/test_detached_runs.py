@@ -59,10 +59,10 @@ async def test_a_detached_run_outlives_the_sweep_a_normal_one_does_not(detached)
     registry = RunRegistry(store, detached_timeout_s=0.0)
     graph = _graph(detached, tool_step=True)  # the tool step waits: nobody runs it
     backends, costs = Backends({"m": engine}), CostTracker()
-    run = registry.start(graph, backends, costs, plan(graph, backends, costs))
+    run = await registry.start(graph, backends, costs, plan(graph, backends, costs))
     await asyncio.sleep(0.05)
-    registry.sweep()  # notes nobody listens
-    registry.sweep()  # past the (zero) timeout
+    await registry.sweep()  # notes nobody listens
+    await registry.sweep()  # past the (zero) timeout
     await asyncio.sleep(0.05)
     if not detached:
         await asyncio.wait([run.task])
@@ -81,10 +81,10 @@ async def test_a_resumed_detached_run_runs_on_without_its_client(detached):
     store.create("wf-old", _graph(detached).to_wire())
     engine = FakeEngine(["m"])
     registry = RunRegistry(store, detached_timeout_s=0.0)
-    (run,) = registry.resume_all(Backends({"m": engine}), CostTracker())
+    (run,) = await registry.resume_all(Backends({"m": engine}), CostTracker())
     await asyncio.sleep(0.05)  # (a task cancelled before it first runs records nothing)
-    registry.sweep()
-    registry.sweep()
+    await registry.sweep()
+    await registry.sweep()
     await asyncio.wait_for(asyncio.wait([run.task]), 5)
     assert store.load("wf-old").status == ("succeeded" if detached else "cancelled")
     assert bool(engine.requests) is detached
@@ -142,7 +142,7 @@ async def test_flowlift_result_writes_outputs_offline(tmp_path, capsys):
     store = RunStore(db)
     store.create("wf-done", _graph(True).to_wire())
     registry = RunRegistry(store)
-    (run,) = registry.resume_all(Backends({"m": FakeEngine(["m"])}), CostTracker())
+    (run,) = await registry.resume_all(Backends({"m": FakeEngine(["m"])}), CostTracker())
     await asyncio.wait_for(asyncio.wait([run.task]), 5)
     out = tmp_path / "out.json"
     assert await asyncio.to_thread(main, ["result", "wf-done", "--base-url", GONE,

@@ -102,10 +102,10 @@ async def test_resumed_run_is_parked_until_its_client_returns():
     store.create("wf-old", graph.to_wire())
     engine = FakeEngine(["m"])
     registry = RunRegistry(store, detached_timeout_s=0.0)
-    (run,) = registry.resume_all(Backends({"m": engine}), CostTracker())
+    (run,) = await registry.resume_all(Backends({"m": engine}), CostTracker())
     await asyncio.sleep(0.05)
     assert not engine.requests, "an orphaned run took engine capacity"
-    registry.sweep()  # notes it is detached
-    registry.sweep()  # past the (zero) timeout: cancelled
+    await registry.sweep()  # notes it is detached
+    await registry.sweep()  # past the (zero) timeout: cancelled
     await asyncio.wait([run.task])
     assert store.load("wf-old").status == "cancelled"

@@ -103,7 +103,7 @@ async def test_a_suspended_run_records_no_failure_caused_by_the_shutdown():
     graph = Graph.model_validate({"nodes": [{"kind": "llm", "id": "a", "messages": [
         {"role": "user", "content": [{"text": "hi"}]}]}]})
     backends = Backends({"m": _ClosingEngine(["m"])})
-    run = RunRegistry(store).start(graph, backends, CostTracker(), plan(graph, backends,
+    run = await RunRegistry(store).start(graph, backends, CostTracker(), plan(graph, backends,
                                                                         CostTracker()))
     await asyncio.sleep(0.05)
     run.suspend()

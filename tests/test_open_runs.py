@@ -397,14 +397,14 @@ async def test_an_open_run_left_by_its_client_is_swept():
     registry = RunRegistry(RunStore(":memory:"), detached_timeout_s=0.0)
     graph = Graph.model_validate({"open": True, "nodes": [_llm("a", "hi")]})
     backends = Backends({"m": FakeEngine(["m"])})
-    run = registry.start(graph, backends, CostTracker(),
+    run = await registry.start(graph, backends, CostTracker(),
                          compile_graph(graph, CompileOptions(default_model="m")))
     while "a" not in run.outputs:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
     assert not run.finished, "an open run finished before it was closed"
-    registry.sweep()
-    registry.sweep()
+    await registry.sweep()
+    await registry.sweep()
     await asyncio.wait([run.task])
     assert run.trace.status == "cancelled"
     with pytest.raises(RunClosed):

@@ -49,9 +49,9 @@ async def test_started_and_resumed_runs_report_to_the_registrys_observer():
     observer = Recorder()
     registry = RunRegistry(store, observer=observer)
     backends, costs = Backends({"m": FakeEngine(["m"])}), CostTracker()
-    (resumed,) = registry.resume_all(backends, costs)
+    (resumed,) = await registry.resume_all(backends, costs)
     parent = Context({"marker": 1})
-    run = registry.start(Graph.model_validate(GRAPH), backends, costs,
+    run = await registry.start(Graph.model_validate(GRAPH), backends, costs,
                          compile_graph(graph, CompileOptions(default_model="m")),
                          parent=parent)
     assert run.observer is observer and resumed.observer is observer
@@ -66,7 +66,7 @@ async def test_without_an_observer_a_run_still_runs():
     registry = RunRegistry()
     assert registry.observer is NO_OBSERVER
     graph = Graph.model_validate(GRAPH)
-    run = registry.start(graph, Backends({"m": FakeEngine(["m"])}), CostTracker(),
+    run = await registry.start(graph, Backends({"m": FakeEngine(["m"])}), CostTracker(),
                          compile_graph(graph, CompileOptions(default_model="m")))
     assert run.observer is NO_OBSERVER and run.trace_parent is None
     await asyncio.wait_for(run.task, 10)  # type: ignore[arg-type]

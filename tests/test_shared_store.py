@@ -244,20 +244,20 @@ async def test_heartbeats_hand_a_run_over_and_the_loser_stops_it(pg_url: str) ->
     backends = [Backends({"m": FakeEngine(["m"], delay_s=0.2)}) for _ in stores]
     reg_a, reg_b = (RunRegistry(s, lease_ttl_s=0.5) for s in stores)
     costs = CostTracker()
-    run_a = reg_a.start(graph, backends[0], costs, plan(graph, backends[0], costs))
-    assert reg_b.heartbeat(backends[1], costs) == []  # A's lease is alive
-    assert reg_a.heartbeat(backends[0], costs) == [] and "wf-h" in reg_a.active  # renewed
+    run_a = await reg_a.start(graph, backends[0], costs, plan(graph, backends[0], costs))
+    assert await reg_b.heartbeat(backends[1], costs) == []  # A's lease is alive
+    assert await reg_a.heartbeat(backends[0], costs) == [] and "wf-h" in reg_a.active  # renewed
     await asyncio.sleep(0.8)  # A misses its beats (a stalled event loop): the lease expires
-    (run_b,) = reg_b.heartbeat(backends[1], costs)
+    (run_b,) = await reg_b.heartbeat(backends[1], costs)
     assert run_b.run_id == "wf-h" and "wf-h" in reg_b.active
-    assert reg_a.heartbeat(backends[0], costs) == []  # A learns it lost the run...
+    assert await reg_a.heartbeat(backends[0], costs) == []  # A learns it lost the run...
     await asyncio.wait([run_a.task], timeout=5)
     assert "wf-h" not in reg_a.active and run_a.task.done()  # ...and stops it
     assert stores[0].load("wf-h").status == "running"  # type: ignore[union-attr]
     assert not stores[0].claim("wf-h", reg_a.owner, 30)  # B holds it
     run_b.suspend()  # B shuts down cleanly: the lease is released as the run stops
     await asyncio.wait([run_b.task], timeout=5)
-    (again,) = reg_a.resume_all(backends[0], costs)  # at once, no expiry to wait for
+    (again,) = await reg_a.resume_all(backends[0], costs)  # at once, no expiry to wait for
     assert again.run_id == "wf-h"
     again.cancel()
     await asyncio.wait([again.task], timeout=5)
@@ -287,12 +287,12 @@ async def test_a_proxy_that_wakes_up_after_losing_its_lease_writes_nothing(
     backends = [Backends({"m": engine}) for engine in engines]
     reg_a, reg_b = (RunRegistry(s, lease_ttl_s=0.3) for s in stores)
     costs = CostTracker()
-    run_a = reg_a.start(graph, backends[0], costs, plan(graph, backends[0], costs))
+    run_a = await reg_a.start(graph, backends[0], costs, plan(graph, backends[0], costs))
     follower = run_a.log.follow(0)
     assert (await anext(follower))[1] == "run.started"
     await asyncio.sleep(0.5)  # A's step still runs; its lease expired unrenewed
     assert not run_a.task.done()  # type: ignore[union-attr]
-    (run_b,) = reg_b.heartbeat(backends[1], costs)  # B takes the run over (parked)
+    (run_b,) = await reg_b.heartbeat(backends[1], costs)  # B takes the run over (parked)
     await asyncio.wait([run_a.task], timeout=10)  # type: ignore[list-item]
     assert run_a.task.done() and "wf-f" not in reg_a.active  # type: ignore[union-attr]
     assert [e[1] async for e in follower] == ["step.prompt"]  # what it had; then it ends
@@ -301,6 +301,7 @@ async def test_a_proxy_that_wakes_up_after_losing_its_lease_writes_nothing(
     assert [n for _, n, _ in stored.events] == ["run.started", "step.prompt"]
     run_b.log.listened.set()  # a client follows the run on B: it runs there
     await asyncio.wait([run_b.task], timeout=10)  # type: ignore[list-item]
+    await reg_b.io.flush()  # (B's last writes land after its run's task ends)
     done = stores[0].load("wf-f")
     assert done is not None and done.status == "succeeded"
     finished = [d for _, n, d in done.events if n == "step.finished"]

@@ -90,8 +90,8 @@ async def test_kill_9_of_one_proxy_in_50_runs_with_tools_every_run_finishes_on_t
     outcomes: Counter[str] = Counter()  # what B answered to tool results
     take = runs_b.post_tool_result
 
-    def counted(*args: object, **kwargs: object) -> str:
-        outcomes[answer := take(*args, **kwargs)] += 1  # type: ignore[arg-type]
+    async def counted(*args: object, **kwargs: object) -> str:
+        outcomes[answer := await take(*args, **kwargs)] += 1  # type: ignore[arg-type]
         return answer
 
     runs_b.post_tool_result = counted  # type: ignore[method-assign]

@@ -96,7 +96,7 @@ async def test_another_tenants_run_session_and_workflow_ids_are_404_like_unknown
     assert opened.status == 200
     stream = asyncio.ensure_future(opened.text())
     await asyncio.sleep(0.05)
-    assert "acme-run-1" in state.runs.active
+    assert "acme/acme-run-1" in state.runs.active  # (keyed per tenant)
     chat = await client.post("/v1/chat/completions", headers={
         **auth(ACME), "X-Flowlift-Session": "acme-s", "X-Flowlift-Workflow": "acme-wf"},
         json={"model": "fake-model", "messages": MESSAGES})
@@ -108,7 +108,7 @@ async def test_another_tenants_run_session_and_workflow_ids_are_404_like_unknown
         assert (await client.get(path, headers=auth(ACME))).status == 200, path
     # GLOBEX: while the run is active, then finished, then only in the store
     await _assert_hidden(client, "acme-run-1", "wf-0123456789abcdef")
-    assert not state.runs.active["acme-run-1"].growth.closed  # GLOBEX's /close did nothing
+    assert not state.runs.active["acme/acme-run-1"].growth.closed  # GLOBEX's /close did nothing
     closed = await client.post("/v1/workflows/acme-run-1/close", headers=auth(ACME))
     assert closed.status == 200
     assert '"succeeded"' in await stream

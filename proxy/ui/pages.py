@@ -309,7 +309,7 @@ async def compile_page(request: web.Request) -> web.Response:
     run_id = request.query.get("run")
     if run_id:
         try:
-            graph = workflows.recorded_graph(state, run_id, tenant_of(request))
+            graph = await workflows.recorded_graph(state, run_id, tenant_of(request))
         except RequestError as exc:
             return page("flowlift: no such run", '<section class="notfound"><h2>No such '
                         f"run</h2><p>{escape(exc.message)}.</p></section>", status=404)
@@ -356,7 +356,7 @@ def runs_body(runs: list[RunSummary], more: bool, state: str | None) -> str:
 @routes.get("/ui/")
 async def runs_page(request: web.Request) -> web.Response:
     state = request.query.get("state") or None
-    runs, more = request.app[STATE].runs.store.recent(
+    runs, more = await request.app[STATE].runs.recent(
         status=state, limit=INDEX_PAGE, after=request.query.get("after"),
         tenant=tenant_of(request))
     return page("flowlift: runs", runs_body(runs, more, state),

@@ -60,7 +60,7 @@ from flowlift.graph import DEADLINE_WARNING_HEADER, Graph
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.state import STATE, ProxyState
-from flowlift.proxy.tenants import tenant_of
+from flowlift.proxy.tenants import run_key, tenant_of
 from flowlift.proxy.workflows import open_runs, progress
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.planning import compile_options, plan
@@ -154,7 +154,7 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
                            "not started (raise deadline_s, or drop strict_deadline to run "
                            "it anyway)", param="deadline_s")
     tenant = state.tenants.by_name(tenant_of(request))
-    run = state.runs.start(graph, state.backends, state.costs, run_plan,
+    run = await state.runs.start(graph, state.backends, state.costs, run_plan,
                            parent=extract(request.headers), tenant=tenant_of(request),
                            tenant_max_active=tenant.max_active_runs if tenant else None)
     run.mark_awaited(awaited)
@@ -200,24 +200,25 @@ def _list_params(query: Any) -> dict[str, Any]:
 async def list_runs(request: web.Request) -> web.Response:
     """Runs in the store the request's tenant may see, newest first (see the module
     docstring for the query)."""
-    registry = request.app[STATE].runs
-    runs, more = registry.store.recent(**_list_params(request.query),
-                                       tenant=tenant_of(request))
-    data = [{**r.to_json(), **_figures(registry, r.run_id)} for r in runs]
+    registry, tenant = request.app[STATE].runs, tenant_of(request)
+    runs, more = await registry.recent(**_list_params(request.query), tenant=tenant)
+    data = [{**r.to_json(), **await _figures(registry, run_key(tenant, r.run_id))}
+            for r in runs]
     return web.json_response({"object": "list", "data": data,
                               "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None, "has_more": more})
 
 
-def _figures(registry: RunRegistry, run_id: str) -> dict[str, Any]:
+async def _figures(registry: RunRegistry, key: str) -> dict[str, Any]:
     """A listed run's progress, deadline and spend so far (:func:`progress.listing`):
-    from memory while it runs here, else from its stored event log."""
-    run = registry.active.get(run_id) or registry.finished.get(run_id)
+    from memory while it runs here, else from its stored event log (``key``: the run's,
+    :func:`~flowlift.proxy.tenants.run_key`)."""
+    run = registry.active.get(key) or registry.finished.get(key)
     if run is not None:
         left = run.clock.left_s() if run.clock is not None and not run.finished else None
         return progress.listing(len(run.trace.steps), run.graph.deadline_s,
                                 run.log.history(), left)
-    stored = registry.store.load(run_id)
+    stored = await registry.io.call(registry.store.load, key)
     return {} if stored is None else progress.stored_listing(stored)
 
 
@@ -233,7 +234,7 @@ async def follow_workflow(request: web.Request) -> web.StreamResponse:
     run = state.runs.live(run_id, tenant)
     if run is not None:
         return await _send(request, run.log.follow(after, _serves(request.query)), run)
-    stored = state.runs.stored(run_id, tenant)
+    stored = await state.runs.stored(run_id, tenant)
     if stored.status == "running" and state.runs.store.shared:  # another proxy runs it
         return await _send(request, state.runs.tail(stored, after), None)
     return await _send(request, _replay(stored.events, after), None)
@@ -256,7 +257,7 @@ async def tool_result(request: web.Request) -> web.Response:
     ``{"ok": true, "outcome": "delivered" | "duplicate"}``, or 202 with ``"queued"`` (kept
     in the store for the proxy that executes the run)."""
     body = parse_model(ToolResult, await read_json(request), "tool result")
-    outcome = request.app[STATE].runs.post_tool_result(
+    outcome = await request.app[STATE].runs.post_tool_result(
         request.match_info["run_id"], request.match_info["step_id"],
         body.model_dump(exclude_none=True), tenant_of(request))
     return web.json_response({"ok": True, "outcome": outcome},
@@ -270,7 +271,7 @@ async def append_nodes(request: web.Request) -> web.Response:
     run_id, tenant = request.match_info["run_id"], tenant_of(request)
     data = await read_json(request)
     if state.runs.live(run_id, tenant) is None and state.runs.store.shared:
-        return web.json_response(state.runs.queue_request(  # another replica runs it
+        return web.json_response(await state.runs.queue_request(  # another replica runs it
             run_id, "nodes", data, tenant, state.backends.known()), status=202)
     run = state.runs.get(run_id, tenant)
     started = time.perf_counter()
@@ -290,7 +291,7 @@ async def close_run(request: web.Request) -> web.Response:
     runs = request.app[STATE].runs
     run_id, tenant = request.match_info["run_id"], tenant_of(request)
     if runs.live(run_id, tenant) is None and runs.store.shared:  # another replica runs it
-        return web.json_response(runs.queue_request(run_id, "close", None, tenant, None),
+        return web.json_response(await runs.queue_request(run_id, "close", None, tenant, None),
                                  status=202)
     run = runs.get(run_id, tenant)
     run.close_input()
@@ -323,7 +324,7 @@ async def get_run(request: web.Request) -> web.Response:
                                   "trace": run.trace.records(), "prompts": run.prompts,
                                   "spend": progress.spend(run.log.history()),
                                   "report": await _run_report(state, run.graph, run.plan)})
-    stored = runs.stored(run_id, tenant)
+    stored = await runs.stored(run_id, tenant)
     graph = _stored_graph(stored)
     return web.json_response({"run_id": run_id, "name": stored.graph.get("name"),
                               "status": stored.status,
@@ -343,7 +344,7 @@ def _stored_graph(stored: StoredRun) -> Graph | dict[str, Any]:
         return stored.graph
 
 
-def recorded_graph(state: ProxyState, run_id: str, tenant: str | None) -> dict[str, Any]:
+async def recorded_graph(state: ProxyState, run_id: str, tenant: str | None) -> dict[str, Any]:
     """A run's graph as recorded (wire format, appended nodes included).
 
     Raises:
@@ -352,7 +353,7 @@ def recorded_graph(state: ProxyState, run_id: str, tenant: str | None) -> dict[s
     run = state.runs.live(run_id, tenant)
     if run is not None:
         return run.graph.to_wire()
-    return _wire(_stored_graph(state.runs.stored(run_id, tenant)))
+    return _wire(_stored_graph(await state.runs.stored(run_id, tenant)))
 
 
 def _wire(graph: Graph | dict[str, Any]) -> dict[str, Any]:
@@ -381,7 +382,7 @@ async def cancel_run(request: web.Request) -> web.Response:
     runs = request.app[STATE].runs
     run_id, tenant = request.match_info["run_id"], tenant_of(request)
     if runs.live(run_id, tenant) is None and runs.store.shared:
-        return web.json_response(runs.queue_request(run_id, "cancel", None, tenant, None),
+        return web.json_response(await runs.queue_request(run_id, "cancel", None, tenant, None),
                                  status=202)
     run = runs.get(run_id, tenant)
     run.cancel()

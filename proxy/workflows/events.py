@@ -2,7 +2,10 @@
 
 Every event gets the next sequence number (its SSE ``id``), so a client that lost its
 connection resumes with ``Last-Event-ID`` and misses nothing. An optional ``sink``
-persists each event as it is appended (see :mod:`flowlift.proxy.workflows.store`).
+persists each event as it is appended (see :mod:`flowlift.proxy.workflows.store`); a
+sink that writes off the event loop returns the write's future, and followers get the
+event only once that write (and every one before it) has landed -- never an event the
+store may not hold. A write that fails holds back that event and every later one.
 
 Tool calls are handed out, not broadcast: a follower that serves a tool (``serves``:
 its names, or None for all of them, as the run's own client) claims each ``tool.wanted``
@@ -15,10 +18,14 @@ offered to the others. Followers that serve none of it see the event as any othe
 from __future__ import annotations
 
 import asyncio
+import functools
+import sys
 from collections.abc import AsyncGenerator, Callable, Iterable
-from typing import Any
+from typing import Any, TypeAlias
 
 Event = tuple[int, str, dict[str, Any]]
+Written: TypeAlias = "asyncio.Future[None] | None"
+"""What a sink returns: None (written already) or the future of the write."""
 FINAL = "run.finished"
 WANTED = "tool.wanted"
 ANSWERED = ("step.finished", "step.failed", "tool.result")
@@ -32,9 +39,12 @@ class EventLog:
         history: events restored from the store (their numbers are kept).
     """
 
-    def __init__(self, sink: Callable[[int, str, dict[str, Any]], None] | None = None,
+    def __init__(self, sink: Callable[[int, str, dict[str, Any]], Written] | None = None,
                  history: Iterable[Event] = ()) -> None:
         self._events: list[Event] = list(history)
+        self._durable = len(self._events)  # how many of them followers may see (written)
+        self._ahead: set[int] = set()  # events written while an earlier one was not
+        self._cap = sys.maxsize  # a write failed: followers see nothing from it on
         self._sink = sink
         self._changed = asyncio.Event()
         self.listeners = 0
@@ -50,14 +60,36 @@ class EventLog:
 
     def emit(self, name: str, data: dict[str, Any]) -> int:
         seq = self.last_seq + 1
-        if self._sink is not None:
-            self._sink(seq, name, data)
+        written = None if self._sink is None else self._sink(seq, name, data)
         self._events.append((seq, name, data))
         if name in ANSWERED:
             self._answered.add(data.get("step_id", ""))
             self._claims.pop(data.get("step_id", ""), None)
-        self._changed.set()
+        if written is None:
+            self._landed(len(self._events))
+        else:
+            written.add_done_callback(functools.partial(self._landed, len(self._events)))
         return seq
+
+    def _landed(self, count: int, write: asyncio.Future[None] | None = None) -> None:
+        """The write of the ``count``-th event returned: followers may see it once every
+        event before it landed too, unless it or one before it failed."""
+        if write is not None and (write.cancelled() or write.exception() is not None):
+            self._cap = min(self._cap, count - 1)
+            return
+        self._ahead.add(count)
+        moved = False
+        while self._durable + 1 in self._ahead and self._durable < self._cap:
+            self._ahead.discard(self._durable + 1)
+            self._durable += 1
+            moved = True
+        if moved:
+            self._changed.set()
+
+    @property
+    def durable_seq(self) -> int:
+        """The number of the last event followers may see (its write landed)."""
+        return self._events[self._durable - 1][0] if self._durable else 0
 
     def end(self) -> None:
         """No more events will come here (the run's lease went to another proxy): every
@@ -99,10 +131,10 @@ class EventLog:
         self.listeners += 1
         self.listened.set()
         try:
-            index = next((i for i, e in enumerate(self._events) if e[0] > after),
-                         len(self._events))
+            index = next((i for i, e in enumerate(self._events[:self._durable])
+                          if e[0] > after), self._durable)
             while True:
-                while index < len(self._events):
+                while index < self._durable:
                     event = self._events[index]
                     index += 1
                     if event[1] == WANTED and not self._take(me, event, serves):
@@ -116,7 +148,7 @@ class EventLog:
                 for event in freed:
                     held.remove(event)
                     yield event
-                if freed or index < len(self._events):
+                if freed or index < self._durable:
                     continue
                 if self.ended:
                     return

@@ -104,7 +104,7 @@ async def run_progress(request: web.Request) -> web.Response:
             counts[st.status if st.status in counts else "pending"] += 1
         status, steps = run.trace.status, len(run.trace.steps)
     else:
-        stored = runs.stored(run_id, tenant)  # RunNotFound (HTTP 404) when unknown
+        stored = await runs.stored(run_id, tenant)  # RunNotFound (HTTP 404) when unknown
         steps = len(stored.graph.get("nodes", []))
         counts["done"] = len(stored.outputs())
         counts["failed"] = len(stored.failures())

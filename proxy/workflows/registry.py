@@ -1,6 +1,10 @@
 """Runs known to this proxy: the active ones, recently finished ones, and the store.
 
-* ``start`` creates a run (persisted before it starts) and starts it.
+* ``start`` creates a run (persisted before it starts) and starts it. Run ids are per
+  tenant: ``active``, ``finished`` and the store are keyed by
+  :func:`~flowlift.proxy.tenants.run_key` (the same client id in two tenants is two runs;
+  another tenant's id answers what an unknown id answers), every answer shows the
+  client's id.
 * ``resume_all`` restarts every run the store holds as unfinished (after a crash or a
   restart): finished steps keep their outputs and are not run again. A resumed run is
   parked until its client reconnects, so orphans never take engine capacity (a
@@ -21,14 +25,21 @@
   client went away and did not come back), so orphans do not wait forever; an open run
   whose app vanished before closing it goes the same way. A ``detached`` graph's run is
   never swept: it is meant to outlive its client.
+* Every store call goes through :attr:`RunRegistry.io`, one worker thread in the order
+  the calls were made (:mod:`~flowlift.proxy.workflows.store_worker`): a slow database
+  delays the runs that wait on it, never the event loop and the other requests. Hence
+  the methods that read or write the store are coroutines.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import os
 import re
+import secrets
 import socket
 import time
 import uuid
@@ -53,7 +64,7 @@ from flowlift.errors import (
 from flowlift.graph import Graph, LLMNode, ToolNode
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.tenants import visible
+from flowlift.proxy.tenants import client_run_id, run_key, visible
 from flowlift.proxy.workflows import open_runs
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
@@ -61,7 +72,13 @@ from flowlift.proxy.workflows.open_runs import CLOSED, stored_graph
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
-from flowlift.proxy.workflows.store import RunStoreProtocol, SQLiteRunStore, StoredRun
+from flowlift.proxy.workflows.store import (
+    RunStoreProtocol,
+    RunSummary,
+    SQLiteRunStore,
+    StoredRun,
+)
+from flowlift.proxy.workflows.store_worker import StoreWorker
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
@@ -70,6 +87,11 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 run's trace file under ``trace_dir`` (``../x`` or ``/tmp/x`` would write outside it)."""
 TAIL_POLL_S = 0.2
 """How often :meth:`RunRegistry.tail` reads a run another proxy executes from the store."""
+
+
+def _exists(run_id: str) -> RequestError:
+    return RequestError(f"a run with id {run_id!r} exists; omit `id` to get a fresh one",
+                        param="id")
 
 
 def _not_waiting(run_id: str, step_id: str, why: str = "") -> RequestError:
@@ -138,12 +160,14 @@ class RunRegistry:
                  store_ttl_s: float = 7 * 24 * 3600, max_active: int = 4096,
                  observer: RunObserver = NO_OBSERVER, lease_ttl_s: float = 15.0) -> None:
         self.store = store or SQLiteRunStore(":memory:")
+        self.io = StoreWorker()  # every store call, in order, off the event loop
+        self._starting: set[str] = set()  # keys being created (their ids are taken)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.lease_ttl_s = lease_ttl_s
         self.outcomes = outcomes or StepOutcomes(":memory:")
-        self.active: dict[str, Run] = {}
-        self.epochs: dict[str, int] = {}  # run id -> this proxy's lease epoch (fencing)
-        self.tailed: Counter[str] = Counter()  # run id -> clients tailing it from here
+        self.active: dict[str, Run] = {}  # run key (tenants.run_key) -> run
+        self.epochs: dict[str, int] = {}  # run key -> this proxy's lease epoch (fencing)
+        self.tailed: Counter[str] = Counter()  # run key -> clients tailing it from here
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
@@ -155,7 +179,8 @@ class RunRegistry:
     def live(self, run_id: str, tenant: str | None = None) -> Run | None:
         """The active or recently finished run ``run_id`` when ``tenant`` may see it
         (:func:`~flowlift.proxy.tenants.visible`), else None."""
-        run = self.active.get(run_id) or self.finished.get(run_id)
+        key = run_key(tenant, run_id)
+        run = self.active.get(key) or self.finished.get(key)
         return run if run is not None and visible(run.tenant, tenant) else None
 
     def get(self, run_id: str, tenant: str | None = None) -> Run:
@@ -170,24 +195,34 @@ class RunRegistry:
             raise RunNotFound(run_id)
         return run
 
-    def stored(self, run_id: str, tenant: str | None = None) -> StoredRun:
+    async def stored(self, run_id: str, tenant: str | None = None) -> StoredRun:
         """The run ``run_id`` as the store holds it, as ``tenant`` may see it.
 
         Raises:
             RunNotFound: the store has no such run, or it is another tenant's (HTTP 404).
         """
-        stored = self.store.load(run_id)
+        stored = await self.io.call(self.store.load, run_key(tenant, run_id))
         if stored is None or not visible(stored.tenant, tenant):
             raise RunNotFound(run_id)
         return stored
+
+    async def recent(self, *, tenant: str | None = None, after: str | None = None,
+                     **filters: Any) -> tuple[list[RunSummary], bool]:
+        """:meth:`RunStoreProtocol.recent` as ``tenant`` sees it: ``after`` and the runs'
+        ids are its clients' ids (:func:`~flowlift.proxy.tenants.client_run_id`)."""
+        runs, more = await self.io.call(functools.partial(
+            self.store.recent, tenant=tenant,
+            after=None if after is None else run_key(tenant, after), **filters))
+        return [dataclasses.replace(r, run_id=client_run_id(r.run_id, tenant))
+                for r in runs], more
 
     def active_of(self, tenant: str) -> int:
         """How many active runs ``tenant`` has."""
         return sum(1 for run in self.active.values() if run.tenant == tenant)
 
-    def start(self, graph: Graph, backends: Backends, costs: CostTracker,
-              run_plan: Plan, *, parent: Context | None = None,
-              tenant: str | None = None, tenant_max_active: int | None = None) -> Run:
+    async def start(self, graph: Graph, backends: Backends, costs: CostTracker,
+                    run_plan: Plan, *, parent: Context | None = None,
+                    tenant: str | None = None, tenant_max_active: int | None = None) -> Run:
         """Create, persist and start a run of a validated, compiled graph (``parent``:
         the caller's OpenTelemetry context, from its ``traceparent``; ``tenant``: whose
         run it is, who may have ``tenant_max_active`` runs active at once).
@@ -196,7 +231,8 @@ class RunRegistry:
             RequestError: the graph's ``id`` names a run that exists, or is not a safe
                 name (:data:`_RUN_ID`: it becomes a file name under ``trace_dir``).
             Overloaded: ``max_active`` runs are running already, or ``tenant_max_active``
-                of the tenant's (429, ``Retry-After``).
+                of the tenant's (429, ``Retry-After``); or the store is far behind
+                (:meth:`StoreWorker.behind`: 503, ``Retry-After``).
         """
         if graph.id is not None and not _RUN_ID.fullmatch(graph.id):
             raise RequestError(f"run id {graph.id[:80]!r} must be 1-128 letters, digits, "
@@ -211,87 +247,139 @@ class RunRegistry:
             raise Overloaded(f"tenant {tenant!r} has {tenant_max_active} workflow runs "
                              "active, its max_active_runs; retry when one finishes",
                              retry_after_s=1.0, status=429)
-        if graph.id is not None and (graph.id in self.active or self.store.exists(graph.id)):
-            raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
-                               "fresh one", param="id")
-        run = Run(graph, backends, run_plan, costs, sink=self._append,
-                  outcomes=self.outcomes, observer=self.observer, trace_parent=parent)
+        behind = self.io.behind()
+        if behind is not None:
+            raise Overloaded(behind, retry_after_s=1.0)
+        run_id = graph.id or f"wf-{secrets.token_hex(8)}"
+        key = run_key(tenant, run_id)  # (ids are per tenant: another's is not looked at)
+        if key in self.active or key in self._starting:
+            raise _exists(run_id)
+        self._starting.add(key)
+        try:
+            epoch = await self.io.call(self._create, key, graph.to_wire(), tenant,
+                                       graph.id is not None)
+        finally:
+            self._starting.discard(key)
+        run = Run(graph, backends, run_plan, costs, run_id=run_id, key=key,
+                  sink=self._append, outcomes=self.outcomes, observer=self.observer,
+                  trace_parent=parent)
         run.tenant = tenant
-        self.store.create(run.run_id, graph.to_wire(), tenant)
-        epoch = self.store.claim(run.run_id, self.owner, self.lease_ttl_s)
         if epoch is not None:  # (None: a stranger's lease on a fresh id; its writes fail)
-            self.epochs[run.run_id] = epoch
+            self.epochs[key] = epoch
         self._activate(run)
         return run
 
-    def resume_all(self, backends: Backends, costs: CostTracker) -> list[Run]:
-        """Restart every unfinished run in the store that no other live proxy holds (an
-        open run with the nodes appended to it, still open unless it was closed)."""
-        resumed = []
+    def _create(self, key: str, wire: dict[str, Any], tenant: str | None,
+                chosen: bool) -> int | None:
+        """On the store's worker: create the run ``key`` and claim it (its lease epoch).
+
+        Raises:
+            RequestError: ``chosen`` (a client's id) and the store holds the run.
+        """
+        if chosen and self.store.exists(key):
+            raise _exists(client_run_id(key, tenant))
+        self.store.create(key, wire, tenant)
+        return self.store.claim(key, self.owner, self.lease_ttl_s)
+
+    def _claim_orphans(self, mine: Collection[str]) -> list[tuple[int, StoredRun]]:
+        """On the store's worker: claim the unfinished runs nobody holds (leaving out
+        ``mine``, running here) and load each after its claim.
+
+        Returns:
+            ``(epoch, run)`` of each run claimed.
+        """
+        claimed = []
         for run_id in self.store.orphans(self.owner):
-            if run_id in self.active:
+            if run_id in mine:
                 continue
             epoch = self.store.claim(run_id, self.owner, self.lease_ttl_s)
             stored = None if epoch is None else self.store.load(run_id)  # after the claim
-            if epoch is None or stored is None:  # another's, or pruned meanwhile
+            if epoch is not None and stored is not None:  # (else another's, or pruned)
+                claimed.append((epoch, stored))
+        return claimed
+
+    async def resume_all(self, backends: Backends, costs: CostTracker) -> list[Run]:
+        """Restart every unfinished run in the store that no other live proxy holds (an
+        open run with the nodes appended to it, still open unless it was closed)."""
+        resumed = []
+        for epoch, stored in await self.io.call(self._claim_orphans, set(self.active)):
+            run_id = stored.run_id
+            if run_id in self.active:  # (started here meanwhile)
                 continue
             self.epochs[run_id] = epoch
             graph = stored_graph(stored)
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
-                      run_id=stored.run_id, sink=self._append, restored=stored,
-                      outcomes=self.outcomes, observer=self.observer)
+                      run_id=client_run_id(run_id, stored.tenant), key=run_id,
+                      sink=self._append, restored=stored, outcomes=self.outcomes,
+                      observer=self.observer)
             self._activate(run)
             resumed.append(run)
             log.info("run_resumed", workflow_id=run.run_id, done=len(run.outputs),
                      steps=len(graph.nodes))
         return resumed
 
-    def heartbeat(self, backends: Backends, costs: CostTracker) -> list[Run]:
+    async def heartbeat(self, backends: Backends, costs: CostTracker) -> list[Run]:
         """Renew this proxy's leases (shared stores), suspend the runs another proxy took
         over (their lease expired unrenewed), and take over the runs whose lease expired.
 
         Returns:
             The runs taken over (parked until their client reconnects, as at start).
         """
-        held = self.store.renew(self.owner, list(self.active), self.lease_ttl_s)
-        for run_id, run in list(self.active.items()):
-            if run_id not in held and not run.finished:
+        asked = list(self.active)
+        held = await self.io.call(self.store.renew, self.owner, asked, self.lease_ttl_s)
+        for run_id in asked:
+            run = self.active.get(run_id)
+            if run is not None and run_id not in held and not run.finished:
                 self._lost(run_id)
-        self.store.mark_followed(list(self.tailed))
+        self.io.submit(self.store.mark_followed, list(self.tailed))
         quiet = [rid for rid, run in self.active.items() if not run.log.listeners]
-        for run_id in self.store.followed(quiet, within_s=self.lease_ttl_s):
-            run = self.active[run_id]  # a client follows it through another proxy
-            run.log.listened.set()  # (a parked run starts)
-            run.detached_since = None  # (the sweep leaves it alone)
-        return self.resume_all(backends, costs)
+        for run_id in await self.io.call(self.store.followed, quiet, self.lease_ttl_s):
+            followed = self.active.get(run_id)  # a client follows it through another proxy
+            if followed is not None:
+                followed.log.listened.set()  # (a parked run starts)
+                followed.detached_since = None  # (the sweep leaves it alone)
+        return await self.resume_all(backends, costs)
 
-    def _append(self, run_id: str, seq: int, name: str, data: dict[str, Any]) -> None:
-        """The runs' event sink: the store's append, fenced by this proxy's lease epoch.
+    def _append(self, run_id: str, seq: int, name: str,
+                data: dict[str, Any]) -> asyncio.Future[None]:
+        """The runs' event sink: the store's append on the store's worker, fenced by this
+        proxy's lease epoch (followers get the event once it landed: see EventLog).
 
-        Raises:
-            LeaseLost: another proxy holds the run now; the run stops here.
+        Returns:
+            The write's future; when it fails (:class:`LeaseLost`: another proxy holds the
+            run now; or the database failed) the run stops here, resumable from the log.
         """
-        try:
-            # (no epoch known: 0, which no lease has; the write is refused: fail closed)
-            self.store.append(run_id, seq, name, data, epoch=self.epochs.get(run_id, 0))
-        except LeaseLost:
-            self._lost(run_id)
-            raise
+        # (no epoch known: 0, which no lease has; the write is refused: fail closed)
+        written = self.io.later(functools.partial(
+            self.store.append, run_id, seq, name, data, epoch=self.epochs.get(run_id, 0)))
+        written.add_done_callback(functools.partial(self._written, run_id, seq))
+        return written
+
+    def _written(self, run_id: str, seq: int, written: asyncio.Future[None]) -> None:
+        if written.cancelled() or (error := written.exception()) is None:
+            return
+        if not isinstance(error, LeaseLost):
+            log.error("run_event_not_stored", workflow_id=run_id, seq=seq, error=str(error))
+        self._lost(run_id)
 
     def _lost(self, run_id: str) -> None:
-        """Another proxy took ``run_id`` over: stop it here without another event and end
-        its followers' streams (they reconnect and follow it where it runs now)."""
+        """Another proxy took ``run_id`` over (or the store refused its event): stop it
+        here without another event and end its followers' streams (they reconnect and
+        follow it where it runs now, or once this proxy resumes it)."""
         self.epochs.pop(run_id, None)
         run = self.active.pop(run_id, None)
-        if run is None:
+        if run is None:  # (it ended here before its refused write came back: not ours)
+            retired = self.finished.pop(run_id, None)
+            if retired is not None:
+                retired.log.end()
             return
         log.warning("run_lease_lost", workflow_id=run_id)
         run.suspend()
         run.log.end()
 
     # -- tool results and followers across proxies (shared stores) --------------------
-    def post_tool_result(self, run_id: str, step_id: str, body: dict[str, Any],
-                         tenant: str | None = None) -> str:
+    async def post_tool_result(self, run_id: str, step_id: str, body: dict[str, Any],
+                               tenant: str | None = None) -> str:
         """Take a ``@tool`` step's result (``{"value"}`` or ``{"error"}``) for a run
         executed here or by another proxy; the store keeps it first.
 
@@ -312,10 +400,13 @@ class RunRegistry:
                 return "duplicate"
             if step_id not in run.waiting_tools():
                 raise _not_waiting(run_id, step_id)
-            self.store.put_tool_result(run_id, step_id, body)  # durable before it counts
+            # durable before it counts
+            await self.io.call(self.store.put_tool_result, run.key, step_id, body)
+            if run.has_tool_result(step_id):  # (delivered meanwhile)
+                return "duplicate"
             run.deliver_tool_result(step_id, body.get("value"), body.get("error"))
             return "delivered"
-        stored = self.stored(run_id, tenant)
+        stored = await self.stored(run_id, tenant)
         _check_tool_step(stored_graph(stored), run_id, step_id)  # as the owner checks it
         logged = {d.get("step_id") for _, n, d in stored.events
                   if n in ("step.finished", "tool.result")}
@@ -323,25 +414,34 @@ class RunRegistry:
             return "duplicate"
         if stored.status != "running":
             raise _not_waiting(run_id, step_id, f": the run has {stored.status}")
-        return "queued" if self.store.put_tool_result(run_id, step_id, body) else "duplicate"
+        queued = await self.io.call(self.store.put_tool_result, stored.run_id, step_id, body)
+        return "queued" if queued else "duplicate"
 
-    def deliver_posted(self) -> int:
+    def _posted(self, waiting: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+        """On the store's worker: run key -> the kept results of its ``waiting`` steps."""
+        return {key: found for key, steps in waiting.items()
+                if (found := self.store.tool_results(key, steps))}
+
+    async def deliver_posted(self) -> int:
         """Hand the results kept in the store (posted to any proxy) to the runs here that
         wait for them.
 
         Returns:
             How many were delivered.
         """
+        waiting = {key: sorted(steps) for key, run in self.active.items()
+                   if (steps := run.waiting_tools())}
         delivered = 0
-        for run_id, run in list(self.active.items()):
-            waiting = run.waiting_tools()
-            for step_id, body in self.store.tool_results(run_id, waiting).items():
-                run.deliver_tool_result(step_id, body.get("value"), body.get("error"))
-                delivered += 1
+        for key, found in (await self.io.call(self._posted, waiting) if waiting else {}).items():
+            run = self.active.get(key)
+            for step_id, body in found.items():
+                if run is not None and step_id in run.waiting_tools():  # (still, here)
+                    run.deliver_tool_result(step_id, body.get("value"), body.get("error"))
+                    delivered += 1
         return delivered
 
-    def queue_request(self, run_id: str, kind: str, data: Any, tenant: str | None,
-                      models: Collection[str] | None) -> dict[str, Any]:
+    async def queue_request(self, run_id: str, kind: str, data: Any, tenant: str | None,
+                            models: Collection[str] | None) -> dict[str, Any]:
         """An open run's append (``kind`` ``"nodes"``, body ``data``) or close
         (``"close"``), or a cancel (``"cancel"``), for a run another proxy executes:
         validated against what the store holds and the requests still queued, then kept
@@ -358,27 +458,28 @@ class RunRegistry:
             GraphError: the append is invalid (every problem listed).
             RequestError: ``awaited`` names unknown steps.
         """
-        stored = self.stored(run_id, tenant)
+        stored = await self.stored(run_id, tenant)
+        key = stored.run_id
         if kind == "cancel":
             running = stored.status == "running"
             if running:
-                self.store.put_request(run_id, "cancel", {})
+                await self.io.call(self.store.put_request, key, "cancel", {})
             return {"run_id": run_id, "cancelled": running, "queued": True}
-        queued = self.store.requests([run_id])
+        queued = await self.io.call(self.store.requests, [key])
         graph = stored_graph(stored)
         closed = (not graph.open or stored.status != "running"
                   or any(n == CLOSED for _, n, _ in stored.events)
                   or any(k == "close" for _, _, k, _ in queued))
         if kind == "close":
             if not closed:
-                self.store.put_request(run_id, "close", {})
+                await self.io.call(self.store.put_request, key, "close", {})
             return {"run_id": run_id, "closed": True, "status": stored.status}
         if closed:
             raise RunClosed(f"run {run_id} takes no more steps: it was posted whole, is "
                             "closed or has finished", param="run_id")
         appended, steps = open_runs.check_queued(
             graph, [body for _, _, k, body in queued if k == "nodes"], data, models)
-        self.store.put_request(run_id, "nodes", data)
+        await self.io.call(self.store.put_request, key, "nodes", data)
         return {"run_id": run_id, "appended": appended, "steps": steps, "queued": True}
 
     async def apply_requests(self, models: Collection[str] | None, options: CompileOptions,
@@ -391,7 +492,8 @@ class RunRegistry:
             How many were carried out.
         """
         done: list[int] = []
-        for request_id, run_id, kind, body in self.store.requests(list(self.active)):
+        kept = await self.io.call(self.store.requests, list(self.active)) if self.active else []
+        for request_id, run_id, kind, body in kept:
             run = self.active.get(run_id)
             if run is None:  # (lost meanwhile: the request waits for the new owner)
                 continue
@@ -408,7 +510,8 @@ class RunRegistry:
                 log.warning("run_request_dropped", workflow_id=run_id, kind=kind,
                             error=exc.message)
             done.append(request_id)
-        self.store.drop_requests(done)
+        if done:
+            await self.io.call(self.store.drop_requests, done)
         return len(done)
 
     async def tail(self, stored: StoredRun, after: int = 0,
@@ -419,7 +522,7 @@ class RunRegistry:
         follow is marked in the store meanwhile (:meth:`heartbeat`)."""
         run_id = stored.run_id
         self.tailed[run_id] += 1
-        self.store.mark_followed([run_id])
+        self.io.submit(self.store.mark_followed, [run_id])
         try:
             current: StoredRun | None = stored
             while current is not None:
@@ -436,29 +539,30 @@ class RunRegistry:
                         yield event
                     return
                 await asyncio.sleep(poll_s)
-                current = self.store.load(run_id)
+                current = await self.io.call(self.store.load, run_id)
         finally:
             self.tailed[run_id] -= 1
             if not self.tailed[run_id]:
                 del self.tailed[run_id]
 
     def _activate(self, run: Run) -> None:
-        self.active[run.run_id] = run
+        self.active[run.key] = run
         run.detached_since = time.monotonic()
         run.start().add_done_callback(lambda _: self.retire(run))
 
     def retire(self, run: Run) -> None:
         """Move a finished run to the finished table and write its trace (once)."""
-        if self.active.pop(run.run_id, None) is None:
+        if self.active.pop(run.key, None) is None:
             return
-        self.epochs.pop(run.run_id, None)
-        self.store.release(run.run_id, self.owner)  # (suspended: another proxy may take it)
-        self.finished[run.run_id] = run
+        self.epochs.pop(run.key, None)
+        # (suspended: another proxy may take it; after the run's last event, in order)
+        self.io.submit(self.store.release, run.key, self.owner)
+        self.finished[run.key] = run
         log_end(run)
         learn_lengths(run, self.outcomes)
         if self.trace_dir is not None and _RUN_ID.fullmatch(run.run_id):  # (older stores)
-            self.trace_dir.mkdir(parents=True, exist_ok=True)
-            path = self.trace_dir / f"{run.run_id}.jsonl"
+            path = self.trace_dir / f"{run.key}.jsonl"  # (a tenant's: in its own folder)
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(r) + "\n" for r in run.trace.records()))
 
     def lookahead(self, canonical: Callable[[str | None], str]) -> Lookahead:
@@ -475,10 +579,10 @@ class RunRegistry:
             ahead = ahead.merge(lookahead(windows, run.trace.now_ms(), queued))
         return ahead
 
-    def sweep(self) -> None:
+    async def sweep(self) -> None:
         """Cancel runs without a listener for longer than ``detached_timeout_s``, and
         prune the store (see the class docstring)."""
-        self.store.prune(older_than_s=self.store_ttl_s, keep=self.store_keep)
+        await self.io.call(self.store.prune, self.store_ttl_s, self.store_keep)
         now = time.monotonic()
         for run in list(self.active.values()):
             if run.log.listeners or run.graph.detached:

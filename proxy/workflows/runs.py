@@ -62,7 +62,7 @@ from flowlift.proxy.workflows.ahead import HOLE, ahead_request, consumers, known
 from flowlift.proxy.workflows.books import AttemptBooks
 from flowlift.proxy.workflows.cascade import Attempt, Generated, run_step
 from flowlift.proxy.workflows.deadline import DeadlineClock
-from flowlift.proxy.workflows.events import EventLog
+from flowlift.proxy.workflows.events import EventLog, Written
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth
 from flowlift.proxy.workflows.outcomes import StepOutcomes
@@ -83,7 +83,10 @@ class Run:
     """One execution of a validated graph.
 
     Attributes:
-        run_id: ``wf-`` + random hex (or the graph's own ``id``).
+        run_id: ``wf-`` + random hex (or the graph's own ``id``): what clients see.
+        key: the run's key in the store, engine and sessions
+            (:func:`~flowlift.proxy.tenants.run_key`: ids are per tenant; default
+            ``run_id``).
         log: the numbered event log (replayable; persisted through ``sink``).
         outputs: step id -> output value, filled as steps finish.
         failures: step id -> error message.
@@ -93,11 +96,11 @@ class Run:
 
     def __init__(self, graph: Graph, backends: Backends, plan: Plan | None = None,
                  costs: CostTracker | None = None, *, run_id: str | None = None,
-                 sink: Callable[[str, int, str, dict[str, Any]], None] | None = None,
+                 sink: Callable[[str, int, str, dict[str, Any]], Written] | None = None,
                  restored: StoredRun | None = None,
                  outcomes: StepOutcomes | None = None,
                  observer: RunObserver = NO_OBSERVER,
-                 trace_parent: Context | None = None) -> None:
+                 trace_parent: Context | None = None, key: str | None = None) -> None:
         self.graph = graph
         self.outcomes = outcomes
         self.backends = backends
@@ -108,7 +111,8 @@ class Run:
         self._warm: dict[int, asyncio.Event] = {}
         self._aheads = 0  # prefill-aheads asked for (numbers their request ids)
         self.run_id = run_id or graph.id or f"wf-{secrets.token_hex(8)}"
-        self.log = EventLog(None if sink is None else functools.partial(sink, self.run_id),
+        self.key = key or self.run_id
+        self.log = EventLog(None if sink is None else functools.partial(sink, self.key),
                             restored.events if restored else ())
         self.resumed = restored is not None
         self.parked = self.resumed and not graph.detached  # waits for its client to return
@@ -346,7 +350,7 @@ class Run:
         if isinstance(tiered, TieredDispatcher):
             tiered.close()
         self.trace.finish(status)
-        self.backends.sessions.end(self.run_id, self.backends.upstreams)  # SGLang's, if any
+        self.backends.sessions.end(self.key, self.backends.upstreams)  # SGLang's, if any
         self.observer.run_closed(self)  # spans and metrics; never raises
         self._emit(("run.finished", {
             "run_id": self.run_id, "status": status, "failures": self.failures,
@@ -535,7 +539,7 @@ class Run:
         p = node.params
         contract = node.contract
         return GenerationRequest(
-            request_id=f"{self.run_id}:{node.id}:{number}",  # run:step:attempt
+            request_id=f"{self.key}:{node.id}:{number}",  # run:step:attempt
             model=model, messages=messages,
             sampling=SamplingOptions(max_tokens=max_tokens or p.max_tokens,
                                      temperature=p.temperature,
@@ -544,7 +548,7 @@ class Run:
             constraint=(OutputConstraint(json_schema=contract.json_schema,
                                          choices=contract.choices, regex=contract.regex)
                         if contract else None),
-            session_id=self.run_id,
+            session_id=self.key,
             priority=0 if self.backends.fcfs else priority.engine_priority(),
             tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()),
             service_tier=(self._dispatcher.tier_of(node.id, number)
@@ -590,7 +594,7 @@ class Run:
             return
         self._aheads += 1
         request = ahead_request(node, model, messages,
-                                f"{self.run_id}:{node.id}:{self._aheads}", self.run_id)
+                                f"{self.key}:{node.id}:{self._aheads}", self.key)
         self.backends.ahead.issue(request, HOLE)
 
     async def _tool(self, node: ToolNode) -> Any:

@@ -8,7 +8,8 @@ them; nothing that finished is run again.
 Tables::
 
     runs(run_id PRIMARY KEY, graph TEXT, status TEXT, created_at REAL, updated_at REAL,
-         tenant TEXT)   -- NULL: recorded without a tenant (see flowlift.proxy.tenants)
+         tenant TEXT)   -- NULL: recorded without a tenant (see flowlift.proxy.tenants);
+                        -- run_id: the run's key, tenants.run_key ("<tenant>/<id>")
     events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
     tool_results(run_id, step_id, body TEXT, PRIMARY KEY (run_id, step_id))
     requests(id INTEGER PRIMARY KEY, run_id, kind TEXT, body TEXT)  -- for its owner
@@ -58,8 +59,23 @@ CREATE INDEX IF NOT EXISTS responses_by_created ON responses (created_at);
 """
 _MIGRATIONS = (("tenant", "ALTER TABLE runs ADD COLUMN tenant TEXT"),)
 """Columns added since the first schema: (column, statement adding it to an older file)."""
-SCHEMA_VERSION = 1
-"""The stores' schema version (SQLite ``user_version``; Postgres ``flowlift_meta``)."""
+SCHEMA_VERSION = 2
+"""The stores' schema version (SQLite ``user_version``; Postgres ``flowlift_meta``).
+2: ``run_id`` is the run's key, :func:`~flowlift.proxy.tenants.run_key` (ids per tenant)."""
+
+
+def per_tenant_keys(runs: str, tables: Collection[str], mark: str) -> list[str]:
+    """The statements of migration 1 -> 2: a named tenant's runs (not the default's) move
+    from key ``<id>`` to ``<tenant>/<id>``, in ``runs`` and every table of ``tables``
+    (keyed by ``run_id`` too). ``mark``: the SQL placeholder (``?`` or ``%s``) each
+    statement takes :data:`~flowlift.proxy.tenants.DEFAULT_TENANT` for, once. Keys that
+    hold a ``/`` already are left alone, so the statements may run twice."""
+    moved = (f"SELECT run_id FROM {runs} WHERE tenant IS NOT NULL AND tenant <> {mark} "
+             "AND strpos(run_id, '/') = 0")
+    return [*(f"UPDATE {table} AS t SET run_id = (SELECT r.tenant || '/' || r.run_id FROM "
+              f"{runs} r WHERE r.run_id = t.run_id) WHERE t.run_id IN ({moved})"
+              for table in tables),
+            f"UPDATE {runs} SET run_id = tenant || '/' || run_id WHERE run_id IN ({moved})"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,9 +346,21 @@ class SQLiteRunStore:
             if version > SCHEMA_VERSION:
                 raise sqlite3.DatabaseError(f"schema version {version} is newer than this "
                                             f"flowlift's {SCHEMA_VERSION}")
+            if version < 2:
+                self._per_tenant_keys()
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except (sqlite3.Error, OSError) as exc:  # OSError: its folder cannot be made
             raise EngineError(f"cannot open the run store {self.path}: {exc}") from exc
+
+    def _per_tenant_keys(self) -> None:
+        """Migration 1 -> 2 (:func:`per_tenant_keys`), in one transaction."""
+        self._db.create_function("strpos", 2, lambda s, sub: s.find(sub) + 1,
+                                 deterministic=True)
+        with self._db:
+            self._db.execute("BEGIN")
+            for statement in per_tenant_keys("runs", ("events", "tool_results", "requests"),
+                                             "?"):
+                self._db.execute(statement, (DEFAULT_TENANT,))
 
     def create(self, run_id: str, graph: dict[str, Any], tenant: str | None = None) -> None:
         now = time.time()

@@ -4,7 +4,7 @@ postgresql://user@host/db``).
 The same event-sourced log as :class:`~flowlift.proxy.workflows.store.SQLiteRunStore`,
 in tables prefixed ``flowlift_`` (so the database may hold other things)::
 
-    flowlift_meta(key PRIMARY KEY, value)            -- ('schema_version', '1')
+    flowlift_meta(key PRIMARY KEY, value)            -- ('schema_version', '2')
     flowlift_runs(run_id PRIMARY KEY, graph TEXT, name TEXT, status TEXT,
                   created_at DOUBLE PRECISION, updated_at DOUBLE PRECISION)
     flowlift_events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
@@ -51,10 +51,9 @@ Graphs and events are stored as the JSON text the proxy wrote (not ``jsonb``), s
 reads back byte for byte as it went in. The schema is created on first use under an
 advisory lock (two proxies starting together do not race).
 
-Synchronous psycopg 3, as the SQLite store is synchronous: the run's event sink
-(:class:`~flowlift.proxy.workflows.runs.Run`) calls ``append`` from the event loop and
-the event must be committed before the run goes on, so each call blocks the loop for one
-round trip to the database (a fraction of a millisecond on a local network). Connections
+Synchronous psycopg 3, as the SQLite store is synchronous; the proxy calls both from
+one worker thread in order (:mod:`~flowlift.proxy.workflows.store_worker`), never from
+its event loop, and a follower gets an event only once its ``append`` returned. Connections
 come from a :class:`psycopg_pool.ConnectionPool` (autocommit; a connection broken by a
 database restart is dropped and replaced), and every write commits before it returns
 (``synchronous_commit`` as the server sets it: on by default, so committed means on disk).
@@ -74,7 +73,13 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from flowlift.errors import EngineError, LeaseLost
 from flowlift.proxy.tenants import DEFAULT_TENANT
-from flowlift.proxy.workflows.store import SCHEMA_VERSION, RunSummary, StoredResponse, StoredRun
+from flowlift.proxy.workflows.store import (
+    SCHEMA_VERSION,
+    RunSummary,
+    StoredResponse,
+    StoredRun,
+    per_tenant_keys,
+)
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
@@ -106,6 +111,9 @@ CREATE TABLE IF NOT EXISTS flowlift_responses (id TEXT PRIMARY KEY, tenant TEXT,
     expires_at DOUBLE PRECISION NOT NULL);
 CREATE INDEX IF NOT EXISTS flowlift_responses_by_created ON flowlift_responses (created_at);
 """
+_KEYED = ("flowlift_events", "flowlift_leases", "flowlift_tool_results", "flowlift_follows",
+          "flowlift_requests")
+"""The tables keyed by a run's ``run_id`` besides ``flowlift_runs``."""
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock, epoch s
 _CLAIM = f"""
 INSERT INTO flowlift_leases AS held (run_id, owner, expires_at, epoch)
@@ -186,6 +194,12 @@ class PostgresRunStore:
                          "ON CONFLICT (key) DO NOTHING", (str(SCHEMA_VERSION),))
             row = conn.execute("SELECT value FROM flowlift_meta "
                                "WHERE key = 'schema_version'").fetchone()
+            if row is not None and int(row[0]) < 2:  # (run ids per tenant)
+                for statement in per_tenant_keys("flowlift_runs", _KEYED, "%s"):
+                    conn.execute(statement, (DEFAULT_TENANT,))
+                conn.execute("UPDATE flowlift_meta SET value = %s "
+                             "WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+                row = (str(SCHEMA_VERSION),)
         if row is None or int(row[0]) > SCHEMA_VERSION:
             raise EngineError(f"the run store {self.path} has schema version "
                               f"{row and row[0]}, newer than this flowlift's {SCHEMA_VERSION}")

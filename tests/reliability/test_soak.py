@@ -146,11 +146,11 @@ async def test_every_table_is_bounded_under_unique_ids(aiohttp_server):
     ids = itertools.count()
     async with aiohttp.ClientSession() as s:
         await traffic(s, base, ids, 10)  # warm-up: every table has entries
-        state.runs.sweep()
+        await state.runs.sweep()
         before = sizes({"state": state, "sessions": app[SESSIONS]})
         for _ in range(3):
             await traffic(s, base, ids, BOUND)
-        state.runs.sweep()
+        await state.runs.sweep()
     assert len(app[SESSIONS]) == BOUND and len(state.inferred) == BOUND
     assert len(state.runs.finished) == BOUND and stored_runs(app) == BOUND
     assert_bounded(app)
@@ -185,7 +185,7 @@ async def test_soak_memory_plateaus(aiohttp_server, soak_s, capsys):
         while (now := time.monotonic() - t0) < soak_s:
             await traffic(s, base, ids, 20)
             if not samples or now - samples[-1][0] >= 5:
-                app[STATE].runs.sweep()
+                await app[STATE].runs.sweep()
                 gc.collect()
                 samples.append((now, rss_mib(), len(gc.get_objects())))
                 assert_bounded(app)

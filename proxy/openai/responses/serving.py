@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -52,7 +52,7 @@ from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.workflows.inferred import workflow_from
 
 routes = web.RouteTableDef()
-Done = Callable[[dict[str, Any]], None]
+Done = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def served_here(backends: Backends, route: Route) -> bool:
@@ -95,7 +95,7 @@ async def create(request: web.Request, data: dict[str, Any], route: Route
     state, store = request.app[STATE], request.app[RESPONSES]
     req = parse_model(ResponsesRequest, data, "responses request")
     tenant = tenant_of(request)
-    previous = (store.load(req.previous_response_id, tenant, param="previous_response_id")
+    previous = (await store.load(req.previous_response_id, tenant, param="previous_response_id")
                 if req.previous_response_id else None)
     items = input_items(req.input)
     new, rid = chat_messages(items), new_id("resp")
@@ -113,10 +113,10 @@ async def create(request: web.Request, data: dict[str, Any], route: Route
     turn = 1 + (previous.number if previous else 0)
     started_at, builder = time.time(), ResponseBuilder(_head(req, rid, route.model))
 
-    def done(response: dict[str, Any], backend: str | None) -> None:
+    async def done(response: dict[str, Any], backend: str | None) -> None:
         output = assistant_message(response["output"])
         if req.store is not False and response["status"] != "failed":
-            store.save(Turn(response, [item_json(i) for i in items], conversation,
+            await store.save(Turn(response, [item_json(i) for i in items], conversation,
                             [*history, *new, output], turn), tenant)
         state.inferred.record(
             workflow, step=joined[1] if joined else f"turn-{turn}", model=route.model,
@@ -148,7 +148,7 @@ def _upstream_body(chat: dict[str, Any], stream_usage: bool, model: str) -> dict
 
 async def _answer(request: web.Request, opened: Opened | Local, chat: dict[str, Any],
                   builder: ResponseBuilder, conversation: str, stream: bool,
-                  done: Callable[[dict[str, Any], str | None], None],
+                  done: Callable[[dict[str, Any], str | None], Awaitable[None]],
                   headers: dict[str, str]) -> web.StreamResponse:
     """Run the turn on what the route opened; the response or its event stream."""
     timing = Timing()
@@ -172,7 +172,7 @@ async def _answer(request: web.Request, opened: Opened | Local, chat: dict[str, 
         if backend is not None:
             backend.admitted -= 1
     response = builder.final()
-    done(response, name)
+    await done(response, name)
     if isinstance(opened, Local):
         headers["Server-Timing"] = timing.server_timing()
     return web.json_response(response, headers=headers)
@@ -200,7 +200,7 @@ async def _stream(request: web.Request, builder: ResponseBuilder,
             await _send(resp, builder.failed(exc.message))
             return resp
         events = builder.finish_events()
-        done(events[-1]["response"])
+        await done(events[-1]["response"])
         for event in events:
             await _send(resp, event)
     return resp
@@ -213,7 +213,7 @@ def _store(request: web.Request) -> ResponseStore:
 @routes.get("/v1/responses/{response_id}")
 async def retrieve(request: web.Request) -> web.Response:
     """A stored response (``client.responses.retrieve``); 404 when none is visible."""
-    turn = _store(request).load(request.match_info["response_id"], tenant_of(request),
+    turn = await _store(request).load(request.match_info["response_id"], tenant_of(request),
                                 param="response_id")
     return web.json_response(turn.response)
 
@@ -223,14 +223,14 @@ async def delete(request: web.Request) -> web.Response:
     """Forget a stored response (``client.responses.delete``); 404 when none is visible.
     Later turns that continued it stay usable (each keeps its whole conversation)."""
     rid = request.match_info["response_id"]
-    _store(request).delete(rid, tenant_of(request))
+    await _store(request).delete(rid, tenant_of(request))
     return web.json_response({"id": rid, "object": "response", "deleted": True})
 
 
 @routes.get("/v1/responses/{response_id}/input_items")
 async def list_input_items(request: web.Request) -> web.Response:
     """The input items of a stored response, as a ``ResponseItemList`` (one page)."""
-    turn = _store(request).load(request.match_info["response_id"], tenant_of(request),
+    turn = await _store(request).load(request.match_info["response_id"], tenant_of(request),
                                 param="response_id")
     items = turn.input_items
     if request.query.get("order", "desc") == "desc":

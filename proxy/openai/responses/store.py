@@ -23,6 +23,7 @@ from aiohttp import web
 from flowlift.errors import ResponseNotFound
 from flowlift.proxy.tenants import visible
 from flowlift.proxy.workflows.store import RunStoreProtocol, StoredResponse
+from flowlift.proxy.workflows.store_worker import StoreWorker
 
 PRUNE_EVERY = 64
 
@@ -53,23 +54,25 @@ class ResponseStore:
         max_responses: responses kept at most.
     """
 
-    def __init__(self, runs: RunStoreProtocol, *, ttl_s: float = 86_400.0,
-                 max_responses: int = 10_000) -> None:
+    def __init__(self, runs: RunStoreProtocol, *, io: StoreWorker | None = None,
+                 ttl_s: float = 86_400.0, max_responses: int = 10_000) -> None:
         self.runs, self.ttl_s, self.max_responses = runs, ttl_s, max_responses
+        self.io = io if io is not None else StoreWorker()
         self._stored = 0
 
-    def save(self, turn: Turn, tenant: str | None) -> None:
-        """Store ``turn`` under its response's id (durable when it returns)."""
+    async def save(self, turn: Turn, tenant: str | None) -> None:
+        """Store ``turn`` under its response's id (durable when it returns; on the
+        store's worker thread, in order with the run store's other calls)."""
         now = time.time()
         body = {"response": turn.response, "input_items": turn.input_items,
                 "messages": turn.messages, "number": turn.number}
-        self.runs.put_response(turn.response["id"], StoredResponse(
+        await self.io.call(self.runs.put_response, turn.response["id"], StoredResponse(
             tenant, turn.conversation, body, now, now + self.ttl_s))
         self._stored += 1
         if self._stored % PRUNE_EVERY == 0:
-            self.runs.prune_responses(self.max_responses)
+            self.io.submit(self.runs.prune_responses, self.max_responses)
 
-    def load(self, response_id: str, tenant: str | None, *, param: str | None = None
+    async def load(self, response_id: str, tenant: str | None, *, param: str | None = None
              ) -> Turn:
         """The stored turn ``response_id`` as ``tenant`` sees it.
 
@@ -77,21 +80,21 @@ class ResponseStore:
             ResponseNotFound: none, expired, deleted or another tenant's (404 naming
                 ``param``).
         """
-        row = self.runs.get_response(response_id)
+        row = await self.io.call(self.runs.get_response, response_id)
         if row is None or not visible(row.tenant, tenant):
             raise ResponseNotFound(response_id, param=param)
         body = row.body
         return Turn(body["response"], body["input_items"], row.conversation,
                     body["messages"], int(body["number"]))
 
-    def delete(self, response_id: str, tenant: str | None) -> None:
+    async def delete(self, response_id: str, tenant: str | None) -> None:
         """Forget one stored turn.
 
         Raises:
             ResponseNotFound: none that ``tenant`` can see.
         """
-        self.load(response_id, tenant, param="response_id")
-        self.runs.delete_response(response_id)
+        await self.load(response_id, tenant, param="response_id")
+        await self.io.call(self.runs.delete_response, response_id)
 
 
 RESPONSES: web.AppKey[ResponseStore] = web.AppKey("flowlift.responses", ResponseStore)
