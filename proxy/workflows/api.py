@@ -3,7 +3,9 @@
 * ``POST /v1/workflows`` -- a graph in, an SSE stream of run events out (see
   :mod:`flowlift.proxy.workflows.runs`); each event's SSE ``id`` is its number in the run's log.
   An invalid graph is rejected whole before anything runs: HTTP 400, OpenAI error
-  shape, ``error.problems`` lists every problem. A ``deadline_s`` the compiler finds
+  shape, ``error.problems`` lists every problem (a proxy tool, ``tools[i].server``, must
+  name a ``[tools.*]`` server the tenant reaches and a tool it offers:
+  :meth:`~flowlift.proxy.tools.ToolServers.resolve`). A ``deadline_s`` the compiler finds
   infeasible is said in the ``X-Flowlift-Deadline-Warning`` header (the SDK warns), or
   refused (400, ``param: deadline_s``) when the graph asks for ``strict_deadline``.
 * ``GET /v1/workflows/{run_id}/events`` -- the same stream again, from the event after
@@ -143,7 +145,8 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     data = await read_json(request)
     awaited = data.pop("awaited", None) if isinstance(data, dict) else None
-    graph = parse_graph(data, state.backends)
+    tenant = state.tenants.by_name(tenant_of(request))
+    graph = await state.tools.resolve(parse_graph(data, state.backends), tenant)
     awaited = open_runs.awaited_ids(graph, awaited)
     run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs,
                                      state.runs.outcomes, state.prices)
@@ -152,7 +155,6 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
         raise RequestError(f"{warning}; the workflow asked for strict_deadline, so it was "
                            "not started (raise deadline_s, or drop strict_deadline to run "
                            "it anyway)", param="deadline_s")
-    tenant = state.tenants.by_name(tenant_of(request))
     run = state.runs.start(graph, state.backends, state.costs, run_plan,
                            parent=extract(request.headers), tenant=tenant_of(request),
                            tenant_max_active=tenant.max_active_runs if tenant else None)

@@ -55,6 +55,7 @@ from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.tenants import visible
 from flowlift.proxy.workflows import open_runs
+from flowlift.proxy.workflows.agent import ProxyTools
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import CLOSED, stored_graph
@@ -136,7 +137,8 @@ class RunRegistry:
                  detached_timeout_s: float = 300.0,
                  outcomes: StepOutcomes | None = None, store_keep: int = 10_000,
                  store_ttl_s: float = 7 * 24 * 3600, max_active: int = 4096,
-                 observer: RunObserver = NO_OBSERVER, lease_ttl_s: float = 15.0) -> None:
+                 observer: RunObserver = NO_OBSERVER, lease_ttl_s: float = 15.0,
+                 proxy_tools: ProxyTools | None = None) -> None:
         self.store = store or SQLiteRunStore(":memory:")
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.lease_ttl_s = lease_ttl_s
@@ -148,6 +150,7 @@ class RunRegistry:
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
         self.observer = observer
+        self.proxy_tools = proxy_tools  # the [tools.*] servers every run's agent steps use
         self.store_keep, self.store_ttl_s = store_keep, store_ttl_s
         self.max_active = max_active
         self.store.prune(older_than_s=store_ttl_s, keep=store_keep)
@@ -215,7 +218,8 @@ class RunRegistry:
             raise RequestError(f"a run with id {graph.id!r} exists; omit `id` to get a "
                                "fresh one", param="id")
         run = Run(graph, backends, run_plan, costs, sink=self._append,
-                  outcomes=self.outcomes, observer=self.observer, trace_parent=parent)
+                  outcomes=self.outcomes, observer=self.observer, trace_parent=parent,
+                  proxy_tools=self.proxy_tools)
         run.tenant = tenant
         self.store.create(run.run_id, graph.to_wire(), tenant)
         epoch = self.store.claim(run.run_id, self.owner, self.lease_ttl_s)
@@ -239,7 +243,8 @@ class RunRegistry:
             graph = stored_graph(stored)
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
                       run_id=stored.run_id, sink=self._append, restored=stored,
-                      outcomes=self.outcomes, observer=self.observer)
+                      outcomes=self.outcomes, observer=self.observer,
+                      proxy_tools=self.proxy_tools)
             self._activate(run)
             resumed.append(run)
             log.info("run_resumed", workflow_id=run.run_id, done=len(run.outputs),
