@@ -167,7 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
     if file_config is not None:  # its keys never reach the log
         configure_logging(args.log_level, secrets=file_config.secrets())
     if args.engine is None:
-        wants_local = file_config is None or any(
+        wants_local = file_config is None or not file_config.backends or any(
             isinstance(b, EmbeddedSpec) for b in file_config.backends.values())
         args.engine = "vllm" if wants_local else "none"
 
