@@ -34,9 +34,9 @@ from flowlift.proxy.openai import routes as openai_api
 from flowlift.proxy.sessions import api as sessions_api
 from flowlift.proxy.sessions.table import SessionTable
 from flowlift.proxy.state import STATE, ProxyState
-from flowlift.proxy.tools import ToolServers
 from flowlift.proxy.telemetry import observer as telemetry
 from flowlift.proxy.tenants import Tenants
+from flowlift.proxy.tools import ToolServers
 from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api

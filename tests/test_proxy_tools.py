@@ -159,7 +159,7 @@ async def test_streamable_http_mcp_server(aiohttp_client, http_mcp):
 async def test_configured_callable_tool(aiohttp_client):
     engine = FakeEngine(["fake-model"])
     seen = scripted(engine, tool_calls_text(("lookup", {"city": "Oslo", "k": 2})), "Found.")
-    client, app = await proxy(aiohttp_client, engine, config())
+    client, _app = await proxy(aiohttp_client, engine, config())
     async with workflow("callable", base_url=url(client)):
         out = geo("Where is Oslo?")
     assert out.value == "Found."
@@ -173,7 +173,7 @@ async def test_unknown_server_tool_and_disallowed_tool_are_listed_graph_errors(
         aiohttp_client):
     engine = FakeEngine(["fake-model"])
     cfg = config(limited={"command": [sys.executable, SERVER], "allow": ["add"]})
-    client, app = await proxy(aiohttp_client, engine, cfg)
+    client, _app = await proxy(aiohttp_client, engine, cfg)
 
     @step(tools=[proxy_tool("nowhere.add"), proxy_tool("mcp.subtract"),
                  proxy_tool("limited.big")])
@@ -206,7 +206,7 @@ async def test_a_tenant_reaches_only_the_tool_servers_it_is_allowed(
     scripted(engine, tool_calls_text(("lookup", {"city": "Rome"})), "Rome.")
     cfg = {**config(), "tenants": {"acme": {"api_key_env": "ACME_KEYS", "tools": ["atlas"]},
                                    "globex": {"api_key_env": "GLOBEX_KEYS"}}}
-    client, app = await proxy(aiohttp_client, engine, cfg)
+    client, _app = await proxy(aiohttp_client, engine, cfg)
     async with workflow("acme", base_url=url(client), api_key="k-acme"):
         out = geo("Rome?")
     assert out.value == "Rome."
@@ -263,7 +263,7 @@ async def test_hung_dead_and_huge_tools_become_error_results_and_the_server_reco
 async def test_schema_violation_is_the_result_and_raise_fails_the_step(aiohttp_client):
     engine = FakeEngine(["fake-model"])
     seen = scripted(engine, tool_calls_text(("add", {"a": "two", "b": 3})), "gave up")
-    client, app = await proxy(aiohttp_client, engine, config())
+    client, _app = await proxy(aiohttp_client, engine, config())
     async with workflow("schema", base_url=url(client)) as wf:
         out = adder("x")
     assert out.value == "gave up"
@@ -287,7 +287,7 @@ async def test_a_proxy_tool_starts_before_the_turn_stream_ends(aiohttp_client):
     padding = "p" * 400  # the second call's JSON streams for ~2 s after the first's
     seen = scripted(engine, tool_calls_text(("lookup", {"city": "Lima"}),
                                             ("lookup", {"city": padding})), "ok")
-    client, app = await proxy(aiohttp_client, engine, config())
+    client, _app = await proxy(aiohttp_client, engine, config())
     async with workflow("early", base_url=url(client)) as wf:
         out = geo("Lima?")
     assert out.value == "ok"
@@ -300,7 +300,7 @@ async def test_a_proxy_tool_starts_before_the_turn_stream_ends(aiohttp_client):
 
 
 def test_proxy_tool_names_and_config_are_checked():
-    with pytest.raises(UserError, match="server.tool"):
+    with pytest.raises(UserError, match=r"server\.tool"):
         proxy_tool("no-dot")
     with pytest.raises(UserError, match="two tools are named 'note'"):
         step(tools=[note, proxy_tool("x.note")])(lambda q: q)

@@ -34,7 +34,7 @@ def load_callable(path: str, field: str) -> Callable[..., Any]:
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- any import failure is the config's problem
+    except Exception as exc:
         raise ConfigError(f"{field}: cannot import module {module_name!r} of {path!r} "
                           f"({type(exc).__name__}: {exc})", param=field) from None
     fn = getattr(module, attr, None)
@@ -86,7 +86,7 @@ class CallableServer:
             return ToolOutcome(await asyncio.to_thread(fn, **args))
         except ValidationError as exc:
             return ToolOutcome(error=f"bad arguments: {exc.errors(include_url=False)}")
-        except Exception as exc:  # noqa: BLE001 -- the tool's failure is the model's result
+        except Exception as exc:
             return ToolOutcome(error=f"{type(exc).__name__}: {exc}")
 
     async def aclose(self) -> None:

@@ -52,7 +52,7 @@ class _Connection:
             async with Client(self._target) as client:
                 self._ready.set_result(client)
                 await self._stop.wait()
-        except BaseException as exc:  # noqa: BLE001 -- reported to whoever waits on it
+        except BaseException as exc:
             if not self._ready.done():
                 self._ready.set_exception(ServerUnreachable(f"{type(exc).__name__}: {exc}"))
         finally:
