@@ -91,6 +91,7 @@ class ToolTurn:
         text = self._decoder.feed(chunk.text)
         if chunk.finish_reason is None:
             return GenerationChunk(text, ready_calls=self._early.feed(chunk.text) or None)
+        self._early.close()
         answer = self._decoder.result(chunk.finish_reason)
         calls = None if answer.tool_calls is None else tuple(
             ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])

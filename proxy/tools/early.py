@@ -5,7 +5,9 @@ The embedded engine writes a turn that calls tools as constrained JSON,
 (:mod:`flowlift.proxy.openai.chat_completion.tools`). :class:`EarlyCalls` is fed that
 text piece by piece and returns each array item as soon as its closing brace arrives,
 so a proxy tool can start before the turn ends. It parses with ijson's push interface
-(``items_coro``: an incremental, event-based JSON parser over yajl), never by hand;
+(``items_coro``: an incremental, event-based JSON parser), never by hand; ijson's pure
+Python backend, which reads numbers as ``json.loads`` does (yajl's C backend refuses
+integers past 64 bits);
 text that is not that JSON (a plain answer, ``{"content": ...}``) yields nothing, and
 whatever it yielded is only a head start: the turn's final calls, parsed whole, are
 what the loop runs (:mod:`flowlift.proxy.workflows.agent` matches them by name and
@@ -17,6 +19,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import contextlib
+import weakref
+
 import ijson
 
 from flowlift.local_engine.base import ToolCall
@@ -27,10 +32,12 @@ class EarlyCalls:
 
     def __init__(self) -> None:
         self._items: list[Any] = []
-        self._parser: Any = ijson.items_coro(_Sink(self._items), "tool_calls.item",
-                                             use_float=True)
+        self._parser: Any = _BACKEND.items_coro(_Sink(self._items), "tool_calls.item",
+                                                use_float=True)
         self._seen = 0
-        self._broken = False
+        self._broken = False  # not tool-call JSON, or the turn ended: feed ignores text
+        # an abandoned turn (aborted stream) closes its parser quietly when collected
+        self._close = weakref.finalize(self, _close_quietly, self._parser)
 
     def feed(self, text: str) -> tuple[ToolCall, ...]:
         """Add generated ``text``; returns the calls completed by it (may be none).
@@ -44,10 +51,27 @@ class EarlyCalls:
         try:
             self._parser.send(text.encode())
         except ijson.JSONError:
-            self._broken = True
+            self.close()
         new, self._seen = self._items[self._seen:], len(self._items)
         return tuple(_call(self._seen - len(new) + i, item) for i, item in enumerate(new)
                      if isinstance(item, dict) and isinstance(item.get("name"), str))
+
+
+    def close(self) -> None:
+        """The turn ended (or its text is not tool-call JSON): stop the parser now, so
+        no unfinished document is reported when it is collected."""
+        self._broken = True
+        self._close()
+
+
+def _close_quietly(parser: Any) -> None:
+    # whatever the parser says about an unfinished or broken document no longer
+    # matters: the turn's final calls are parsed whole elsewhere
+    with contextlib.suppress(Exception):
+        parser.close()
+
+
+_BACKEND: Any = ijson.get_backend("python")
 
 
 class _Sink:
