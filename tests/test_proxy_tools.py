@@ -6,6 +6,7 @@ and an in-process proxy; the kill -9 test is tests/reliability/test_proxy_tools_
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from flowlift.local_engine.base import GenerationRequest
 from flowlift.proxy import create_app
 from flowlift.proxy.config import parse_config
 from flowlift.proxy.state import STATE
-from flowlift.testing import FakeEngine, free_port, tool_calls_text
+from flowlift.testing import FakeEngine, capture_spans, free_port, tool_calls_text
+from flowlift.tracing.timeline import segments
 from tests import tools_callables
 
 SERVER = str(Path(__file__).with_name("tools_mcp_server.py"))
@@ -297,6 +299,52 @@ async def test_a_proxy_tool_starts_before_the_turn_stream_ends(aiohttp_client):
     assert first["wanted_ms"] < turn1["finished_ms"] - 1000, (first, turn1)
     assert [c for c, _ in tools_callables.STARTED] == ["Lima", padding]  # each ran once
     assert len(seen) == 2
+
+
+@tool
+async def meet_app() -> str:
+    """Wait for the proxy's tool of the same turn."""
+    return await tools_callables.MEETING.meet()
+
+
+async def test_app_and_proxy_calls_of_one_turn_run_concurrently(aiohttp_client):
+    tools_callables.MEETING = tools_callables.Meeting()
+    engine = FakeEngine(["fake-model"])
+
+    @step(tools=[proxy_tool("side.meet"), meet_app], max_turns=2)
+    def both(q):
+        return q
+
+    seen = scripted(engine, tool_calls_text(("meet", {}), ("meet_app", {})), "met twice")
+    cfg = config(side={"callables": ["tests.tools_callables:meet"], "timeout_s": 10})
+    client, _ = await proxy(aiohttp_client, engine, cfg)
+    async with workflow("meet", base_url=url(client)) as wf:
+        out = both("go")
+    assert out.value == "met twice"
+    assert tool_messages(seen[1]).count("met") >= 2 and "error" not in tool_messages(seen[1])
+    calls = calls_of(wf, "both_1")
+    assert [c["outcome"] for c in calls] == ["ok", "ok"]
+    record = next(r for r in wf.trace if r.get("step_id") == "both_1")
+    stages = {s.stage for s in segments(record)}
+    assert {"tool_run", "tool_wait"} <= stages  # the proxy's time apart from the app's
+
+
+async def test_a_proxy_call_is_its_own_tool_run_span_with_its_server(aiohttp_client):
+    with capture_spans() as captured:
+        engine = FakeEngine(["fake-model"])
+        scripted(engine, tool_calls_text(("lookup", {"city": "Kyiv"})), "found")
+        client, _ = await proxy(aiohttp_client, engine, config())
+        async with workflow("spans", base_url=url(client)) as wf:
+            geo("Kyiv?")
+        for _ in range(300):  # the run's spans are built once it closed
+            if captured.named("invoke_workflow spans"):
+                break
+            await asyncio.sleep(0.01)
+    span = next(s for s in captured.spans if s.name == "execute_tool lookup")
+    assert span.attributes["flowlift.tool.server"] == "atlas"
+    assert [c.name for c in captured.children(span)] == ["tool_run"]
+    record = next(r for r in wf.trace if r.get("step_id") == "geo_1")
+    assert record["stages_ms"]["tool_run"] >= 0 and "tool_wait" not in record["stages_ms"]
 
 
 def test_proxy_tool_names_and_config_are_checked():

@@ -3,6 +3,7 @@ scripted responder of the kill -9 test's fake engine)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Annotated
@@ -46,3 +47,28 @@ def kill9_responder(request: GenerationRequest) -> str:
 def huge(n: int) -> str:
     """Return ``n`` bytes of text (a 10 MB result)."""
     return "y" * n
+
+
+class Meeting:
+    """Two calls that each wait for the other: both finish only when they run at the
+    same time (one an app @tool, one a proxy callable, in one turn)."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self.both: asyncio.Event | None = None
+
+    async def meet(self) -> str:
+        self.both = self.both or asyncio.Event()
+        self.arrived += 1
+        if self.arrived == 2:
+            self.both.set()
+        await asyncio.wait_for(self.both.wait(), timeout=5)
+        return "met"
+
+
+MEETING = Meeting()
+
+
+async def meet() -> str:
+    """Wait for the app's tool of the same turn."""
+    return await MEETING.meet()
