@@ -347,6 +347,39 @@ async def test_a_proxy_call_is_its_own_tool_run_span_with_its_server(aiohttp_cli
     assert record["stages_ms"]["tool_run"] >= 0 and "tool_wait" not in record["stages_ms"]
 
 
+@step(max_tokens=8)
+def warm(q):
+    return q
+
+
+async def test_nodes_appended_to_an_open_run_get_their_proxy_tools_described(
+        aiohttp_client, monkeypatch):
+    monkeypatch.setenv("GLOBEX_KEYS", "k-globex")
+    engine = FakeEngine(["fake-model"])
+    seen: list[GenerationRequest] = []
+
+    def respond(request: GenerationRequest) -> str:
+        seen.append(request)
+        if not request.tools and "Look a city up" not in tool_messages(request):
+            return "warm"
+        done = "Oslo: 1 hit(s)" in tool_messages(request)
+        return "Oslo found." if done else tool_calls_text(("lookup", {"city": "Oslo"}))
+    engine.responder = respond
+    cfg = {**config(), "tenants": {"globex": {"api_key_env": "GLOBEX_KEYS"}}}
+    cfg["server"] = {"api_keys_env": "DEFAULT_KEYS"}
+    monkeypatch.setenv("DEFAULT_KEYS", "k-default")
+    client, _ = await proxy(aiohttp_client, engine, cfg)
+    async with workflow("grow", base_url=url(client), api_key="k-default"):
+        await warm("first")  # the run is open and running: what follows is appended
+        out = geo("Oslo?")
+    assert out.value == "Oslo found."
+    assert "Look a city up in the atlas." in tool_messages(seen[-2])
+    with pytest.raises(GraphError, match="tenant 'globex' may not use tool server 'atlas'"):
+        async with workflow("grow2", base_url=url(client), api_key="k-globex"):
+            await warm("first")
+            geo("Oslo?")
+
+
 def test_proxy_tool_names_and_config_are_checked():
     with pytest.raises(UserError, match=r"server\.tool"):
         proxy_tool("no-dot")

@@ -6,6 +6,7 @@ with ``server`` set must name a configured server the request's tenant reaches a
 tool that server lists and ``allow``\\s; its ``description`` and ``parameters`` are
 replaced by the server's own (what the model sees and what :func:`check_call` checks).
 Every problem is listed at once (``GraphError``, HTTP 400 naming the node and field).
+Nodes appended to an open run go through the same (:meth:`ToolServers.resolve_appended`).
 
 :meth:`ToolServers.call` (from the agent loop): the tool runs under its server's
 ``timeout_s`` and its result is bounded by ``max_result_bytes``; whatever goes wrong
@@ -18,6 +19,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from typing import Any
+
+from pydantic import ValidationError
 
 from flowlift.errors import GraphError
 from flowlift.graph import Graph, LLMNode, ToolSpec
@@ -78,6 +81,27 @@ class ToolServers:
         if nodes == list(graph.nodes):
             return graph
         return graph.model_copy(update={"nodes": tuple(nodes)})
+
+    async def resolve_appended(self, data: Any, tenant: Tenant | None) -> Any:
+        """The body of an append to an open run (``{"nodes": [...], ...}``) with its
+        proxy tools described, as :meth:`resolve` does for a whole graph; a body whose
+        nodes do not parse is returned as it is (the append reports its problems).
+
+        Raises:
+            GraphError: as :meth:`resolve`.
+        """
+        nodes = data.get("nodes") if isinstance(data, dict) else None
+        if not isinstance(nodes, list) or not nodes:
+            return data
+        try:
+            graph = Graph.model_validate({"nodes": nodes})
+        except ValidationError:
+            return data
+        resolved = await self.resolve(graph, tenant)
+        if resolved is graph:
+            return data
+        return {**data, "nodes": [n.model_dump(mode="json", by_alias=True)
+                                  for n in resolved.nodes]}
 
     async def _describe(self, step: str, index: int, tool: ToolSpec, tenant: Tenant | None,
                         problems: list[str]) -> ToolSpec:

@@ -269,7 +269,8 @@ async def append_nodes(request: web.Request) -> web.Response:
     """Append nodes to an open run (:func:`open_runs.append`)."""
     state = request.app[STATE]
     run_id, tenant = request.match_info["run_id"], tenant_of(request)
-    data = await read_json(request)
+    data = await state.tools.resolve_appended(await read_json(request),
+                                              state.tenants.by_name(tenant))
     if state.runs.live(run_id, tenant) is None and state.runs.store.shared:
         return web.json_response(state.runs.queue_request(  # another replica runs it
             run_id, "nodes", data, tenant, state.backends.known()), status=202)
