@@ -191,13 +191,14 @@ async def test_unknown_server_tool_and_disallowed_tool_are_listed_graph_errors(
     assert "has no tool 'subtract'" in problems[1] and "add" in problems[1]
     assert "not in its allow list" in problems[2]
     body = {"nodes": [{"kind": "llm", "id": "a", "messages": [
-        {"role": "user", "content": [{"text": "x"}]}],
+        {"role": "user", "content": [{"text": "x"}, {"ref": "gone"}]}],
         "tools": [{"name": "add", "server": "nowhere"}]}]}
     resp = await client.post("/v1/workflows", json=body)
     assert resp.status == 400
     error = (await resp.json())["error"]
     assert error["code"] == "invalid_graph" and error["param"] == "graph"
-    assert "node 'a' tools.0" in error["problems"][0]
+    assert "unknown node 'gone'" in error["problems"][0]  # listed with the others
+    assert "node 'a' tools.0" in error["problems"][1]
 
 
 async def test_a_tenant_reaches_only_the_tool_servers_it_is_allowed(

@@ -16,11 +16,10 @@ arguments).
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import contextlib
+import json
 import weakref
+from typing import Any
 
 import ijson
 

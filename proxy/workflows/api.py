@@ -97,19 +97,46 @@ class ToolResult(BaseModel):
         return self
 
 
+def _graph_model(data: Any) -> Graph:
+    try:
+        return Graph.model_validate(data)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(map(str, e['loc'])) or '(graph)'}: {e['msg']}"
+                    for e in exc.errors(include_url=False)]
+        raise GraphError(problems) from None
+
+
 def parse_graph(data: Any, backends: Backends) -> Graph:
     """Parse and validate a graph document; every problem is reported at once.
 
     Raises:
         GraphError: HTTP 400 with ``problems``.
     """
-    try:
-        graph = Graph.model_validate(data)
-    except ValidationError as exc:
-        problems = [f"{'.'.join(map(str, e['loc'])) or '(graph)'}: {e['msg']}"
-                    for e in exc.errors(include_url=False)]
-        raise GraphError(problems) from None
+    graph = _graph_model(data)
     validate(graph, backends.known())
+    return graph
+
+
+async def submitted_graph(data: Any, state: ProxyState, tenant: str | None) -> Graph:
+    """:func:`parse_graph` with its proxy tools described for ``tenant``
+    (:meth:`~flowlift.proxy.tools.ToolServers.resolve`); the problems of both listed
+    together.
+
+    Raises:
+        GraphError: HTTP 400 with ``problems``.
+    """
+    graph = _graph_model(data)
+    problems: list[str] = []
+    try:
+        validate(graph, state.backends.known())
+    except GraphError as exc:
+        problems += exc.problems
+    try:
+        graph = await state.tools.resolve(graph, state.tenants.by_name(tenant))
+    except GraphError as exc:
+        problems += exc.problems
+    if problems:
+        raise GraphError(problems)
     return graph
 
 
@@ -145,8 +172,7 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     data = await read_json(request)
     awaited = data.pop("awaited", None) if isinstance(data, dict) else None
-    tenant = state.tenants.by_name(tenant_of(request))
-    graph = await state.tools.resolve(parse_graph(data, state.backends), tenant)
+    graph = await submitted_graph(data, state, tenant_of(request))
     awaited = open_runs.awaited_ids(graph, awaited)
     run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs,
                                      state.runs.outcomes, state.prices)
@@ -155,6 +181,7 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
         raise RequestError(f"{warning}; the workflow asked for strict_deadline, so it was "
                            "not started (raise deadline_s, or drop strict_deadline to run "
                            "it anyway)", param="deadline_s")
+    tenant = state.tenants.by_name(tenant_of(request))
     run = state.runs.start(graph, state.backends, state.costs, run_plan,
                            parent=extract(request.headers), tenant=tenant_of(request),
                            tenant_max_active=tenant.max_active_runs if tenant else None)
