@@ -130,7 +130,12 @@ async def test_stdio_mcp_tool_runs_on_the_proxy_next_to_an_app_tool(aiohttp_clie
 
 
 @pytest.fixture
-def http_mcp():
+def http_mcp(http_mcp_proc):
+    return http_mcp_proc[0]
+
+
+@pytest.fixture
+def http_mcp_proc():
     port = free_port()
     proc = subprocess.Popen([sys.executable, SERVER, "http", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -141,7 +146,7 @@ def http_mcp():
             break
         except OSError:
             time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}/mcp"
+    yield f"http://127.0.0.1:{port}/mcp", proc
     proc.kill()
     proc.wait()
 
@@ -156,6 +161,33 @@ async def test_streamable_http_mcp_server(aiohttp_client, http_mcp):
     assert out.value == "It is 42."
     assert calls_of(wf, "adder_1")[0]["outcome"] == "ok"
     assert [d["value"] for d in events(app, wf, "tool.result")] == ["42"]
+
+
+async def test_an_http_server_that_goes_away_mid_call_is_an_error_result(
+        aiohttp_client, http_mcp_proc):
+    address, proc = http_mcp_proc
+    engine = FakeEngine(["fake-model"])
+
+    @step(tools=[proxy_tool("mcp.hang")], max_turns=2)
+    def waits(q):
+        return q
+
+    seen = scripted(engine, tool_calls_text(("hang", {})), "gave up")
+    client, _ = await proxy(aiohttp_client, engine,
+                            {"tools": {"mcp": {"url": address, "timeout_s": 20}}})
+
+    async def kill_soon() -> None:
+        await asyncio.sleep(1.5)
+        proc.kill()
+
+    killer = asyncio.ensure_future(kill_soon())
+    t0 = time.monotonic()
+    async with workflow("gone", base_url=url(client)):
+        out = waits("x")
+    await killer
+    assert out.value == "gave up"
+    assert "error:" in tool_messages(seen[1])
+    assert time.monotonic() - t0 < 19, tool_messages(seen[1])  # not the timeout
 
 
 async def test_configured_callable_tool(aiohttp_client):

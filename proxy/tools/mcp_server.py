@@ -20,17 +20,17 @@ import contextlib
 import os
 from typing import Any
 
-import httpx
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
-from mcp.shared.exceptions import MCPError
 
 from flowlift.proxy.config import ToolServerSpec
 from flowlift.proxy.tools.outcome import ServerTool, ToolOutcome
 
-_BELOW_THE_TOOL = (MCPError, httpx.HTTPError, OSError, EOFError, RuntimeError)
-"""What the ``mcp`` client raises when the server or its transport failed (translated
-here, the one place, into a tool error)."""
+_BELOW_THE_TOOL = (Exception,)
+"""What the ``mcp`` client raises when the server or its transport failed: ``MCPError``
+("Connection closed"), its HTTP client's errors (``httpx2``), ``OSError``, anyio's
+stream errors, a result that does not validate. All are translated here, the one
+place, into a tool error (never :class:`asyncio.CancelledError`: not an ``Exception``)."""
 
 
 class ServerUnreachable(Exception):
@@ -141,7 +141,7 @@ class McpServer:
                     cursor = page.next_cursor
                     if not cursor:
                         break
-        except (TimeoutError, *_BELOW_THE_TOOL) as exc:
+        except _BELOW_THE_TOOL as exc:  # TimeoutError included
             await self._dead()
             raise ServerUnreachable(f"tools/list failed: {type(exc).__name__}: {exc}"
                                     ) from None
