@@ -84,7 +84,8 @@ class ToolCallTrace:
     server: str | None = None
 
 
-def _union_ms(spans: list[tuple[float, float]]) -> float:
+def union_ms(spans: list[tuple[float, float]]) -> float:
+    """The time ``spans`` (start, end pairs in ms) cover, overlaps counted once."""
     total, end = 0.0, float("-inf")
     for start, stop in sorted(spans):
         if stop > end:
@@ -152,7 +153,7 @@ class StepTrace:
                 spans = [(c.wanted_ms, c.finished_ms) for c in self.tool_calls
                          if c.finished_ms is not None and (c.server is not None) == proxy]
                 if spans:
-                    out[stage] = _union_ms(spans)
+                    out[stage] = union_ms(spans)
             out["retry"] = max(0.0, out.get("retry", 0.0) - out.get("tool_wait", 0.0)
                                - out.get("tool_run", 0.0))
         pairs = (("queue", self.ready_ms, self.started_ms),
