@@ -295,7 +295,8 @@ class ToolServerSpec(_Strict):
     url: str | None = Field(default=None, pattern=r"^https?://")
     command: list[str] | None = Field(default=None, min_length=1)
     env: dict[str, str] = Field(default_factory=dict)
-    """Extra environment variables of a ``command`` server."""
+    """Environment variables of a ``command`` server, over the ``mcp`` client's minimal
+    default (``HOME``, ``PATH``, ...; never the proxy's own environment and secrets)."""
     callables: list[Annotated[str, Field(pattern=CALLABLE_PATH)]] | None = Field(
         default=None, min_length=1)
     allow: list[str] | None = None

@@ -106,12 +106,16 @@ def tool_messages(request: GenerationRequest) -> str:
     return "\n".join(m.content for m in request.messages)
 
 
-async def test_stdio_mcp_tool_runs_on_the_proxy_next_to_an_app_tool(aiohttp_client):
+async def test_stdio_mcp_tool_runs_on_the_proxy_next_to_an_app_tool(
+        aiohttp_client, tmp_path, monkeypatch):
+    monkeypatch.setenv("SECRET_OF_THE_PROXY", "s3cret")
     engine = FakeEngine(["fake-model"])
     seen = scripted(engine, tool_calls_text(("add", {"a": 2, "b": 3}),
                                             ("note", {"text": "hi"})),
                     "2 + 3 is 5.")
-    client, app = await proxy(aiohttp_client, engine, config())
+    count = tmp_path / "count.txt"
+    client, app = await proxy(aiohttp_client, engine, config(mcp={
+        "command": [sys.executable, SERVER], "env": {"COUNT_FILE": str(count)}}))
     async with workflow("mcp", base_url=url(client)) as wf:
         out = adder("What is 2+3?")
     assert out.value == "2 + 3 is 5."
@@ -127,6 +131,7 @@ async def test_stdio_mcp_tool_runs_on_the_proxy_next_to_an_app_tool(aiohttp_clie
     assert [d["name"] for d in wanted] == ["note"]  # no app round trip for add
     results = events(app, wf, "tool.result")
     assert {"step_id": "adder_1:call_1", "value": "5"} in results
+    assert count.read_text() == "2+3\n"  # the server got its `env`
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ mcp = MCPServer("flowlift-test")
 def add(a: int, b: int) -> int:
     """Add two whole numbers."""
     path = os.environ.get("COUNT_FILE")
+    if "SECRET_OF_THE_PROXY" in os.environ:  # the proxy's environment must not leak in
+        raise RuntimeError("the server got the proxy's environment")
     if path:
         with open(path, "a", encoding="utf-8") as f:
             f.write(f"{a}+{b}\n")

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from typing import Any
 
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters
+from mcp.client.stdio import StdioServerParameters, get_default_environment
 
 from flowlift.proxy.config import ToolServerSpec
 from flowlift.proxy.tools.outcome import ServerTool, ToolOutcome
@@ -83,8 +82,9 @@ def _target(spec: ToolServerSpec) -> StdioServerParameters | str:
     if spec.url is not None:
         return spec.url
     assert spec.command is not None  # the spec has exactly one kind
+    # not the proxy's environment (its secrets): mcp's minimal one (HOME, PATH, ...)
     return StdioServerParameters(command=spec.command[0], args=spec.command[1:],
-                                 env={**os.environ, **spec.env})
+                                 env={**get_default_environment(), **spec.env})
 
 
 def _text(result: Any) -> str:
