@@ -65,7 +65,8 @@ file (``flowlift serve --config flowlift.toml``)::
     [tools.research]                     # tools the proxy runs itself (proxy/tools/):
     command = ["python", "-m", "my_mcp"] # an MCP server over stdio, or
     # url = "http://127.0.0.1:9000/mcp"  # one over Streamable HTTP, or
-    # callables = ["mypkg.tools:search"] # Python functions (a sidecar deployment)
+    # callables = ["mypkg.tools:search"] # Python functions (a sidecar deployment;
+                                         # callable = "m:f" for one)
     allow = ["search", "read"]           # the tools graphs may name (default: all)
     timeout_s = 30                       # per call; then the call's result is an error
     max_result_bytes = 1000000           # a longer result is refused with an error text
@@ -312,6 +313,18 @@ class ToolServerSpec(_Strict):
     @classmethod
     def _parsable(cls, value: str | None) -> str | None:
         return None if value is None else _check_url(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_callable(cls, data: Any) -> Any:
+        """``callable = "m:f"``: the same as ``callables = ["m:f"]``."""
+        if isinstance(data, dict) and "callable" in data:
+            data = dict(data)
+            one = data.pop("callable")
+            if "callables" in data:
+                raise ValueError("give callable (one) or callables (a list), not both")
+            data["callables"] = [one]
+        return data
 
     @model_validator(mode="after")
     def _one_kind(self) -> ToolServerSpec:

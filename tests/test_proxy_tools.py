@@ -424,6 +424,9 @@ def test_proxy_tool_names_and_config_are_checked():
         proxy_tool("no-dot")
     with pytest.raises(UserError, match="two tools are named 'note'"):
         step(tools=[note, proxy_tool("x.note")])(lambda q: q)
+    assert parse_config({"tools": {"x": {"callable": "m:f"}}}).tools["x"].callables == ["m:f"]
+    with pytest.raises(ConfigError, match="not both"):
+        parse_config({"tools": {"x": {"callable": "m:f", "callables": ["m:g"]}}})
     with pytest.raises(ConfigError, match="exactly one of url"):
         parse_config({"tools": {"x": {"url": "http://a/mcp", "command": ["y"]}}})
     with pytest.raises(ConfigError, match="cannot import module 'no_such_mod'"):
