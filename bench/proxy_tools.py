@@ -95,7 +95,14 @@ def run_proxy_tools(base: str, sid: str, turns: int, max_tokens: int) -> dict[st
     # a call started early overlaps its turn's stream: only its time past the turns
     tool_ms = union_ms(turns_ + calls) - engine_ms
     return _session(e2e, len(record["attempts"]), engine_ms, tool_ms,
-                    None if error is not None and f"after {turns} turns" in error else error)
+                    None if error is not None and f"after {turns} turns" in error else error,
+                    _tokens(record["attempts"]))
+
+
+def _tokens(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Prompt, cached and completion tokens summed over a session's turns."""
+    return {k: sum(int(r.get(k) or 0) for r in rows)
+            for k in ("prompt_tokens", "cached_tokens", "completion_tokens")}
 
 
 
@@ -105,13 +112,14 @@ def run_chat_completions(base: str, sid: str, turns: int, max_tokens: int
     s = run_chat(base, sid, turns, max_tokens, stateless=False, tools=OPENAI_TOOLS,
                  result_of=_result_of)
     engine_ms = sum(t.get("engine_ms") or 0.0 for t in s["turns"])
-    return _session(s["end_to_end_s"] or 0.0, s["turns_done"], engine_ms, 0.0, s["error"])
+    return _session(s["end_to_end_s"] or 0.0, s["turns_done"], engine_ms, 0.0, s["error"],
+                    _tokens(s["turns"]))
 
 
 def _session(e2e_s: float, turns: int, engine_ms: float, tool_ms: float,
-             error: str | None) -> dict[str, Any]:
+             error: str | None, tokens: dict[str, int]) -> dict[str, Any]:
     overhead = (e2e_s * 1000 - engine_ms - tool_ms) / max(1, turns)
-    return {"end_to_end_s": round(e2e_s, 3), "turns_done": turns,
+    return {"end_to_end_s": round(e2e_s, 3), "turns_done": turns, **tokens,
             "engine_ms": round(engine_ms, 1), "tool_ms": round(tool_ms, 1),
             "overhead_per_turn_ms": round(overhead, 1), "error": error}
 
