@@ -203,6 +203,7 @@ async def test_configured_callable_tool(aiohttp_client):
         out = geo("Where is Oslo?")
     assert out.value == "Found."
     assert [c for c, _ in tools_callables.STARTED] == ["Oslo"]
+    assert engine.prefills == []  # no prefill-ahead racing the next turn's own prefill
     assert "Look a city up in the atlas." in tool_messages(seen[0])
     assert "a city name" in tool_messages(seen[0])  # Field(description=...) in the schema
     assert "Oslo: 2 hit(s)" in tool_messages(seen[1])

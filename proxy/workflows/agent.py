@@ -244,8 +244,11 @@ class AgentLoop:
 
     def _asks(self, calls: Sequence[ToolCall]) -> bool:
         """True when the first call goes to the app (not replayed from the log, not
-        answered at once with an error): its result is worth waiting for ahead."""
+        answered at once with an error, not a proxy tool: the proxy's own tools answer
+        in about the time a prefill-ahead would take, which would only compete with
+        the next turn's prefill): its result is worth waiting for ahead."""
         return (f"{self.node.id}:call_{self.calls + 1}" not in self._results
+                and self._proxy_spec(calls[0].name) is None
                 and not isinstance(check_call(calls[0], self.tools), str))
 
     async def _run_calls(self, calls: Sequence[ToolCall]) -> list[str]:
