@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                              "without model noise")
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine, 3 turns, 1 rep, 20 ms: the plumbing in seconds")
+    parser.add_argument("--out", default=None,
+                        help="results name in bench/results (default proxy_tools, "
+                             "proxy_tools_fake with --engine fake)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.turns, args.reps, args.rtt_ms, args.engine = 3, 1, 20.0, "fake"
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             results["measured"][where] = measure(url, args.turns, args.reps,
                                                  args.max_tokens, where)
             if not args.smoke:  # after each: a partial run keeps its figures
-                save("proxy_tools" if args.engine == "vllm" else "proxy_tools_fake", results)
+                save(args.out or ("proxy_tools" if args.engine == "vllm"
+                                  else "proxy_tools_fake"), results)
     print(markdown(results))
     return 0
 
