@@ -22,6 +22,11 @@ every turn (so a 135M model calls the tool each turn and every session has exact
   ``tools``, ``tool_choice`` and ``X-Flowlift-Session`` (what agent frameworks do).
 * **d. stateless**: as c, with a unique nonce at the very start of the system message
   on every request and no session: every turn re-prefills the whole conversation.
+* **e. responses**: the Responses API (issue 25), delta-only: each turn sends
+  ``previous_response_id`` and only its new items (the tool results), the proxy keeps
+  the conversation and keys affinity by it. Beside c and d it shows what the stateful
+  interface saves: the bytes the app sends per turn (``bytes_sent``, every variant
+  that posts JSON: c, d, e) stay flat instead of growing with the conversation.
 
 Each session starts with its own id in the system message, so no session reuses
 another's prefix. The variants run alternately (the order rotates per repetition),
@@ -38,7 +43,7 @@ token for a and b; c and d stream no token before a tool call is whole, so their
 p90, end to end, cached / prompt tokens; and the ratio of each variant to a.
 
     .venv/bin/python bench/agent_loop.py [--turns 6 35] [--reps 1] [--max-tokens 40]
-        [--rtt-ms 80] [--far-turns 6 35]
+        [--rtt-ms 80] [--far-turns 6 35] [--variants c_chat_completions e_responses ...]
     .venv/bin/python bench/agent_loop.py --smoke   # seconds, fake engine: plumbing only
 """
 
@@ -78,7 +83,8 @@ from flowlift.proxy.openai.chat_completion.tools import Tool as ToolDef
 from flowlift.sdk.agents import tool_spec
 from flowlift.testing import running_proxy
 
-VARIANTS = ("a_agent_step", "b_open_run", "c_chat_completions", "d_stateless")
+VARIANTS = ("a_agent_step", "b_open_run", "c_chat_completions", "d_stateless",
+            "e_responses")
 Command = Literal["ls", "grep", "sed", "pytest", "run"]
 
 
@@ -234,9 +240,11 @@ def run_chat(base: str, sid: str, turns: int, max_tokens: int, *,
                 nonce = f"[request {secrets.token_hex(8)}] "
                 sent = [{**messages[0], "content": nonce + messages[0]["content"]},
                         *messages[1:]]
-            r = client.post("/v1/chat/completions", headers=headers, json={
+            payload = json.dumps({
                 "model": "default", "messages": sent, "tools": tools or OPENAI_TOOLS,
-                "tool_choice": "required", "max_tokens": max_tokens, "temperature": 0})
+                "tool_choice": "required", "max_tokens": max_tokens, "temperature": 0}).encode()
+            r = client.post("/v1/chat/completions", content=payload,
+                            headers={**headers, "Content-Type": "application/json"})
             if r.status_code != 200:
                 error = f"HTTP {r.status_code}: {r.text[:200]}"
                 break
@@ -247,7 +255,8 @@ def run_chat(base: str, sid: str, turns: int, max_tokens: int, *,
             rows.append({"prompt_tokens": usage["prompt_tokens"],
                          "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                          "completion_tokens": usage["completion_tokens"],
-                         "engine_ms": float(m.group(1)) if m else None})
+                         "engine_ms": float(m.group(1)) if m else None,
+                         "bytes_sent": len(payload)})
             calls = body["choices"][0]["message"].get("tool_calls") or []
             if not calls:
                 error = f"turn {k + 1} called no tool"
@@ -258,6 +267,51 @@ def run_chat(base: str, sid: str, turns: int, max_tokens: int, *,
                                 "content": STAMPS.next_result() if result_of is None
                                 else result_of(c)} for c in calls)]
     return _session(t0, STAMPS.times, rows, None, error)
+
+
+# -- e. the Responses API, delta-only -------------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", "name": SPEC.name, "description": SPEC.description,
+                    "parameters": SPEC.parameters}]
+
+
+def run_responses(base: str, sid: str, turns: int, max_tokens: int) -> dict[str, Any]:
+    """c's session through ``/v1/responses``: turn 1 sends the task, every later turn
+    ``previous_response_id`` and the tool results only (the proxy keeps the rest)."""
+    new: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
+    previous: str | None = None
+    rows: list[dict[str, Any]] = []
+    t0 = STAMPS.reset()
+    error = None
+    with httpx.Client(base_url=base, timeout=600) as client:
+        for k in range(turns):
+            payload = json.dumps({
+                "model": "default", "instructions": system_text(sid), "input": new,
+                "tools": RESPONSES_TOOLS, "tool_choice": "required", "temperature": 0,
+                "max_output_tokens": max_tokens,
+                **({"previous_response_id": previous} if previous else {})}).encode()
+            r = client.post("/v1/responses", content=payload,
+                            headers={"Content-Type": "application/json"})
+            if r.status_code != 200:
+                error = f"HTTP {r.status_code}: {r.text[:200]}"
+                break
+            STAMPS.mark()
+            body = r.json()
+            usage = body["usage"]
+            m = re.search(r"engine;dur=([\d.]+)", r.headers.get("server-timing", ""))
+            rows.append({"prompt_tokens": usage["input_tokens"],
+                         "cached_tokens": usage["input_tokens_details"]["cached_tokens"],
+                         "completion_tokens": usage["output_tokens"],
+                         "engine_ms": float(m.group(1)) if m else None,
+                         "bytes_sent": len(payload)})
+            calls = [o for o in body["output"] if o["type"] == "function_call"]
+            if not calls:
+                error = f"turn {k + 1} called no tool"
+                break
+            previous = body["id"]
+            new = [{"type": "function_call_output", "call_id": c["call_id"],
+                    "output": STAMPS.next_result()} for c in calls]
+    return _session(t0, STAMPS.times, rows, previous, error)
 
 
 # -- figures ---------------------------------------------------------------------------
@@ -296,14 +350,25 @@ def summarize(sessions: list[dict[str, Any]]) -> dict[str, Any]:
         out["engine_ttft_p90_ms"] = round(pct(ttft, 90), 1)
     if engine:
         out["engine_ms_median"] = round(statistics.median(engine), 1)
+    sent = [[t["bytes_sent"] for t in s["turns"] if "bytes_sent" in t] for s in sessions]
+    if any(sent):  # per turn, turn 1 included: what the app sends grows or stays flat
+        per_turn = [b for ss in sent for b in ss]
+        out["bytes_sent_median"] = statistics.median(per_turn)
+        out["bytes_sent_last_turn_median"] = statistics.median(ss[-1] for ss in sent if ss)
+        out["bytes_sent_total_median"] = statistics.median(sum(ss) for ss in sent if ss)
     return out
 
 
-def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each variant's median turn latency and end to end over the agent step's."""
-    base = summary["a_agent_step"]
+def ratios(summary: dict[str, dict[str, Any]], base_variant: str = "a_agent_step"
+           ) -> dict[str, Any]:
+    """Each variant's median turn latency and end to end over ``base_variant``'s."""
+    if base_variant not in summary:
+        return {}
+    base = summary[base_variant]
     out = {}
-    for v in VARIANTS[1:]:
+    for v in summary:
+        if v == base_variant:
+            continue
         s = summary[v]
         out[v] = {k: round(s[k] / base[k], 2) if s.get(k) and base.get(k) else None
                   for k in ("turn_latency_median_s", "turn_latency_p90_s",
@@ -317,15 +382,17 @@ RUNNERS: dict[str, Runner] = {
     "b_open_run": run_open_run,
     "c_chat_completions": lambda b, s, t, m: run_chat(b, s, t, m, stateless=False),
     "d_stateless": lambda b, s, t, m: run_chat(b, s, t, m, stateless=True),
+    "e_responses": run_responses,
 }
 
 
-def measure(base: str, turns: int, reps: int, max_tokens: int, where: str
-            ) -> dict[str, Any]:
+def measure(base: str, turns: int, reps: int, max_tokens: int, where: str,
+            variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     """``reps`` sessions of each variant, alternating (the order rotates per rep)."""
-    sessions: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    sessions: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for rep in range(reps):
-        order = VARIANTS[rep % 4:] + VARIANTS[:rep % 4]
+        shift = rep % len(variants)
+        order = variants[shift:] + variants[:shift]
         for v in order:
             sid = f"{v[0]}-{where}-{turns}-{rep}-{secrets.token_hex(3)}"
             s = RUNNERS[v](base, sid, turns, max_tokens)
@@ -334,30 +401,33 @@ def measure(base: str, turns: int, reps: int, max_tokens: int, where: str
                   f"{s['end_to_end_s']} s, {s['turns_done']} turns"
                   + (f", error: {s['error'][:120]}" if s["error"] else ""), flush=True)
     summary = {v: summarize(ss) for v, ss in sessions.items()}
-    return {"summary": summary, "ratios_over_a": ratios(summary), "sessions": sessions}
+    return {"summary": summary, "ratios_over_a": ratios(summary),
+            "ratios_over_c": ratios(summary, "c_chat_completions"), "sessions": sessions}
 
 
 def markdown(results: dict[str, Any]) -> str:
     """A RESULTS.md table of a results file: one row per (where, turns, variant)."""
     lines = ["| where | turns | variant | per-turn median / p90 (s) | end to end (s) | "
              "x of a (turn median / e2e) | engine TTFT median (ms) | engine time median "
-             "(ms) | cached / prompt tokens (turns 2..N) | turns done |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "(ms) | cached / prompt tokens (turns 2..N) | bytes sent per turn median / "
+             "last / session | turns done |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, out in results.items():
         if not key.endswith(tuple(f"_turns_{n}" for n in range(1, 201))):
             continue
         where, turns = key.rsplit("_turns_", 1)
-        for v in VARIANTS:
-            s = out["summary"][v]
-            r = out["ratios_over_a"].get(v, {"turn_latency_median_s": 1.0,
-                                              "end_to_end_median_s": 1.0})
+        for v, s in out["summary"].items():
+            r = out["ratios_over_a"].get(v, {"turn_latency_median_s": "n/a",
+                                              "end_to_end_median_s": "n/a"})
+            sent = (f"{s['bytes_sent_median']} / {s['bytes_sent_last_turn_median']} / "
+                    f"{s['bytes_sent_total_median']}" if "bytes_sent_median" in s else "n/a")
             lines.append(
                 f"| {where} | {turns} | {v} | {s['turn_latency_median_s']} / "
                 f"{s['turn_latency_p90_s']} | {s['end_to_end_median_s']} | "
                 f"{r['turn_latency_median_s']} / {r['end_to_end_median_s']} | "
                 f"{s.get('engine_ttft_median_ms', 'n/a')} | {s.get('engine_ms_median', 'n/a')} | "
                 f"{s['cached_tokens']} / {s['prompt_tokens']} ({s['cached_over_prompt']}) | "
-                f"{', '.join(map(str, s['turns_done']))} |")
+                f"{sent} | {', '.join(map(str, s['turns_done']))} |")
     return "\n".join(lines)
 
 
@@ -379,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=40,
                         help="per turn; a forced tool call is ~20 tokens of JSON")
     parser.add_argument("--rtt-ms", type=float, default=80.0)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="which variants to run (default: all)")
     parser.add_argument("--table", metavar="JSON", default=None,
                         help="only print a results file as a markdown table")
     parser.add_argument("--smoke", action="store_true",
@@ -408,7 +480,9 @@ def main(argv: list[str] | None = None) -> int:
             "c_chat_completions": "the app drives /v1/chat/completions with tools and "
                                   "X-Flowlift-Session",
             "d_stateless": "as c with a unique nonce first in the system message, no "
-                           "session: every turn re-prefills"}}
+                           "session: every turn re-prefills",
+            "e_responses": "/v1/responses with previous_response_id: each turn sends only "
+                           "its tool results (delta-only client)"}}
     started = fake_proxy() if args.smoke else proxy("--max-concurrency", "4",
                                                     name="agent_loop")
     with started as base:
@@ -420,14 +494,17 @@ def main(argv: list[str] | None = None) -> int:
                                     (f"{args.rtt_ms:g}ms", far, far_turns)):
             for turns in lengths:
                 print(f"{where}: {turns}-turn sessions", flush=True)
-                out = measure(url, turns, args.reps, args.max_tokens, where)
+                out = measure(url, turns, args.reps, args.max_tokens, where,
+                              tuple(args.variants))
                 results[f"{where}_turns_{turns}"] = out
-                for v in VARIANTS:
-                    s = out["summary"][v]
+                for v, s in out["summary"].items():
                     print(f"  {v:20s} turn median {s['turn_latency_median_s']} s p90 "
                           f"{s['turn_latency_p90_s']} s, e2e {s['end_to_end_median_s']} s, "
-                          f"cached/prompt {s['cached_over_prompt']}", flush=True)
+                          f"cached/prompt {s['cached_over_prompt']}, bytes sent per turn "
+                          f"{s.get('bytes_sent_median', 'n/a')} (last "
+                          f"{s.get('bytes_sent_last_turn_median', 'n/a')})", flush=True)
                 print(f"  over a: {out['ratios_over_a']}", flush=True)
+                print(f"  over c: {out['ratios_over_c']}", flush=True)
                 if name is not None:  # after each size: a partial run keeps its figures
                     save(name, results)
     return 0

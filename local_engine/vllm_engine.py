@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from flowlift.errors import (
     ContextLengthExceeded,
@@ -46,7 +46,7 @@ from flowlift.local_engine.base import (
     require_plain,
 )
 from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
-from flowlift.local_engine.models import cache_dir, resolve_model
+from flowlift.local_engine.models import cache_dir, default_dtype, resolve_model
 
 _INSTALL_HINT = "install the engine with `bash scripts/install.sh`"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -114,8 +114,10 @@ class VLLMConfig:
     def for_model(cls, name_or_path: str | None = None, **overrides: Any) -> VLLMConfig:
         """Config for the default model (``None``) or a checkpoint folder; converts the
         default model on first use (see :func:`~flowlift.local_engine.models.resolve_model`)."""
-        name, path = resolve_model(name_or_path, overrides.get("dtype", "float32"))
-        return cls(model=str(path), served_model_name=name, **overrides)
+        dtype = overrides.pop("dtype", None) or default_dtype(name_or_path)
+        name, path = resolve_model(name_or_path, dtype)
+        return cls(model=str(path), served_model_name=name, dtype=cast(DType, dtype),
+                   **overrides)
 
     def estimated_memory_mb(self) -> float:
         """Memory the loaded engine takes, estimated: the checkpoint's weight files, the

@@ -13,7 +13,6 @@ a run's progress (:mod:`flowlift.proxy.workflows.progress`) and the pages under 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Mapping
 
@@ -31,6 +30,8 @@ from flowlift.proxy.dispatch.prefill_ahead import AheadConfig
 from flowlift.proxy.http import log, openai_errors
 from flowlift.proxy.middleware import readiness_gate, require_key
 from flowlift.proxy.openai import routes as openai_api
+from flowlift.proxy.openai.responses import serving as responses_api
+from flowlift.proxy.openai.responses.store import ResponseStore
 from flowlift.proxy.sessions import api as sessions_api
 from flowlift.proxy.sessions.table import SessionTable
 from flowlift.proxy.state import STATE, ProxyState
@@ -41,7 +42,7 @@ from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
 from flowlift.proxy.workflows.outcomes import StepOutcomes
-from flowlift.proxy.workflows.planning import plan
+from flowlift.proxy.workflows.planning import compile_options
 from flowlift.proxy.workflows.registry import TAIL_POLL_S, RunRegistry
 from flowlift.proxy.workflows.store import open_store
 
@@ -110,9 +111,10 @@ async def _posted_results(app: web.Application) -> None:
         await asyncio.sleep(TAIL_POLL_S)
         try:
             state.runs.deliver_posted()
-            await state.runs.apply_requests(state.backends.known(), functools.partial(
-                plan, backends=state.backends, costs=state.costs,
-                outcomes=state.runs.outcomes, prices=state.prices))
+            await state.runs.apply_requests(
+                state.backends.known(), compile_options(state.backends, state.costs,
+                                                        state.runs.outcomes, state.prices),
+                recompile=state.config.append_recompile)
         except Exception:  # a database hiccup: the next round tries again
             log.exception("run_tool_results_failed")
 
@@ -210,6 +212,9 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     # per-turn cache accounting of X-Flowlift-Session sessions
     sessions_api.setup(app, SessionTable(max_sessions=config.max_sessions,
                                          ttl_s=config.session_ttl_s))
+    # stored Responses API turns (previous_response_id), in the run store
+    responses_api.setup(app, ResponseStore(store, ttl_s=config.response_ttl_s,
+                                           max_responses=config.max_responses))
     progress_api.setup(app)  # step counts of a run (the SDK's progress bar)
     ui.setup(app)  # /ui/workflows/{run_id} (timeline) and /ui/compile
     telemetry.setup(app, tel)  # /metrics, flushed at shutdown

@@ -139,6 +139,8 @@ class ProxyConfig:
         max_queue: OpenAI requests waiting per engine before the proxy answers 429.
         max_sessions, session_ttl_s: bounds of the ``X-Flowlift-Session`` table (sessions
             kept; seconds a session lives after its last turn).
+        max_responses, response_ttl_s: bounds of the stored Responses API turns
+            (``previous_response_id``; responses kept, seconds each lives).
         max_runs: workflow runs active at once before ``POST /v1/workflows`` answers 429.
         lease_ttl_s: on a shared (PostgreSQL) state database, how long a run's lease lasts
             unrenewed: a proxy renews its leases every third of it, and another proxy
@@ -147,6 +149,9 @@ class ProxyConfig:
             while the tool is out (:mod:`flowlift.proxy.dispatch.prefill_ahead`).
         prefill_ahead_max_kv_usage: KV-cache share (0 to 1) above which prefill-ahead
             stops and what runs of it is aborted.
+        append_recompile: an open run's append compiles the whole grown graph (the
+            behaviour before issue 24; a benchmark baseline) instead of the new nodes
+            alone (:mod:`flowlift.incremental`).
     """
 
     max_concurrency: int = 16
@@ -163,10 +168,13 @@ class ProxyConfig:
     max_queue: int = 256
     max_sessions: int = 10_000
     session_ttl_s: float = 1800.0
+    max_responses: int = 10_000
+    response_ttl_s: float = 86_400.0
     max_runs: int = 4096
     lease_ttl_s: float = 15.0
     prefill_ahead: bool = True
     prefill_ahead_max_kv_usage: float = 0.7
+    append_recompile: bool = False
 
 
 class _Strict(BaseModel):
@@ -202,6 +210,11 @@ class _Priced(_Strict):
 
 class EmbeddedSpec(_Priced):
     kind: Literal["embedded"]
+    model: str | None = Field(default=None, min_length=1)
+    """The embedded model this backend is: a known model's name
+    (``flowlift.local_engine.models.known_models``), a checkpoint folder or a hub id.
+    ``flowlift serve --config`` loads one engine per model named here (next to
+    ``--model``). None: the proxy's first embedded model."""
     tier: Literal["local"] = "local"
     idle: bool = False
     """Offer the ``idle`` mode to the tier planner: a step with the slack for it runs
@@ -246,6 +259,11 @@ class UpstreamSpec(_Priced):
     offers_flex: bool = False
     """The backend also takes ``service_tier: "flex"`` for the steps the tier planner
     defers (flex on a standard backend)."""
+    responses_api: Literal["native", "chat"] = "native"
+    """How ``/v1/responses`` reaches it: ``native`` passes the request through (the backend
+    keeps the state, e.g. OpenAI) when every backend of the model is ``native``;
+    ``chat``: the proxy serves the Responses API itself, statefully, over the backend's
+    ``/chat/completions`` (vLLM, SGLang, llama.cpp)."""
     hints: list[Literal["vllm-priority", "sglang-session", "dynamo"]] = Field(
         default_factory=list)
     """Scheduler hints written into workflow steps' requests in the engine's own fields
@@ -423,6 +441,13 @@ class FileConfig(_Strict):
         if not self.server.api_keys_env:
             return frozenset()
         return _split_keys(os.environ.get(self.server.api_keys_env, ""))
+
+    def embedded_models(self) -> list[str]:
+        """The ``model`` of every embedded backend that names one, first-named first,
+        each once."""
+        named = [spec.model for spec in self.backends.values()
+                 if isinstance(spec, EmbeddedSpec) and spec.model]
+        return list(dict.fromkeys(named))
 
     def secrets(self) -> frozenset[str]:
         """Every secret the config reads from the environment (for the log redactor)."""

@@ -4,7 +4,8 @@ real-client tests.
 ``tests/data/openai-openapi.subset.json`` is the part of ``openai-openapi.yaml``
 (repository openai/openai-openapi, commit f85dbe223d40e1a31cba812ab2d755c7e98a92a3; MIT
 licence in ``tests/data/openai-openapi.LICENSE``) that flowlift's drop-in endpoints need:
-the operations createChatCompletion, createCompletion, createEmbedding and listModels,
+the operations createChatCompletion, createCompletion, createEmbedding, listModels and
+the Responses API's createResponse, getResponse, deleteResponse and listInputItems,
 the response schemas the tests name, and every component they reference, unchanged but
 for the operations' examples (``x-oaiMeta``), which are left out. CI has no copy of the
 whole file; regenerate the subset with::
@@ -45,10 +46,13 @@ from tests.upstream_fake import FakeUpstream, sse_bytes
 
 SUBSET = Path(__file__).parent / "data" / "openai-openapi.subset.json"
 OPERATIONS = {("/chat/completions", "post"), ("/completions", "post"),
-              ("/embeddings", "post"), ("/models", "get")}
+              ("/embeddings", "post"), ("/models", "get"), ("/responses", "post"),
+              ("/responses/{response_id}", "get"), ("/responses/{response_id}", "delete"),
+              ("/responses/{response_id}/input_items", "get")}
 RESPONSE_SCHEMAS = ("CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
                     "CreateCompletionResponse", "CreateEmbeddingResponse",
-                    "ListModelsResponse", "ErrorResponse")
+                    "ListModelsResponse", "ErrorResponse", "Response",
+                    "ResponseStreamEvent", "ResponseItemList", "CreateResponse")
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
 
 
@@ -138,6 +142,20 @@ def validate(instance: Any, schema_name: str) -> None:
         raise AssertionError(f"not a valid {schema_name}:\n  "
                              + "\n  ".join(_describe(e) for e in errors)
                              + f"\ninstance: {json.dumps(instance)[:2000]}")
+
+
+def validate_event(event: dict[str, Any]) -> None:
+    """Assert that ``event`` is a valid Responses stream event: against the one branch of
+    ``ResponseStreamEvent`` its ``type`` names (the union has no discriminator, so a
+    failure would otherwise be reported against whichever branch matched best)."""
+    union = openapi()["components"]["schemas"]["ResponseStreamEvent"]
+    names = {}
+    for branch in union.get("anyOf") or union.get("oneOf") or ():
+        name = branch["$ref"].rsplit("/", 1)[1]
+        kind = openapi()["components"]["schemas"][name]["properties"]["type"]
+        names[(kind.get("enum") or [kind.get("const")])[0]] = name
+    assert event.get("type") in names, f"no stream event of type {event.get('type')!r}"
+    validate(event, names[event["type"]])
 
 
 # -- a spec-valid upstream -------------------------------------------------------------

@@ -12,10 +12,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SMOKED = ["agent_session.py", "batch_pipeline.py", "cascade.py", "chain_rtt.py", "residency.py",
-          "make_batch_graph.py", "mixed_load.py", "prefill_ahead.py", "proxy_overhead.py",
-          "proxy_tools.py", "routing.py", "speculative.py", "tiers.py", "tracing_overhead.py",
-          "ui_render.py", "browser_compiler.py"]
+SMOKED = ["agent_session.py", "append_cost.py", "batch_pipeline.py", "cascade.py",
+          "chain_rtt.py", "residency.py", "make_batch_graph.py", "mixed_load.py",
+          "prefill_ahead.py", "proxy_overhead.py", "proxy_tools.py", "routing.py",
+          "speculative.py", "tiers.py", "tracing_overhead.py", "ui_render.py",
+          "browser_compiler.py", "label_probe.py"]
 
 
 def _results() -> list[tuple[str, int]]:
@@ -30,8 +31,14 @@ def _smoke(script: str) -> subprocess.CompletedProcess[str]:
 def test_agent_loop_smoke_exits_0():
     done = _smoke("agent_loop.py")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    for variant in ("a_agent_step", "b_open_run", "c_chat_completions", "d_stateless"):
+    for variant in ("a_agent_step", "b_open_run", "c_chat_completions", "d_stateless",
+                    "e_responses"):
         assert variant in done.stdout
+    # the Responses variant ran its turns (no error) and reported the bytes it sent
+    line = next(ln for ln in done.stdout.splitlines() if "e_responses" in ln and "e2e" in ln
+                and "turns" in ln and "rep" in ln)
+    assert "error" not in line, line
+    assert "bytes sent per turn" in done.stdout
 
 
 @pytest.mark.parametrize("script", SMOKED)

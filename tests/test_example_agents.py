@@ -155,3 +155,29 @@ async def test_the_proxy_tools_variant_runs_search_and_read_on_the_proxy(
     run_id = re.findall(r"run id: (wf-\w+)", text)[0]
     names = [n for _, n, _ in app[STATE].runs.live(run_id).log.history()]
     assert "tool.result" in names and "tool.wanted" not in names
+
+
+def test_the_agents_run_on_the_larger_model_when_the_proxy_serves_it():
+    import httpx
+    import respx
+
+    with respx.mock:
+        respx.get("http://pair/v1/models").respond(json={"data": [
+            {"id": "small"}, {"id": "large"}, {"id": "Qwen2.5-Coder-0.5B-Instruct"}]})
+        respx.get("http://single/v1/models").respond(json={"data": [{"id": "fake-model"}]})
+        respx.get("http://down/v1/models").mock(side_effect=httpx.ConnectError("refused"))
+        assert research.agent_model("http://pair") == "large"
+        assert research.agent_model("http://single") is None  # the proxy's default
+        assert research.agent_model("http://down") is None
+
+
+def test_tool_call_validity_counts_agent_calls_and_loop_decisions():
+    trace = [
+        {"type": "run"},
+        {"type": "step", "name": "research", "tool_calls": [
+            {"outcome": "ok"}, {"outcome": "invalid"}, {"outcome": "error"}]},
+        {"type": "step", "name": "decide", "attempts": [
+            {"outcome": "contract_failed"}, {"outcome": "ok"}]},
+        {"type": "step", "name": "search"},
+    ]
+    assert research.tool_call_validity(trace) == (3, 5)

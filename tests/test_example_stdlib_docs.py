@@ -78,8 +78,12 @@ async def test_pipeline_classifies_on_the_cascade_of_its_config(aiohttp_client, 
     def logprob(token):  # the fake is unsure of two areas only
         return -2.0 if token.strip() in ("networking", "text", "processing") else -0.05
 
-    engine = FakeEngine(["fake-model"], responder=responder, logprob=logprob)
-    app = create_app({"fake-model": engine}, file_config=config)
+    # the config's cascade is two distinct embedded models (the Qwen2.5-Coder pair)
+    small, large = config.embedded_models()
+    assert (small, large) == ("Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-1.5B-Instruct")
+    engines = {name: FakeEngine([name], responder=responder, logprob=logprob)
+               for name in (small, large)}
+    app = create_app(engines, file_config=config)
     client = await aiohttp_client(app)
     await app[STATE].ready.wait()
     monkeypatch.setenv("FLOWLIFT_BASE_URL", str(client.make_url("")).rstrip("/"))
@@ -91,13 +95,15 @@ async def test_pipeline_classifies_on_the_cascade_of_its_config(aiohttp_client, 
             return pipeline.main(["--limit", "6", "--trace", str(trace)])
 
     assert await asyncio.to_thread(run) == 0, out.getvalue()
-    assert "classify cascade small -> large (confidence floor 0.7): " in out.getvalue()
+    assert "classify cascade small -> large (confidence floor 0.9): " in out.getvalue()
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     labels = [r for r in records if r.get("name") == "classify"]
     assert len(labels) == 6 and all(r["attempts"][0]["model"] == "small" for r in labels)
     moved = [r for r in labels if len(r["attempts"]) > 1]
     assert all(r["attempts"][0]["outcome"] == "low_confidence" for r in moved)
     assert all(r["attempts"][-1]["model"] == "large" for r in moved)
+    # each cascade name reached its own engine: small took every first attempt
+    assert engines[small].requests and len(engines[large].requests) == len(moved)
     counts = app[STATE].runs.outcomes.counts("classify", "small")
     assert counts.items == 6 and counts.failures == len(moved)
     # labels the fake is unsure of fall under the floor, the others do not

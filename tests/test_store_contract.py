@@ -369,3 +369,21 @@ def test_requests_kept_for_a_runs_owner_come_back_in_order_until_dropped(
     store.append("r1", 0, "run.finished", {"status": "succeeded"})
     store.prune(older_than_s=-1)
     assert store.requests(["r1"]) == [] and len(store.requests(["r2"])) == 1
+
+
+def test_stored_responses_round_trip_expire_delete_and_stay_bounded(open_db: Opener) -> None:
+    from flowlift.proxy.workflows.store import StoredResponse
+
+    store, now = open_db(), time.time()
+    body = {"response": {"id": "resp_1"}, "messages": [{"role": "user", "content": "hé"}]}
+    for i in range(4):
+        store.put_response(f"resp_{i}", StoredResponse("acme", "resp_0", body, now + i,
+                                                       now + 60))
+    store.put_response("old", StoredResponse(None, "old", body, now - 10, now - 1))
+    assert open_db().get_response("resp_1") == StoredResponse("acme", "resp_0", body,
+                                                              now + 1, now + 60)
+    assert store.get_response("old") is None  # expired: gone to readers at once
+    assert store.delete_response("resp_3") and not store.delete_response("resp_3")
+    assert store.prune_responses(keep=2) == 2  # the expired one and the oldest live one
+    assert [store.get_response(f"resp_{i}") is not None for i in range(3)] == [
+        False, True, True]

@@ -20,13 +20,16 @@ module's documentation). Both variants run every question at once, in one run ea
 
 Run it through the proxy (one is started for you when none answers)::
 
-    flowlift run examples/agents/research.py [--variant step|loop|both] [--limit N]
+    flowlift run --config examples/stdlib_docs/flowlift.toml examples/agents/research.py \
+        [--variant step|loop|both] [--limit N] [--model NAME]
     flowlift run --engine fake examples/agents/research.py    # without a model
     flowlift run --config examples/agents/proxy_tools.toml \
         examples/agents/research.py --variant proxy            # tools on the proxy
 
-It prints, per variant, each question's answer, whether it names the expected module,
-the model turns it took (or why it failed: ``max_turns`` reached, a broken contract),
+With that config both agents run on ``large`` (Qwen2.5-Coder-1.5B-Instruct); without it,
+on the proxy's default model. It prints, per variant, each question's answer, whether it
+names the expected module, how many of the model's tool calls were valid, the model
+turns it took (or why it failed: ``max_turns`` reached, a broken contract),
 then the run's stage split (``wf.report()``), run id and trace file. A question that
 fails is reported on its row; the example still runs to the end. Exit status: 0, or 2
 when no proxy could be reached.
@@ -37,12 +40,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 from pydantic import BaseModel, Field
 
 if __package__ in (None, ""):  # run as a script: make `examples.agents` importable
@@ -58,8 +63,24 @@ from flowlift import (
     tool,
     workflow,
 )
+from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
 MAX_TURNS = 6
+
+
+DEFAULT_MODEL = "large"
+"""The stdlib_docs config's larger model (Qwen2.5-Coder-1.5B-Instruct there)."""
+
+
+def agent_model(base_url: str) -> str | None:
+    """:data:`DEFAULT_MODEL` when the proxy at ``base_url`` serves it, else None (the
+    proxy's default model)."""
+    try:
+        listed = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return None  # the workflow itself reports an unreachable proxy
+    served = {m.get("id") for m in listed.get("data", [])}
+    return DEFAULT_MODEL if DEFAULT_MODEL in served else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,13 +272,32 @@ def table(outs: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def tool_call_validity(trace: list[dict[str, Any]]) -> tuple[int, int]:
+    """(valid, all) tool calls the model asked for in a run: an agent step's calls whose
+    tool exists and whose arguments fit its schema (outcome not ``invalid``), plus the
+    explicit loop's ``decide`` turns whose JSON held its contract."""
+    valid = total = 0
+    for record in trace:
+        if record.get("type") != "step":
+            continue
+        for call in record.get("tool_calls") or ():
+            total += 1
+            valid += call.get("outcome") != "invalid"
+        if record.get("name") == "decide":
+            for attempt in record.get("attempts") or ():
+                total += 1
+                valid += attempt.get("outcome") == "ok"
+    return valid, total
+
+
 def print_variant(title: str, wf: Any, outs: list[Outcome]) -> None:
     right = sum(o.correct for o in outs)
     failed = sum(o.error is not None for o in outs)
+    valid, calls = tool_call_validity(wf.trace)
     print(f"== {title} ==")
     print(table(outs))
     print(f"{right}/{len(outs)} answers name the expected module; {failed} failed; "
-          f"turns: {sum(o.turns for o in outs)} in all")
+          f"turns: {sum(o.turns for o in outs)} in all; valid tool calls: {valid}/{calls}")
     print(wf.report())
     print(f"run id: {wf.run_id} ({wf.status}); trace: {wf.trace_path}")
     print()
@@ -293,11 +333,18 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"only the first N of the {len(QUESTIONS)} questions")
     parser.add_argument("--trace-dir", default="runs",
                         help="write each run's trace here (default runs/)")
+    parser.add_argument("--model", default=None,
+                        help=f"the model both agents run on (default: {DEFAULT_MODEL!r} "
+                             "when the proxy serves it, as with --config "
+                             "examples/stdlib_docs/flowlift.toml; else the proxy's default)")
     args = parser.parse_args(argv)
+    model = args.model or agent_model(os.environ.get("FLOWLIFT_BASE_URL", DEFAULT_BASE_URL))
+    research.model = decide.model = model
     questions = list(QUESTIONS[:args.limit])
     variants = ["step", "loop"] if args.variant == "both" else [args.variant]
     print(f"agents: {len(questions)} questions over {len(corpus())} stdlib module "
-          f"docstrings; tools search(query) and read(module); max_turns {MAX_TURNS}")
+          f"docstrings; tools search(query) and read(module); max_turns {MAX_TURNS}; "
+          f"model {model or '(the proxy default)'}")
     print()
     try:
         asyncio.run(run(variants, questions, trace_dir=args.trace_dir))

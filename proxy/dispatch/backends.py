@@ -23,6 +23,7 @@ import httpx
 
 from flowlift.errors import ConfigError, ModelNotFound, Overloaded
 from flowlift.local_engine.base import Engine
+from flowlift.local_engine.models import served_name
 from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamSpec
 from flowlift.proxy.dispatch.batch import BatchClient
 from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
@@ -177,14 +178,23 @@ class Backends:
     def _names(self, config: FileConfig, names: list[str], model: str) -> tuple[str, ...]:
         out = []
         for n in names:
-            if not isinstance(config.backends[n], EmbeddedSpec):
+            spec = config.backends[n]
+            if not isinstance(spec, EmbeddedSpec):
                 out.append(n)
-            elif not self._embedded:
+                continue
+            if not self._embedded:
                 raise ConfigError(f"models.{model}: backend {n!r} is the embedded engine, "
                                   "but this proxy runs without one (--engine none)",
                                   param=f"models.{model}")
-            else:
-                out.append(EMBEDDED + str(self.default_model))
+            key = EMBEDDED + (served_name(spec.model) if spec.model
+                              else str(self.default_model))
+            if key not in self._embedded:
+                served = ", ".join(k.removeprefix(EMBEDDED) for k in self._embedded)
+                raise ConfigError(f"backends.{n}.model: {spec.model!r} is not an embedded "
+                                  f"model of this proxy (it serves {served}); start it with "
+                                  "`flowlift serve --config` (which loads every backend's "
+                                  "model) or `--extra-model`", param=f"backends.{n}.model")
+            out.append(key)
         return tuple(out)
 
     def alias(self, name: str, model: str) -> None:

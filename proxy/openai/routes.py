@@ -28,6 +28,7 @@ from flowlift.proxy.dispatch.backends import Local
 from flowlift.proxy.dispatch.forward import OnOutput, forward
 from flowlift.proxy.http import json_object, read_body
 from flowlift.proxy.openai.chat_completion import serving as embedded
+from flowlift.proxy.openai.responses import serving as responses_serving
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.proxy.tenants import tenant_of
@@ -119,6 +120,14 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
 
 @routes.post("/v1/responses")
 async def responses(request: web.Request) -> web.StreamResponse:
+    """The Responses API: served by the proxy, statefully, over chat completions
+    (:mod:`flowlift.proxy.openai.responses.serving`), unless every backend of the route
+    is an upstream that speaks it natively (passed through then)."""
+    state = request.app[STATE]
+    data = json_object(await read_body(request))
+    route = state.backends.route(data["model"])
+    if responses_serving.served_here(state.backends, route):
+        return await responses_serving.create(request, data, route)
     return await _dispatch(request, "/responses", None, observe=False)
 
 

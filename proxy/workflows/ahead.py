@@ -15,7 +15,7 @@ the templated prompt up to it (:meth:`flowlift.local_engine.base.Engine.prefill`
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from flowlift.graph import LLMNode, MessageTemplate, Node, Ref, project, render_value
@@ -73,17 +73,16 @@ def known_prefix(templates: Sequence[MessageTemplate],
     return None
 
 
-def consumers(nodes: Sequence[Node], deps: Mapping[str, Collection[str]], step_id: str,
+def consumers(readers: Iterable[Node], nodes: Mapping[str, Node],
               skip: Mapping[str, str]) -> list[LLMNode]:
-    """The model steps that read ``step_id``'s output directly, in graph order, less
-    those in ``skip`` (identical calls paid by another step: their representative is
-    listed instead, once)."""
+    """The model steps among ``readers`` (the steps that read one output directly, in
+    graph order), less those in ``skip`` (identical calls paid by another step: their
+    representative, looked up in ``nodes``, is listed instead, once)."""
     found: dict[str, LLMNode] = {}
-    by_id = {n.id: n for n in nodes}
-    for node in nodes:
-        if not isinstance(node, LLMNode) or step_id not in deps.get(node.id, ()):
+    for node in readers:
+        if not isinstance(node, LLMNode):
             continue
-        rep = by_id.get(skip.get(node.id, node.id), node)
+        rep = nodes.get(skip.get(node.id, node.id), node)
         if isinstance(rep, LLMNode):
             found.setdefault(rep.id, rep)
     return list(found.values())

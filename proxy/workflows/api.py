@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +65,7 @@ from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.workflows import open_runs, progress
 from flowlift.proxy.workflows.events import FINAL, Event
-from flowlift.proxy.workflows.planning import plan
+from flowlift.proxy.workflows.planning import compile_options, plan
 from flowlift.proxy.workflows.replay import trace_records
 from flowlift.proxy.workflows.runs import Run
 from flowlift.proxy.workflows.store import StoredRun
@@ -173,7 +174,7 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
     data = await read_json(request)
     awaited = data.pop("awaited", None) if isinstance(data, dict) else None
     graph = await submitted_graph(data, state, tenant_of(request))
-    awaited = open_runs.awaited_ids(graph, awaited)
+    awaited = open_runs.awaited_ids(graph.node_map(), awaited)
     run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs,
                                      state.runs.outcomes, state.prices)
     warning = deadline_warning(graph, run_plan)
@@ -302,14 +303,15 @@ async def append_nodes(request: web.Request) -> web.Response:
         return web.json_response(state.runs.queue_request(  # another replica runs it
             run_id, "nodes", data, tenant, state.backends.known()), status=202)
     run = state.runs.get(run_id, tenant)
-
-    def compile_graph(graph: Graph) -> Plan:
-        return plan(graph, state.backends, state.costs, state.runs.outcomes, state.prices)
-
-    answer = await open_runs.append(run, data, state.backends.known(), compile_graph)
+    started = time.perf_counter()
+    answer = await open_runs.append(
+        run, data, state.backends.known(),
+        compile_options(state.backends, state.costs, state.runs.outcomes, state.prices),
+        recompile=state.config.append_recompile)
+    spent_ms = (time.perf_counter() - started) * 1000
     log.info("run_grown", workflow_id=run.run_id, appended=len(answer["appended"]),
-             steps=answer["steps"])
-    return web.json_response(answer)
+             steps=answer["steps"], append_ms=round(spent_ms, 2))
+    return web.json_response(answer, headers={"Server-Timing": f"append;dur={spent_ms:.3f}"})
 
 
 @routes.post("/v1/workflows/{run_id}/close")
@@ -391,8 +393,8 @@ async def _run_report(state: ProxyState, graph: Graph | dict[str, Any],
                       run_plan: Plan | None) -> dict[str, Any] | None:
     """The compiler's report of a run: its own plan, or (a run read back from the store)
     its graph compiled again under today's cost models; None when that fails."""
-    if run_plan is not None:
-        return run_plan.report.model_dump(mode="json")
+    if run_plan is not None:  # a growing run's report is compiled when first read
+        return await asyncio.to_thread(lambda: run_plan.report.model_dump(mode="json"))
     try:
         g = graph if isinstance(graph, Graph) else Graph.model_validate(graph)
         again = await asyncio.to_thread(plan, g, state.backends, state.costs)

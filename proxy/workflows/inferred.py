@@ -17,6 +17,9 @@ workflow form one consolidated DAG as in Halo's query plans. Heuristics:
 * an output counts when, stripped of surrounding whitespace, it has at least
   :data:`MIN_OUTPUT_CHARS` characters, or a whole message's text is exactly it (a chat
   continuation quoting a short answer);
+* a structured answer counts by its fields too (:func:`output_pieces`): the string
+  values of a JSON object, and the sections of DSPy's ``[[ ## field ## ]]`` format, for
+  a framework that parses the answer and quotes only a field of it later;
 * only calls that finished before the later one started can be its inputs;
 * at each place the longest output wins, then the earliest place; when several calls
   produced the same text, the most recent eligible one is the source;
@@ -32,6 +35,7 @@ per workflow. Outputs with no such anchor fall back to ``str.find``.
 from __future__ import annotations
 
 import bisect
+import json
 import re
 import threading
 import time
@@ -61,6 +65,7 @@ CompileFn = Callable[[Graph], dict[str, Any]]
 _ANCHOR_CHARS = 12
 _ANCHORS = re.compile(rf"(?<!\w)(?=(\w.{{{_ANCHOR_CHARS - 1}}}))", re.DOTALL)
 _ID = re.compile(r"[\x21-\x7e]{1,128}")
+_SECTION = re.compile(r"\[\[ ## (\w+) ## \]\]\n(.*?)(?=\[\[ ## \w+ ## \]\]|\Z)", re.DOTALL)
 Role = Literal["system", "user", "assistant"]
 _ROLES: dict[str, Role] = {"system": "system", "developer": "system",
                            "assistant": "assistant"}
@@ -216,29 +221,48 @@ class _Workflow:
         return self.texts.setdefault(text, text)
 
 
+def output_pieces(output: str) -> list[str]:
+    """The texts of one call's output that a later prompt may quote, stripped of
+    surrounding whitespace, empty ones left out: the whole output first, then, for a
+    structured answer, each field's value: the string values of a JSON object (its top
+    level), and the sections of DSPy's ChatAdapter format (``[[ ## facts ## ]]`` then
+    the value, up to the next section)."""
+    pieces = [output.strip()]
+    if pieces[0].startswith("{"):
+        try:
+            doc = json.loads(pieces[0])
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict):
+            pieces += [v.strip() for v in doc.values() if isinstance(v, str)]
+    pieces += [m.group(2).strip() for m in _SECTION.finditer(output)]
+    return [p for p in dict.fromkeys(pieces) if p]
+
+
 class _Outputs:
     """Where the calls' outputs occur in prompt texts: ``(start, end, call index)``."""
 
     def __init__(self, calls: Sequence[_Call]) -> None:
         self.calls = calls
-        self.core = [c.output.strip() for c in calls]
+        self.pieces: list[tuple[str, int]] = []  # (a text a prompt may quote, its call)
         self.whole: dict[str, list[int]] = {}
-        self.anchored: dict[str, list[tuple[int, int]]] = {}  # anchor -> (call, offset)
-        self.loose: list[int] = []  # long outputs without an anchor
+        self.anchored: dict[str, list[tuple[int, int]]] = {}  # anchor -> (piece, offset)
+        self.loose: list[int] = []  # long pieces without an anchor
         self.memo: dict[str, list[tuple[int, int, int]]] = {}
         self.templates: dict[tuple[Role, str, tuple[tuple[int, int, int], ...]],
                              MessageTemplate] = {}
-        for i, core in enumerate(self.core):
-            if not core:
-                continue
-            self.whole.setdefault(core, []).append(i)
-            if len(core) < MIN_OUTPUT_CHARS:
-                continue
-            m = _ANCHORS.search(core, 1)
-            if m is None:
-                self.loose.append(i)
-            else:
-                self.anchored.setdefault(m.group(1), []).append((i, m.start()))
+        for i, call in enumerate(calls):
+            for core in output_pieces(call.output):
+                k = len(self.pieces)
+                self.pieces.append((core, i))
+                self.whole.setdefault(core, []).append(i)
+                if len(core) < MIN_OUTPUT_CHARS:
+                    continue
+                m = _ANCHORS.search(core, 1)
+                if m is None:
+                    self.loose.append(k)
+                else:
+                    self.anchored.setdefault(m.group(1), []).append((k, m.start()))
 
     def _scan(self, text: str) -> list[tuple[int, int, int]]:
         core = text.strip()
@@ -247,16 +271,18 @@ class _Outputs:
         for key in set(_ANCHORS.findall(text)).intersection(self.anchored):
             p = text.find(key)
             while p >= 0:
-                for i, offset in self.anchored[key]:
+                for k, offset in self.anchored[key]:
+                    piece, i = self.pieces[k]
                     start = p - offset
-                    if start >= 0 and text.startswith(self.core[i], start):
-                        found.add((start, start + len(self.core[i]), i))
+                    if start >= 0 and text.startswith(piece, start):
+                        found.add((start, start + len(piece), i))
                 p = text.find(key, p + 1)
-        for i in self.loose:
-            p = text.find(self.core[i])
+        for k in self.loose:
+            piece, i = self.pieces[k]
+            p = text.find(piece)
             while p >= 0:
-                found.add((p, p + len(self.core[i]), i))
-                p = text.find(self.core[i], p + 1)
+                found.add((p, p + len(piece), i))
+                p = text.find(piece, p + 1)
         return sorted(found)
 
     def message(self, role: Role, text: str, j: int) -> MessageTemplate:

@@ -13,9 +13,15 @@ OSDI'24: calls are submitted as made, a read blocks only on the value it needs):
 * ``POST /v1/workflows/{run_id}/close`` -- no more nodes; the run finishes once every
   node is done. Appending to a closed or finished run: :class:`RunClosed` (HTTP 409).
 
+An append costs what it adds: the run keeps the compiler's state
+(:class:`~flowlift.incremental.GrowingPlan`) and grows it by the new nodes alone --
+validation, identical calls, prefix groups, costs and remaining critical paths; the
+whole report is compiled when read. ``--append-recompile`` keeps the earlier whole-graph
+recompile per append (a benchmark baseline).
+
 Events in the run's log (durable like the rest): ``nodes.appended`` ``{nodes, awaited}``
-(the wire nodes) and ``run.closed``. A restarted proxy rebuilds the graph from the
-stored one plus the appended nodes (:func:`stored_graph`).
+(the new wire nodes only) and ``run.closed``. A restarted proxy rebuilds the graph from
+the stored one plus the appended nodes (:func:`stored_graph`) and compiles it once.
 
 Scheduling: a step the app awaits, with every unfinished step it depends on and the
 step warming its prefix group, is on the critical path now: it gets interactive
@@ -27,15 +33,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Container, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from flowlift.compiler import Plan
+from flowlift.compiler import CompileOptions, Plan, compile_graph
 from flowlift.dataflow import validate
 from flowlift.errors import GraphError, RequestError, RunClosed
 from flowlift.graph import Graph, Node
+from flowlift.incremental import GrowingPlan
 from flowlift.proxy.dispatch.scheduler import CLASS_RANK, Priority
 from flowlift.proxy.workflows.events import Event
 from flowlift.proxy.workflows.store import StoredRun
@@ -80,8 +87,8 @@ def stored_graph(stored: StoredRun) -> Graph:
     return Graph.model_validate({**stored.graph, "nodes": [*stored.graph["nodes"], *appended]})
 
 
-def awaited_ids(graph: Graph, raw: Any) -> tuple[str, ...]:
-    """Check an ``awaited`` list against the graph.
+def awaited_ids(held: Container[str], raw: Any) -> tuple[str, ...]:
+    """Check an ``awaited`` list against the ids of the steps the run holds.
 
     Raises:
         RequestError: not a list of strings, or it names a step the run does not hold.
@@ -90,8 +97,7 @@ def awaited_ids(graph: Graph, raw: Any) -> tuple[str, ...]:
         return ()
     if not isinstance(raw, list | tuple) or not all(isinstance(s, str) for s in raw):
         raise RequestError("`awaited` must be a list of step ids", param="awaited")
-    ids = {n.id for n in graph.nodes}
-    unknown = [s for s in raw if s not in ids]
+    unknown = [s for s in raw if s not in held]
     if unknown:
         raise RequestError(f"`awaited` names steps the run does not hold: {unknown}",
                            param="awaited")
@@ -148,6 +154,8 @@ class Growth:
         awaited: steps the app is (or was) blocked on, with what they wait for.
         changed: set when nodes are appended or the run is closed.
         lock: held while an append is validated and compiled (one at a time).
+        compiler: the incremental compiler state of the grown graph, made at the first
+            append (:class:`~flowlift.incremental.GrowingPlan`).
     """
 
     def __init__(self, open_: bool, history: Iterable[Event] = ()) -> None:
@@ -161,6 +169,7 @@ class Growth:
                 self.awaited.update(data.get("awaited", ()))
         self.changed = asyncio.Event()
         self.lock = asyncio.Lock()
+        self.compiler: GrowingPlan | None = None
 
     def priority(self, step_id: str, base: Priority) -> Priority:
         return awaited_priority(base) if step_id in self.awaited else base
@@ -195,24 +204,35 @@ class Growth:
 
     async def settled(self, tasks: list[asyncio.Task[None]]) -> None:
         """Wait until the run is closed and every node task (``tasks`` grows as nodes
-        are appended) is done."""
+        are appended) is done; each wake-up waits only for the tasks appended since."""
+        waited = 0
         while True:
             self.changed.clear()
-            await asyncio.gather(*tasks)
-            if self.closed and all(t.done() for t in tasks):
+            while waited < len(tasks):
+                start, waited = waited, len(tasks)
+                await asyncio.gather(*tasks[start:waited])
+            if self.closed:
                 return
             if not self.changed.is_set():
                 await self.changed.wait()
 
 
 async def append(run: Run, data: Any, models: Collection[str] | None,
-                 compile_graph: Callable[[Graph], Plan]) -> dict[str, Any]:
+                 options: CompileOptions, *, recompile: bool = False) -> dict[str, Any]:
     """Handle ``POST /v1/workflows/{run_id}/nodes`` for ``run``.
+
+    The run's compiler state grows by the new nodes alone
+    (:class:`~flowlift.incremental.GrowingPlan`: work bounded by what they touch; the
+    state is made at the first append, in a worker thread); the report is compiled
+    whole only when read.
 
     Args:
         data: the request's JSON body (:class:`AppendRequest`).
         models: model names served (for validation).
-        compile_graph: the proxy's compiler (run in a worker thread).
+        options: this proxy's compile options
+            (:func:`flowlift.proxy.workflows.planning.compile_options`).
+        recompile: validate and compile the whole grown graph instead (in a worker
+            thread), as before issue 24: a baseline for ``bench/append_cost.py``.
 
     Returns:
         ``{"run_id", "appended": [ids], "steps": total}``.
@@ -225,14 +245,45 @@ async def append(run: Run, data: Any, models: Collection[str] | None,
     body = parse_append(data)
     async with run.growth.lock:
         run.growth.check_open(run.run_id, run.finished)
-        fresh, bigger = check_append(run.graph, body.nodes, models)
-        awaited = awaited_ids(bigger, list(body.awaited))
-        new_plan = await asyncio.to_thread(compile_graph, bigger) if fresh else None
-        run.growth.check_open(run.run_id, run.finished)  # it may have ended meanwhile
-        run.append(fresh, None if new_plan is None else stable_plan(run.plan, new_plan),
-                   awaited)
+        if recompile:
+            fresh, plan = await _recompiled(run, body, models, options)
+        else:
+            state = run.growth.compiler
+            if state is None:
+                state = run.growth.compiler = await asyncio.to_thread(
+                    GrowingPlan, run.graph, options,
+                    lambda s: s in run.outputs or s in run.failures)
+            run.growth.check_open(run.run_id, run.finished)  # it may have ended meanwhile
+            fresh = tuple(n for n in body.nodes if state.nodes.get(n.id) != n)
+            state.check(fresh, models)
+            awaited_ids(_Held(state.nodes, fresh), list(body.awaited))
+            plan = None
+            if fresh:
+                state.add(fresh)
+                plan = state.plan(None if run.plan is None else run.plan.latest_report())
+        run.append(fresh, plan, body.awaited)
     return {"run_id": run.run_id, "appended": [n.id for n in fresh],
             "steps": len(run.graph.nodes)}
+
+
+class _Held(Container[str]):
+    """The ids of held nodes and of those an append brings (no copy of either)."""
+
+    def __init__(self, held: Container[str], fresh: Iterable[Node]) -> None:
+        self.held, self.fresh = held, {n.id for n in fresh}
+
+    def __contains__(self, step_id: object) -> bool:
+        return step_id in self.fresh or step_id in self.held
+
+
+async def _recompiled(run: Run, body: AppendRequest, models: Collection[str] | None,
+                      options: CompileOptions) -> tuple[tuple[Node, ...], Plan | None]:
+    """An append validated and compiled with the whole grown graph (the baseline)."""
+    fresh, bigger = check_append(run.graph, body.nodes, models)
+    awaited_ids(bigger.node_map(), list(body.awaited))
+    new_plan = await asyncio.to_thread(compile_graph, bigger, options) if fresh else None
+    run.growth.check_open(run.run_id, run.finished)  # it may have ended meanwhile
+    return fresh, None if new_plan is None else stable_plan(run.plan, new_plan)
 
 
 def parse_append(data: Any) -> AppendRequest:
@@ -266,5 +317,5 @@ def check_queued(graph: Graph, queued: Iterable[Any], data: Any,
         graph = grown(graph, (n for n in parse_append(earlier).nodes if n.id not in held))
     body = parse_append(data)
     fresh, bigger = check_append(graph, body.nodes, models)
-    awaited_ids(bigger, list(body.awaited))
+    awaited_ids(bigger.node_map(), list(body.awaited))
     return [n.id for n in fresh], len(bigger.nodes)

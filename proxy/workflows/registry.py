@@ -40,7 +40,7 @@ from typing import Any
 from cachetools import TTLCache
 from opentelemetry.context import Context
 
-from flowlift.compiler import Plan
+from flowlift.compiler import CompileOptions, Plan
 from flowlift.costs import CostTracker
 from flowlift.errors import (
     FlowliftError,
@@ -386,8 +386,8 @@ class RunRegistry:
         self.store.put_request(run_id, "nodes", data)
         return {"run_id": run_id, "appended": appended, "steps": steps, "queued": True}
 
-    async def apply_requests(self, models: Collection[str] | None,
-                             compile_graph: Callable[[Graph], Plan]) -> int:
+    async def apply_requests(self, models: Collection[str] | None, options: CompileOptions,
+                             *, recompile: bool = False) -> int:
         """Carry out the appends, closes and cancels other proxies kept for the runs here,
         in order, and drop them (applying one twice is harmless: held nodes are skipped,
         a second close or cancel is a no-op).
@@ -406,7 +406,7 @@ class RunRegistry:
                 elif kind == "close":
                     run.close_input()
                 else:
-                    await open_runs.append(run, body, models, compile_graph)
+                    await open_runs.append(run, body, models, options, recompile=recompile)
             except LeaseLost:
                 continue
             except FlowliftError as exc:  # validated when queued; the run may have ended
@@ -472,9 +472,9 @@ class RunRegistry:
         queued llm steps pinned; ``canonical`` maps a graph's model name to the served one."""
         ahead = Lookahead()
         for run in self.active.values():
-            windows = [] if run.plan is None else [
-                w.model_copy(update={"model": canonical(w.model)})
-                for w in run.plan.report.residency]
+            report = None if run.plan is None else run.plan.latest_report()  # never compiles
+            windows = [] if report is None else [
+                w.model_copy(update={"model": canonical(w.model)}) for w in report.residency]
             queued = {canonical(st.model) for st in run.trace.steps.values()
                       if st.kind == "llm" and st.status == "queued"}
             ahead = ahead.merge(lookahead(windows, run.trace.now_ms(), queued))

@@ -12,6 +12,8 @@ Tables::
     events(run_id, seq, name, data TEXT, PRIMARY KEY (run_id, seq))
     tool_results(run_id, step_id, body TEXT, PRIMARY KEY (run_id, step_id))
     requests(id INTEGER PRIMARY KEY, run_id, kind TEXT, body TEXT)  -- for its owner
+    responses(id PRIMARY KEY, tenant TEXT, conversation TEXT, body TEXT, created_at REAL,
+              expires_at REAL)  -- stored Responses API turns (flowlift.proxy.openai.responses)
 
 :class:`RunStoreProtocol` is the contract every store keeps (tests/test_store_contract.py
 runs one suite over both); :func:`open_store` picks the store from ``--state-db``: a
@@ -49,6 +51,10 @@ CREATE TABLE IF NOT EXISTS tool_results (run_id TEXT NOT NULL, step_id TEXT NOT 
     body TEXT NOT NULL, PRIMARY KEY (run_id, step_id));
 CREATE TABLE IF NOT EXISTS requests (id INTEGER PRIMARY KEY AUTOINCREMENT,
     run_id TEXT NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, tenant TEXT,
+    conversation TEXT NOT NULL, body TEXT NOT NULL, created_at REAL NOT NULL,
+    expires_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS responses_by_created ON responses (created_at);
 """
 _MIGRATIONS = (("tenant", "ALTER TABLE runs ADD COLUMN tenant TEXT"),)
 """Columns added since the first schema: (column, statement adding it to an older file)."""
@@ -91,6 +97,24 @@ class RunSummary:
         return {"object": "workflow.run", "id": self.run_id, "name": self.name,
                 "status": self.status, "created_at": self.created_at,
                 "updated_at": self.updated_at}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """One stored Responses API turn (times: epoch s).
+
+    Attributes:
+        tenant: whose it is (None: the anonymous tenant).
+        conversation: the id of the conversation's first response (its run and affinity).
+        body: the response object, its input items and the conversation's messages
+            (:mod:`flowlift.proxy.openai.responses.store` owns the shape).
+    """
+
+    tenant: str | None
+    conversation: str
+    body: dict[str, Any]
+    created_at: float
+    expires_at: float
 
 
 class RunStoreProtocol(Protocol):
@@ -237,6 +261,23 @@ class RunStoreProtocol(Protocol):
 
     def drop_requests(self, ids: Collection[int]) -> None:
         """Forget requests that were carried out."""
+        ...
+
+    def put_response(self, response_id: str, row: StoredResponse) -> None:
+        """Store (or replace) one Responses API response: durable when it returns."""
+        ...
+
+    def get_response(self, response_id: str) -> StoredResponse | None:
+        """The stored response ``response_id`` unless missing or expired (any tenant's:
+        the caller checks ``tenant``)."""
+        ...
+
+    def delete_response(self, response_id: str) -> bool:
+        """Forget one stored response; whether it was there."""
+        ...
+
+    def prune_responses(self, keep: int) -> int:
+        """Forget expired responses and all but the ``keep`` newest; how many went."""
         ...
 
 
@@ -445,6 +486,31 @@ class SQLiteRunStore:
 
     def drop_requests(self, ids: Collection[int]) -> None:
         self._db.executemany("DELETE FROM requests WHERE id = ?", [(i,) for i in ids])
+
+    def put_response(self, response_id: str, row: StoredResponse) -> None:
+        self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                         (response_id, row.tenant, row.conversation, json.dumps(row.body),
+                          row.created_at, row.expires_at))
+
+    def get_response(self, response_id: str) -> StoredResponse | None:
+        found = self._db.execute(
+            "SELECT tenant, conversation, body, created_at, expires_at FROM responses "
+            "WHERE id = ? AND expires_at > ?", (response_id, time.time())).fetchone()
+        if found is None:
+            return None
+        tenant, conversation, body, created, expires = found
+        return StoredResponse(tenant, conversation, json.loads(body), created, expires)
+
+    def delete_response(self, response_id: str) -> bool:
+        return self._db.execute("DELETE FROM responses WHERE id = ?",
+                                (response_id,)).rowcount == 1
+
+    def prune_responses(self, keep: int) -> int:
+        gone = self._db.execute("DELETE FROM responses WHERE expires_at <= ?",
+                                (time.time(),)).rowcount
+        return gone + self._db.execute(
+            "DELETE FROM responses WHERE id IN (SELECT id FROM responses "
+            "ORDER BY created_at DESC LIMIT -1 OFFSET ?)", (keep,)).rowcount
 
 
 RunStore = SQLiteRunStore

@@ -74,7 +74,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from flowlift.errors import EngineError, LeaseLost
 from flowlift.proxy.tenants import DEFAULT_TENANT
-from flowlift.proxy.workflows.store import SCHEMA_VERSION, RunSummary, StoredRun
+from flowlift.proxy.workflows.store import SCHEMA_VERSION, RunSummary, StoredResponse, StoredRun
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
@@ -101,6 +101,10 @@ CREATE TABLE IF NOT EXISTS flowlift_follows (run_id TEXT PRIMARY KEY,
     at DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS flowlift_requests (id BIGSERIAL PRIMARY KEY,
     run_id TEXT NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS flowlift_responses (id TEXT PRIMARY KEY, tenant TEXT,
+    conversation TEXT NOT NULL, body TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL);
+CREATE INDEX IF NOT EXISTS flowlift_responses_by_created ON flowlift_responses (created_at);
 """
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock, epoch s
 _CLAIM = f"""
@@ -395,3 +399,37 @@ class PostgresRunStore:
         if ids:
             with self._conn() as conn:
                 conn.execute("DELETE FROM flowlift_requests WHERE id = ANY(%s)", (list(ids),))
+
+    def put_response(self, response_id: str, row: StoredResponse) -> None:
+        with self._conn() as conn:
+            conn.execute(
+                "INSERT INTO flowlift_responses VALUES (%s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (id) DO UPDATE SET tenant = excluded.tenant, "
+                "conversation = excluded.conversation, body = excluded.body, "
+                "created_at = excluded.created_at, expires_at = excluded.expires_at",
+                (response_id, row.tenant, row.conversation, json.dumps(row.body),
+                 row.created_at, row.expires_at))
+
+    def get_response(self, response_id: str) -> StoredResponse | None:
+        with self._conn() as conn:
+            found = conn.execute(
+                "SELECT tenant, conversation, body, created_at, expires_at FROM "
+                "flowlift_responses WHERE id = %s AND expires_at > %s",
+                (response_id, time.time())).fetchone()
+        if found is None:
+            return None
+        tenant, conversation, body, created, expires = found
+        return StoredResponse(tenant, conversation, json.loads(body), created, expires)
+
+    def delete_response(self, response_id: str) -> bool:
+        with self._conn() as conn:
+            return conn.execute("DELETE FROM flowlift_responses WHERE id = %s",
+                                (response_id,)).rowcount == 1
+
+    def prune_responses(self, keep: int) -> int:
+        with self._conn() as conn:
+            gone = conn.execute("DELETE FROM flowlift_responses WHERE expires_at <= %s",
+                                (time.time(),)).rowcount
+            return gone + conn.execute(
+                "DELETE FROM flowlift_responses WHERE id IN (SELECT id FROM "
+                "flowlift_responses ORDER BY created_at DESC OFFSET %s)", (keep,)).rowcount

@@ -63,6 +63,21 @@ def _add(sized: dict[str, tuple[Engine, float]], name: str, engine: Engine,
     sized[name] = (engine, memory_mb)
 
 
+def add_config_models(args: argparse.Namespace, named: list[str]) -> None:
+    """Add the embedded models a config file names (``[backends.X] model = ...``) to
+    ``args.model`` / ``args.extra_model``: the first becomes ``--model`` when none was
+    given; a model already given (by its served name) is not added twice."""
+    from flowlift.local_engine.models import served_name
+
+    extra = list(getattr(args, "extra_model", None) or ())
+    for model in named:
+        if args.model is None and not extra:
+            args.model = model
+        elif served_name(model) not in {served_name(m) for m in [args.model, *extra]}:
+            extra.append(model)
+    args.extra_model = extra
+
+
 def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyManager | None]:
     """The embedded engines of ``flowlift serve`` and, with ``--memory-budget-mb``, the
     residency manager they share (then each engine is a ResidentEngine)."""
@@ -137,7 +152,8 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "max_queue": args.max_queue, "max_sessions": args.max_sessions,
              "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs,
              "lease_ttl_s": args.lease_ttl_s, "prefill_ahead": args.prefill_ahead,
-             "prefill_ahead_max_kv_usage": args.prefill_ahead_max_kv_usage}
+             "prefill_ahead_max_kv_usage": args.prefill_ahead_max_kv_usage,
+             "append_recompile": args.append_recompile}
     flags = {name: value for name, value in given.items() if value is not None}
     flags["state_path"] = None if args.state_db == ":memory:" else state_db
     return flags
@@ -166,6 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if file_config is not None:  # its keys never reach the log
         configure_logging(args.log_level, secrets=file_config.secrets())
+        add_config_models(args, file_config.embedded_models())
     if args.engine is None:
         wants_local = file_config is None or not file_config.backends or any(
             isinstance(b, EmbeddedSpec) for b in file_config.backends.values())
@@ -397,80 +414,6 @@ def _local_compile_options(args: argparse.Namespace) -> CompileOptions:
     return opts
 
 
-def _model_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """``(model, source, state)`` of the embedded model(s) and the config file's routes."""
-    from flowlift.local_engine import models as m
-    from flowlift.proxy.config import EmbeddedSpec, load_config
-
-    rows = []
-    target = m._target_dir(args.dtype)
-    state = (f"converted ({target})" if (target / m._MARKER).is_file()
-             else "not converted yet (converted on first `flowlift serve`)")
-    rows.append((m.DEFAULT_MODEL + " (default)",
-                 f"PyPI-shipped GGUF ({m._GGUF_DIST}, {args.dtype})", state))
-    for model in [args.model, *(args.extra_model or ())]:
-        if not model or model == m.DEFAULT_MODEL:
-            continue
-        path = Path(model).expanduser()
-        if path.is_dir():
-            ok = (path / "config.json").is_file()
-            rows.append((path.name, f"local path ({path.resolve()})",
-                         "ready" if ok else "missing config.json"))
-        elif m._HUB_ID.fullmatch(model):
-            kept = m.hub_dir(model)
-            rows.append((model, "hub id", f"downloaded ({kept})" if (kept / "config.json")
-                         .is_file() else "not downloaded (fetched on first `flowlift serve` "
-                         "when a model hub is reachable)"))
-        else:
-            rows.append((model, "unknown", "neither a folder nor a hub id (org/name)"))
-    if args.config:
-        cfg = load_config(args.config)
-        for name, route in cfg.models.items():
-            kinds = ["embedded" if isinstance(spec := cfg.backends[b], EmbeddedSpec)
-                     else f"upstream {b} ({spec.base_url})" for b in route.backends]
-            rows.append((name, ", ".join(kinds), "configured"))
-    return rows
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    from flowlift.errors import ConfigError
-
-    try:
-        rows = _model_rows(args)
-    except ConfigError as exc:
-        print(f"flowlift models: {exc.message}", file=sys.stderr)
-        return 2
-    width = max(len(r[0]) for r in rows)
-    print("configured models:")
-    for name, source, state in rows:
-        print(f"  {name:<{width}}  {source}; {state}")
-    base = args.base_url.rstrip("/")
-    ready = _get(f"{base}/readyz")
-    listed = _get(f"{base}/v1/models", bearer_headers(cli_key(args)))
-    if ready is None or listed is None:
-        print(f"no proxy answers at {base}")
-        return 0
-    body = ready.json()
-    loaded = "loaded" if body.get("ready") else f"loading ({body.get('error') or 'not ready'})"
-    print(f"proxy at {base}: engine {loaded}"
-          + (f", load took {body['load_time_s']} s" if body.get("load_time_s") else ""))
-    ids = [d.get("id") for d in listed.json().get("data", [])] if listed.status_code == 200 \
-        else []
-    residency = body.get("residency")
-    resident = set(residency["resident"]) if residency else None
-    for model_id in ids:
-        state = "" if resident is None or model_id not in residency["managed"] else (
-            " (loaded)" if model_id in resident else " (not loaded: loads on first use)")
-        print(f"  serves {model_id}{state}")
-    if residency:
-        print(f"  residency budget {residency['budget_mb']:.0f} MB; loaded now: "
-              f"{', '.join(residency['resident']) or '(none)'}")
-    if listed.status_code != 200:
-        print(f"  /v1/models answered {listed.status_code}"
-              + (f" ({CLI_HINT})" if listed.status_code == 401 else ""))
-    return 0
-
-
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -598,7 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8470,
                        help="port to listen on (default 8470)")
     engine_opts(serve)
-    serve.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
+    serve.add_argument("--dtype", default=None, help="engine dtype (default: each model's "
+                       "own: float32, bfloat16 for the Qwen2.5-Coder pair)")
     serve.add_argument("--max-model-len", type=_positive_int, default=4096,
                        help="embedded engine context in tokens, prompt plus completion "
                             "(default 4096); longer requests get HTTP 400")
@@ -642,6 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
                        const=False, default=None,
                        help="do not prefill the known start of the step that reads a tool's "
                             "output while the tool is out (default: on)")
+    serve.add_argument("--append-recompile", dest="append_recompile",
+                       action="store_const", const=True, default=None,
+                       help="compile an open run's whole grown graph on every append, as "
+                            "before appends were incremental (a baseline for "
+                            "bench/append_cost.py; default: off)")
     serve.add_argument("--prefill-ahead-max-kv-usage", type=_fraction, default=None,
                        metavar="F",
                        help="KV-cache share above which prefill-ahead stops and what runs "
@@ -726,14 +675,20 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--extra-model", action="append", default=[], metavar="NAME_OR_DIR",
                         type=_name,
                         help="another embedded model to describe (as `serve --extra-model`)")
-    models.add_argument("--dtype", default="float32", help="dtype of the default model's "
-                        "converted copy (default float32)")
+    models.add_argument("--dtype", default=None, help="dtype of the converted copies "
+                        "(default: each model's own: float32 for SmolLM2-135M-Instruct, "
+                        "bfloat16 for the Qwen2.5-Coder pair)")
+    models.add_argument("--prepare", nargs="*", default=None, metavar="NAME",
+                        help="download and convert these models now (none named: those "
+                             "of --model, --extra-model and --config's embedded backends)")
     models.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
                         help="TOML file of upstream providers and model routes")
     models.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL",
                                                               DEFAULT_BASE_URL),
                         help="also ask this proxy what it serves")
     add_api_key_argument(models)
+    from flowlift.cli_models import cmd_models
+
     models.set_defaults(func=cmd_models)
 
     from flowlift.cli_runs import add_parsers as add_run_commands

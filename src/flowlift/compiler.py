@@ -144,7 +144,15 @@ def no_outcomes(step: str, model: str | None) -> OutcomeCounts:
 
 @dataclass(slots=True)
 class Plan:
-    """What the scheduler uses: per-node priorities and groups (ids -> values)."""
+    """What the scheduler uses: per-node priorities and groups (ids -> values).
+
+    Attributes:
+        compiled: the compiler's report, or how to make it: a growing run's plan
+            (:mod:`flowlift.incremental`) compiles its report only when it is read.
+        previous: the last report compiled of the same run while ``compiled`` is not
+            made yet (None: there is none).
+        output_tokens: each node's estimated output length (tokens).
+    """
 
     tail_ms: dict[str, float]
     cost_ms: dict[str, float]
@@ -152,7 +160,30 @@ class Plan:
     merged_into: dict[str, str]
     prefix_group: dict[str, int]
     group_leader: dict[int, str]
-    report: CompileReport
+    compiled: CompileReport | Callable[[], CompileReport]
+    previous: CompileReport | None = None
+    output_tokens: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def report(self) -> CompileReport:
+        """The compiler's report (compiled now if it was left for later: a full compile,
+        so read it off the event loop for a big graph)."""
+        if not isinstance(self.compiled, CompileReport):
+            self.compiled = self.compiled()
+        return self.compiled
+
+    def latest_report(self) -> CompileReport | None:
+        """The report if it is made, else the last one compiled before it; never
+        compiles."""
+        return self.compiled if isinstance(self.compiled, CompileReport) else self.previous
+
+    def closed(self) -> Plan:
+        """This plan with its report marked closed (``open`` false: no more steps)."""
+        made = self.compiled
+        shut: CompileReport | Callable[[], CompileReport] = (
+            made.model_copy(update={"open": False}) if isinstance(made, CompileReport)
+            else lambda: made().model_copy(update={"open": False}))
+        return dataclasses.replace(self, compiled=shut)
 
 
 def _literal_prefix(node: LLMNode) -> str:
@@ -400,17 +431,12 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
             model = model_of[nid]
             out_tok[nid] = _output_tokens(node, opts, model)
             prompt_tok[nid] = _prompt_tokens(node, opts, model, out_tok, nodes)
-            uncached = uncached_tok[nid] = max(prompt_tok[nid] - shared_of.get(nid, 0), 0.0)
-            cost[nid] = opts.costs(model).step_ms(uncached, out_tok[nid])
-            cascade = _cascade(node, opts, uncached, prompt_tok[nid], out_tok[nid])
+            uncached_tok[nid], cost[nid], cascade = llm_price(
+                node, opts, model, prompt_tok[nid], out_tok[nid], shared_of.get(nid, 0))
             if cascade is not None:
                 cascades.append(cascade)
-                cost[nid] = cascade.expected_ms
-        elif isinstance(node, ToolNode):
-            cost[nid], out_tok[nid] = opts.tool_ms, 32.0
         else:
-            cost[nid] = 0.0
-            out_tok[nid] = float(len(opts.tokenize(opts.default_model, str(node.value))))
+            cost[nid], out_tok[nid] = other_estimate(node, opts)
 
     start: dict[str, float] = {}
     for nid in order:
@@ -435,7 +461,29 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
                                                                model_of, cost, prompt_tok,
                                                                out_tok)})
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
-                prefix_group=group_of, group_leader=leader, report=report)
+                prefix_group=group_of, group_leader=leader, compiled=report,
+                output_tokens=out_tok)
+
+
+def llm_price(node: LLMNode, opts: CompileOptions, model: str, prompt: float, out: float,
+              shared: float) -> tuple[float, float, CascadeReport | None]:
+    """A model step's uncached prompt tokens, cost (ms) and cascade report (None for a
+    one-model step without observations), ``shared`` of its ``prompt`` tokens (an
+    estimate) being cached by its prefix group's leader."""
+    uncached = max(prompt - shared, 0.0)
+    cascade = _cascade(node, opts, uncached, prompt, out)
+    cost = (cascade.expected_ms if cascade is not None
+            else opts.costs(model).step_ms(uncached, out))
+    return uncached, cost, cascade
+
+
+def other_estimate(node: Node, opts: CompileOptions) -> tuple[float, float]:
+    """Cost (ms) and output tokens of a step that is no model call: a client-run tool
+    (``tool_ms``, 32 tokens) or an input (free; its value's tokens)."""
+    if isinstance(node, ToolNode):
+        return opts.tool_ms, 32.0
+    assert isinstance(node, InputNode)
+    return 0.0, float(len(opts.tokenize(opts.default_model, str(node.value))))
 
 
 def _tier_plan(graph: Graph, opts: CompileOptions, order: list[str],

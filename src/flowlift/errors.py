@@ -9,6 +9,8 @@
     │   ├── RequestError              malformed request (``param`` names the field)
     │   │   ├── PayloadTooLarge       body over the configured limit (HTTP 413)
     │   │   ├── RunNotFound           no workflow run has that id (HTTP 404)
+    │   │   ├── ResponseNotFound      no stored Responses API response has that id
+    │   │   │                         for the caller (HTTP 404)
     │   │   ├── IncompleteBody        a body shorter than its Content-Length, or one
     │   │   │                         that stalled half-sent (HTTP 400)
     │   │   └── ContextLengthExceeded prompt (+ max_tokens) past the model's context;
@@ -137,6 +139,21 @@ class RunNotFound(RequestError):
                          "or stored here; check the id (runs start with 'wf-')",
                          param="run_id")
         self.run_id = run_id
+
+
+class ResponseNotFound(RequestError):
+    """No stored Responses API response has this id for the caller: never stored
+    (``store: false``), expired, deleted, or another tenant's (HTTP 404
+    ``response_not_found``; ``param`` names the field that carried the id)."""
+
+    status = 404
+    code = "response_not_found"
+
+    def __init__(self, response_id: str, *, param: str | None = None) -> None:
+        super().__init__(f"no stored response {response_id[:128]!r} here: it was never "
+                         "stored (store: false), has expired or was deleted; start the "
+                         "conversation again without previous_response_id", param=param)
+        self.response_id = response_id
 
 
 class IncompleteBody(RequestError):

@@ -20,6 +20,7 @@ files, batches, time-scaled turnaround, partial failures, expiry, malformed line
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import heapq
@@ -223,6 +224,42 @@ def fake_logprob(token: str, k: int) -> TokenLogprob:
     return TokenLogprob(token, own, ((token, own), *alts) if k else ())
 
 
+class SeenPrompts(LRUCache[tuple[str, ...], None]):
+    """The fake engine's simulated prefix cache: the prompts (as words) it has seen, the
+    least recently used dropped, also kept sorted -- the longest cached prefix of a prompt
+    is shared with one of its neighbours in sorted order, so a lookup compares two
+    prompts, not every prompt held."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize)
+        self._sorted: list[tuple[str, ...]] = []
+
+    def __setitem__(self, key: tuple[str, ...], value: None) -> None:
+        fresh = key not in self
+        super().__setitem__(key, value)
+        if fresh:
+            bisect.insort(self._sorted, key)
+
+    def __delitem__(self, key: tuple[str, ...]) -> None:
+        super().__delitem__(key)
+        del self._sorted[bisect.bisect_left(self._sorted, key)]
+
+    def longest_prefix(self, words: tuple[str, ...]) -> int:
+        """How many of ``words`` the longest held prompt starts with (words)."""
+        at = bisect.bisect_left(self._sorted, words)
+        return max((_common_words(self._sorted[i], words) for i in (at - 1, at)
+                    if 0 <= i < len(self._sorted)), default=0)
+
+
+def _common_words(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class FakeEngine(Engine):
     """A deterministic engine for tests.
 
@@ -278,7 +315,7 @@ class FakeEngine(Engine):
         self.aborted: list[str] = []
         self.started = False
         self.max_running = max_running
-        self._seen: LRUCache[tuple[str, ...], None] = LRUCache(maxsize=4096)
+        self._seen = SeenPrompts(maxsize=4096)
         self._active: set[str] = set()  # admitted, generating
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
@@ -299,14 +336,7 @@ class FakeEngine(Engine):
         self.started = False
 
     def _cached(self, words: tuple[str, ...]) -> int:
-        best = 0
-        for seen in self._seen:
-            n = 0
-            for a, b in zip(seen, words, strict=False):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n)
+        best = self._seen.longest_prefix(words)
         self._seen[words] = None
         return best
 

@@ -160,7 +160,7 @@ def chat_logprobs(items: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> list[
             for t in items]
 
 
-class _ChatChoice:
+class ChatChoice:
     """One choice of a chat answer: turns engine chunks into stream deltas
     (:meth:`step`) and, at the end, into the ``choices[]`` entry (:meth:`final`)."""
 
@@ -223,6 +223,29 @@ class _ChatChoice:
         return tool_calls_text(self.tool_calls) if self.tool_calls else self.content or ""
 
 
+def prepare(body: ChatCompletionRequest, request_id: str, model: str, backend: Backend,
+            session_id: str | None) -> tuple[GenerationRequest, list[ChatChoice],
+                                             ToolPlan | None]:
+    """The engine request of a chat completion, one :class:`ChatChoice` per ``n``, and
+    its tool plan (the Responses API runs its turns through this too).
+
+    Raises:
+        RequestError: a field the embedded engine cannot honour, bad tools or logprobs.
+    """
+    reject_unsupported(body, _UNSUPPORTED)
+    plan, k = body.tool_plan(), body.logprobs_k()
+    schema = plan.schema() if plan is not None else body.response_schema()
+    if k is not None and not backend.engine.capabilities.logprobs:
+        raise RequestError("this engine does not report logprobs; leave `logprobs` out",
+                           param="logprobs")
+    gen = GenerationRequest(
+        request_id=request_id, model=model, messages=engine_messages(body.messages, plan),
+        sampling=body.sampling(body.max_completion_tokens or body.max_tokens, k),
+        constraint=None if schema is None else OutputConstraint(json_schema=schema),
+        session_id=session_id)
+    return gen, [ChatChoice(i, plan, k is not None) for i in range(body.n or 1)], plan
+
+
 async def chat_completions(request: web.Request, data: Any, model: str, backend: Backend, *,
                            on_output: OnOutput | None = None) -> web.StreamResponse:
     """Answer one chat completion request (``data``: the parsed JSON body) on ``backend``.
@@ -243,20 +266,10 @@ async def chat_completions(request: web.Request, data: Any, model: str, backend:
         EngineError: the engine failed before the first token (503).
     """
     body = parse_model(ChatCompletionRequest, data, "chat completion request")
-    reject_unsupported(body, _UNSUPPORTED)
-    plan, k = body.tool_plan(), body.logprobs_k()
-    schema = plan.schema() if plan is not None else body.response_schema()
-    if k is not None and not backend.engine.capabilities.logprobs:
-        raise RequestError("this engine does not report logprobs; leave `logprobs` out",
-                           param="logprobs")
     on_output = observe(request, backend.name, on_output)  # per-session turn accounting
     cid = f"chatcmpl-{secrets.token_hex(12)}"
-    gen = GenerationRequest(
-        request_id=cid, model=model, messages=engine_messages(body.messages, plan),
-        sampling=body.sampling(body.max_completion_tokens or body.max_tokens, k),
-        constraint=None if schema is None else OutputConstraint(json_schema=schema),
-        session_id=request.headers.get("x-flowlift-session"))
-    choices = [_ChatChoice(i, plan, k is not None) for i in range(body.n or 1)]
+    gen, choices, plan = prepare(body, cid, model, backend,
+                                 request.headers.get("x-flowlift-session"))
     head = {"id": cid, "created": int(time.time()), "model": model}
 
     def done() -> dict[str, Any]:

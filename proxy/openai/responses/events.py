@@ -1,0 +1,160 @@
+"""A chat completion's chunks as one Responses API response (pure: no I/O).
+
+:class:`ResponseBuilder` reads ``chat.completion.chunk`` objects (from the embedded
+engine or an upstream) and returns the Responses stream events each one causes, in
+OpenAI's order: ``response.created`` and ``response.in_progress`` first; for text, a
+``message`` item (``response.output_item.added``, ``response.content_part.added``, then
+``response.output_text.delta`` per piece, closed by ``response.output_text.done``,
+``response.content_part.done`` and ``response.output_item.done``); for each tool call,
+a ``function_call`` item (``output_item.added``, ``function_call_arguments.delta`` per
+piece, ``function_call_arguments.done``, ``output_item.done``); last one terminal event
+with the whole response and its usage: ``response.completed``, ``response.incomplete``
+(``finish_reason`` ``length``: ``incomplete_details.reason = "max_output_tokens"``) or
+``response.failed``. Every event has a ``sequence_number`` from 0.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flowlift.proxy.openai.responses.protocol import new_id
+from flowlift.proxy.openai.responses.translation import responses_usage
+
+Event = dict[str, Any]
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+class ResponseBuilder:
+    """One response being built from chat chunks.
+
+    Args:
+        head: the response object's fixed fields (``id``, ``model``, ``instructions``,
+            ``tools``... as :func:`flowlift.proxy.openai.responses.serving` sets them).
+    """
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self.head = head
+        self.output: list[dict[str, Any]] = []
+        self.usage: dict[str, Any] | None = None
+        self.finish: str | None = None
+        self._seq = 0
+        self._message: dict[str, Any] | None = None
+        self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The response object now (``status``: in_progress, completed, incomplete...)."""
+        reason = _INCOMPLETE.get(self.finish or "") if status == "incomplete" else None
+        done = status in ("completed", "incomplete", "failed")
+        return {**self.head, "object": "response", "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None,
+                "error": error, "incomplete_details": {"reason": reason} if reason else None,
+                "output": [dict(item) for item in self.output],
+                **({"usage": responses_usage(self.usage)} if done else {})}
+
+    def start(self) -> list[Event]:
+        """``response.created`` and ``response.in_progress``."""
+        return [self._event("response.created", response=self.response("in_progress")),
+                self._event("response.in_progress", response=self.response("in_progress"))]
+
+    def feed(self, chunk: dict[str, Any]) -> list[Event]:
+        """The events of one ``chat.completion.chunk`` (its first choice only)."""
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        out: list[Event] = []
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if isinstance(delta.get("content"), str) and delta["content"]:
+                out += self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                if isinstance(call, dict):
+                    out += self._call(call)
+            self.finish = choice.get("finish_reason") or self.finish
+        return out
+
+    def _text(self, text: str) -> list[Event]:
+        out = []
+        if self._message is None:
+            self._message = {"id": new_id("msg"), "type": "message", "role": "assistant",
+                             "status": "in_progress", "content": []}
+            index = len(self.output)
+            self.output.append(self._message)
+            out.append(self._event("response.output_item.added", output_index=index,
+                                   item={**self._message, "content": []}))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self._message["content"].append(part)
+            out.append(self._event("response.content_part.added", output_index=index,
+                                   item_id=self._message["id"], content_index=0,
+                                   part=dict(part)))
+        self._message["content"][0]["text"] += text
+        out.append(self._event("response.output_text.delta", item_id=self._message["id"],
+                               output_index=self.output.index(self._message),
+                               content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def _call(self, piece: dict[str, Any]) -> list[Event]:
+        out: list[Event] = []
+        fn = piece.get("function") or {}
+        index = piece.get("index", len(self._calls))
+        item = self._calls.get(index)
+        if item is None:
+            out += self._close_message("completed")
+            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
+                    "call_id": piece.get("id") or new_id("call"),
+                    "name": fn.get("name") or "", "arguments": ""}
+            self._calls[index] = item
+            self.output.append(item)
+            out.append(self._event("response.output_item.added",
+                                   output_index=len(self.output) - 1, item=dict(item)))
+        args = fn.get("arguments")
+        if isinstance(args, str) and args:
+            item["arguments"] += args
+            out.append(self._event("response.function_call_arguments.delta",
+                                   item_id=item["id"], output_index=self.output.index(item),
+                                   delta=args))
+        return out
+
+    def _close_message(self, status: str) -> list[Event]:
+        message, self._message = self._message, None
+        if message is None:
+            return []
+        index, part = self.output.index(message), message["content"][0]
+        message["status"] = status
+        ids = {"item_id": message["id"], "output_index": index, "content_index": 0}
+        return [self._event("response.output_text.done", **ids, text=part["text"],
+                            logprobs=[]),
+                self._event("response.content_part.done", **ids, part=dict(part)),
+                self._event("response.output_item.done", output_index=index,
+                            item=dict(message))]
+
+    def finish_events(self) -> list[Event]:
+        """Close the open items; then the terminal event with the whole response."""
+        status = "incomplete" if self.finish in _INCOMPLETE else "completed"
+        out = self._close_message(status)
+        for item in self._calls.values():
+            item["status"] = status
+            index = self.output.index(item)
+            out.append(self._event("response.function_call_arguments.done",
+                                   item_id=item["id"], output_index=index,
+                                   name=item["name"], arguments=item["arguments"]))
+            out.append(self._event("response.output_item.done", output_index=index,
+                                   item=dict(item)))
+        self._calls = {}
+        return [*out, self._event(f"response.{status}", response=self.response(status))]
+
+    def failed(self, message: str) -> Event:
+        """``response.failed`` for a generation that failed after the stream began."""
+        return self._event("response.failed", response=self.response(
+            "failed", {"code": "server_error", "message": message}))
+
+    def final(self) -> dict[str, Any]:
+        """The whole response (non-streamed answers): :meth:`finish_events`' last one's."""
+        last: dict[str, Any] = self.finish_events()[-1]["response"]
+        return last
