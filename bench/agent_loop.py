@@ -222,7 +222,11 @@ def run_open_run(base: str, sid: str, turns: int, max_tokens: int) -> dict[str, 
 # -- c and d. chat completions ---------------------------------------------------------
 
 def run_chat(base: str, sid: str, turns: int, max_tokens: int, *,
-             stateless: bool) -> dict[str, Any]:
+             stateless: bool, tools: list[dict[str, Any]] | None = None,
+             result_of: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any]:
+    """One session driven by the app over ``/v1/chat/completions`` (``tools``: the
+    definitions sent, default the shell tool's; ``result_of``: an OpenAI tool call ->
+    its result, default the next fixed output)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": system_text(sid)},
                                       {"role": "user", "content": TASK}]
     headers = {} if stateless else {"X-Flowlift-Session": sid}
@@ -237,7 +241,7 @@ def run_chat(base: str, sid: str, turns: int, max_tokens: int, *,
                 sent = [{**messages[0], "content": nonce + messages[0]["content"]},
                         *messages[1:]]
             payload = json.dumps({
-                "model": "default", "messages": sent, "tools": OPENAI_TOOLS,
+                "model": "default", "messages": sent, "tools": tools or OPENAI_TOOLS,
                 "tool_choice": "required", "max_tokens": max_tokens, "temperature": 0}).encode()
             r = client.post("/v1/chat/completions", content=payload,
                             headers={**headers, "Content-Type": "application/json"})
@@ -260,7 +264,8 @@ def run_chat(base: str, sid: str, turns: int, max_tokens: int, *,
             if k < turns - 1:
                 messages += [{"role": "assistant", "content": None, "tool_calls": calls},
                              *({"role": "tool", "tool_call_id": c["id"],
-                                "content": STAMPS.next_result()} for c in calls)]
+                                "content": STAMPS.next_result() if result_of is None
+                                else result_of(c)} for c in calls)]
     return _session(t0, STAMPS.times, rows, None, error)
 
 

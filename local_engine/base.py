@@ -228,6 +228,11 @@ class GenerationChunk:
     token_ids: tuple[int, ...] | None = None
     """The ids of the tokens generated since the last chunk, from an engine whose
     ``capabilities.resume`` is True (what a continuation resumes after); else None."""
+    ready_calls: tuple[ToolCall, ...] | None = None
+    """Before the last chunk of an answer to a request with ``tools``: calls whose JSON
+    became complete with this chunk, while the answer still streams (an agent step
+    starts its proxy tools on them: :mod:`flowlift.proxy.tools.early`). A head start
+    only: ``tool_calls`` on the last chunk is the answer."""
 
 
 @dataclass(frozen=True, slots=True)

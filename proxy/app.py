@@ -37,6 +37,7 @@ from flowlift.proxy.sessions.table import SessionTable
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.telemetry import observer as telemetry
 from flowlift.proxy.tenants import Tenants
+from flowlift.proxy.tools import ToolServers
 from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
@@ -135,6 +136,7 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     for engine in state.backends.engines:
         await engine.close()
     await state.backends.aclose()
+    await state.tools.aclose()  # stdio tool servers' processes end
     state.runs.io.close()  # (every event submitted is written first)
     state.runs.store.close()
     state.runs.outcomes.close()
@@ -185,9 +187,10 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     tel = telemetry.Telemetry.for_proxy(tracer_provider, config.trace_dir, backends,
                                         active_runs=lambda: len(runs.active),
                                         residency=residency)
+    tools = ToolServers(file_config.tools if file_config else {})  # (imports callables)
     runs = RunRegistry(store, config.trace_dir, detached_timeout_s=config.detached_timeout_s,
                        outcomes=outcomes, max_active=config.max_runs, observer=tel,
-                       lease_ttl_s=config.lease_ttl_s)
+                       lease_ttl_s=config.lease_ttl_s, proxy_tools=tools)
     # The whole middleware stack, outermost first.
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
         tel.request_middleware(),  # a span per OpenAI request (refused ones too), metrics
@@ -198,7 +201,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
     app[STATE] = ProxyState(backends=backends, runs=runs, config=config,
                             residency=residency,
                             prices=file_config.prices() if file_config else {},
-                            tenants=Tenants.build(config.api_keys, config.tenants))
+                            tenants=Tenants.build(config.api_keys, config.tenants),
+                            tools=tools)
     app[lifecycle.DRAIN] = lifecycle.Drain()  # the SIGTERM drain (lifecycle.drain)
     if residency is not None:
         residency.lookahead = lambda: runs.lookahead(backends.canonical)

@@ -58,8 +58,18 @@ file (``flowlift serve --config flowlift.toml``)::
     [tenants.acme]                       # keys -> tenants (proxy/tenants.py): a tenant
     api_key_env = "ACME_KEYS"            # sees only its own runs, sessions, pages
     max_active_runs = 8                  # its runs at once, then 429
+    tools = ["research"]                 # the [tools.*] servers it reaches (default none)
     requests_per_s = 5                   # its request rate, then 429 + Retry-After
     burst = 10                           # (default: requests_per_s)
+
+    [tools.research]                     # tools the proxy runs itself (proxy/tools/):
+    command = ["python", "-m", "my_mcp"] # an MCP server over stdio, or
+    # url = "http://127.0.0.1:9000/mcp"  # one over Streamable HTTP, or
+    # callables = ["mypkg.tools:search"] # Python functions (a sidecar deployment;
+                                         # callable = "m:f" for one)
+    allow = ["search", "read"]           # the tools graphs may name (default: all)
+    timeout_s = 30                       # per call; then the call's result is an error
+    max_result_bytes = 1000000           # a longer result is refused with an error text
 
     [models."llama-3-8b"]
     backends = ["vllm-a", "vllm-b"]      # replicas: session affinity, else by routing
@@ -79,6 +89,7 @@ read from the environment when the file is loaded, so a missing secret fails at 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -100,6 +111,8 @@ from flowlift.proxy.dispatch.routing import Strategy
 from flowlift.proxy.tenants import DEFAULT_TENANT, TENANT_NAME, Tenant
 
 EMBEDDED = "embedded"
+TOOL_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A ``[tools.<name>]`` server's name (what ``flowlift.proxy_tool("name.tool")`` says)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +193,8 @@ class TenantSpec(_Strict):
     max_active_runs: int | None = Field(default=None, ge=1)
     requests_per_s: float | None = Field(default=None, gt=0)
     burst: int | None = Field(default=None, ge=1)
+    tools: list[str] = Field(default_factory=list)
+    """The ``[tools.*]`` servers this tenant's agent steps may use (default: none)."""
 
 
 Tier = Literal["priority", "standard", "flex", "batch", "local"]
@@ -287,6 +302,60 @@ class BatchSpec(_Priced):
 BackendSpec = Annotated[EmbeddedSpec | UpstreamSpec | BatchSpec, Field(discriminator="kind")]
 
 
+CALLABLE_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+"""``module:function``: a callable the proxy imports (:mod:`flowlift.proxy.tools.callables`)."""
+
+
+class ToolServerSpec(_Strict):
+    """``[tools.<name>]``: a tool server the proxy calls itself (:mod:`flowlift.proxy.tools`):
+    exactly one of ``url`` (MCP over Streamable HTTP), ``command`` (an MCP server the
+    proxy starts, over stdio) or ``callables`` (``module:function`` Python callables)."""
+
+    url: str | None = Field(default=None, pattern=r"^https?://")
+    command: list[str] | None = Field(default=None, min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of a ``command`` server, over the ``mcp`` client's minimal
+    default (``HOME``, ``PATH``, ...; never the proxy's own environment and secrets)."""
+    callables: list[Annotated[str, Field(pattern=CALLABLE_PATH)]] | None = Field(
+        default=None, min_length=1)
+    allow: list[str] | None = None
+    """The server's tools graphs may name (None: all it lists)."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Longest one call may take; then its result is an error text."""
+    connect_timeout_s: float = Field(default=20.0, gt=0)
+    """Longest starting (or reaching) an MCP server and listing its tools may take."""
+    max_result_bytes: int = Field(default=1_000_000, ge=1)
+    """A result longer than this (UTF-8 bytes of its text) is refused with an error text."""
+
+    @field_validator("url")
+    @classmethod
+    def _parsable(cls, value: str | None) -> str | None:
+        return None if value is None else _check_url(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_callable(cls, data: Any) -> Any:
+        """``callable = "m:f"``: the same as ``callables = ["m:f"]``."""
+        if isinstance(data, dict) and "callable" in data:
+            data = dict(data)
+            one = data.pop("callable")
+            if "callables" in data:
+                raise ValueError("give callable (one) or callables (a list), not both")
+            data["callables"] = [one]
+        return data
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ToolServerSpec:
+        given = [k for k in ("url", "command", "callables") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("a tool server has exactly one of url (MCP over Streamable "
+                             "HTTP), command (MCP over stdio) or callables "
+                             f"(module:function), not {' and '.join(given) or 'none'}")
+        if self.env and self.command is None:
+            raise ValueError("env is for a command (stdio) server only")
+        return self
+
+
 class ModelSpec(_Strict):
     backends: list[str] = Field(min_length=1)
     fallbacks: list[str] = Field(default_factory=list)
@@ -311,6 +380,7 @@ class FileConfig(_Strict):
     backends: dict[str, BackendSpec] = Field(default_factory=dict)
     models: dict[str, ModelSpec] = Field(default_factory=dict)
     tenants: dict[str, TenantSpec] = Field(default_factory=dict)
+    tools: dict[str, ToolServerSpec] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _references(self) -> FileConfig:
@@ -320,6 +390,12 @@ class FileConfig(_Strict):
         if self.server.api_keys_env and DEFAULT_TENANT in self.tenants:
             problems.append(f"tenants.{DEFAULT_TENANT}: server.api_keys_env already names "
                             f"the keys of the tenant {DEFAULT_TENANT!r}; use one of the two")
+        problems += [f"tools.{name}: a tool server name is 1-64 letters, digits, '_' or '-'"
+                     for name in self.tools if not TOOL_SERVER_NAME.fullmatch(name)]
+        problems += [f"tenants.{name}.tools: no tool server named {ref!r} (defined: "
+                     f"{', '.join(self.tools) or 'none'})"
+                     for name, t in self.tenants.items() for ref in t.tools
+                     if ref not in self.tools]
         for name, spec in self.models.items():
             for field in ("backends", "fallbacks"):
                 for ref in getattr(spec, field):
@@ -356,7 +432,8 @@ class FileConfig(_Strict):
     def tenant_list(self) -> tuple[Tenant, ...]:
         """The ``[tenants.*]`` with their keys read from the environment."""
         return tuple(Tenant(name, _split_keys(os.environ.get(spec.api_key_env, "")),
-                            spec.max_active_runs, spec.requests_per_s, spec.burst)
+                            spec.max_active_runs, spec.requests_per_s, spec.burst,
+                            frozenset(spec.tools))
                      for name, spec in self.tenants.items())
 
     def proxy_keys(self) -> frozenset[str]:

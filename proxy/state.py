@@ -13,6 +13,7 @@ from aiohttp import web
 from flowlift.costs import CostTracker
 from flowlift.proxy.config import ProxyConfig
 from flowlift.proxy.tenants import Tenants
+from flowlift.proxy.tools import ToolServers
 from flowlift.proxy.workflows.inferred import InferredWorkflows
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ class ProxyState:
     """Model name -> price per 1,000 tokens (config ``[models."x"] price_per_1k_tokens``)."""
     tenants: Tenants = field(default_factory=Tenants)
     """Who each proxy key belongs to, and the tenants' rate limits (none: no auth)."""
+    tools: ToolServers = field(default_factory=lambda: ToolServers({}))
+    """The ``[tools.*]`` servers agent steps may call on the proxy (:mod:`flowlift.proxy.tools`)."""
 
 
 STATE: web.AppKey[ProxyState] = web.AppKey("flowlift", ProxyState)

@@ -8,6 +8,8 @@ A config file maps keys to tenants (:mod:`flowlift.proxy.config`)::
     requests_per_s = 5              # sustained request rate, then 429 + Retry-After
     burst = 10                      # requests above the rate taken at once (default:
                                     # requests_per_s, at least 1)
+    tools = ["research"]            # the [tools.*] servers its agent steps may call
+                                    # (default: none)
 
 The old ``[server] api_keys_env`` still works: its keys are the tenant
 :data:`DEFAULT_TENANT` (no limits but the proxy's own). With no key configured at all
@@ -57,6 +59,8 @@ class Tenant:
         requests_per_s: sustained requests per second (None: no rate limit).
         burst: requests it may send at once above the rate (None: ``requests_per_s``
             rounded up, at least 1).
+        tools: the ``[tools.*]`` servers its graphs may name (None: every server; the
+            :data:`DEFAULT_TENANT` of ``[server] api_keys_env`` and the anonymous tenant).
     """
 
     name: str
@@ -64,6 +68,11 @@ class Tenant:
     max_active_runs: int | None = None
     requests_per_s: float | None = None
     burst: int | None = None
+    tools: frozenset[str] | None = None
+
+    def reaches(self, server: str) -> bool:
+        """May this tenant's agent steps call the tool server ``server``?"""
+        return self.tools is None or server in self.tools
 
 
 class TokenBucket:

@@ -1,5 +1,6 @@
 """The flowlift SDK: ``@step``, ``@tool`` and ``workflow``."""
 
+from flowlift.sdk.agents import ProxyTool, proxy_tool
 from flowlift.sdk.contracts import Regex
 from flowlift.sdk.detached import aattach, attach
 from flowlift.sdk.steps import Step, Tool, step, tool
@@ -7,6 +8,7 @@ from flowlift.sdk.variables import SemanticVariable
 from flowlift.sdk.workflow import Workflow, current_workflow, workflow
 
 __all__ = [
+           "ProxyTool",
            "Regex",
            "SemanticVariable",
            "Step",
@@ -15,6 +17,7 @@ __all__ = [
            "aattach",
            "attach",
            "current_workflow",
+           "proxy_tool",
            "step",
            "tool",
            "workflow",

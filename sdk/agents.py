@@ -7,24 +7,68 @@ function: annotations, defaults, ``Annotated[..., Field(description=...)]``). Th
 runs the loop; when its model calls a tool, the proxy sends ``tool.wanted`` with the
 call's own id (``<step id>:call_<n>``) and ``agent_step``, and the SDK runs the function
 with the arguments validated into its annotated types (``pydantic.validate_call``).
+
+A step may also name tools the proxy runs itself (:func:`proxy_tool`, a ``[tools.*]``
+server of the proxy's config: :mod:`flowlift.proxy.tools`), mixed with ``@tool``
+functions: on the wire they are a :class:`~flowlift.graph.ToolSpec` with ``server`` set,
+and the proxy fills in their description and schema from the server.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from pydantic import PydanticSchemaGenerationError, TypeAdapter, ValidationError, validate_call
+from pydantic import ValidationError, validate_call
 
 from flowlift.errors import UserError
 from flowlift.graph import ToolSpec
+from flowlift.tool_schema import NoSchema, function_schema
 
 if TYPE_CHECKING:
     from flowlift.sdk.steps import Tool
     from flowlift.sdk.workflow import Workflow
 
-_NOT_BY_NAME = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL)
+_PROXY_TOOL = re.compile(r"([A-Za-z0-9_-]{1,64})\.([a-zA-Z0-9_-]{1,64})")
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyTool:
+    """A tool the proxy runs itself: ``name`` of the proxy's ``[tools.<server>]``
+    (made by :func:`proxy_tool`)."""
+
+    server: str
+    name: str
+
+    def spec(self) -> ToolSpec:
+        """Its wire definition (the proxy describes it when the graph is submitted)."""
+        return ToolSpec(name=self.name, server=self.server)
+
+
+def proxy_tool(ref: str) -> ProxyTool:
+    """Name a tool the proxy runs itself, for ``@step(tools=[...])``.
+
+    Args:
+        ref: ``"server.tool"``: a ``[tools.<server>]`` of the proxy's config file (an
+            MCP server or configured Python callables) and one of its tools.
+
+    Returns:
+        A :class:`ProxyTool`, mixable with ``@tool`` functions in ``tools=[...]``.
+
+    Raises:
+        UserError: ``ref`` is not ``server.tool`` (each part 1-64 letters, digits, _ or
+            -). An unknown server or tool is the proxy's answer, when the workflow runs
+            (an invalid graph, HTTP 400).
+    """
+    match = _PROXY_TOOL.fullmatch(ref) if isinstance(ref, str) else None
+    if match is None:
+        raise UserError(f"proxy_tool({ref!r}): name a tool as \"server.tool\" (the "
+                        "proxy's [tools.<server>] and one of its tools; each part 1-64 "
+                        "letters, digits, _ or -)", param="tools")
+    return ProxyTool(match[1], match[2])
 
 
 def tool_spec(tool: Tool[Any, Any]) -> ToolSpec:
@@ -35,17 +79,10 @@ def tool_spec(tool: Tool[Any, Any]) -> ToolSpec:
             passes arguments by name), or pydantic cannot describe an annotation.
     """
     fn = tool.fn
-    for p in inspect.signature(fn).parameters.values():
-        if p.kind in _NOT_BY_NAME:
-            raise UserError(f"tool {tool.name!r}: parameter {p.name!r} cannot be passed by "
-                            "name; a model calls tools with named arguments",
-                            param="tools")
     try:
-        schema = TypeAdapter(cast(Any, fn)).json_schema()  # a function: its arguments
-    except (PydanticSchemaGenerationError, TypeError, NameError) as exc:
-        raise UserError(f"tool {tool.name!r}: its arguments have no JSON Schema ({exc}); "
-                        "annotate them with JSON-able types or pydantic models defined "
-                        "at module level", param="tools") from None
+        schema = function_schema(fn)
+    except NoSchema as exc:
+        raise UserError(f"tool {tool.name!r}: {exc}", param="tools") from None
     try:
         return ToolSpec(name=tool.name, description=inspect.getdoc(fn) or "",
                         parameters=schema)
@@ -61,8 +98,8 @@ def agent_tools(tools: Sequence[Any], step_name: str
     callable tools validate their JSON arguments into the annotated types.
 
     Raises:
-        UserError: an entry is not a ``@tool``, two share a name, or :func:`tool_spec`
-            refuses one.
+        UserError: an entry is not a ``@tool`` or :func:`proxy_tool`, two share a
+            name, or :func:`tool_spec` refuses one.
     """
     from flowlift.sdk.steps import Tool
 
@@ -70,14 +107,18 @@ def agent_tools(tools: Sequence[Any], step_name: str
         raise UserError(f"step {step_name!r}: tools=[] lists no tool; leave `tools` out "
                         "for a step without tools", param="tools")
     callables: dict[str, Tool[Any, Any]] = {}
-    specs = []
+    specs: list[ToolSpec] = []
     for t in tools:
-        if not isinstance(t, Tool):
-            raise UserError(f"step {step_name!r}: tools=[...] takes @tool functions, not "
-                            f"{t!r}; decorate it with @tool", param="tools")
-        if t.name in callables:
-            raise UserError(f"step {step_name!r}: two tools are named {t.name!r}",
-                            param="tools")
+        if not isinstance(t, Tool | ProxyTool):
+            raise UserError(f"step {step_name!r}: tools=[...] takes @tool functions and "
+                            f"flowlift.proxy_tool(\"server.tool\"), not {t!r}; decorate "
+                            "it with @tool", param="tools")
+        if any(s.name == t.name for s in specs):
+            raise UserError(f"step {step_name!r}: two tools are named {t.name!r} (the "
+                            "model calls tools by name)", param="tools")
+        if isinstance(t, ProxyTool):
+            specs.append(t.spec())
+            continue
         specs.append(tool_spec(t))
         callables[t.name] = Tool(validate_call(t.fn), t.name)
     return callables, tuple(specs)

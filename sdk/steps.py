@@ -11,7 +11,8 @@ Outside a workflow it is a plain call.
 
 ``@step(tools=[search, calculator], max_turns=8)`` is an agent step: its model may call
 those tools, and the proxy loops until the model answers without calling any
-(:mod:`flowlift.sdk.agents`, :mod:`flowlift.proxy.workflows.agent`).
+(:mod:`flowlift.sdk.agents`, :mod:`flowlift.proxy.workflows.agent`); tools the proxy
+runs itself are named with ``flowlift.proxy_tool("server.tool")`` among them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from flowlift.graph import (
     Template,
     ToolSpec,
 )
-from flowlift.sdk.agents import agent_tools
+from flowlift.sdk.agents import ProxyTool, agent_tools
 from flowlift.sdk.contracts import OutputSpec, output_spec
 from flowlift.sdk.markers import building, check_kept, check_literal, formatted, split_prompt
 from flowlift.sdk.variables import SemanticVariable
@@ -117,7 +118,7 @@ class Step(Generic[P]):
     def __init__(self, fn: Callable[P, Any], *, model: str | None, spec: OutputSpec,
                  params: Params, name: str | None, cascade: tuple[str, ...] | None = None,
                  retries: int = 0, min_confidence: float | None = None,
-                 tools: Sequence[Tool[Any, Any]] = (), max_turns: int = 10,
+                 tools: Sequence[Tool[Any, Any] | ProxyTool] = (), max_turns: int = 10,
                  tool_errors: Literal["return", "raise"] = "return",
                  tool_choice: Literal["auto", "required"] = "auto") -> None:
         self.fn = fn
@@ -223,7 +224,7 @@ def step(*, model: str | Sequence[str] | None = None, output: Any = None,
          max_tokens: int | None = 256, temperature: float = 0.0, top_p: float = 1.0,
          stop: Sequence[str] = (), seed: int | None = None, name: str | None = None,
          retries: int = 0, min_confidence: float | None = None,
-         tools: Sequence[Tool[Any, Any]] = (), max_turns: int = 10,
+         tools: Sequence[Tool[Any, Any] | ProxyTool] = (), max_turns: int = 10,
          tool_errors: Literal["return", "raise"] = "return",
          max_tokens_ceiling: int | None = None,
          tool_choice: Literal["auto", "required"] = "auto"
@@ -234,7 +235,8 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
          output: Any = None, max_tokens: int | None = 256, temperature: float = 0.0,
          top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
          name: str | None = None, retries: int = 0,
-         min_confidence: float | None = None, tools: Sequence[Tool[Any, Any]] = (),
+         min_confidence: float | None = None,
+         tools: Sequence[Tool[Any, Any] | ProxyTool] = (),
          max_turns: int = 10, tool_errors: Literal["return", "raise"] = "return",
          max_tokens_ceiling: int | None = None,
          tool_choice: Literal["auto", "required"] = "auto") -> Any:
@@ -255,7 +257,9 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
             contract; the validation errors are fed back to the model (0 to 10).
         min_confidence: in (0, 1]: escalate outputs whose geometric-mean token
             probability is lower (only with a cascade; needs engine logprobs).
-        tools: ``@tool`` functions the model may call (an agent step): the proxy loops
+        tools: ``@tool`` functions the model may call (an agent step), and
+            :func:`~flowlift.sdk.agents.proxy_tool` names of tools the proxy runs itself
+            (no app round trip; :mod:`flowlift.proxy.tools`): the proxy loops
             -- model turn, the app runs the calls (concurrently, deadline clock paused),
             results back into the conversation -- until the model answers without
             calls; that answer is the step's output, checked against ``output``. A call

@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SMOKED = ["agent_session.py", "append_cost.py", "batch_pipeline.py", "cascade.py",
           "chain_rtt.py", "residency.py", "make_batch_graph.py", "mixed_load.py",
-          "prefill_ahead.py", "proxy_overhead.py", "routing.py", "speculative.py",
-          "tiers.py", "tracing_overhead.py", "ui_render.py", "browser_compiler.py",
-          "label_probe.py"]
+          "prefill_ahead.py", "proxy_overhead.py", "proxy_tools.py", "routing.py",
+          "speculative.py", "tiers.py", "tracing_overhead.py", "ui_render.py",
+          "browser_compiler.py", "label_probe.py"]
 
 
 def _results() -> list[tuple[str, int]]:

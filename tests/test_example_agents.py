@@ -118,6 +118,45 @@ async def test_both_variants_run_end_to_end_on_a_scripted_engine(
     assert text.count("decode") >= 2  # wf.report()'s stage table, once per variant
 
 
+async def test_the_proxy_tools_variant_runs_search_and_read_on_the_proxy(
+        aiohttp_client, tmp_path, monkeypatch):
+    """--variant proxy with examples/agents/proxy_tools.toml: the same answers as the
+    agent step, and no tool call ever reaches the app (no ``tool.wanted``)."""
+    from pathlib import Path
+
+    from flowlift.proxy import create_app
+    from flowlift.proxy.config import load_config
+    from flowlift.proxy.state import STATE
+    from flowlift.testing import FakeEngine
+
+    engine = FakeEngine(["fake-model"])
+    seen: list[GenerationRequest] = []
+    engine.responder = responder(seen)
+    cfg = load_config(Path(research.__file__).with_name("proxy_tools.toml"))
+    app = create_app({"fake-model": engine}, file_config=cfg)
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    monkeypatch.setenv("FLOWLIFT_BASE_URL", str(client.make_url("")).rstrip("/"))
+    out = io.StringIO()
+
+    def run() -> int:
+        with contextlib.redirect_stdout(out):
+            return research.main(["--variant", "proxy", "--limit", "3",
+                                  "--trace-dir", str(tmp_path)])
+
+    assert await asyncio.to_thread(run) == 0
+    text = out.getvalue()
+    rows = _rows(text.split("== agent step, tools on the proxy")[1])
+    assert rows["csv"][:2] == ("yes", 2) and rows["zlib"][:2] == ("yes", 3)
+    assert rows["re"][:2] == ("no", research.MAX_TURNS)
+    zlib = [r for r in seen if _question(r).module == "zlib"]
+    assert "error: bad arguments for read" in zlib[1].messages[-1].content
+    assert "compression and decompression" in zlib[2].messages[-1].content
+    run_id = re.findall(r"run id: (wf-\w+)", text)[0]
+    names = [n for _, n, _ in app[STATE].runs.live(run_id).log.history()]
+    assert "tool.result" in names and "tool.wanted" not in names
+
+
 def test_the_agents_run_on_the_larger_model_when_the_proxy_serves_it():
     import httpx
     import respx

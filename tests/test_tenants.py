@@ -289,7 +289,7 @@ def test_config_maps_keys_to_tenants_and_names_every_problem(monkeypatch):
     config = parse_config({"server": {"api_keys_env": "OLD_KEYS"}, "tenants": {"acme": {
         "api_key_env": "ACME_KEYS", "max_active_runs": 2, "requests_per_s": 5, "burst": 10}}})
     (acme,) = config.server_settings()["tenants"]
-    assert acme == Tenant("acme", frozenset({"k1", "k2"}), 2, 5.0, 10)
+    assert acme == Tenant("acme", frozenset({"k1", "k2"}), 2, 5.0, 10, frozenset())
     assert {"k0", "k1", "k2"} <= config.secrets()
     tenants = Tenants.build(config.proxy_keys(), (acme,))
     assert tenants.by_key("k2") == acme and tenants.by_key("k0").name == DEFAULT_TENANT

@@ -70,6 +70,8 @@ class ToolCallTrace:
     (the tool raised), ``invalid`` (unknown tool or arguments that do not fit its
     schema: the error went back to the model) or ``replayed`` (its result was in the
     run's log: a resumed run does not ask again); ``error`` holds the reason.
+    ``server``: the ``[tools.*]`` server that ran it on the proxy (its time is the
+    ``tool_run`` stage, not the app's ``tool_wait``); None: the app ran it.
     """
 
     call_id: str
@@ -79,9 +81,11 @@ class ToolCallTrace:
     finished_ms: float | None = None
     outcome: str = "running"
     error: str | None = None
+    server: str | None = None
 
 
-def _union_ms(spans: list[tuple[float, float]]) -> float:
+def union_ms(spans: list[tuple[float, float]]) -> float:
+    """The time ``spans`` (start, end pairs in ms) cover, overlaps counted once."""
     total, end = 0.0, float("-inf")
     for start, stop in sorted(spans):
         if stop > end:
@@ -131,7 +135,8 @@ class StepTrace:
         A step tried more than once (a contract retry, a cascade escalation) spends its
         earlier tries in ``retry`` (first try's start to the last try's start); prefill
         and decode are the last try's, so they add up to the wall time of the step. An
-        agent step's time with tool calls out is ``tool_wait`` (taken out of ``retry``).
+        agent step's time with tool calls out is ``tool_wait`` (the app's calls) and
+        ``tool_run`` (the proxy's own, :mod:`flowlift.proxy.tools`), taken out of ``retry``.
         """
         out: dict[str, float] = {}
         if self.kind == "tool":
@@ -144,10 +149,13 @@ class StepTrace:
             out["retry"] = max(0.0, last.started_ms - self.attempts[0].started_ms)
             started, first_token = last.started_ms, last.first_token_ms
         if self.tool_calls:
-            out["tool_wait"] = _union_ms([(c.wanted_ms, c.finished_ms)
-                                          for c in self.tool_calls
-                                          if c.finished_ms is not None])
-            out["retry"] = max(0.0, out.get("retry", 0.0) - out["tool_wait"])
+            for stage, proxy in (("tool_wait", False), ("tool_run", True)):
+                spans = [(c.wanted_ms, c.finished_ms) for c in self.tool_calls
+                         if c.finished_ms is not None and (c.server is not None) == proxy]
+                if spans:
+                    out[stage] = union_ms(spans)
+            out["retry"] = max(0.0, out.get("retry", 0.0) - out.get("tool_wait", 0.0)
+                               - out.get("tool_run", 0.0))
         pairs = (("queue", self.ready_ms, self.started_ms),
                  ("prefill", started, first_token),
                  ("decode", first_token, self.generated_ms),

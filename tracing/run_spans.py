@@ -209,17 +209,21 @@ class RunSpans:
         span.end(_ns(self.trace, end))
 
     def _tool_call(self, step_span: Span, st: StepTrace, call: ToolCallTrace) -> None:
-        """An agent step's tool call: ``execute_tool {name}`` with its ``tool_wait``."""
+        """An agent step's tool call: ``execute_tool {name}`` with its ``tool_wait`` (the
+        app ran it) or ``tool_run`` (the proxy did, ``flowlift.tool.server``)."""
         end = call.finished_ms if call.finished_ms is not None else self.trace.now_ms()
         attrs: dict[str, Any] = {**self._ids(st), genai.OPERATION: "execute_tool",
                                  genai.TOOL_NAME: call.name, genai.TOOL_CALL_ID: call.call_id,
                                  "flowlift.turn": call.turn,
                                  "flowlift.tool.outcome": call.outcome}
+        stage = "tool_wait" if call.server is None else "tool_run"
+        if call.server is not None:
+            attrs["flowlift.tool.server"] = call.server
         span = self.tracer.start_span(f"execute_tool {call.name}",
                                       context=trace.set_span_in_context(step_span),
                                       start_time=_ns(self.trace, call.wanted_ms),
                                       attributes=attrs)
-        self._child("tool_wait", span, call.wanted_ms, end, self._ids(st, "tool_wait"))
+        self._child(stage, span, call.wanted_ms, end, self._ids(st, stage))
         if call.outcome in ("error", "invalid"):
             span.set_attribute(genai.ERROR_TYPE, f"tool_{call.outcome}")
             span.set_status(Status(StatusCode.ERROR, call.error))

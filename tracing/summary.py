@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-STAGES = ("queue", "prefill", "decode", "validate", "retry", "tool_wait")
+STAGES = ("queue", "prefill", "decode", "validate", "retry", "tool_wait", "tool_run")
+SHOWN_WHEN_USED = frozenset({"tool_run"})
+"""Stages :func:`format_stage_table` lists only when a step had them (proxy tools)."""
 
 
 def stage_summary(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -46,6 +48,8 @@ def format_stage_table(summary: Mapping[str, Any]) -> str:
     total = sum(s["total_ms"] for s in summary["stages"].values()) or 1.0
     lines = [f"{'stage':<10} {'steps':>6} {'total s':>9} {'mean ms':>9} {'share':>6}"]
     for stage, agg in summary["stages"].items():
+        if stage in SHOWN_WHEN_USED and not agg["count"]:
+            continue
         lines.append(f"{stage:<10} {agg['count']:>6} {agg['total_ms'] / 1000:>9.2f} "
                      f"{agg['mean_ms']:>9.1f} {agg['total_ms'] / total:>6.1%}")
     tok = summary["tokens"]

@@ -18,7 +18,8 @@ Segments of one step, in ms since the run started (see :mod:`flowlift.tracing.re
 * an agent step (``llm`` with ``tool_calls``): each model turn is its own ``prefill`` and
   ``decode`` (noted ``turn N``; a turn that called tools is no failed try), and each tool
   call a ``tool_wait`` segment from wanted to result (noted with the tool's name, turn
-  and outcome); the wait for the calls is not counted as ``queue``.
+  and outcome), or ``tool_run`` for a tool the proxy ran itself (:mod:`flowlift.proxy.tools`:
+  not the app's time); the wait for the calls is not counted as ``queue``.
 
 The *measured critical path* is the chain of waits that set the run's wall time: start
 from the step that finished last and go back, each time to the input (a graph
@@ -34,12 +35,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-SEGMENT_STAGES = ("queue", "prefill", "decode", "validate", "tool_wait", "failed_try",
-                  "shared")
+SEGMENT_STAGES = ("queue", "prefill", "decode", "validate", "tool_wait", "tool_run",
+                  "failed_try", "shared")
 """Every stage a segment can have, in legend order."""
 
 STAGE_LABELS = {"queue": "queue wait", "prefill": "prefill (TTFT)", "decode": "decode",
                 "validate": "validate", "tool_wait": "tool wait (client)",
+                "tool_run": "tool run (proxy)",
                 "failed_try": "failed try (retried or final)",
                 "shared": "identical call (reused)"}
 
@@ -79,7 +81,8 @@ def _tool_segments(rec: Mapping[str, Any], turn: Any, now_ms: float
         if c.get("turn") != turn or wanted is None:
             continue
         done = _f(c.get("finished_ms"))
-        out += _seg("tool_wait", wanted, now_ms if done is None else done,
+        stage = "tool_wait" if c.get("server") is None else "tool_run"
+        out += _seg(stage, wanted, now_ms if done is None else done,
                     note=f"{c.get('name', '')} (turn {turn}): {c.get('outcome', '')}"
                          + (f": {c['error']}" if c.get("error") else ""))
     return out, max((s.end_ms for s in out), default=None)

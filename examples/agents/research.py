@@ -12,12 +12,19 @@ module's documentation). Both variants run every question at once, in one run ea
   a ``decide`` step with a JSON contract (``{"tool": "search"|"read"|"answer",
   "input": ...}``) is awaited, the app looks at the decision, records the tool call as
   a ``@tool`` step whose output feeds the next ``decide``, and loops.
+* **tools on the proxy** (``--variant proxy``): the agent step with
+  ``tools=[proxy_tool("docs.search"), proxy_tool("docs.read")]``; the proxy runs the
+  same two functions itself (``[tools.docs]`` of examples/agents/proxy_tools.toml:
+  configured callables, or the MCP server examples/agents/docs_mcp.py), so no turn
+  waits for the app.
 
 Run it through the proxy (one is started for you when none answers)::
 
     flowlift run --config examples/stdlib_docs/flowlift.toml examples/agents/research.py \
         [--variant step|loop|both] [--limit N] [--model NAME]
     flowlift run --engine fake examples/agents/research.py    # without a model
+    flowlift run --config examples/agents/proxy_tools.toml \
+        examples/agents/research.py --variant proxy            # tools on the proxy
 
 With that config both agents run on ``large`` (Qwen2.5-Coder-1.5B-Instruct); without it,
 on the proxy's default model. It prints, per variant, each question's answer, whether it
@@ -38,7 +45,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, Field
@@ -46,13 +53,19 @@ from pydantic import BaseModel, Field
 if __package__ in (None, ""):  # run as a script: make `examples.agents` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.stdlib_docs.corpus import Document, load_documents
-from examples.stdlib_docs.index import BM25Index
-from flowlift import FlowliftError, ProxyUnavailable, WorkflowFailed, step, tool, workflow
+from examples.agents import docs_tools
+from flowlift import (
+    FlowliftError,
+    ProxyUnavailable,
+    WorkflowFailed,
+    proxy_tool,
+    step,
+    tool,
+    workflow,
+)
 from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
 MAX_TURNS = 6
-READ_CHARS = 600
 
 
 DEFAULT_MODEL = "large"
@@ -98,44 +111,20 @@ QUESTIONS: tuple[Question, ...] = (
 )
 
 
-@functools.cache
-def corpus() -> dict[str, Document]:
-    """The ``stdlib_docs`` corpus by module name (read once)."""
-    return {d.name: d for d in load_documents()}
-
-
-@functools.cache
-def corpus_index() -> BM25Index:
-    return BM25Index({name: d.text for name, d in corpus().items()})
-
-
-def first_sentence(text: str, limit: int = 160) -> str:
-    """The text's first sentence (or line), at most ``limit`` characters."""
-    head = re.split(r"(?<=[.!?])\s|\n\n", text.strip(), maxsplit=1)[0]
-    return " ".join(head.split())[:limit]
-
-
-# Short arguments: a small model repeats itself, and a tool call cut by max_tokens is
-# no call at all; the engine's constrained decoding keeps strings within these bounds.
-Query = Annotated[str, Field(min_length=1, max_length=48)]
-ModuleName = Annotated[str, Field(min_length=1, max_length=24)]
-
-
 @tool
-def search(query: Query) -> list[tuple[str, str]]:
+def search(query: docs_tools.Query) -> list[tuple[str, str]]:
     """Search the Python standard library's module documentation. Returns the 3 best
     matching modules as [module name, its first sentence] pairs."""
-    return [(name, first_sentence(corpus()[name].text))
-            for name, _ in corpus_index().search(query, k=3)]
+    return docs_tools.search(query)
 
 
 @tool
-def read(module: ModuleName) -> str:
+def read(module: docs_tools.ModuleName) -> str:
     """Read the documentation of one module, by the name search returned."""
-    doc = corpus().get(module.strip())
-    if doc is None:  # a text result, not an exception: the model can try again
-        return f"error: no module {module!r} in the docs; search first for its name"
-    return doc.text[:READ_CHARS]
+    return docs_tools.read(module)
+
+
+corpus, corpus_index = docs_tools.corpus, docs_tools.corpus_index
 
 
 SYSTEM = ("You answer questions about the Python standard library from its documentation. "
@@ -146,6 +135,14 @@ SYSTEM = ("You answer questions about the Python standard library from its docum
 @step(tools=[search, read], max_turns=MAX_TURNS, max_tokens=128)
 def research(question: str) -> list[dict[str, str]]:
     """The agent step: the proxy loops over the model's tool calls."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+@step(tools=[proxy_tool("docs.search"), proxy_tool("docs.read")], max_turns=MAX_TURNS,
+      max_tokens=128)
+def research_on_proxy(question: str) -> list[dict[str, str]]:
+    """The agent step with the tools on the proxy (``[tools.docs]`` of
+    examples/agents/proxy_tools.toml): no app round trip per turn."""
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
@@ -232,13 +229,16 @@ def _step_outcomes(wf: Any, vars_: list[Any], questions: list[Question]) -> list
 
 
 async def run_step_variant(questions: list[Question], base_url: str | None = None,
-                           trace_path: str | None = None) -> tuple[Any, list[Outcome]]:
-    """Every question as an agent step, in one run. Returns the workflow and outcomes."""
+                           trace_path: str | None = None, *, on_proxy: bool = False,
+                           ) -> tuple[Any, list[Outcome]]:
+    """Every question as an agent step, in one run (``on_proxy``: the tools run on the
+    proxy). Returns the workflow and outcomes."""
     vars_: list[Any] = []
+    agent, name = (research_on_proxy, "proxy") if on_proxy else (research, "step")
     try:
-        async with workflow("agents-step", base_url=base_url, trace_path=trace_path,
-                            metadata={"example": "agents", "variant": "step"}) as wf:
-            vars_ = [research(q.text) for q in questions]
+        async with workflow(f"agents-{name}", base_url=base_url, trace_path=trace_path,
+                            metadata={"example": "agents", "variant": name}) as wf:
+            vars_ = [agent(q.text) for q in questions]
     except WorkflowFailed:
         pass  # failed questions are reported on their rows
     return wf, _step_outcomes(wf, vars_, questions)
@@ -310,7 +310,10 @@ async def run(variants: list[str], questions: list[Question], base_url: str | No
     results: dict[str, list[Outcome]] = {}
     runners = {"step": ("agent step (@step(tools=[search, read], max_turns="
                         f"{MAX_TURNS}))", run_step_variant),
-               "loop": ("explicit loop (await decide(...) in an open run)", run_loop_variant)}
+               "loop": ("explicit loop (await decide(...) in an open run)", run_loop_variant),
+               "proxy": ("agent step, tools on the proxy (proxy_tool(\"docs.search\"), "
+                         "proxy_tool(\"docs.read\"))",
+                         functools.partial(run_step_variant, on_proxy=True))}
     for name in variants:
         title, runner = runners[name]
         wf, outs = await runner(questions, base_url, f"{trace_dir}/agents.{name}.trace.jsonl")
@@ -321,7 +324,11 @@ async def run(variants: list[str], questions: list[Question], base_url: str | No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--variant", choices=("step", "loop", "both"), default="both")
+    parser.add_argument("--variant", choices=("step", "loop", "both", "proxy"),
+                        default="both",
+                        help="both: step and loop; proxy: the agent step with its tools "
+                             "run by the proxy (needs --config "
+                             "examples/agents/proxy_tools.toml on `flowlift run`)")
     parser.add_argument("--limit", type=int, default=None,
                         help=f"only the first N of the {len(QUESTIONS)} questions")
     parser.add_argument("--trace-dir", default="runs",

@@ -7,7 +7,9 @@ in the system message, the conversation's calls and results as plain text, and t
 output constrained to ``{"tool_calls": [...]}`` or ``{"content": <answer>}``. The
 answer is read back with the same
 :class:`~flowlift.proxy.openai.chat_completion.tool_output.ToolOutputDecoder`: content
-streams as it is decoded; the calls come whole on the last chunk (``tool_calls``).
+streams as it is decoded; the calls come whole on the last chunk (``tool_calls``), and
+each one also as soon as its JSON is complete (``ready_calls``,
+:mod:`flowlift.proxy.tools.early`).
 
 The final answer's content keeps the request's own constraint: a JSON Schema stays its
 schema, a label set becomes an ``enum``, a regex a string ``pattern``. Logprobs are not
@@ -36,6 +38,7 @@ from flowlift.proxy.openai.chat_completion.tools import (
     engine_messages,
 )
 from flowlift.proxy.openai.chat_completion.tools import ToolCall as HistoryCall
+from flowlift.proxy.tools.early import EarlyCalls
 
 
 def content_schema(constraint: OutputConstraint | None) -> dict[str, Any]:
@@ -74,6 +77,7 @@ class ToolTurn:
             for t in request.tools), request.tool_choice, True,
             content_schema(request.constraint))
         self._decoder = ToolOutputDecoder(plan)
+        self._early = EarlyCalls()
         self.request = dataclasses.replace(
             request, tools=(), messages=engine_messages([_history(m) for m in
                                                          request.messages], plan),
@@ -86,7 +90,8 @@ class ToolTurn:
         rest."""
         text = self._decoder.feed(chunk.text)
         if chunk.finish_reason is None:
-            return GenerationChunk(text)
+            return GenerationChunk(text, ready_calls=self._early.feed(chunk.text) or None)
+        self._early.close()
         answer = self._decoder.result(chunk.finish_reason)
         calls = None if answer.tool_calls is None else tuple(
             ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])

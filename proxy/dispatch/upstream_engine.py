@@ -295,7 +295,8 @@ class UpstreamEngine(Engine):
                 finish = choice.finish_reason or finish
                 calls.add(choice.tool_calls)
                 if choice.text or choice.logprobs or choice.tool_calls:  # calls: no text
-                    yield GenerationChunk(choice.text, logprobs=choice.logprobs or None)
+                    yield GenerationChunk(choice.text, logprobs=choice.logprobs or None,
+                                          ready_calls=calls.ready() or None)
             async with asyncio.timeout(idle_s):  # not around the yield: the consumer's
                 event = await anext(opened.events, None)  # type: ignore[arg-type]
         if event is not None:

@@ -199,6 +199,7 @@ class ToolCallPieces:
 
     def __init__(self) -> None:
         self._calls: dict[int, dict[str, str]] = {}
+        self._ready = 0  # calls returned by ready()
 
     def add(self, pieces: tuple[Mapping[str, Any], ...]) -> None:
         """Add one event's pieces."""
@@ -215,6 +216,15 @@ class ToolCallPieces:
                 call["name"] = fn["name"]
             if isinstance(fn.get("arguments"), str):
                 call["arguments"] += fn["arguments"]
+
+    def ready(self) -> tuple[ToolCall, ...]:
+        """Calls complete since the last ``ready()``: every call below the highest
+        ``index`` seen (a stream sends a call's pieces before the next call's)."""
+        done = sorted(self._calls)[:-1]
+        new = done[self._ready:]
+        self._ready = len(done)
+        return tuple(ToolCall(self._calls[i]["id"] or f"call_{i}", self._calls[i]["name"],
+                              self._calls[i]["arguments"] or "{}") for i in new)
 
     def calls(self) -> tuple[ToolCall, ...] | None:
         """The calls in ``index`` order (a missing id becomes ``call_<index>``), or None

@@ -14,10 +14,22 @@ step's output, checked by its contract as usual
 with :class:`~flowlift.errors.StepFailed` when ``max_turns`` turns still called tools,
 or, with ``tool_errors="raise"``, when a tool raised.
 
+Proxy tools (a :class:`~flowlift.graph.ToolSpec` with ``server``,
+:mod:`flowlift.proxy.tools`): a valid call runs on the proxy (``proxy_tools``) instead
+of going to the app: no ``tool.wanted``, no app round trip, and the deadline clock keeps
+running (the proxy's own time counts against the run's deadline, as its model turns
+do). Each one starts as soon as its arguments are complete in the turn's stream
+(``ready_calls`` of the engine's chunks), before the turn ends; the turn's final calls
+take the early start of the same call (same name and arguments) and start the others
+then. App calls and proxy calls of one turn run concurrently. A proxy call's result is
+logged only after the turn's ``agent.turn`` event, as an app call's is.
+
 Durability: a turn that called tools is an ``agent.turn`` event in the run's log, and
 each call's result a ``tool.result`` event. A resumed run replays them in order (turns
-are numbered over the whole step) instead of generating again or asking the app
-again; only what the log does not hold is asked for.
+are numbered over the whole step) instead of generating again or asking the app (or
+the proxy's tool server) again; only what the log does not hold is asked for. A proxy
+call in flight when the proxy died has no ``tool.result`` and runs again on resume (at
+least once, as an app tool that had not answered).
 """
 
 from __future__ import annotations
@@ -35,6 +47,8 @@ from flowlift.errors import StepFailed, ToolError
 from flowlift.graph import LLMNode, ToolSpec, render_value
 from flowlift.local_engine.base import ChatMessage, ToolCall
 from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.tools.early import call_key
+from flowlift.proxy.tools.outcome import ToolOutcome
 from flowlift.proxy.workflows.ahead import next_turn_prefix
 from flowlift.proxy.workflows.cascade import Generated
 from flowlift.proxy.workflows.deadline import DeadlineClock
@@ -55,11 +69,21 @@ class ToolRaised(ToolError):
 
 
 class Turn(Protocol):
-    """One generation of the step on ``model`` at ``priority``."""
+    """One generation of the step on ``model`` at ``priority``; ``on_call`` gets each
+    call whose JSON is complete while the turn still streams."""
 
     def __call__(self, model: str | None, messages: Sequence[ChatMessage], *,
                  logprobs: bool, priority: Priority | None,
-                 max_tokens: int | None = None) -> Awaitable[Generated]: ...
+                 max_tokens: int | None = None,
+                 on_call: Callable[[ToolCall], None] | None = None,
+                 ) -> Awaitable[Generated]: ...
+
+
+class ProxyTools(Protocol):
+    """Runs a proxy tool (:meth:`flowlift.proxy.tools.ToolServers.call`): never raises
+    for the tool's own failures, bounds its time and its result."""
+
+    def call(self, server: str, name: str, args: dict[str, Any]) -> Awaitable[ToolOutcome]: ...
 
 
 def check_call(call: ToolCall, tools: Sequence[ToolSpec]) -> dict[str, Any] | str:
@@ -120,6 +144,8 @@ class AgentLoop:
         ahead: ``(model, messages)`` -> prefill the next turn's known start while the
             calls are out (:func:`flowlift.proxy.workflows.ahead.next_turn_prefix`);
             None: never.
+        proxy_tools: runs the step's proxy tools (None: the proxy has none; such a
+            call's result is an error).
     """
 
     def __init__(self, node: LLMNode, *, turn: Turn, continuation: Callable[[], Priority],
@@ -127,11 +153,14 @@ class AgentLoop:
                  history: Iterable[Event], waiting: dict[str, asyncio.Future[Any]],
                  clock: DeadlineClock | None,
                  ahead: Callable[[str | None, Sequence[ChatMessage]], None] | None = None,
-                 ) -> None:
+                 proxy_tools: ProxyTools | None = None) -> None:
         self.node, self._turn, self._continuation = node, turn, continuation
         self.trace, self._emit, self._waiting, self._clock = trace, emit, waiting, clock
         self.tools = node.tools or ()
         self._ahead = ahead
+        self._proxy = proxy_tools
+        # early starts of this turn: call key -> (task, started at ms), in stream order
+        self._early: dict[tuple[str, str], list[tuple[asyncio.Task[ToolOutcome], float]]] = {}
         self._turns, self._results = logged(history, node.id)
         self.turns = 0  # over the whole step (retries and cascade included)
         self.calls = 0
@@ -151,11 +180,16 @@ class AgentLoop:
         for k in range(1, self.node.max_turns + 1):
             self.turns += 1
             priority = self._continuation() if k > 1 else None
-            out = self._replay(model) or await self._turn(model, convo, logprobs=logprobs,
-                                                          priority=priority,
-                                                          max_tokens=max_tokens)
+            try:
+                out = self._replay(model) or await self._turn(
+                    model, convo, logprobs=logprobs, priority=priority,
+                    max_tokens=max_tokens, on_call=self._start_early)
+            except BaseException:
+                self._drop_early()
+                raise
             out.trace.turn = self.turns
             if not out.tool_calls:
+                self._drop_early()
                 self._check_not_cut(out)
                 return out
             out.trace.outcome = "tool_calls"
@@ -166,6 +200,7 @@ class AgentLoop:
                                           "content": out.text, "tool_calls": [
                                               [c.id, c.name, c.arguments] for c in calls]})
             if k == self.node.max_turns:
+                self._drop_early()
                 break
             if self._ahead is not None and self._asks(calls):
                 self._ahead(model, next_turn_prefix(convo, out.text, calls))
@@ -209,8 +244,11 @@ class AgentLoop:
 
     def _asks(self, calls: Sequence[ToolCall]) -> bool:
         """True when the first call goes to the app (not replayed from the log, not
-        answered at once with an error): its result is worth waiting for ahead."""
+        answered at once with an error, not a proxy tool: the proxy's own tools answer
+        in about the time a prefill-ahead would take, which would only compete with
+        the next turn's prefill): its result is worth waiting for ahead."""
         return (f"{self.node.id}:call_{self.calls + 1}" not in self._results
+                and self._proxy_spec(calls[0].name) is None
                 and not isinstance(check_call(calls[0], self.tools), str))
 
     async def _run_calls(self, calls: Sequence[ToolCall]) -> list[str]:
@@ -225,11 +263,43 @@ class AgentLoop:
             st.status = "running"
             for task in tasks:
                 task.cancel()
+            self._drop_early()
+
+    def _proxy_spec(self, name: str) -> ToolSpec | None:
+        spec = next((t for t in self.tools if t.name == name), None)
+        return spec if spec is not None and spec.server is not None else None
+
+    def _start_early(self, call: ToolCall) -> None:
+        """A call complete in the turn's stream: start it now if it is a valid proxy call."""
+        spec, key = self._proxy_spec(call.name), call_key(call.name, call.arguments)
+        if spec is None or key is None or self._proxy is None:
+            return
+        args = check_call(call, self.tools)
+        if isinstance(args, str):
+            return
+        task = asyncio.ensure_future(self._proxy.call(spec.server or "", spec.name, args))
+        self._early.setdefault(key, []).append((task, self.trace.now_ms()))
+
+    def _take_early(self, call: ToolCall) -> tuple[asyncio.Task[ToolOutcome], float] | None:
+        key = call_key(call.name, call.arguments)
+        started = self._early.get(key) if key is not None else None
+        return started.pop(0) if started else None
+
+    def _drop_early(self) -> None:
+        """Cancel early starts no final call of the turn took."""
+        for tasks in self._early.values():
+            for task, _ in tasks:
+                task.cancel()
+        self._early = {}
 
     async def _call(self, call: ToolCall) -> str:
         self.calls += 1
         call_id = f"{self.node.id}:call_{self.calls}"
-        ct = ToolCallTrace(call_id, call.name, self.turns, self.trace.now_ms())
+        spec = self._proxy_spec(call.name)
+        early = self._take_early(call) if spec is not None else None
+        ct = ToolCallTrace(call_id, call.name, self.turns,
+                           self.trace.now_ms() if early is None else early[1],
+                           server=spec.server if spec is not None else None)
         self.trace.step(self.node.id).tool_calls.append(ct)
         args = check_call(call, self.tools)
         if isinstance(args, str):
@@ -237,18 +307,34 @@ class AgentLoop:
             return args
         logged_result = self._results.get(call_id)
         if logged_result is not None:
+            if early is not None:
+                early[0].cancel()
             ct.finished_ms, ct.outcome = ct.wanted_ms, "replayed"
             error = logged_result.get("error")
             return self._text(call, ct, logged_result.get("value"), error)
-        try:
-            value, error = await self._ask(call_id, call.name, args), None
-        except ToolRaised as exc:
-            value, error = None, exc.error
+        if spec is not None:
+            outcome = await self._run_proxy(spec, args, None if early is None else early[0])
+            value, error = outcome.value, outcome.error
+        else:
+            try:
+                value, error = await self._ask(call_id, call.name, args), None
+            except ToolRaised as exc:
+                value, error = None, exc.error
         ct.finished_ms = self.trace.now_ms()
         self._emit("tool.result", {"step_id": call_id, "value": value} if error is None
                    else {"step_id": call_id, "error": error})
         ct.outcome = "ok" if error is None else "error"
         return self._text(call, ct, value, error)
+
+    async def _run_proxy(self, spec: ToolSpec, args: dict[str, Any],
+                         early: asyncio.Task[ToolOutcome] | None) -> ToolOutcome:
+        """A proxy tool's outcome: its early start's, or a call started now (the
+        deadline clock keeps running: the proxy's own time)."""
+        if early is not None:
+            return await early
+        if self._proxy is None:
+            return ToolOutcome(error=f"this proxy runs no tool server {spec.server!r}")
+        return await self._proxy.call(spec.server or "", spec.name, args)
 
     def _text(self, call: ToolCall, ct: ToolCallTrace, value: Any, error: str | None) -> str:
         if error is None:

@@ -3,7 +3,9 @@
 * ``POST /v1/workflows`` -- a graph in, an SSE stream of run events out (see
   :mod:`flowlift.proxy.workflows.runs`); each event's SSE ``id`` is its number in the run's log.
   An invalid graph is rejected whole before anything runs: HTTP 400, OpenAI error
-  shape, ``error.problems`` lists every problem. A ``deadline_s`` the compiler finds
+  shape, ``error.problems`` lists every problem (a proxy tool, ``tools[i].server``, must
+  name a ``[tools.*]`` server the tenant reaches and a tool it offers:
+  :meth:`~flowlift.proxy.tools.ToolServers.resolve`). A ``deadline_s`` the compiler finds
   infeasible is said in the ``X-Flowlift-Deadline-Warning`` header (the SDK warns), or
   refused (400, ``param: deadline_s``) when the graph asks for ``strict_deadline``.
 * ``GET /v1/workflows/{run_id}/events`` -- the same stream again, from the event after
@@ -96,19 +98,46 @@ class ToolResult(BaseModel):
         return self
 
 
+def _graph_model(data: Any) -> Graph:
+    try:
+        return Graph.model_validate(data)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(map(str, e['loc'])) or '(graph)'}: {e['msg']}"
+                    for e in exc.errors(include_url=False)]
+        raise GraphError(problems) from None
+
+
 def parse_graph(data: Any, backends: Backends) -> Graph:
     """Parse and validate a graph document; every problem is reported at once.
 
     Raises:
         GraphError: HTTP 400 with ``problems``.
     """
-    try:
-        graph = Graph.model_validate(data)
-    except ValidationError as exc:
-        problems = [f"{'.'.join(map(str, e['loc'])) or '(graph)'}: {e['msg']}"
-                    for e in exc.errors(include_url=False)]
-        raise GraphError(problems) from None
+    graph = _graph_model(data)
     validate(graph, backends.known())
+    return graph
+
+
+async def submitted_graph(data: Any, state: ProxyState, tenant: str | None) -> Graph:
+    """:func:`parse_graph` with its proxy tools described for ``tenant``
+    (:meth:`~flowlift.proxy.tools.ToolServers.resolve`); the problems of both listed
+    together.
+
+    Raises:
+        GraphError: HTTP 400 with ``problems``.
+    """
+    graph = _graph_model(data)
+    problems: list[str] = []
+    try:
+        validate(graph, state.backends.known())
+    except GraphError as exc:
+        problems += exc.problems
+    try:
+        graph = await state.tools.resolve(graph, state.tenants.by_name(tenant))
+    except GraphError as exc:
+        problems += exc.problems
+    if problems:
+        raise GraphError(problems)
     return graph
 
 
@@ -144,7 +173,7 @@ async def start_workflow(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     data = await read_json(request)
     awaited = data.pop("awaited", None) if isinstance(data, dict) else None
-    graph = parse_graph(data, state.backends)
+    graph = await submitted_graph(data, state, tenant_of(request))
     awaited = open_runs.awaited_ids(graph.node_map(), awaited)
     run_plan = await asyncio.to_thread(plan, graph, state.backends, state.costs,
                                      state.runs.outcomes, state.prices)
@@ -269,7 +298,8 @@ async def append_nodes(request: web.Request) -> web.Response:
     """Append nodes to an open run (:func:`open_runs.append`)."""
     state = request.app[STATE]
     run_id, tenant = request.match_info["run_id"], tenant_of(request)
-    data = await read_json(request)
+    data = await state.tools.resolve_appended(await read_json(request),
+                                              state.tenants.by_name(tenant))
     if state.runs.live(run_id, tenant) is None and state.runs.store.shared:
         return web.json_response(await state.runs.queue_request(  # another replica runs it
             run_id, "nodes", data, tenant, state.backends.known()), status=202)

@@ -66,6 +66,7 @@ from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.tenants import client_run_id, run_key, visible
 from flowlift.proxy.workflows import open_runs
+from flowlift.proxy.workflows.agent import ProxyTools
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import CLOSED, stored_graph
@@ -158,7 +159,8 @@ class RunRegistry:
                  detached_timeout_s: float = 300.0,
                  outcomes: StepOutcomes | None = None, store_keep: int = 10_000,
                  store_ttl_s: float = 7 * 24 * 3600, max_active: int = 4096,
-                 observer: RunObserver = NO_OBSERVER, lease_ttl_s: float = 15.0) -> None:
+                 observer: RunObserver = NO_OBSERVER, lease_ttl_s: float = 15.0,
+                 proxy_tools: ProxyTools | None = None) -> None:
         self.store = store or SQLiteRunStore(":memory:")
         self.io = StoreWorker()  # every store call, in order, off the event loop
         self._starting: set[str] = set()  # keys being created (their ids are taken)
@@ -172,6 +174,7 @@ class RunRegistry:
         self.trace_dir = trace_dir
         self.detached_timeout_s = detached_timeout_s
         self.observer = observer
+        self.proxy_tools = proxy_tools  # the [tools.*] servers every run's agent steps use
         self.store_keep, self.store_ttl_s = store_keep, store_ttl_s
         self.max_active = max_active
         self.store.prune(older_than_s=store_ttl_s, keep=store_keep)
@@ -262,7 +265,7 @@ class RunRegistry:
             self._starting.discard(key)
         run = Run(graph, backends, run_plan, costs, run_id=run_id, key=key,
                   sink=self._append, outcomes=self.outcomes, observer=self.observer,
-                  trace_parent=parent)
+                  trace_parent=parent, proxy_tools=self.proxy_tools)
         run.tenant = tenant
         if epoch is not None:  # (None: a stranger's lease on a fresh id; its writes fail)
             self.epochs[key] = epoch
@@ -311,7 +314,7 @@ class RunRegistry:
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
                       run_id=client_run_id(run_id, stored.tenant), key=run_id,
                       sink=self._append, restored=stored, outcomes=self.outcomes,
-                      observer=self.observer)
+                      observer=self.observer, proxy_tools=self.proxy_tools)
             self._activate(run)
             resumed.append(run)
             log.info("run_resumed", workflow_id=run.run_id, done=len(run.outputs),

@@ -52,12 +52,13 @@ from flowlift.local_engine.base import (
     GenerationRequest,
     OutputConstraint,
     SamplingOptions,
+    ToolCall,
     ToolDef,
 )
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
-from flowlift.proxy.workflows.agent import AgentLoop, ToolRaised
+from flowlift.proxy.workflows.agent import AgentLoop, ProxyTools, ToolRaised
 from flowlift.proxy.workflows.ahead import HOLE, ahead_request, consumers, known_prefix
 from flowlift.proxy.workflows.books import AttemptBooks
 from flowlift.proxy.workflows.cascade import Attempt, Generated, run_step
@@ -100,8 +101,10 @@ class Run:
                  restored: StoredRun | None = None,
                  outcomes: StepOutcomes | None = None,
                  observer: RunObserver = NO_OBSERVER,
-                 trace_parent: Context | None = None, key: str | None = None) -> None:
+                 trace_parent: Context | None = None, key: str | None = None,
+                 proxy_tools: ProxyTools | None = None) -> None:
         self.graph = graph
+        self.proxy_tools = proxy_tools
         self.outcomes = outcomes
         self.backends = backends
         self.plan = plan
@@ -466,7 +469,8 @@ class Run:
                                 continuation=lambda: self._priority(node.id, "interactive"),
                                 emit=self.log.emit, history=self.log.history(),
                                 waiting=self._tool_results, clock=self.clock,
-                                ahead=functools.partial(self._prefill_ahead, node))
+                                ahead=functools.partial(self._prefill_ahead, node),
+                                proxy_tools=self.proxy_tools)
         value, model = await run_step(node, messages, attempt, record)
         self.trace.step(node.id).model = self.backends.canonical(model)
         return value
@@ -499,11 +503,13 @@ class Run:
     async def _attempt(self, node: LLMNode, want: str | None,
                        messages: Sequence[ChatMessage], *, logprobs: bool,
                        priority: Priority | None = None,
-                       max_tokens: int | None = None) -> Generated:
+                       max_tokens: int | None = None,
+                       on_call: Callable[[ToolCall], None] | None = None) -> Generated:
         """One generation of ``node`` on model ``want``, where its route sends it
         (:class:`~flowlift.proxy.dispatch.steps.StepDispatcher`), at ``priority`` (default:
         the step's own); every try (an agent step's turn) is an :class:`AttemptTrace` in
-        the step's ``attempts``."""
+        the step's ``attempts``; ``on_call`` gets each tool call complete before the
+        answer ends (``GenerationChunk.ready_calls``)."""
         model, _ = self.backends.resolve(want)
         st = self.trace.step(node.id)
         st.model = model
@@ -522,6 +528,9 @@ class Run:
                 async for chunk in chunks:
                     if books.chunk(chunk):
                         self._warmed(node.id)
+                    if on_call is not None:
+                        for call in chunk.ready_calls or ():
+                            on_call(call)
         except BaseException as exc:
             books.failed(exc)
             raise

@@ -89,8 +89,14 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
         from flowlift.testing import FakeEngine, FakeEngineWithCore
 
         fake = FakeEngineWithCore if getattr(args, "fake_core_process", False) else FakeEngine
+        scripted: dict[str, Any] = {}
+        if getattr(args, "fake_responder", None):
+            from flowlift.proxy.tools.callables import load_callable
+
+            scripted["responder"] = load_callable(args.fake_responder, "--fake-responder")
         for name in [args.model or "fake-model", *extra]:
-            _add(sized, name, fake([name], delay_s=args.fake_delay_s), FAKE_MODEL_MB)
+            _add(sized, name, fake([name], delay_s=args.fake_delay_s, **scripted),
+                 FAKE_MODEL_MB)
     else:
         from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
 
@@ -178,7 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
         configure_logging(args.log_level, secrets=file_config.secrets())
         add_config_models(args, file_config.embedded_models())
     if args.engine is None:
-        wants_local = file_config is None or any(
+        wants_local = file_config is None or not file_config.backends or any(
             isinstance(b, EmbeddedSpec) for b in file_config.backends.values())
         args.engine = "vllm" if wants_local else "none"
 
@@ -616,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a session is kept after its last turn (default 1800)")
     serve.add_argument("--fake-delay-s", type=_seconds, default=0.01,
                        help="with --engine fake: seconds per streamed chunk")
+    serve.add_argument("--fake-responder", default=None, metavar="MODULE:FUNCTION",
+                       help="with --engine fake: the function that answers each request "
+                            "(flowlift.testing.Responder; scripted models in tests)")
     serve.add_argument("--fake-core-process", action="store_true",
                        help="with --engine fake: start an idle child process per model the "
                             "way vLLM starts its engine core (tests that no engine process "

@@ -20,7 +20,8 @@ JSON shape (version ``"1"``)::
         "cascade": ["small", "large"], "min_confidence": 0.5},
        {"kind": "llm", "id": "agent_1", "messages": [...],
         "tools": [{"name": "search", "description": "Search the corpus.",
-                   "parameters": {"type": "object", "properties": {...}}}],
+                   "parameters": {"type": "object", "properties": {...}}},
+                  {"name": "fetch", "server": "web"}],
         "max_turns": 8, "tool_errors": "return"},
        {"kind": "tool", "id": "lookup_1", "name": "lookup",
         "args": [{"ref": "extract_1", "path": ["name"]}], "kwargs": {"k": {"value": 3}}},
@@ -171,13 +172,25 @@ Items.model_rebuild()
 
 
 class ToolSpec(_Model):
-    """A client-run ``@tool`` an agent step's model may call: ``parameters`` is the JSON
-    Schema (draft 2020-12) its arguments must satisfy."""
+    """A tool an agent step's model may call: ``parameters`` is the JSON Schema (draft
+    2020-12) its arguments must satisfy.
+
+    ``server`` None: a client-run ``@tool`` (the app runs it: ``tool.wanted``). Else the
+    name of a ``[tools.<server>]`` of the proxy's config that runs it on the proxy
+    (:mod:`flowlift.proxy.tools`); ``name`` is the tool's name on that server, and the
+    proxy fills ``description`` and ``parameters`` from the server when the graph is
+    submitted (``flowlift.proxy_tool("server.tool")``).
+    """
 
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str = ""
     parameters: dict[str, Any] = Field(
         default_factory=lambda: {"type": "object", "properties": {}})
+    server: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _drop(handler(self), {"server": None})
 
     @model_validator(mode="after")
     def _a_schema(self) -> ToolSpec:
@@ -209,9 +222,10 @@ class LLMNode(_Model):
     (``exp`` of the mean token logprob). Under it, the output escalates to the next model
     of the cascade; the last model's output is kept whatever its confidence."""
     tools: tuple[ToolSpec, ...] | None = Field(default=None, min_length=1, max_length=128)
-    """An agent step: the model may call these client-run tools; the proxy loops (model
-    turn, the app runs the calls, results back into the conversation) until the model
-    answers without calls (:mod:`flowlift.proxy.workflows.agent`)."""
+    """An agent step: the model may call these tools (client-run ``@tool`` functions,
+    or proxy-run ones: ``server`` set); the proxy loops (model turn, the calls run,
+    results back into the conversation) until the model answers without calls
+    (:mod:`flowlift.proxy.workflows.agent`)."""
     max_turns: int = Field(default=10, ge=1, le=200)
     """Model turns an agent step may take; a turn that still calls tools at the limit
     fails the step."""
