@@ -28,6 +28,7 @@ from flowlift.proxy import lifecycle
 from flowlift.proxy.config import FileConfig, ProxyConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.prefill_ahead import AheadConfig
+from flowlift.proxy.dispatch.programs import ProgramConfig
 from flowlift.proxy.http import log, openai_errors
 from flowlift.proxy.middleware import readiness_gate, require_key
 from flowlift.proxy.openai import routes as openai_api
@@ -171,7 +172,9 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                         config=file_config, transport=transport, max_queue=config.max_queue,
                         prefill_ahead=AheadConfig(
                             enabled=config.prefill_ahead,
-                            max_kv_usage=config.prefill_ahead_max_kv_usage))
+                            max_kv_usage=config.prefill_ahead_max_kv_usage),
+                        programs=ProgramConfig(enabled=config.program_scheduling,
+                                               max_wait_s=config.program_max_wait_s))
     if not backends.models:
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")
