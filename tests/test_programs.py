@@ -275,3 +275,13 @@ async def test_every_turn_of_an_agent_step_counts_toward_its_run(client, engine:
     assert book._table[wf.run_id].calls == 3  # three turns, one program
     assert SHELL_CALLS == ["ls", "ls"]  # the last turn's call is not run
     assert book.keeping() == 0  # each kept mark ended when the next turn came
+
+
+async def test_the_program_table_is_exported_as_metrics(client):
+    r = await client.post("/v1/chat/completions", headers={"X-Flowlift-Session": "s-1"},
+                          json={"model": "fake-model", "max_tokens": 2,
+                                "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status == 200
+    text = await (await client.get("/metrics")).text()
+    assert 'flowlift_programs{backend="engine-0"} 1.0' in text
+    assert 'flowlift_program_aged_grants_total{backend="engine-0"} 0.0' in text
