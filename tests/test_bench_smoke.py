@@ -33,6 +33,16 @@ def test_agent_loop_smoke_exits_0():
         assert variant in done.stdout
 
 
+def test_agent_load_smoke_exits_0():
+    before = _results()
+    done = _smoke("agent_load.py")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for variant in ("las", "no_las", "chat_fcfs"):
+        assert f"| {variant} |" in done.stdout
+    assert "errors 0" in done.stdout and "errors 1" not in done.stdout
+    assert _results() == before
+
+
 @pytest.mark.parametrize("script", SMOKED)
 def test_bench_smoke_exits_0(script):
     before = _results()

@@ -135,19 +135,20 @@ async def test_starvation_bound_a_long_program_goes_first_once_it_waited_max_wai
     current = holder
     # a newcomer arrives every 2 s and each holds the slot 2 s: without the bound, the
     # long program (far more attained service) would wait behind every one of them
+    newcomers = []
     for i in range(5):
-        asyncio.create_task(wait(f"new-{i}", f"new-{i}"))
+        newcomers.append(asyncio.create_task(wait(f"new-{i}", f"new-{i}")))
         await asyncio.sleep(0)
         clock.now += 2.0
         slots.release(current)
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        current = Priority.of("interactive", program=order[-1] if order[-1] != "long"
-                              else "long")
+        current = Priority.of("interactive", program=order[-1])
     assert order.index("long") == 2, order  # after new-0 and new-1, before new-2
     assert waited["long"] <= 5.0 + 2.0  # the bound plus one slot's hold time
     assert slots.programs.aged == 1
-    long_turn.cancel()
+    for task in [long_turn, *newcomers]:
+        task.cancel()
 
 
 async def test_no_aging_with_fcfs():
