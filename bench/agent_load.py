@@ -20,7 +20,9 @@ engine slots that the proxy's queue orders):
   and critical-path order only): the scheduling's own effect is las vs no_las;
 * **chat_fcfs**: the same sessions as app-driven ``/v1/chat/completions`` with
   ``X-Flowlift-Session`` (what agent frameworks do) on ``--scheduling fcfs``: first come,
-  first served, no program scheduling.
+  first served, no program scheduling;
+* **chat_las** (not run by default): the same chat completions with program scheduling
+  on (the session header names the program).
 
 Per session: completion time, from its arrival to its last answer (for agent steps,
 the end of its ``workflow`` block). Reported per variant: mean, median, p90 and max
@@ -64,7 +66,9 @@ VARIANTS = {
     "las": ("agent", ()),
     "no_las": ("agent", ("--no-program-scheduling",)),
     "chat_fcfs": ("chat", ("--scheduling", "fcfs")),
+    "chat_las": ("chat", ()),
 }
+DEFAULT_VARIANTS = ["las", "no_las", "chat_fcfs"]
 OUTPUT = dict(zip(("ls", "grep", "sed", "pytest", "run"), TOOLS, strict=True))
 """The tool's fixed output per command (the same text in every variant)."""
 TOOL_S = {"s": 0.2}  # the tool's run time (set from --tool-s)
@@ -228,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tools", choices=sorted(TOOL_BINDINGS), default="app")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
-                        default=list(VARIANTS))
+                        default=DEFAULT_VARIANTS)
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine, 4 short sessions: the plumbing in seconds")
     parser.add_argument("--out", default=None, help="results name in bench/results "
