@@ -54,7 +54,9 @@ async def readyz(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
     reason = lifecycle.not_ready_reason(state, request.app[lifecycle.DRAIN])
     body = {"ready": reason is None, "models": state.backends.models,
-            "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason}
+            "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason,
+            "programs": {b.name: b.slots.programs.snapshot() for b in state.backends.backends
+                         if b.slots.programs.enabled}}
     if state.residency is not None:
         body["residency"] = {"budget_mb": state.residency.budget_mb,
                              "resident": list(state.residency.resident),

@@ -275,7 +275,8 @@ async def test_every_turn_of_an_agent_step_counts_toward_its_run(client, engine:
     book = book_of(client)
     assert book._table[wf.run_id].calls == 3  # three turns, one program
     assert SHELL_CALLS == ["ls", "ls"]  # the last turn's call is not run
-    assert book.keeping() == 0  # each kept mark ended when the next turn came
+    assert book.marks == 2  # marked while each of its two tool rounds was out
+    assert book.keeping() == 0  # each mark ended when the next turn came
 
 
 async def test_the_program_table_is_exported_as_metrics(client):
@@ -286,3 +287,5 @@ async def test_the_program_table_is_exported_as_metrics(client):
     text = await (await client.get("/metrics")).text()
     assert 'flowlift_programs{backend="engine-0"} 1.0' in text
     assert 'flowlift_program_aged_grants_total{backend="engine-0"} 0.0' in text
+    ready = await (await client.get("/readyz")).json()
+    assert ready["programs"]["engine-0"]["programs"] == 1

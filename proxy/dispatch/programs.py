@@ -136,6 +136,8 @@ class ProgramBook:
         """Calls granted ahead of their LAS order because they waited ``max_wait_s``."""
         self.held = 0
         """Times a new program's call was held back to keep a waiting session's KV."""
+        self.marks = 0
+        """Times a program was marked as waiting for its tool (:meth:`keep`)."""
 
     def __len__(self) -> int:
         self._table.expire()
@@ -190,6 +192,7 @@ class ProgramBook:
         programs for ``keep_ttl_s`` while the KV cache is full."""
         if program is not None and self.config.enabled and self.config.keep_ttl_s > 0:
             self._keep[program] = self._timer() + self.config.keep_ttl_s
+            self.marks += 1
 
     def unkeep(self, program: str | None) -> None:
         """``program``'s next call came."""
@@ -220,7 +223,7 @@ class ProgramBook:
         """What ``/readyz`` shows: programs tracked, kept, aged and held counts."""
         return {"enabled": self.config.enabled, "programs": len(self),
                 "max_programs": self.config.max_programs, "keeping": self.keeping(),
-                "aged_grants": self.aged, "held_back": self.held}
+                "aged_grants": self.aged, "held_back": self.held, "keep_marks": self.marks}
 
 
 def las_level(attained_s: float, quantum_s: float, max_level: int) -> int:
