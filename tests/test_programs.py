@@ -247,6 +247,20 @@ async def test_session_tagged_chat_completions_count_toward_their_session(client
     book = book_of(client)
     assert book._table["agent-7"].calls == 4
     assert len(book) == 1
+    assert book.marks == 0  # no answer called a tool
+
+
+async def test_a_session_answer_that_calls_a_tool_keeps_its_kv(client, engine):
+    engine.responder = lambda request: tool_calls_text(("shell", {"command": "ls"}))
+    tools = [{"type": "function", "function": {
+        "name": "shell", "parameters": {"type": "object", "properties": {
+            "command": {"type": "string"}}, "required": ["command"]}}}]
+    r = await client.post("/v1/chat/completions", headers={"X-Flowlift-Session": "s-9"},
+                          json={"model": "fake-model", "tools": tools, "max_tokens": 40,
+                                "messages": [{"role": "user", "content": "go"}]})
+    assert (await r.json())["choices"][0]["message"]["tool_calls"]
+    book = book_of(client)
+    assert book.marks == 1 and book.keeping() == 1
 
 
 SHELL_CALLS: list[str] = []

@@ -42,6 +42,8 @@ again at level 0.
 **Keeping a waiting session's KV** (issue 24 §2). While an agent step's tool calls are
 out, its next turn is known to come: :meth:`ProgramBook.keep` marks the program for
 ``keep_ttl_s`` (Continuum, 2025: a TTL on the KV of a program whose tool is running).
+A session-tagged chat completion whose answer calls tools is marked the same way (its
+next turn is likely, not known: the TTL bounds a guess that is wrong).
 While any such mark is live and the engine's KV cache is fuller than
 ``keep_kv_usage``, the slot queue does not start a call of a program with *no* attained
 service (a new session's first prefill, the largest allocation that would push a

@@ -260,15 +260,19 @@ async def chat_completions(request: web.Request, data: Any, model: str, backend:
     choices = [_ChatChoice(i, plan, k is not None) for i in range(body.n or 1)]
     head = {"id": cid, "created": int(time.time()), "model": model}
 
+    program = program_of(request)
+
     def done() -> dict[str, Any]:
         usage = usage_json(total_usage([c.usage for c in choices]))
         notify(on_output, choices[0].output_text(), usage)
+        if choices[0].tool_calls:  # a session's tool is out: its next turn is likely
+            backend.slots.programs.keep(program)
         return usage
 
     timing = Timing()
     try:
         async with started(backend, fan_out(gen, len(choices)), timing,
-                           Priority.of("interactive", program=program_of(request))) as chunks:
+                           Priority.of("interactive", program=program)) as chunks:
             if body.stream:
                 return await stream_choices(
                     request, {**head, "object": "chat.completion.chunk"},
