@@ -303,3 +303,15 @@ async def test_the_program_table_is_exported_as_metrics(client):
     assert 'flowlift_program_aged_grants_total{backend="engine-0"} 0.0' in text
     ready = await (await client.get("/readyz")).json()
     assert ready["programs"]["engine-0"]["programs"] == 1
+
+
+async def test_a_held_request_waits_at_most_keep_ttl_however_many_sessions_wait():
+    slots = PrioritySlots(capacity=4, reserved_interactive=0, kv_usage=lambda: 0.99,
+                          programs=ProgramConfig(keep_ttl_s=0.2))
+    await slots.acquire(Priority.of("interactive", program="a"))
+    slots.programs.keep("b")
+    fresh = asyncio.create_task(slots.acquire(Priority.of("interactive", program="new")))
+    for _ in range(6):  # other sessions' tools keep going out: a mark is always live
+        await asyncio.sleep(0.05)
+        slots.programs.keep("c")
+    assert fresh.done(), "held past keep_ttl_s from its arrival"

@@ -45,12 +45,14 @@ out, its next turn is known to come: :meth:`ProgramBook.keep` marks the program 
 A session-tagged chat completion whose answer calls tools is marked the same way (its
 next turn is likely, not known: the TTL bounds a guess that is wrong).
 While any such mark is live and the engine's KV cache is fuller than
-``keep_kv_usage``, the slot queue does not start a call of a program with *no* attained
-service (a new session's first prefill, the largest allocation that would push a
-waiting session's freed prefix blocks out of vLLM's LRU free list); calls of sessions
-already served go on. The mark ends when the program's next call starts waiting or
-the TTL runs out; the embedded engine's prefill-ahead (:mod:`.prefill_ahead`) re-warms
-the prefix during the same window. What it does *not* guarantee on vLLM: the cached
+``keep_kv_usage`` (``Engine.kv_cache_usage``: on vLLM, the share the unfinished
+requests' prompts plus ``max_tokens`` may take), the slot queue does not start a call
+of a program with *no* attained service (a new session's first prefill, the largest
+allocation that would push a waiting session's freed prefix blocks out of vLLM's LRU
+free list); calls of sessions already served go on. A mark ends when the program's
+next call starts waiting or its TTL runs out, and a held call waits at most
+``keep_ttl_s`` from its arrival, however many marks follow. When the engine has room,
+its prefill-ahead (:mod:`.prefill_ahead`) re-warms the prefix during the same window. What it does *not* guarantee on vLLM: the cached
 blocks of a finished request are free blocks that any allocation may evict (vLLM has no
 pin for them), so running sessions' growth can still evict a waiting session's prefix;
 the mark only holds back the new sessions' prefills.

@@ -326,9 +326,7 @@ class PrioritySlots:
     def _hold(self, best: _Waiter) -> bool:
         """Hold ``best`` back (out of the heap) when it is a new program's request and a
         waiting session's KV is kept on a full cache (:meth:`ProgramBook.hold_back`)."""
-        if self.in_use == 0 or self._kv_usage is None:
-            return False
-        if not self.programs.hold_back(best.priority.program, self._kv_usage()):
+        if not self._holds(best, None if self._kv_usage is None else self._kv_usage()):
             return False
         if best is self._heap[0]:
             heapq.heappop(self._heap)
@@ -338,11 +336,28 @@ class PrioritySlots:
         best.held = True
         self._held.append(best)
         self.programs.held += 1
-        wait = self.programs.next_keep_expiry_s()
-        if wait is not None and self._hold_timer is None:
-            self._hold_timer = asyncio.get_running_loop().call_later(
-                wait + 0.01, self._hold_expired)
+        self._wake_held()
         return True
+
+    def _holds(self, w: _Waiter, kv: float | None) -> bool:
+        """Whether ``w`` stays held: never past ``keep_ttl_s`` from its arrival (new
+        marks of other sessions cannot hold it for ever), never on an idle engine."""
+        if self.in_use == 0 or w.future.done():
+            return False
+        if self.programs.now() - w.since >= self.programs.config.keep_ttl_s:
+            return False
+        return self.programs.hold_back(w.priority.program, kv)
+
+    def _wake_held(self) -> None:
+        """Grant again when the soonest mark or hold expires."""
+        if not self._held or self._hold_timer is not None:
+            return
+        now, ttl = self.programs.now(), self.programs.config.keep_ttl_s
+        waits = [w.since + ttl - now for w in self._held]
+        mark = self.programs.next_keep_expiry_s()
+        wait = max(0.0, min([*waits, *([] if mark is None else [mark])]))
+        self._hold_timer = asyncio.get_running_loop().call_later(wait + 0.01,
+                                                                 self._hold_expired)
 
     def _hold_expired(self) -> None:
         self._hold_timer = None
@@ -353,19 +368,14 @@ class PrioritySlots:
         if not self._held:
             return
         kv = None if self._kv_usage is None else self._kv_usage()
-        keep = [w for w in self._held if not w.future.done()
-                and self.in_use > 0 and self.programs.hold_back(w.priority.program, kv)]
+        keep = [w for w in self._held if self._holds(w, kv)]
         kept = {id(w) for w in keep}
         for w in self._held:
             if id(w) not in kept and not w.future.done():
                 w.held = False
                 heapq.heappush(self._heap, w)
         self._held = keep
-        if keep and self._hold_timer is None:
-            wait = self.programs.next_keep_expiry_s()
-            if wait is not None:
-                self._hold_timer = asyncio.get_running_loop().call_later(
-                    wait + 0.01, self._hold_expired)
+        self._wake_held()
 
     # -- preemption -------------------------------------------------------------------
     def register(self, request: Preemptible) -> None:
