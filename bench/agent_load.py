@@ -261,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                 "model": "default", "max_tokens": 2,
                 "messages": [{"role": "user", "content": "warm up"}]})
             sessions = asyncio.run(run_variant(base, kind, plan, args.max_tokens, tools, v))
+            programs = httpx.get(f"{base}/readyz", timeout=30).json().get("programs")
         results["sessions"][v] = sessions
+        results.setdefault("programs", {})[v] = programs  # the table at the end
         results["summary"][v] = s = summarize(sessions)
         print(f"{v:10s} mean {s['mean_s']} s p90 {s['p90_s']} s max {s['max_s']} s, "
               f"makespan {s['makespan_s']} s, {s['turns_per_s']} turns/s, "
