@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SMOKED = ["agent_load_model.py", "agent_session.py", "batch_pipeline.py", "cascade.py", "chain_rtt.py", "residency.py",
+SMOKED = ["agent_load_model.py", "agent_session.py", "batch_pipeline.py", "cascade.py",
+          "chain_rtt.py", "residency.py",
           "make_batch_graph.py", "mixed_load.py", "prefill_ahead.py", "proxy_overhead.py",
           "routing.py", "speculative.py", "tiers.py", "tracing_overhead.py", "ui_render.py"]
 

@@ -315,3 +315,17 @@ async def test_a_held_request_waits_at_most_keep_ttl_however_many_sessions_wait(
         await asyncio.sleep(0.05)
         slots.programs.keep("c")
     assert fresh.done(), "held past keep_ttl_s from its arrival"
+
+
+async def test_the_arrival_queue_stays_bounded_behind_a_long_waiter():
+    slots = PrioritySlots(capacity=2, reserved_interactive=1, batch_cap_when_interactive=1)
+    await slots.acquire(Priority.of("batch", program="b0"))
+    starved = asyncio.create_task(slots.acquire(Priority.of("batch", program="b1")))
+    await asyncio.sleep(0)
+    for i in range(500):  # interactive turns come and go; the batch one keeps waiting
+        p = Priority.of("interactive", program=f"i{i}")
+        await slots.acquire(p)
+        slots.release(p)
+    assert not starved.done()
+    assert len(slots._arrivals) < 100
+    starved.cancel()

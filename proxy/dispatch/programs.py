@@ -52,10 +52,11 @@ allocation that would push a waiting session's freed prefix blocks out of vLLM's
 free list); calls of sessions already served go on. A mark ends when the program's
 next call starts waiting or its TTL runs out, and a held call waits at most
 ``keep_ttl_s`` from its arrival, however many marks follow. When the engine has room,
-its prefill-ahead (:mod:`.prefill_ahead`) re-warms the prefix during the same window. What it does *not* guarantee on vLLM: the cached
-blocks of a finished request are free blocks that any allocation may evict (vLLM has no
-pin for them), so running sessions' growth can still evict a waiting session's prefix;
-the mark only holds back the new sessions' prefills.
+its prefill-ahead (:mod:`.prefill_ahead`) re-warms the prefix during the same window.
+What it does *not* guarantee on vLLM: the cached blocks of a finished request are free
+blocks that any allocation may evict (vLLM has no pin for them), so running sessions'
+growth can still evict a waiting session's prefix; the mark only holds back the new
+sessions' prefills.
 
 Pure bookkeeping; no I/O. The clock is injected (``timer``).
 """

@@ -310,6 +310,9 @@ class PrioritySlots:
             return None
         while self._arrivals and self._arrivals[0].future.done():
             self._arrivals.popleft()
+        if len(self._arrivals) > 2 * len(self._heap) + len(self._held) + 64:
+            # a long waiter at the front keeps the granted ones behind it: drop them
+            self._arrivals = deque(w for w in self._arrivals if not w.future.done())
         bound = self.programs.now() - self.programs.config.max_wait_s
         found: _Waiter | None = None
         for w in self._arrivals:
