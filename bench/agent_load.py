@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tools", choices=sorted(TOOL_BINDINGS), default="app")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
                         default=DEFAULT_VARIANTS)
+    parser.add_argument("--serve", nargs="*", default=[], metavar="FLAG",
+                        help="more `flowlift serve` flags for every variant (e.g. "
+                             "--serve=--no-prefill-ahead)")
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine, 4 short sessions: the plumbing in seconds")
     parser.add_argument("--out", default=None, help="results name in bench/results "
@@ -249,13 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         "embedded vLLM CPU build, SmolLM2-135M-Instruct, 2 shared CPU cores",
         "max_concurrency": args.max_concurrency, "max_tokens": args.max_tokens,
         "tool_s": args.tool_s, "arrival_gap_s": args.arrival_gap_s, "tools": args.tools,
-        "plan": plan, "variants": {v: " ".join(VARIANTS[v][1]) or "(defaults)"
+        "serve_flags": args.serve, "plan": plan, "variants": {v: " ".join(VARIANTS[v][1]) or "(defaults)"
                                    for v in args.variants},
         "summary": {}, "sessions": {}}
     tools = TOOL_BINDINGS[args.tools]
     for v in args.variants:
         kind, flags = VARIANTS[v]
-        with proxy("--max-concurrency", str(args.max_concurrency), *flags,
+        with proxy("--max-concurrency", str(args.max_concurrency), *flags, *args.serve,
                    name=f"agent_load_{v}", engine="fake" if args.smoke else "vllm") as base:
             httpx.post(f"{base}/v1/chat/completions", timeout=600, json={
                 "model": "default", "max_tokens": 2,
