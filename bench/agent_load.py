@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         "embedded vLLM CPU build, SmolLM2-135M-Instruct, 2 shared CPU cores",
         "max_concurrency": args.max_concurrency, "max_tokens": args.max_tokens,
         "tool_s": args.tool_s, "arrival_gap_s": args.arrival_gap_s, "tools": args.tools,
-        "serve_flags": args.serve, "plan": plan, "variants": {v: " ".join(VARIANTS[v][1]) or "(defaults)"
-                                   for v in args.variants},
+        "serve_flags": args.serve, "plan": plan,
+        "variants": {v: " ".join(VARIANTS[v][1]) or "(defaults)" for v in args.variants},
         "summary": {}, "sessions": {}}
     tools = TOOL_BINDINGS[args.tools]
     for v in args.variants:
