@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve", nargs="*", default=[], metavar="FLAG",
                         help="more `flowlift serve` flags for every variant (e.g. "
                              "--serve=--no-prefill-ahead)")
+    parser.add_argument("--fake-delay-s", type=float, default=None,
+                        help="run on the fake engine with this delay per chunk instead "
+                             "(the proxy's and SDK's paths without engine compute)")
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine, 4 short sessions: the plumbing in seconds")
     parser.add_argument("--out", default=None, help="results name in bench/results "
@@ -256,10 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         "variants": {v: " ".join(VARIANTS[v][1]) or "(defaults)" for v in args.variants},
         "summary": {}, "sessions": {}}
     tools = TOOL_BINDINGS[args.tools]
+    fake = args.smoke or args.fake_delay_s is not None
+    if args.fake_delay_s is not None:
+        args.serve = [*args.serve, "--fake-delay-s", str(args.fake_delay_s)]
+        results["engine"] = f"fake, {args.fake_delay_s} s per chunk"
     for v in args.variants:
         kind, flags = VARIANTS[v]
         with proxy("--max-concurrency", str(args.max_concurrency), *flags, *args.serve,
-                   name=f"agent_load_{v}", engine="fake" if args.smoke else "vllm") as base:
+                   name=f"agent_load_{v}", engine="fake" if fake else "vllm") as base:
             httpx.post(f"{base}/v1/chat/completions", timeout=600, json={
                 "model": "default", "max_tokens": 2,
                 "messages": [{"role": "user", "content": "warm up"}]})
