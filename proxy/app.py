@@ -27,6 +27,7 @@ from flowlift.proxy import lifecycle
 from flowlift.proxy.config import FileConfig, ProxyConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.prefill_ahead import AheadConfig
+from flowlift.proxy.dispatch.programs import ProgramConfig
 from flowlift.proxy.http import log, openai_errors
 from flowlift.proxy.middleware import readiness_gate, require_key
 from flowlift.proxy.openai import routes as openai_api
@@ -55,7 +56,9 @@ async def readyz(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
     reason = await lifecycle.not_ready_reason(state, request.app[lifecycle.DRAIN])
     body = {"ready": reason is None, "models": state.backends.models,
-            "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason}
+            "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason,
+            "programs": {b.name: b.slots.programs.snapshot() for b in state.backends.backends
+                         if b.slots.programs.enabled}}
     if state.residency is not None:
         body["residency"] = {"budget_mb": state.residency.budget_mb,
                              "resident": list(state.residency.resident),
@@ -176,7 +179,9 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                         config=file_config, transport=transport, max_queue=config.max_queue,
                         prefill_ahead=AheadConfig(
                             enabled=config.prefill_ahead,
-                            max_kv_usage=config.prefill_ahead_max_kv_usage))
+                            max_kv_usage=config.prefill_ahead_max_kv_usage),
+                        programs=ProgramConfig(enabled=config.program_scheduling,
+                                               max_wait_s=config.program_max_wait_s))
     if not backends.models:
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")

@@ -147,6 +147,11 @@ class ProxyConfig:
             takes the runs of one that stopped renewing for this long.
         prefill_ahead: prefill the known start of the step that reads a tool's output
             while the tool is out (:mod:`flowlift.proxy.dispatch.prefill_ahead`).
+        program_scheduling: order each engine's requests by their agent session's
+            attained service within a class (:mod:`flowlift.proxy.dispatch.programs`);
+            off with ``scheduling="fcfs"``.
+        program_max_wait_s: the starvation bound of program scheduling: a request
+            waiting this long goes first in its class.
         prefill_ahead_max_kv_usage: KV-cache share (0 to 1) above which prefill-ahead
             stops and what runs of it is aborted.
         append_recompile: an open run's append compiles the whole grown graph (the
@@ -175,6 +180,8 @@ class ProxyConfig:
     prefill_ahead: bool = True
     prefill_ahead_max_kv_usage: float = 0.7
     append_recompile: bool = False
+    program_scheduling: bool = True
+    program_max_wait_s: float = 30.0
 
 
 class _Strict(BaseModel):

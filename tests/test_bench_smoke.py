@@ -16,7 +16,7 @@ SMOKED = ["agent_session.py", "append_cost.py", "batch_pipeline.py", "cascade.py
           "chain_rtt.py", "residency.py", "make_batch_graph.py", "mixed_load.py",
           "prefill_ahead.py", "proxy_overhead.py", "proxy_tools.py", "routing.py",
           "speculative.py", "tiers.py", "tracing_overhead.py", "ui_render.py",
-          "browser_compiler.py", "label_probe.py"]
+          "browser_compiler.py", "label_probe.py", "agent_load_model.py"]
 
 
 def _results() -> list[tuple[str, int]]:
@@ -39,6 +39,16 @@ def test_agent_loop_smoke_exits_0():
                 and "turns" in ln and "rep" in ln)
     assert "error" not in line, line
     assert "bytes sent per turn" in done.stdout
+
+
+def test_agent_load_smoke_exits_0():
+    before = _results()
+    done = _smoke("agent_load.py")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for variant in ("las", "no_las", "chat_fcfs"):
+        assert f"| {variant} |" in done.stdout
+    assert "errors 0" in done.stdout and "errors 1" not in done.stdout
+    assert _results() == before
 
 
 @pytest.mark.parametrize("script", SMOKED)

@@ -58,6 +58,8 @@ _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 QueueDepth = Callable[[], Iterable[tuple[str, str, int]]]
 ModelLoads = Callable[[], Iterable[tuple[str, int, int]]]
+Programs = Callable[[], Iterable[tuple[str, int, int, int, int]]]
+"""``() -> [(backend, programs tracked, programs kept, aged grants, held back)]``."""
 
 
 class _Live(Collector):
@@ -104,6 +106,27 @@ class _Live(Collector):
         for backend, n in m.preemptions():
             preempted.add_metric([backend], n)
         yield preempted
+        yield from _program_families(m.programs())
+
+
+def _program_families(rows: Iterable[tuple[str, int, int, int, int]]
+                      ) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+    """Program-level scheduling's table (``flowlift.proxy.dispatch.programs``)."""
+    tracked = GaugeMetricFamily("flowlift_programs", "Agent sessions (programs) whose "
+                                "attained service is tracked", labels=["backend"])
+    kept = GaugeMetricFamily("flowlift_programs_kept", "Programs whose tool is out and "
+                             "whose KV is kept for the next turn", labels=["backend"])
+    aged = CounterMetricFamily("flowlift_program_aged_grants", "Requests granted ahead of "
+                               "least-attained-service order after the wait bound",
+                               labels=["backend"])
+    held = CounterMetricFamily("flowlift_program_held_back", "New programs' requests held "
+                               "back to keep a waiting session's KV", labels=["backend"])
+    for backend, n, k, a, h in rows:
+        tracked.add_metric([backend], n)
+        kept.add_metric([backend], k)
+        aged.add_metric([backend], a)
+        held.add_metric([backend], h)
+    return (tracked, kept, aged, held)
 
 
 class Metrics:
@@ -118,6 +141,7 @@ class Metrics:
             ``price_per_1k_tokens``), or None when it has none (no spend counted).
         model_loads: ``() -> [(model, loads, unloads)]`` of the residency manager
             (read at scrape time; empty without a memory budget).
+        programs: program scheduling per backend (:data:`Programs`).
     """
 
     def __init__(self, *, queue_depth: QueueDepth = lambda: (),
@@ -125,12 +149,13 @@ class Metrics:
                  upstream_in_flight: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
                  preemptions: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
                  price_per_1k: Callable[[str], float | None] = lambda model: None,
-                 model_loads: ModelLoads = lambda: ()) -> None:
+                 model_loads: ModelLoads = lambda: (),
+                 programs: Programs = lambda: ()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_depth, self.active_workflows = queue_depth, active_workflows
         self.upstream_in_flight, self.preemptions = upstream_in_flight, preemptions
-        self.model_loads = model_loads
+        self.model_loads, self.programs = model_loads, programs
         self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
                               "Engine dispatch to first token", ["model", "source"],
                               buckets=_LATENCY_BUCKETS, registry=r)

@@ -30,6 +30,7 @@ from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
 from flowlift.proxy.dispatch.hints import SessionBook
 from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.prefill_ahead import AheadConfig, PrefillAhead
+from flowlift.proxy.dispatch.programs import ProgramConfig
 from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.tier_profiles import default_book
@@ -83,6 +84,8 @@ class Backends:
         prefill_ahead: when the embedded engines prefill a step's known prompt start
             while a tool it waits for is out (:mod:`.prefill_ahead`; None: on, with the
             defaults of :class:`~.prefill_ahead.AheadConfig`).
+        programs: program-level scheduling on every pool (:mod:`.programs`; None: on,
+            with the defaults of :class:`~.programs.ProgramConfig`; off with ``fcfs``).
 
     Raises:
         ConfigError: a route names the embedded engine and ``engines`` is empty.
@@ -95,10 +98,12 @@ class Backends:
                  config: FileConfig | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
                  max_queue: int = 256,
-                 prefill_ahead: AheadConfig | None = None) -> None:
+                 prefill_ahead: AheadConfig | None = None,
+                 programs: ProgramConfig | None = None) -> None:
         self._new_slots = functools.partial(
             PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
-            batch_cap_when_interactive=batch_cap_when_interactive, preempt=preempt)
+            batch_cap_when_interactive=batch_cap_when_interactive, preempt=preempt,
+            programs=programs)
         self._max_concurrency = max_concurrency
         self._per_engine: dict[int, Backend] = {}
         self._by_model: dict[str, Backend] = {}
@@ -143,7 +148,8 @@ class Backends:
         backend = self._per_engine.get(id(engine))
         if backend is None:
             backend = Backend(f"engine-{len(self._per_engine)}", engine,
-                              self._new_slots(capacity), capacity)
+                              self._new_slots(capacity, kv_usage=engine.kv_cache_usage),
+                              capacity)
             self._per_engine[id(engine)] = backend
             self.backends.append(backend)
             self.engines.append(engine)

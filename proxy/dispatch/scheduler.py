@@ -5,9 +5,12 @@ Ready steps wait here, not inside the engine, so flowlift decides the order
 the scheduling unit). The order is:
 
 1. workflow class: ``interactive`` before ``batch``;
-2. remaining critical-path length of the step (longest first);
-3. deadline slack (least first);
-4. arrival.
+2. the program's least-attained-service level (:mod:`.programs`: Autellix's PLAS over
+   agent sessions, with a starvation bound: a request that waited ``max_wait_s`` goes
+   first in its class);
+3. remaining critical-path length of the step (longest first);
+4. deadline slack (least first);
+5. arrival.
 
 ``reserved_interactive`` slots are never given to batch work, so an interactive
 continuation never waits behind batch work for a free slot. While interactive work is
@@ -33,10 +36,14 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Hashable
+from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from flowlift.proxy.dispatch.preemption import Preemptible, choose_victims
+from flowlift.proxy.dispatch.programs import ProgramBook, ProgramConfig
+
+KvUsage = Callable[[], "float | None"]
 
 CLASS_RANK = {"interactive": 0, "batch": 1, "idle": 2}
 """``idle``: deferrable work of the local tier (:mod:`flowlift.tiers`), after all batch
@@ -45,17 +52,23 @@ work: it runs when nothing of a higher class waits."""
 
 @dataclass(frozen=True, order=True, slots=True)
 class Priority:
-    """Sort key of a waiting step (smaller runs first)."""
+    """Sort key of a waiting step (smaller runs first).
+
+    ``program``: the agent session the request belongs to (a run id, or the
+    ``X-Flowlift-Session`` / ``X-Flowlift-Workflow`` id of a chat completion), whose
+    attained service orders it among programs (:mod:`.programs`); not compared here.
+    """
 
     class_rank: int = 0
     neg_remaining_ms: float = 0.0
     slack_ms: float = math.inf
+    program: str | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, workflow_class: str, remaining_ms: float = 0.0,
-           slack_ms: float | None = None) -> Priority:
+           slack_ms: float | None = None, program: str | None = None) -> Priority:
         return cls(CLASS_RANK.get(workflow_class, 0), -remaining_ms,
-                   math.inf if slack_ms is None else slack_ms)
+                   math.inf if slack_ms is None else slack_ms, program)
 
     @property
     def interactive(self) -> bool:
@@ -66,15 +79,25 @@ class Priority:
         return self.class_rank * 1_000_000_000 - int(min(-self.neg_remaining_ms, 999_999_999))
 
 
+Key = tuple[int, int, float, float]
+"""(class rank, LAS level, -remaining critical path ms, slack ms)."""
+_FCFS_KEY: Key = (0, 0, 0.0, math.inf)
+
+
 @dataclass(order=True, slots=True)
 class _Waiter:
-    key: Priority
+    key: Key
     seq: int
     future: asyncio.Future[None] = field(compare=False)
     priority: Priority = field(compare=False)
     prefill_tokens: int = field(default=0, compare=False)
     task: asyncio.Task[object] | None = field(default=None, compare=False)
     """The task waiting (what :meth:`PrioritySlots.promote` finds it by)."""
+    since: float = field(default=0.0, compare=False)
+    """When it began to wait (the program book's clock)."""
+    level: int = field(default=0, compare=False)
+    held: bool = field(default=False, compare=False)
+    """Held back, out of the heap, to keep a waiting session's KV (:mod:`.programs`)."""
 
 
 class PrioritySlots:
@@ -93,15 +116,24 @@ class PrioritySlots:
         preempt: when interactive work is granted a slot, preempt running batch requests
             (those registered with :meth:`register`) down to the batch cap (not with
             ``fcfs``).
+        programs: program-level scheduling (least attained service per program,
+            starvation bound, keeping a waiting session's KV; :mod:`.programs`); None:
+            the defaults (on); off with ``fcfs``.
+        kv_usage: the engine's KV-cache share in use (0 to 1, None: unknown), read
+            when a new program's request would start while a session's KV is kept.
+        timer: the clock of attained service and waits (seconds); tests inject one.
 
     Attributes:
         preemptions: requests asked to stop so far.
+        programs: the :class:`~.programs.ProgramBook` of this engine.
     """
 
     def __init__(self, capacity: int, reserved_interactive: int = 1, fcfs: bool = False,
                  batch_cap_when_interactive: int | None = None,
                  linger_s: float = 1.0, batch_prefill_budget: int = 1024,
-                 preempt: bool = False) -> None:
+                 preempt: bool = False, programs: ProgramConfig | None = None,
+                 kv_usage: KvUsage | None = None,
+                 timer: Callable[[], float] = time.monotonic) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
@@ -122,15 +154,23 @@ class PrioritySlots:
         self.preemptions = 0
         self._preemptible: dict[int, Preemptible] = {}
         self._preempting: set[int] = set()
+        config = programs or ProgramConfig()
+        if fcfs:
+            config = dataclasses.replace(config, enabled=False)
+        self.programs = ProgramBook(config, timer)
+        self._kv_usage = kv_usage
+        self._arrivals: deque[_Waiter] = deque()  # arrival order, for the wait bound
+        self._held: list[_Waiter] = []
+        self._hold_timer: asyncio.TimerHandle | None = None
 
     @property
     def queued(self) -> int:
-        return sum(1 for w in self._heap if not w.future.done())
+        return sum(1 for w in (*self._heap, *self._held) if not w.future.done())
 
     def queued_by_class(self) -> dict[str, int]:
         """Waiting requests per workflow class (``interactive``, ``batch``)."""
         out = {"interactive": 0, "batch": 0}
-        for w in self._heap:
+        for w in (*self._heap, *self._held):
             if not w.future.done():
                 out["interactive" if w.priority.interactive else "batch"] += 1
         return out
@@ -152,7 +192,13 @@ class PrioritySlots:
             limit = min(limit, self.batch_cap)
         return self.batch_in_use < limit
 
+    def _key(self, p: Priority, level: int) -> Key:
+        if self.fcfs:
+            return _FCFS_KEY
+        return (p.class_rank, level, p.neg_remaining_ms, p.slack_ms)
+
     def _take(self, p: Priority, tokens: int = 0) -> None:
+        self.programs.started(p.program)
         self.in_use += 1
         if not p.interactive:
             self.batch_in_use += 1
@@ -173,11 +219,14 @@ class PrioritySlots:
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        key = Priority() if self.fcfs else priority
+        self.programs.unkeep(priority.program)  # its next call came
+        level = self.programs.level(priority.program)
         seq = next(self._seq)
-        waiter = _Waiter(key, -seq if resumed else seq, fut, priority, prefill_tokens,
-                         asyncio.current_task())
+        waiter = _Waiter(self._key(priority, level), -seq if resumed else seq, fut,
+                         priority, prefill_tokens, asyncio.current_task(),
+                         self.programs.now(), level)
         heapq.heappush(self._heap, waiter)
+        self._arrivals.append(waiter)
         if not self._grant_pending:
             self._grant_pending = True
             loop.call_soon(self._grant)
@@ -197,10 +246,12 @@ class PrioritySlots:
         Returns:
             True when ``task`` was waiting here.
         """
-        for w in self._heap:
+        for w in (*self._heap, *self._held):
             if w.task is task and not w.future.done():
+                if priority.program is None:  # the same program, a new place in it
+                    priority = dataclasses.replace(priority, program=w.priority.program)
                 w.priority = priority
-                w.key = Priority() if self.fcfs else priority
+                w.key = self._key(priority, w.level)
                 heapq.heapify(self._heap)
                 if not self._grant_pending:
                     self._grant_pending = True
@@ -216,6 +267,7 @@ class PrioritySlots:
 
     def release(self, priority: Priority, prefill_tokens: int = 0) -> None:
         """Give the slot back (``prefill_tokens``: still counted, if never prefilled)."""
+        self.programs.finished(priority.program)
         self.in_use -= 1
         if not priority.interactive:
             self.batch_prefill -= prefill_tokens
@@ -228,20 +280,105 @@ class PrioritySlots:
 
     def _grant(self) -> None:
         self._grant_pending = False
-        while self._heap:
-            best = self._heap[0]
-            if best.future.done():  # cancelled while waiting
+        self._unhold()
+        while True:
+            while self._heap and self._heap[0].future.done():  # granted or cancelled
                 heapq.heappop(self._heap)
+            if not self._heap:
+                return
+            best = self._aged() or self._heap[0]
+            if self._hold(best):
                 continue
             if not self._can_take(best.priority, best.prefill_tokens):
                 if best.priority.interactive:
                     self._preempt_batch(blocked=True)
                 return
-            heapq.heappop(self._heap)
+            if best is self._heap[0]:
+                heapq.heappop(self._heap)
+            else:  # aged: left in the heap, dropped when it reaches the top (done)
+                self.programs.aged += 1
             self._take(best.priority, best.prefill_tokens)
             best.future.set_result(None)
             if best.priority.interactive:
                 self._preempt_batch()
+
+    # -- program-level scheduling (flowlift.proxy.dispatch.programs) ---------------------
+    def _aged(self) -> _Waiter | None:
+        """The first waiter (lowest class, then arrival) that has waited ``max_wait_s``,
+        when its class is not behind the heap's best; None: none has."""
+        if not self.programs.enabled:
+            return None
+        while self._arrivals and self._arrivals[0].future.done():
+            self._arrivals.popleft()
+        if len(self._arrivals) > 2 * len(self._heap) + len(self._held) + 64:
+            # a long waiter at the front keeps the granted ones behind it: drop them
+            self._arrivals = deque(w for w in self._arrivals if not w.future.done())
+        bound = self.programs.now() - self.programs.config.max_wait_s
+        found: _Waiter | None = None
+        for w in self._arrivals:
+            if w.since > bound:
+                break
+            if w.future.done() or w.held:
+                continue
+            if found is None or w.priority.class_rank < found.priority.class_rank:
+                found = w
+        if found is None or found.key[0] > self._heap[0].key[0]:
+            return None
+        return found
+
+    def _hold(self, best: _Waiter) -> bool:
+        """Hold ``best`` back (out of the heap) when it is a new program's request and a
+        waiting session's KV is kept on a full cache (:meth:`ProgramBook.hold_back`)."""
+        if not self._holds(best, None if self._kv_usage is None else self._kv_usage()):
+            return False
+        if best is self._heap[0]:
+            heapq.heappop(self._heap)
+        else:
+            self._heap.remove(best)
+            heapq.heapify(self._heap)
+        best.held = True
+        self._held.append(best)
+        self.programs.held += 1
+        self._wake_held()
+        return True
+
+    def _holds(self, w: _Waiter, kv: float | None) -> bool:
+        """Whether ``w`` stays held: never past ``keep_ttl_s`` from its arrival (new
+        marks of other sessions cannot hold it for ever), never on an idle engine."""
+        if self.in_use == 0 or w.future.done():
+            return False
+        if self.programs.now() - w.since >= self.programs.config.keep_ttl_s:
+            return False
+        return self.programs.hold_back(w.priority.program, kv)
+
+    def _wake_held(self) -> None:
+        """Grant again when the soonest mark or hold expires."""
+        if not self._held or self._hold_timer is not None:
+            return
+        now, ttl = self.programs.now(), self.programs.config.keep_ttl_s
+        waits = [w.since + ttl - now for w in self._held]
+        mark = self.programs.next_keep_expiry_s()
+        wait = max(0.0, min([*waits, *([] if mark is None else [mark])]))
+        self._hold_timer = asyncio.get_running_loop().call_later(wait + 0.01,
+                                                                 self._hold_expired)
+
+    def _hold_expired(self) -> None:
+        self._hold_timer = None
+        self._grant()
+
+    def _unhold(self) -> None:
+        """Put held requests back in the queue once nothing holds them any more."""
+        if not self._held:
+            return
+        kv = None if self._kv_usage is None else self._kv_usage()
+        keep = [w for w in self._held if self._holds(w, kv)]
+        kept = {id(w) for w in keep}
+        for w in self._held:
+            if id(w) not in kept and not w.future.done():
+                w.held = False
+                heapq.heappush(self._heap, w)
+        self._held = keep
+        self._wake_held()
 
     # -- preemption -------------------------------------------------------------------
     def register(self, request: Preemptible) -> None:

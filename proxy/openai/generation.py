@@ -212,16 +212,19 @@ async def collect(backend: Backend, requests: Sequence[GenerationRequest],
 
 @contextlib.asynccontextmanager
 async def started(backend: Backend, requests: Sequence[GenerationRequest],
-                  timing: Timing | None = None) -> AsyncIterator[Chunks]:
+                  timing: Timing | None = None,
+                  priority: Priority | None = None) -> AsyncIterator[Chunks]:
     """:func:`generate_streams` once its first chunk has come, so that what fails before
     any output (a prompt too long, a schema the engine rejects, the engine down) raises
     here, before a response (or a stream's headers) is sent. Leaving the block closes
-    the generations.
+    the generations. ``priority``: the slot order (default interactive; its
+    ``program``, a session's, orders it by attained service).
 
     Raises:
         FlowliftError: a generation failed before the first chunk.
     """
-    async with contextlib.aclosing(generate_streams(backend, requests, timing)) as stream:
+    async with contextlib.aclosing(generate_streams(backend, requests, timing,
+                                                    priority)) as stream:
         first = await anext(stream, None)
         yield _chain(first, stream)
 

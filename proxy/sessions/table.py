@@ -25,7 +25,7 @@ from cachetools import TTLCache
 
 from flowlift.proxy.tenants import tenant_of
 
-__all__ = ["SESSIONS", "Session", "SessionTable", "Turn", "observe"]
+__all__ = ["SESSIONS", "Session", "SessionTable", "Turn", "observe", "program_of"]
 
 Timer = Callable[[], float]
 OnOutput = Callable[[str, "dict[str, Any] | None"], None]
@@ -185,6 +185,19 @@ class SessionTable:
 
 
 SESSIONS: web.AppKey[SessionTable] = web.AppKey("flowlift_sessions", SessionTable)
+
+
+def program_of(request: web.Request) -> str | None:
+    """The program of an OpenAI request for program-level scheduling
+    (:mod:`flowlift.proxy.dispatch.programs`): its ``X-Flowlift-Workflow`` id, else its
+    ``X-Flowlift-Session`` id (the ids the proxy routes by for affinity), kept apart per
+    tenant; None: neither header (the request is its own program at level 0)."""
+    program = (request.headers.get("x-flowlift-workflow")
+               or request.headers.get("x-flowlift-session"))
+    if not program:
+        return None
+    tenant = tenant_of(request)
+    return program if tenant is None else f"{tenant}/{program}"
 
 
 def observe(request: web.Request, backend: str | None,

@@ -73,7 +73,8 @@ class Telemetry:
                                upstream_in_flight=self._in_flight,
                                preemptions=self._preemptions,
                                price_per_1k=prices.get,
-                               model_loads=lambda: _model_loads(residency))
+                               model_loads=lambda: _model_loads(residency),
+                               programs=self._programs)
         self._runs: dict[str, RunSpans] = {}
 
     @classmethod
@@ -108,6 +109,14 @@ class Telemetry:
     def _preemptions(self) -> list[tuple[str, int]]:
         return [(b.name, b.slots.preemptions) for b in self.backends.backends
                 if b.slots.preempt]
+
+    def _programs(self) -> list[tuple[str, int, int, int, int]]:
+        out = []
+        for b in self.backends.backends:
+            book = b.slots.programs
+            if book.enabled:
+                out.append((b.name, len(book), book.keeping(), book.aged, book.held))
+        return out
 
     def _in_flight(self) -> list[tuple[str, int]]:
         return [(name, up.health.in_flight) for name, up in self.backends.upstreams.items()]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import json
 import secrets
@@ -424,8 +425,10 @@ class Run:
     def _priority(self, step_id: str, workflow_class: str | None = None) -> Priority:
         remaining = self.plan.tail_ms.get(step_id, 0.0) if self.plan else 0.0
         slack = None if self.clock is None else self.clock.left_s() * 1000.0 - remaining
-        return self.growth.priority(step_id, Priority.of(
+        ordered = self.growth.priority(step_id, Priority.of(
             workflow_class or self.graph.workflow_class, remaining, slack))
+        # the run is the program of program-level scheduling (dispatch.programs)
+        return dataclasses.replace(ordered, program=self.key)
 
     async def _await_warm(self, step_id: str) -> None:
         """Siblings sharing a prompt prefix: the first ready one goes; the rest wait until
@@ -601,6 +604,9 @@ class Run:
             model, _ = self.backends.resolve(want)
         except FlowliftError:
             return
+        local = self.backends.local_of(model)
+        if local is not None:  # the next turn is known to come: keep this run's KV
+            local.backend.slots.programs.keep(self.run_id)
         self._aheads += 1
         request = ahead_request(node, model, messages,
                                 f"{self.key}:{node.id}:{self._aheads}", self.key)

@@ -153,7 +153,9 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs,
              "lease_ttl_s": args.lease_ttl_s, "prefill_ahead": args.prefill_ahead,
              "prefill_ahead_max_kv_usage": args.prefill_ahead_max_kv_usage,
-             "append_recompile": args.append_recompile}
+             "append_recompile": args.append_recompile,
+             "program_scheduling": args.program_scheduling,
+             "program_max_wait_s": args.program_max_wait_s}
     flags = {name: value for name, value in given.items() if value is not None}
     flags["state_path"] = None if args.state_db == ":memory:" else state_db
     return flags
@@ -595,6 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="F",
                        help="KV-cache share above which prefill-ahead stops and what runs "
                             "of it is aborted (default 0.7)")
+    serve.add_argument("--no-program-scheduling", dest="program_scheduling",
+                       action="store_const", const=False, default=None,
+                       help="do not order requests by their agent session's attained "
+                            "service (least first) within a class (default: on)")
+    serve.add_argument("--program-max-wait-s", type=_positive, default=None, metavar="S",
+                       help="program scheduling's starvation bound: a request waiting S "
+                            "seconds goes first in its class (default 30)")
     serve.add_argument("--speculative-ngram", type=_positive_int, default=None, metavar="N",
                        help="n-gram (prompt-lookup) speculative decoding: propose up to N "
                             "tokens per step copied from the prompt (default: off)")

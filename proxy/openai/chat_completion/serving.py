@@ -41,6 +41,7 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.proxy.dispatch.backends import Backend
+from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai.chat_completion.tool_output import ToolOutputDecoder, tool_calls_text
 from flowlift.proxy.openai.chat_completion.tools import (
@@ -66,7 +67,7 @@ from flowlift.proxy.openai.generation import (
     total_usage,
     usage_json,
 )
-from flowlift.proxy.sessions.table import observe
+from flowlift.proxy.sessions.table import observe, program_of
 
 __all__ = ["ChatCompletionRequest", "chat_completions", "completions", "embeddings"]
 
@@ -272,14 +273,19 @@ async def chat_completions(request: web.Request, data: Any, model: str, backend:
                                  request.headers.get("x-flowlift-session"))
     head = {"id": cid, "created": int(time.time()), "model": model}
 
+    program = program_of(request)
+
     def done() -> dict[str, Any]:
         usage = usage_json(total_usage([c.usage for c in choices]))
         notify(on_output, choices[0].output_text(), usage)
+        if choices[0].tool_calls:  # a session's tool is out: its next turn is likely
+            backend.slots.programs.keep(program)
         return usage
 
     timing = Timing()
     try:
-        async with started(backend, fan_out(gen, len(choices)), timing) as chunks:
+        async with started(backend, fan_out(gen, len(choices)), timing,
+                           Priority.of("interactive", program=program)) as chunks:
             if body.stream:
                 return await stream_choices(
                     request, {**head, "object": "chat.completion.chunk"},

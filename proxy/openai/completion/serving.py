@@ -24,9 +24,11 @@ from pydantic import Field, field_validator
 from flowlift.errors import RequestError
 from flowlift.local_engine.base import GenerationChunk, GenerationRequest, TokenLogprob, Usage
 from flowlift.proxy.dispatch.backends import Backend
+from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai import generation as gen
 from flowlift.proxy.openai.generation import OnOutput, SamplingFields, Unsupported
+from flowlift.proxy.sessions.table import program_of
 
 _UNSUPPORTED: Unsupported = {
     "suffix": (bool, "text insertion is not supported; put all the text in `prompt`"),
@@ -165,7 +167,8 @@ async def completions(request: web.Request, data: Any, model: str, backend: Back
         return usage
 
     timing = gen.Timing()
-    async with gen.started(backend, requests, timing) as chunks:
+    async with gen.started(backend, requests, timing, Priority.of(
+            "interactive", program=program_of(request))) as chunks:
         if body.stream:
             opening = [e for c in choices for e in c.opening()]
             return await gen.stream_choices(request, head, body.include_usage, opening,
