@@ -1,5 +1,6 @@
 """The flowlift SDK: ``@step``, ``@tool`` and ``workflow``."""
 
+from flowlift.sdk.conditions import Condition, FieldRef, field
 from flowlift.sdk.contracts import Regex
 from flowlift.sdk.detached import aattach, attach
 from flowlift.sdk.steps import Step, Tool, step, tool
@@ -7,6 +8,8 @@ from flowlift.sdk.variables import SemanticVariable
 from flowlift.sdk.workflow import Workflow, current_workflow, workflow
 
 __all__ = [
+           "Condition",
+           "FieldRef",
            "Regex",
            "SemanticVariable",
            "Step",
@@ -15,6 +18,7 @@ __all__ = [
            "aattach",
            "attach",
            "current_workflow",
+           "field",
            "step",
            "tool",
            "workflow",

@@ -43,6 +43,7 @@ from flowlift.errors import (
     SemanticVariableError,
     StepContractError,
     StepFailed,
+    StepWasSkipped,
     UserError,
     WorkflowFailed,
     step_failure,
@@ -107,7 +108,10 @@ class Workflow:
             wait for a client that has the functions (:mod:`flowlift.sdk.detached`).
 
     Attributes (after the run):
-        run_id, status, trace (list of records), failures ({step_id: StepFailed}: typed
+        run_id, status, trace (list of records), skipped ({step_id: why}: steps the
+        proxy did not take, :mod:`flowlift.sdk.conditions`; not failures; reading one
+        raises :class:`~flowlift.errors.StepWasSkipped` unless it has a ``default=``),
+        failures ({step_id: StepFailed}: typed
         failures, :class:`~flowlift.errors.StepSkipped`,
         :class:`~flowlift.errors.DeadlineExceeded`, :class:`~flowlift.errors.ToolError`...;
         ``str()`` of each is the reason text).
@@ -151,6 +155,8 @@ class Workflow:
         self._counts: dict[str, int] = {}
         self._outputs: dict[str, Any] = {}
         self.failures: dict[str, StepFailed] = {}
+        self.skipped: dict[str, str] = {}  # step id -> why the proxy skipped it
+        self._defaults: dict[str, Any] = {}  # a conditional step's default= (Python)
         self.run_id: str | None = None
         self.status = "recording"
         self.trace: list[dict[str, Any]] = []
@@ -175,9 +181,11 @@ class Workflow:
         return SemanticVariable(self, node.id, fields=fields)
 
     def add_tool(self, tool: Tool[Any, Any], args: tuple[Arg, ...],
-                 kwargs: dict[str, Arg]) -> SemanticVariable:
+                 kwargs: dict[str, Arg],
+                 conditional: Mapping[str, Any] | None = None) -> SemanticVariable:
+        """Record a ``@tool`` call (``conditional``: its ``when``/``default`` fields)."""
         node = ToolNode(id=self.new_id(tool.name), name=tool.name, args=args, kwargs=kwargs,
-                        pure=tool.pure)
+                        pure=tool.pure, **(conditional or {}))
         self.tools[node.id] = tool
         return self.add_node(node, fields=None)
 
@@ -273,7 +281,8 @@ class Workflow:
 
     # -- results -------------------------------------------------------------------
     def has_output(self, step_id: str) -> bool:
-        return step_id in self._outputs or step_id in self.failures
+        return step_id in self._outputs or step_id in self.failures \
+            or step_id in self.skipped
 
     @property
     def outputs(self) -> dict[str, Any]:
@@ -293,6 +302,8 @@ class Workflow:
     def value_of(self, step_id: str, path: tuple[str, ...] = ()) -> Any:
         if step_id in self.failures:
             raise self.failures[step_id].with_traceback(None)
+        if step_id in self.skipped and step_id not in self._outputs:
+            raise StepWasSkipped(step_id, self.skipped[step_id])
         if step_id not in self._outputs:
             raise SemanticVariableError(f"step {step_id!r} has no output yet")
         value = self._outputs[step_id]
@@ -307,6 +318,20 @@ class Workflow:
         except ValueError as exc:  # pydantic ValidationError is a ValueError
             self.failures[step_id] = StepContractError(
                 step_id, f"output does not parse into the step's output type: {exc}")
+
+    def record_skip(self, step_id: str, reason: str, *, has_value: bool = False,
+                    value: Any = None) -> None:
+        """Record a ``step.skipped`` event: the step stands for its ``default=`` (the
+        Python value given, else the event's JSON ``value``) or has no value."""
+        self.skipped[step_id] = reason
+        if step_id in self._defaults:
+            self._outputs[step_id] = self._defaults[step_id]
+        elif has_value:
+            self.record_output(step_id, value)
+
+    def set_default(self, step_id: str, value: Any) -> None:
+        """Keep ``default=`` of a conditional step as given (a model instance stays one)."""
+        self._defaults[step_id] = value
 
     def record_failure(self, step_id: str, error: str, *, kind: str | None = None,
                        attempts: int | None = None) -> None:
@@ -340,8 +365,10 @@ class Workflow:
         def convert(wire: Arg, value: Any) -> Any:
             if isinstance(wire, Ref) and not wire.path and wire.ref in self._parsers:
                 return self._parsers[wire.ref](value)
-            if isinstance(wire, Items) and isinstance(value, list):
-                return [convert(w, v) for w, v in zip(wire.items, value, strict=True)]
+            if isinstance(wire, Items) and isinstance(value, list):  # skipped items left out
+                kept = [w for w in wire.items if not (isinstance(w, Ref) and w.ref in
+                                                      self.skipped and w.ref not in self._outputs)]
+                return [convert(w, v) for w, v in zip(kept, value, strict=True)]
             return value
 
         py_args = [convert(w, v) for w, v in zip(node.args, args, strict=True)]

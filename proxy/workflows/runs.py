@@ -61,6 +61,14 @@ from flowlift.proxy.workflows.agent import AgentLoop, ToolRaised
 from flowlift.proxy.workflows.ahead import HOLE, ahead_request, consumers, known_prefix
 from flowlift.proxy.workflows.books import AttemptBooks
 from flowlift.proxy.workflows.cascade import Attempt, Generated, run_step
+from flowlift.proxy.workflows.conditions import (
+    SKIPPED,
+    PredicateFailed,
+    condition_deps,
+    kept_items,
+    skip_for_condition,
+    skip_for_inputs,
+)
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import EventLog
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
@@ -85,8 +93,10 @@ class Run:
     Attributes:
         run_id: ``wf-`` + random hex (or the graph's own ``id``).
         log: the numbered event log (replayable; persisted through ``sink``).
-        outputs: step id -> output value, filled as steps finish.
+        outputs: step id -> output value, filled as steps finish (a skipped step's
+            ``default``, when it has one).
         failures: step id -> error message.
+        skipped: step id -> why it was skipped (:mod:`.conditions`; not a failure).
         trace: the run's :class:`RunTrace`.
         tenant: who started it (:mod:`flowlift.proxy.tenants`; None: anonymous).
     """
@@ -114,6 +124,7 @@ class Run:
         self.parked = self.resumed and not graph.detached  # waits for its client to return
         self.outputs: dict[str, Any] = restored.outputs() if restored else {}
         self.failures: dict[str, str] = restored.failures() if restored else {}
+        self.skipped: dict[str, str] = restored.skipped() if restored else {}
         self.detached_since: float | None = None
         self._suspending = False
         self.trace = RunTrace(self.run_id, graph.name, graph.workflow_class)
@@ -291,8 +302,7 @@ class Run:
             group = self.plan.prefix_group.get(step_id) if self.plan else None
             return None if group is None else self._warmer.get(group)
 
-        promoted = self.growth.blocking(
-            step_ids, self._deps, lambda s: s in self.outputs or s in self.failures, warmer)
+        promoted = self.growth.blocking(step_ids, self._deps, self._ended, warmer)
         for step_id in promoted:
             task = self._node_tasks.get(step_id)
             if task is not None and not task.done():
@@ -313,12 +323,16 @@ class Run:
         self.growth.changed.set()
         return True
 
+    def _ended(self, step_id: str) -> bool:
+        """The step has its outcome: an output, a failure or a skip."""
+        return step_id in self.outputs or step_id in self.failures or step_id in self.skipped
+
     def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str, kind: str) -> None:
         for task in tasks:
             task.cancel()
         now = self.trace.now_ms()
         for node in self.graph.nodes:
-            if node.id not in self.outputs and node.id not in self.failures:
+            if not self._ended(node.id):
                 st = self.trace.step(node.id)
                 if st.ready_ms is None:
                     spent = " before its inputs were ready"
@@ -358,18 +372,50 @@ class Run:
         self._emit(("step.failed", event))
         self._done[step_id].set()
 
+    def _skip(self, node: Node, reason: str) -> None:
+        """Skip a step (:mod:`.conditions`): ``step.skipped``, its default (if any) as
+        its value."""
+        self.skipped[node.id] = reason
+        event: dict[str, Any] = {"step_id": node.id, "reason": reason}
+        if not isinstance(node, InputNode) and node.default is not None:
+            self.outputs[node.id] = event["value"] = node.default.value
+        self.trace.mark(node.id, "finished", status="skipped", error=reason)
+        event["trace"] = self.trace.step(node.id).to_record()
+        self._emit((SKIPPED, event))
+        self._done[node.id].set()
+
+    async def _inputs(self, node: Node) -> str | None:
+        """Wait for ``node``'s inputs, its condition's first; why it is skipped, or None.
+
+        Raises:
+            UpstreamFailed: an input failed.
+            PredicateFailed: its condition cannot be evaluated.
+        """
+        first = condition_deps(node)
+        for batch in (first, self._deps[node.id] - first):
+            for dep in batch:
+                await self._done[dep].wait()
+                if dep in self.failures:
+                    raise UpstreamFailed(f"input {dep!r} failed")
+            reason = (skip_for_condition if batch is first else skip_for_inputs)(
+                node, self.outputs, self.skipped)
+            if reason is not None:
+                return reason
+        return None
+
     async def _node(self, node: LLMNode | ToolNode | InputNode) -> None:
         with bind_run(workflow_id=self.run_id, step_id=node.id):
-            if node.id in self.outputs or node.id in self.failures:  # restored: not re-run
-                self.trace.step(node.id).status = ("failed" if node.id in self.failures
-                                                   else "done")
+            if self._ended(node.id):  # restored: not re-run
+                self.trace.step(node.id).status = (
+                    "failed" if node.id in self.failures
+                    else "skipped" if node.id in self.skipped else "done")
                 self._done[node.id].set()
                 return
             try:
-                for dep in self._deps[node.id]:
-                    await self._done[dep].wait()
-                    if dep in self.failures:
-                        raise UpstreamFailed(f"input {dep!r} failed")
+                skip = await self._inputs(node)
+                if skip is not None:
+                    self._skip(node, skip)
+                    return
                 self.trace.mark(node.id, "ready", status="queued")
                 same_as = self.plan.merged_into.get(node.id) if self.plan else None
                 if same_as is not None:
@@ -382,6 +428,9 @@ class Run:
                     value = node.value
             except UpstreamFailed as exc:
                 self._failed(node.id, f"skipped: {exc}", "skipped")
+                return
+            except PredicateFailed as exc:
+                self._failed(node.id, str(exc))
                 return
             except FlowliftError as exc:
                 self._failed(node.id, exc.message, failure_kind(exc))
@@ -566,7 +615,7 @@ class Run:
         reads its output (:mod:`flowlift.proxy.workflows.ahead`)."""
         skip = self.plan.merged_into if self.plan else {}
         for step in consumers(self.graph.nodes, self._deps, tool_id, skip):
-            if step.id in self.outputs or step.id in self.failures:
+            if self._ended(step.id):
                 continue
             messages = known_prefix(step.messages, self.outputs)
             if messages is not None:
@@ -592,8 +641,8 @@ class Run:
                 return self._resolve(a)
             if isinstance(a, Template):
                 return self._render(a.template)
-            if isinstance(a, Items):
-                return [arg(item) for item in a.items]
+            if isinstance(a, Items):  # items skipped without a default are left out
+                return [arg(i) for i in kept_items(a.items, self.outputs, self.skipped)]
             return a.value
 
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

@@ -41,8 +41,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from flowlift.costs import UNMEASURED, CostModel
 from flowlift.dataflow import dependencies, levels
+from flowlift.decisions import decision_report
 from flowlift.escalation import OutcomeCounts, expected_cost
 from flowlift.graph import Graph, InputNode, Items, LLMNode, Node, Ref, Template, ToolNode
 from flowlift.output_size import size_warnings
@@ -199,7 +202,13 @@ def _canonical(node: Node, canon: dict[str, str]) -> str | None:
                 "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}
     else:
         return None  # other client-run steps may have side effects: never merged
-    return json.dumps(body, sort_keys=True, default=str)
+    if not isinstance(node, InputNode) and (node.when or node.default):  # same decision
+        body = {"call": body, "when": node.when, "default": node.default}
+    return json.dumps(body, sort_keys=True, default=_json)
+
+
+def _json(value: Any) -> Any:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else str(value)
 
 
 def find_identical(graph: Graph, order: Sequence[str]) -> dict[str, str]:
@@ -433,7 +442,11 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
                                        "open": graph.open, "warnings": warnings,
                                        "tier_plan": _tier_plan(graph, opts, order, deps,
                                                                model_of, cost, prompt_tok,
-                                                               out_tok)})
+                                                               out_tok),
+                                       "decisions": decision_report(
+                                           order, nodes, cost,
+                                           {n: prompt_tok.get(n, 0.0) + out_tok[n]
+                                            for n in prompt_tok}, path)})
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
                 prefix_group=group_of, group_leader=leader, report=report)
 

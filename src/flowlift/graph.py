@@ -46,6 +46,8 @@ from pydantic import (
     model_validator,
 )
 
+from flowlift.predicates import Predicate, leaves
+
 GRAPH_VERSION: Final = "1"
 
 
@@ -189,7 +191,21 @@ class ToolSpec(_Model):
         return self
 
 
-class LLMNode(_Model):
+class _Conditional(_Model):
+    """The fields of a step that may be skipped (:mod:`flowlift.predicates`)."""
+
+    when: Predicate | None = None
+    """Run only when this condition over earlier outputs holds; else the step is
+    *skipped* (not failed), and so are steps that need its value."""
+    default: Literal_ | None = None
+    """The value a skipped step stands for (its readers run with it); none: reading
+    the skipped step's value skips the reader too."""
+
+
+_CONDITIONAL_DEFAULTS: Final = {"when": None, "default": None}
+
+
+class LLMNode(_Conditional):
     kind: Literal["llm"] = "llm"
     id: str = Field(min_length=1, max_length=200)
     name: str = ""
@@ -240,14 +256,15 @@ class LLMNode(_Model):
     def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
         return _drop(handler(self), {"retries": 0, "cascade": None, "min_confidence": None,
                                      "tools": None, "max_turns": 10,
-                                     "tool_errors": "return", "tool_choice": "auto"})
+                                     "tool_errors": "return", "tool_choice": "auto",
+                                     **_CONDITIONAL_DEFAULTS})
 
     def models(self) -> tuple[str | None, ...]:
         """The models this step may run on, in order (``None``: the default model)."""
         return self.cascade if self.cascade is not None else (self.model,)
 
 
-class ToolNode(_Model):
+class ToolNode(_Conditional):
     """A client-run step: the proxy pauses this branch and the SDK runs ``name``.
 
     ``pure``: the app declares the tool a function of its arguments with no side effects
@@ -261,6 +278,10 @@ class ToolNode(_Model):
     args: tuple[Arg, ...] = ()
     kwargs: dict[str, Arg] = {}
     pure: bool = False
+
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _drop(handler(self), dict(_CONDITIONAL_DEFAULTS))
 
 
 class InputNode(_Model):
@@ -327,13 +348,23 @@ class Graph(_Model):
 
 
 def node_refs(node: LLMNode | ToolNode | InputNode) -> Iterator[Ref]:
-    """Every reference a node makes, in order (duplicates included)."""
+    """Every reference a node makes, in order (duplicates included): its condition's
+    fields first, then its inputs."""
+    if not isinstance(node, InputNode) and node.when is not None:
+        yield from condition_refs(node.when)
     if isinstance(node, LLMNode):
         for message in node.messages:
             yield from (p for p in message.content if isinstance(p, Ref))
     elif isinstance(node, ToolNode):
         for arg in (*node.args, *node.kwargs.values()):
             yield from arg_refs(arg)
+
+
+def condition_refs(pred: Predicate) -> Iterator[Ref]:
+    """The output fields a condition reads, as references."""
+    for leaf in leaves(pred):
+        assert leaf.ref is not None
+        yield Ref(ref=leaf.ref, path=leaf.path)
 
 
 def arg_refs(arg: Arg) -> Iterator[Ref]:

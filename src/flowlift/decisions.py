@@ -1,0 +1,148 @@
+"""Pure planning for the steps the proxy decides on: conditions (``when``), defaults.
+
+Checks (:func:`condition_problems`, called by :func:`flowlift.dataflow.validate` so
+their problems are listed with every other graph error) and the compiler's view
+(:func:`decision_report`): which steps may not run, and the expected against the
+worst-case work when every branch runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Final
+
+from flowlift.graph import InputNode, Items, LLMNode, Node, Ref, Template, ToolNode
+from flowlift.predicates import (
+    Predicate,
+    field_schema,
+    json_type,
+    leaf_problems,
+    leaves,
+    schema_types,
+)
+from flowlift.report import DecisionReport
+
+CONDITION_P: Final = 0.5
+"""The chance the compiler gives a ``when`` condition of holding (nothing is learned
+about conditions yet): the expected cost counts a conditional step at half its cost."""
+
+
+def needed_inputs(node: Node) -> tuple[list[Ref], list[Items]]:
+    """The refs a node cannot do without (prompt holes, whole or templated tool
+    arguments) and its list arguments (whose skipped items drop)."""
+    if isinstance(node, LLMNode):
+        return [p for m in node.messages for p in m.content if isinstance(p, Ref)], []
+    needed: list[Ref] = []
+    lists: list[Items] = []
+    if isinstance(node, ToolNode):
+        for arg in (*node.args, *node.kwargs.values()):
+            if isinstance(arg, Ref):
+                needed.append(arg)
+            elif isinstance(arg, Template):
+                needed.extend(p for p in arg.template if isinstance(p, Ref))
+            elif isinstance(arg, Items):
+                lists.append(arg)
+    return needed, lists
+
+
+def run_chances(order: Sequence[str], nodes: Mapping[str, Node]) -> dict[str, float]:
+    """Each step's chance of running (1.0: unconditional): its condition's
+    (:data:`CONDITION_P`) times the least likely input it needs that has no default
+    (a list argument: its most likely item). Conditions are taken as independent."""
+    p: dict[str, float] = {}
+
+    def value_chance(ref_id: str) -> float:
+        target = nodes.get(ref_id)
+        if target is None or isinstance(target, InputNode) or target.default is not None:
+            return 1.0
+        return p.get(ref_id, 1.0)
+
+    for nid in order:
+        node = nodes[nid]
+        own = CONDITION_P if not isinstance(node, InputNode) and node.when else 1.0
+        needed, lists = needed_inputs(node)
+        chances = [value_chance(r.ref) for r in needed]
+        chances += [max((value_chance(i.ref) if isinstance(i, Ref) else 1.0
+                         for i in items.items), default=1.0) for items in lists]
+        if not isinstance(node, InputNode) and node.when is not None:
+            chances += [value_chance(leaf.ref) for leaf in leaves(node.when) if leaf.ref]
+        p[nid] = own * min(chances, default=1.0)
+    return p
+
+
+def decision_report(order: Sequence[str], nodes: Mapping[str, Node],
+                    cost_ms: Mapping[str, float], tokens: Mapping[str, float],
+                    critical: Collection[str] = ()) -> DecisionReport | None:
+    """The compiler's section on steps that may not run (None: every step runs).
+
+    Args:
+        order: step ids, dependencies first.
+        nodes: the graph's nodes by id.
+        cost_ms: each step's estimated cost in ms.
+        tokens: each step's estimated prompt plus output tokens.
+        critical: the critical path's steps (all assumed to run).
+    """
+    chance = run_chances(order, nodes)
+    conditional = [nid for nid in order if chance[nid] < 1.0]
+    if not conditional:
+        return None
+    return DecisionReport(
+        conditional=conditional,
+        run_chance={nid: round(chance[nid], 4) for nid in conditional},
+        expected_work_ms=sum(cost_ms[n] * chance[n] for n in order),
+        worst_case_work_ms=sum(cost_ms[n] for n in order),
+        expected_tokens=round(sum(tokens.get(n, 0.0) * chance[n] for n in order)),
+        worst_case_tokens=round(sum(tokens.get(n, 0.0) for n in order)),
+        conditional_on_critical_path=[n for n in conditional if n in critical])
+
+
+def condition_problems(node: Node, nodes: Mapping[str, Node]) -> list[str]:
+    """What is wrong with ``node``'s condition: fields its readers' contracts lack,
+    values of the wrong type, labels outside a ``choices`` set.
+
+    Args:
+        node: any node (input nodes have no condition).
+        nodes: the graph's nodes by id (unknown refs are reported elsewhere).
+    """
+    if isinstance(node, InputNode) or node.when is None:
+        return []
+    where = f"node {node.id!r}"
+    problems: list[str] = []
+    for leaf in leaves(node.when):
+        target = nodes.get(str(leaf.ref))
+        if target is None or target.id == node.id:
+            continue  # dangling or self references: reported by dataflow
+        if isinstance(target, InputNode):
+            problems.extend(leaf_problems(leaf, _value_types(target.value, leaf.path),
+                                          None, where))
+        elif isinstance(target, LLMNode):
+            problems.extend(_llm_leaf(leaf, target, where))
+    return problems
+
+
+def _llm_leaf(leaf: Predicate, target: LLMNode, where: str) -> list[str]:
+    contract = target.contract
+    if contract is not None and contract.json_schema is not None:
+        schema, missing = field_schema(contract.json_schema, leaf.path)
+        if schema is None:
+            fields = sorted(contract.json_schema.get("properties") or {})
+            return [f"{where}: condition {leaf.describe()} reads field {missing!r} of "
+                    f"{target.id!r}, whose contract has no such field (fields: "
+                    f"{', '.join(fields) or 'none'})"]
+        return leaf_problems(leaf, schema_types(schema), None, where)
+    if leaf.path:
+        return []  # a field of a text output: reported by dataflow (give it a contract)
+    if contract is not None and contract.choices:
+        return leaf_problems(leaf, None, contract.choices, where)
+    return leaf_problems(leaf, {"string"}, None, where)  # text or a regex: a string
+
+
+def _value_types(value: object, path: tuple[str, ...]) -> set[str] | None:
+    for key in path:
+        if isinstance(value, dict) and key in value:
+            value = value[key]
+        elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            value = value[int(key)]
+        else:
+            return None
+    return {json_type(value)}
