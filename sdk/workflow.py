@@ -200,6 +200,36 @@ class Workflow:
                       f"workflow input {name!r}")
         return self.add_node(InputNode(id=self.new_id(name), value=value))
 
+    def first(self, *steps: SemanticVariable, name: str | None = None) -> SemanticVariable:
+        """The first of ``steps`` to deliver a result that passes its contract; the others
+        are cancelled on the proxy (:mod:`flowlift.sdk.groups`).
+
+        Raises:
+            UserError: no steps, or one that is not a step's whole output.
+        """
+        from flowlift.sdk.groups import group
+
+        return group(self, "first", steps, name=name)
+
+    def quorum(self, *steps: SemanticVariable, k: int,
+               agree_on: str | Sequence[str] | None = None,
+               name: str | None = None) -> SemanticVariable:
+        """The output of the first ``k`` of ``steps`` whose results agree on field
+        ``agree_on`` (a dotted path; None: the whole output); the others are cancelled
+        as soon as they agree (:mod:`flowlift.sdk.groups`). No quorum possible: the
+        group fails.
+
+        Raises:
+            UserError: no steps, a ``k`` outside 1..len(steps).
+        """
+        from flowlift.sdk.groups import group
+
+        return group(self, "quorum", steps, k=k, agree_on=agree_on, name=name)
+
+    def parser_of(self, step_id: str) -> Callable[[Any], Any] | None:
+        """How step ``step_id``'s JSON output becomes its value (None: as is)."""
+        return self._parsers.get(step_id)
+
     def graph(self) -> Graph:
         """The recorded graph in wire form (``wf.graph().to_json()``: its JSON text).
 

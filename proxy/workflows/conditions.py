@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from flowlift.decisions import needed_inputs
-from flowlift.graph import InputNode, Node, Ref, condition_refs, project
+from flowlift.graph import Node, Ref, condition_of, condition_refs, project
 from flowlift.predicates import PredicateFailed, evaluate
 
 SKIPPED: Final = "step.skipped"
@@ -28,9 +28,8 @@ SKIPPED: Final = "step.skipped"
 
 def condition_deps(node: Node) -> frozenset[str]:
     """The steps ``node``'s condition reads (waited for before its other inputs)."""
-    if isinstance(node, InputNode) or node.when is None:
-        return frozenset()
-    return frozenset(r.ref for r in condition_refs(node.when))
+    when = condition_of(node)
+    return frozenset() if when is None else frozenset(r.ref for r in condition_refs(when))
 
 
 def _gone(ref: Any, outputs: Mapping[str, Any], skipped: Mapping[str, str]) -> bool:
@@ -47,14 +46,15 @@ def skip_for_condition(node: Node, outputs: Mapping[str, Any],
         PredicateFailed: the condition cannot be evaluated (a field missing from an
             output, values that do not compare).
     """
-    if isinstance(node, InputNode) or node.when is None:
+    when = condition_of(node)
+    if when is None:
         return None
     unread = sorted(d for d in condition_deps(node) if d in skipped and d not in outputs)
     if unread:
         return f"its condition reads skipped step {unread[0]!r}"
-    if evaluate(node.when, lambda ref, path: project(outputs[ref], path)):
+    if evaluate(when, lambda ref, path: project(outputs[ref], path)):
         return None
-    return f"condition {node.when.describe()} is false"
+    return f"condition {when.describe()} is false"
 
 
 def skip_for_inputs(node: Node, outputs: Mapping[str, Any],

@@ -36,7 +36,7 @@ from flowlift.dataflow import dependencies
 from flowlift.errors import FlowliftError, LeaseLost, RequestError, failure_kind
 from flowlift.graph import (
     Graph,
-    InputNode,
+    GroupNode,
     Items,
     LLMNode,
     MessageTemplate,
@@ -44,6 +44,7 @@ from flowlift.graph import (
     Ref,
     Template,
     ToolNode,
+    default_of,
     project,
     render_value,
 )
@@ -71,6 +72,8 @@ from flowlift.proxy.workflows.conditions import (
 )
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import EventLog
+from flowlift.proxy.workflows.groups import RESOLVED as GROUP_RESOLVED
+from flowlift.proxy.workflows.groups import resolve as resolve_group
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth
 from flowlift.proxy.workflows.outcomes import StepOutcomes
@@ -134,6 +137,7 @@ class Run:
         self.growth = Growth(graph.open, restored.events if restored else ())
         self._tasks: list[asyncio.Task[None]] | None = None  # the node tasks, once started
         self._node_tasks: dict[str, asyncio.Task[None]] = {}
+        self._cancelling: dict[str, str] = {}  # group members being stopped -> why
         self._context: contextvars.Context | None = None  # where node tasks run
         self.task: asyncio.Task[None] | None = None
         self.observer = observer
@@ -377,8 +381,9 @@ class Run:
         its value."""
         self.skipped[node.id] = reason
         event: dict[str, Any] = {"step_id": node.id, "reason": reason}
-        if not isinstance(node, InputNode) and node.default is not None:
-            self.outputs[node.id] = event["value"] = node.default.value
+        default = default_of(node)
+        if default is not None:
+            self.outputs[node.id] = event["value"] = default.value
         self.trace.mark(node.id, "finished", status="skipped", error=reason)
         event["trace"] = self.trace.step(node.id).to_record()
         self._emit((SKIPPED, event))
@@ -386,11 +391,14 @@ class Run:
 
     async def _inputs(self, node: Node) -> str | None:
         """Wait for ``node``'s inputs, its condition's first; why it is skipped, or None.
+        A group waits for its members itself (:mod:`.groups`).
 
         Raises:
             UpstreamFailed: an input failed.
             PredicateFailed: its condition cannot be evaluated.
         """
+        if isinstance(node, GroupNode):
+            return None
         first = condition_deps(node)
         for batch in (first, self._deps[node.id] - first):
             for dep in batch:
@@ -403,7 +411,31 @@ class Run:
                 return reason
         return None
 
-    async def _node(self, node: LLMNode | ToolNode | InputNode) -> None:
+    async def _group(self, node: GroupNode) -> Any:
+        """A first-wins or quorum group (:mod:`.groups`): the winner's value; the
+        members still going are cancelled (:meth:`_cancel_members`)."""
+        def result(m: str) -> tuple[bool, Any]:
+            ok = m in self.outputs and m not in self.skipped
+            return ok, self.outputs.get(m)
+
+        won = await resolve_group(node, self._done, result, self._cancel_members)
+        self._emit((GROUP_RESOLVED, won.event(node.id)))
+        return won.value
+
+    def _cancel_members(self, step_ids: Sequence[str], reason: str) -> None:
+        """Stop group members still waiting, queued or running: each ends skipped
+        (``reason``), a running engine request aborted, its generated tokens kept."""
+        for step_id in step_ids:
+            task = self._node_tasks.get(step_id)
+            if self._ended(step_id) or task is None or task.done():
+                continue
+            self._cancelling[step_id] = reason
+            fut = self._tool_results.get(step_id)
+            if fut is not None and not fut.done():
+                fut.cancel()  # a @tool member out in the app: its result is not wanted
+            task.cancel()
+
+    async def _node(self, node: Node) -> None:
         with bind_run(workflow_id=self.run_id, step_id=node.id):
             if self._ended(node.id):  # restored: not re-run
                 self.trace.step(node.id).status = (
@@ -417,20 +449,20 @@ class Run:
                     self._skip(node, skip)
                     return
                 self.trace.mark(node.id, "ready", status="queued")
-                same_as = self.plan.merged_into.get(node.id) if self.plan else None
-                if same_as is not None:
-                    value = await self._same_as(node.id, same_as)
-                elif isinstance(node, LLMNode):
-                    value = await self._llm(node)
-                elif isinstance(node, ToolNode):
-                    value = await self._tool(node)
-                else:
-                    value = node.value
+                value = await self._value(node)
             except UpstreamFailed as exc:
                 self._failed(node.id, f"skipped: {exc}", "skipped")
                 return
             except PredicateFailed as exc:
                 self._failed(node.id, str(exc))
+                return
+            except asyncio.CancelledError:
+                reason = self._cancelling.pop(node.id, None)
+                task = asyncio.current_task()
+                if reason is None or task is None:  # the run's cancellation: not ours
+                    raise
+                task.uncancel()  # a group resolved without it
+                self._skip(node, reason)
                 return
             except FlowliftError as exc:
                 self._failed(node.id, exc.message, failure_kind(exc))
@@ -444,6 +476,19 @@ class Run:
             self._emit(("step.finished", {"step_id": node.id, "value": value,
                                           "trace": self.trace.step(node.id).to_record()}))
             self._done[node.id].set()
+
+    async def _value(self, node: Node) -> Any:
+        """Compute a ready node's output, by its kind (an identical call's: reused)."""
+        same_as = self.plan.merged_into.get(node.id) if self.plan else None
+        if same_as is not None:
+            return await self._same_as(node.id, same_as)
+        if isinstance(node, LLMNode):
+            return await self._llm(node)
+        if isinstance(node, ToolNode):
+            return await self._tool(node)
+        if isinstance(node, GroupNode):
+            return await self._group(node)
+        return node.value
 
     async def _same_as(self, step_id: str, rep: str) -> Any:
         """An identical call (same model, prompt, params; deterministic): paid once."""

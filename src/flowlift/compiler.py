@@ -45,9 +45,21 @@ from pydantic import BaseModel
 
 from flowlift.costs import UNMEASURED, CostModel
 from flowlift.dataflow import dependencies, levels
-from flowlift.decisions import decision_report
+from flowlift.decisions import decision_report, with_decisions
 from flowlift.escalation import OutcomeCounts, expected_cost
-from flowlift.graph import Graph, InputNode, Items, LLMNode, Node, Ref, Template, ToolNode
+from flowlift.graph import (
+    Graph,
+    GroupNode,
+    InputNode,
+    Items,
+    LLMNode,
+    Node,
+    Ref,
+    Template,
+    ToolNode,
+    condition_of,
+    default_of,
+)
 from flowlift.output_size import size_warnings
 from flowlift.report import (
     BreakReport,
@@ -202,9 +214,17 @@ def _canonical(node: Node, canon: dict[str, str]) -> str | None:
                 "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}
     else:
         return None  # other client-run steps may have side effects: never merged
-    if not isinstance(node, InputNode) and (node.when or node.default):  # same decision
-        body = {"call": body, "when": node.when, "default": node.default}
+    if condition_of(node) or default_of(node):  # merged only with the same decision
+        body = {"call": body, "when": condition_of(node), "default": default_of(node)}
     return json.dumps(body, sort_keys=True, default=_json)
+
+
+def _value_tokens(node: InputNode | GroupNode, opts: CompileOptions,
+                  out_tok: dict[str, float]) -> float:
+    """Tokens of a constant's value, or of a group's (its longest member's output)."""
+    if isinstance(node, GroupNode):
+        return max(out_tok[m] for m in node.members)
+    return float(len(opts.tokenize(opts.default_model, str(node.value))))
 
 
 def _json(value: Any) -> Any:
@@ -418,8 +438,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
         elif isinstance(node, ToolNode):
             cost[nid], out_tok[nid] = opts.tool_ms, 32.0
         else:
-            cost[nid] = 0.0
-            out_tok[nid] = float(len(opts.tokenize(opts.default_model, str(node.value))))
+            cost[nid], out_tok[nid] = 0.0, _value_tokens(node, opts, out_tok)
 
     start: dict[str, float] = {}
     for nid in order:
@@ -443,10 +462,10 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
                                        "tier_plan": _tier_plan(graph, opts, order, deps,
                                                                model_of, cost, prompt_tok,
                                                                out_tok),
-                                       "decisions": decision_report(
-                                           order, nodes, cost,
-                                           {n: prompt_tok.get(n, 0.0) + out_tok[n]
-                                            for n in prompt_tok}, path)})
+                                       })
+    report = with_decisions(report, decision_report(
+        order, nodes, deps, cost, {n: prompt_tok.get(n, 0.0) + out_tok[n]
+                                   for n in prompt_tok}, path))
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
                 prefix_group=group_of, group_leader=leader, report=report)
 

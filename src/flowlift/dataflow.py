@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping
 import jsonschema
 from jsonschema.exceptions import SchemaError
 
-from flowlift.decisions import condition_problems
+from flowlift.decisions import condition_problems, group_problems
 from flowlift.errors import GraphError
 from flowlift.graph import Graph, LLMNode, Node, node_refs
 
@@ -95,6 +95,7 @@ def _node_problems(node: Node, ids: Collection[str], nodes: Mapping[str, Node],
                 problems.append(f"node {node.id!r} reads field {'.'.join(ref.path)!r} of "
                                 f"{ref.ref!r}, whose output is text (give it a JSON contract)")
     problems.extend(condition_problems(node, nodes))
+    problems.extend(group_problems(node, nodes))
     if isinstance(node, LLMNode):
         problems.extend(_llm_problems(node, models))
     return problems

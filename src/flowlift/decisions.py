@@ -11,7 +11,18 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Final
 
-from flowlift.graph import InputNode, Items, LLMNode, Node, Ref, Template, ToolNode
+from flowlift.graph import (
+    GroupNode,
+    InputNode,
+    Items,
+    LLMNode,
+    Node,
+    Ref,
+    Template,
+    ToolNode,
+    condition_of,
+    default_of,
+)
 from flowlift.predicates import (
     Predicate,
     field_schema,
@@ -20,7 +31,7 @@ from flowlift.predicates import (
     leaves,
     schema_types,
 )
-from flowlift.report import DecisionReport
+from flowlift.report import CompileReport, DecisionReport
 
 CONDITION_P: Final = 0.5
 """The chance the compiler gives a ``when`` condition of holding (nothing is learned
@@ -53,47 +64,152 @@ def run_chances(order: Sequence[str], nodes: Mapping[str, Node]) -> dict[str, fl
 
     def value_chance(ref_id: str) -> float:
         target = nodes.get(ref_id)
-        if target is None or isinstance(target, InputNode) or target.default is not None:
+        if target is None or isinstance(target, InputNode) or default_of(target):
             return 1.0
         return p.get(ref_id, 1.0)
 
     for nid in order:
         node = nodes[nid]
-        own = CONDITION_P if not isinstance(node, InputNode) and node.when else 1.0
+        when = condition_of(node)
+        own = CONDITION_P if when is not None else 1.0
         needed, lists = needed_inputs(node)
         chances = [value_chance(r.ref) for r in needed]
         chances += [max((value_chance(i.ref) if isinstance(i, Ref) else 1.0
                          for i in items.items), default=1.0) for items in lists]
-        if not isinstance(node, InputNode) and node.when is not None:
-            chances += [value_chance(leaf.ref) for leaf in leaves(node.when) if leaf.ref]
+        if when is not None:
+            chances += [value_chance(leaf.ref) for leaf in leaves(when) if leaf.ref]
         p[nid] = own * min(chances, default=1.0)
     return p
 
 
+def early_finish(order: Sequence[str], nodes: Mapping[str, Node],
+                 deps: Mapping[str, Collection[str]], cost_ms: Mapping[str, float]
+                 ) -> dict[str, float]:
+    """Each step's estimated finish in ms from the run's start when a group resolves at
+    its ``k``-th fastest member (first-wins: ``k`` = 1) instead of its slowest."""
+    finish: dict[str, float] = {}
+    for nid in order:
+        node = nodes[nid]
+        if isinstance(node, GroupNode):
+            ready = sorted(finish[m] for m in node.members)[node.k - 1]
+        else:
+            ready = max((finish[d] for d in deps[nid]), default=0.0)
+        finish[nid] = ready + cost_ms[nid]
+    return finish
+
+
+def _group_work(order: Sequence[str], nodes: Mapping[str, Node],
+                cost_ms: Mapping[str, float], finish: Mapping[str, float]
+                ) -> dict[str, float]:
+    """Each step's share of its cost that runs: a group member still going when its
+    group resolves is cancelled then, so only the part before counts."""
+    share = dict.fromkeys(order, 1.0)
+    for nid in order:
+        node = nodes[nid]
+        if not isinstance(node, GroupNode):
+            continue
+        for m in node.members:
+            begun = finish[m] - cost_ms[m]
+            if finish[m] > finish[nid] and cost_ms[m] > 0:
+                share[m] = min(share[m], max(0.0, finish[nid] - begun) / cost_ms[m])
+    return share
+
+
 def decision_report(order: Sequence[str], nodes: Mapping[str, Node],
-                    cost_ms: Mapping[str, float], tokens: Mapping[str, float],
-                    critical: Collection[str] = ()) -> DecisionReport | None:
+                    deps: Mapping[str, Collection[str]], cost_ms: Mapping[str, float],
+                    tokens: Mapping[str, float], critical: Collection[str] = ()
+                    ) -> DecisionReport | None:
     """The compiler's section on steps that may not run (None: every step runs).
 
     Args:
         order: step ids, dependencies first.
         nodes: the graph's nodes by id.
+        deps: each step's inputs.
         cost_ms: each step's estimated cost in ms.
         tokens: each step's estimated prompt plus output tokens.
         critical: the critical path's steps (all assumed to run).
     """
     chance = run_chances(order, nodes)
+    groups = [nid for nid in order if isinstance(nodes[nid], GroupNode)]
     conditional = [nid for nid in order if chance[nid] < 1.0]
-    if not conditional:
+    if not conditional and not groups:
         return None
+    finish = early_finish(order, nodes, deps, cost_ms)
+    share = _group_work(order, nodes, cost_ms, finish)
+    worst = dict(early_finish(order, {**nodes, **{g: _all_of(nodes[g]) for g in groups}},
+                              deps, cost_ms))
     return DecisionReport(
         conditional=conditional,
         run_chance={nid: round(chance[nid], 4) for nid in conditional},
-        expected_work_ms=sum(cost_ms[n] * chance[n] for n in order),
+        groups=groups,
+        expected_work_ms=sum(cost_ms[n] * chance[n] * share[n] for n in order),
         worst_case_work_ms=sum(cost_ms[n] for n in order),
-        expected_tokens=round(sum(tokens.get(n, 0.0) * chance[n] for n in order)),
+        expected_tokens=round(sum(tokens.get(n, 0.0) * chance[n] * share[n] for n in order)),
         worst_case_tokens=round(sum(tokens.get(n, 0.0) for n in order)),
+        critical_path_ms=round(max(_settled(order, nodes, finish).values(), default=0.0), 1),
+        worst_case_critical_path_ms=round(max(worst.values(), default=0.0), 1),
         conditional_on_critical_path=[n for n in conditional if n in critical])
+
+
+def with_decisions(report: CompileReport, decisions: DecisionReport | None) -> CompileReport:
+    """``report`` with its decisions section; with groups, its critical path is the one
+    where groups resolve early (the worst case stays in the section)."""
+    update: dict[str, object] = {"decisions": decisions}
+    if decisions is not None and decisions.groups:
+        update["critical_path_ms"] = decisions.critical_path_ms
+    return report.model_copy(update=update)
+
+
+def _all_of(node: Node) -> Node:
+    """A group as if it waited for every member (the worst case)."""
+    assert isinstance(node, GroupNode)
+    return node.model_copy(update={"k": len(node.members)})
+
+
+def _settled(order: Sequence[str], nodes: Mapping[str, Node],
+             finish: Mapping[str, float]) -> dict[str, float]:
+    """When each step is over: a member still going when its group resolves ends then."""
+    over = dict(finish)
+    for nid in order:
+        node = nodes[nid]
+        if isinstance(node, GroupNode):
+            for m in node.members:
+                over[m] = min(over[m], finish[nid])
+    return over
+
+
+def group_problems(node: Node, nodes: Mapping[str, Node]) -> list[str]:
+    """What is wrong with a group: members that are not llm or tool steps, a quorum
+    field its members' contracts lack."""
+    if not isinstance(node, GroupNode):
+        return []
+    where = f"group {node.id!r}"
+    problems: list[str] = []
+    for m in node.members:
+        member = nodes.get(m)
+        if member is None or m == node.id:
+            continue  # dangling or self references: reported by dataflow
+        if not isinstance(member, LLMNode | ToolNode):
+            problems.append(f"{where}: member {m!r} is a {member.kind} node; members are "
+                            "llm or tool steps")
+        elif node.agree_on and isinstance(member, LLMNode):
+            problems.extend(_agree_problems(node, member, where))
+    return problems
+
+
+def _agree_problems(group: GroupNode, member: LLMNode, where: str) -> list[str]:
+    field_name = ".".join(group.agree_on)
+    contract = member.contract
+    if contract is None or contract.json_schema is None:
+        return [f"{where} agrees on field {field_name!r}, but member {member.id!r} has no "
+                "JSON contract (its output is text): give it output=<a pydantic model>, "
+                "or agree on the whole output (agree_on=None)"]
+    schema, missing = field_schema(contract.json_schema, group.agree_on)
+    if schema is None:
+        fields = sorted(contract.json_schema.get("properties") or {})
+        return [f"{where} agrees on field {missing!r}, which the contract of member "
+                f"{member.id!r} does not have (fields: {', '.join(fields) or 'none'})"]
+    return []
 
 
 def condition_problems(node: Node, nodes: Mapping[str, Node]) -> list[str]:
@@ -104,11 +220,12 @@ def condition_problems(node: Node, nodes: Mapping[str, Node]) -> list[str]:
         node: any node (input nodes have no condition).
         nodes: the graph's nodes by id (unknown refs are reported elsewhere).
     """
-    if isinstance(node, InputNode) or node.when is None:
+    when = condition_of(node)
+    if when is None:
         return []
     where = f"node {node.id!r}"
     problems: list[str] = []
-    for leaf in leaves(node.when):
+    for leaf in leaves(when):
         target = nodes.get(str(leaf.ref))
         if target is None or target.id == node.id:
             continue  # dangling or self references: reported by dataflow

@@ -290,7 +290,36 @@ class InputNode(_Model):
     value: Any
 
 
-Node = Annotated[LLMNode | ToolNode | InputNode, Field(discriminator="kind")]
+class GroupNode(_Model):
+    """Sibling steps of which the first good result wins (``mode: "first"``), or ``k``
+    that agree on a field (``mode: "quorum"``, ``agree_on``: the field's path; empty:
+    the whole output). Its value is the winning member's output (quorum: the first of
+    the agreeing ones to finish); the other members are cancelled as soon as it
+    resolves and show as skipped (:mod:`flowlift.proxy.workflows.groups`)."""
+
+    kind: Literal["group"] = "group"
+    id: str = Field(min_length=1, max_length=200)
+    name: str = ""
+    mode: Literal["first", "quorum"]
+    members: tuple[str, ...] = Field(min_length=1, max_length=256)
+    k: int = Field(default=1, ge=1)
+    agree_on: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _sizes(self) -> GroupNode:
+        if len(set(self.members)) != len(self.members):
+            raise ValueError(f"group {self.id!r}: members must be distinct, got "
+                             f"{list(self.members)}")
+        if self.k > len(self.members):
+            raise ValueError(f"group {self.id!r}: k={self.k} needs at least {self.k} "
+                             f"members, got {len(self.members)}")
+        if self.mode == "first" and (self.k != 1 or self.agree_on):
+            raise ValueError(f"group {self.id!r}: a first-wins group takes no k or "
+                             "agree_on (that is a quorum)")
+        return self
+
+
+Node = Annotated[LLMNode | ToolNode | InputNode | GroupNode, Field(discriminator="kind")]
 
 
 DEADLINE_WARNING_HEADER = "X-Flowlift-Deadline-Warning"
@@ -328,7 +357,7 @@ class Graph(_Model):
     detached: bool = False
     nodes: tuple[Node, ...] = Field(min_length=1)
 
-    def node_map(self) -> dict[str, LLMNode | ToolNode | InputNode]:
+    def node_map(self) -> dict[str, LLMNode | ToolNode | InputNode | GroupNode]:
         return {n.id: n for n in self.nodes}
 
     def to_wire(self) -> dict[str, Any]:
@@ -347,17 +376,31 @@ class Graph(_Model):
         return json.dumps(self.to_wire(), indent=indent, ensure_ascii=False)
 
 
-def node_refs(node: LLMNode | ToolNode | InputNode) -> Iterator[Ref]:
+def node_refs(node: LLMNode | ToolNode | InputNode | GroupNode) -> Iterator[Ref]:
     """Every reference a node makes, in order (duplicates included): its condition's
-    fields first, then its inputs."""
-    if not isinstance(node, InputNode) and node.when is not None:
-        yield from condition_refs(node.when)
+    fields first, then its inputs (a group's: its members)."""
+    if isinstance(node, GroupNode):
+        yield from (Ref(ref=m) for m in node.members)
+        return
+    when = condition_of(node)
+    if when is not None:
+        yield from condition_refs(when)
     if isinstance(node, LLMNode):
         for message in node.messages:
             yield from (p for p in message.content if isinstance(p, Ref))
     elif isinstance(node, ToolNode):
         for arg in (*node.args, *node.kwargs.values()):
             yield from arg_refs(arg)
+
+
+def condition_of(node: LLMNode | ToolNode | InputNode | GroupNode) -> Predicate | None:
+    """A step's ``when`` condition (None: unconditional, or a kind that has none)."""
+    return node.when if isinstance(node, LLMNode | ToolNode) else None
+
+
+def default_of(node: LLMNode | ToolNode | InputNode | GroupNode) -> Literal_ | None:
+    """A step's ``default`` (what it stands for when skipped), or None."""
+    return node.default if isinstance(node, LLMNode | ToolNode) else None
 
 
 def condition_refs(pred: Predicate) -> Iterator[Ref]:

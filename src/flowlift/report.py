@@ -112,6 +112,13 @@ class DecisionReport(_Report):
     worst_case_work_ms: float
     expected_tokens: int
     worst_case_tokens: int
+    groups: list[str] = []
+    """First-wins and quorum groups: each resolves at its k-th fastest member, and the
+    members still going then are cancelled (their work counted up to that point)."""
+    critical_path_ms: float = 0.0
+    """The critical path with groups resolving early (the report's own, when groups)."""
+    worst_case_critical_path_ms: float = 0.0
+    """The critical path when every group waits for all its members."""
     conditional_on_critical_path: list[str] = []
 
 
@@ -120,10 +127,14 @@ def _decision_lines(r: CompileReport) -> list[str]:
     if d is None:
         return []
     names = ", ".join(d.conditional[:6]) + (" ..." if len(d.conditional) > 6 else "")
-    return [f"decided on the proxy: {len(d.conditional)} conditional step(s) ({names}); "
-            f"expected work {_s(d.expected_work_ms)} and {d.expected_tokens} tokens vs "
-            f"worst case (every branch runs) {_s(d.worst_case_work_ms)} and "
-            f"{d.worst_case_tokens} tokens"]
+    lines = [f"decided on the proxy: {len(d.conditional)} conditional step(s) ({names}), "
+             f"{len(d.groups)} group(s); expected work {_s(d.expected_work_ms)} and "
+             f"{d.expected_tokens} tokens vs worst case (every branch runs) "
+             f"{_s(d.worst_case_work_ms)} and {d.worst_case_tokens} tokens"]
+    if d.groups:
+        lines.append(f"  groups resolving early: critical path {_s(d.critical_path_ms)} vs "
+                     f"{_s(d.worst_case_critical_path_ms)} waiting for every member")
+    return lines
 
 
 class CompileReport(_Report):
