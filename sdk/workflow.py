@@ -25,11 +25,12 @@ Errors on exit:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import os
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -225,6 +226,30 @@ class Workflow:
         from flowlift.sdk.groups import group
 
         return group(self, "quorum", steps, k=k, agree_on=agree_on, name=name)
+
+    def map(self, step: Any, items: SemanticVariable, *args: Any, max_items: int,
+            name: str | None = None, **kwargs: Any) -> SemanticVariable:
+        """One run of ``step`` per item of the list ``items`` (a step's list-valued
+        output or field), made by the proxy once the list is known; the item is the
+        step's first argument, ``args``/``kwargs`` the rest (:mod:`flowlift.sdk.fanout`).
+        The value: the items' outputs in order. More than ``max_items`` items fail it.
+
+        Raises:
+            UserError: ``step`` is no ``@step``, ``items`` no Semantic Variable, a bad
+                ``max_items``.
+        """
+        from flowlift.sdk.fanout import map_step
+
+        return map_step(self, step, items, args, kwargs, max_items=max_items, name=name)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[list[Node]]:
+        """Record into a separate list (a map's step template), not the graph."""
+        saved, self.nodes = self.nodes, []
+        try:
+            yield self.nodes
+        finally:
+            self.nodes = saved
 
     def parser_of(self, step_id: str) -> Callable[[Any], Any] | None:
         """How step ``step_id``'s JSON output becomes its value (None: as is)."""

@@ -279,6 +279,7 @@ def test_compiler_reports_conditional_steps_and_expected_vs_worst_case():
     assert d.worst_case_work_ms == pytest.approx(report.total_work_ms)
     assert d.expected_tokens < d.worst_case_tokens
     text = format_report(report)
-    assert "3 conditional step(s) (a, b, ra), 0 group(s)" in text and "?conditional" in text
+    assert "3 conditional step(s) (a, b, ra), 0 group(s), 0 map(s)" in text
+    assert "?conditional" in text
     plain = Graph.model_validate({"nodes": [_node("x")]})
     assert compile_graph(plain).report.decisions is None

@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -217,6 +218,8 @@ class RunRegistry:
         run = Run(graph, backends, run_plan, costs, sink=self._append,
                   outcomes=self.outcomes, observer=self.observer, trace_parent=parent)
         run.tenant = tenant
+        run.replan = functools.partial(plan, backends=backends, costs=costs,
+                                       outcomes=self.outcomes)  # a map's items
         self.store.create(run.run_id, graph.to_wire(), tenant)
         epoch = self.store.claim(run.run_id, self.owner, self.lease_ttl_s)
         if epoch is not None:  # (None: a stranger's lease on a fresh id; its writes fail)
@@ -240,6 +243,8 @@ class RunRegistry:
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
                       run_id=stored.run_id, sink=self._append, restored=stored,
                       outcomes=self.outcomes, observer=self.observer)
+            run.replan = functools.partial(plan, backends=backends, costs=costs,
+                                           outcomes=self.outcomes)
             self._activate(run)
             resumed.append(run)
             log.info("run_resumed", workflow_id=run.run_id, done=len(run.outputs),

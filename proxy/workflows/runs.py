@@ -39,6 +39,7 @@ from flowlift.graph import (
     GroupNode,
     Items,
     LLMNode,
+    MapNode,
     MessageTemplate,
     Node,
     Ref,
@@ -72,12 +73,14 @@ from flowlift.proxy.workflows.conditions import (
 )
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import EventLog
+from flowlift.proxy.workflows.fanout import EXPANDED as MAP_EXPANDED
+from flowlift.proxy.workflows.fanout import check_items, expand, gathered, item_ids
 from flowlift.proxy.workflows.groups import RESOLVED as GROUP_RESOLVED
 from flowlift.proxy.workflows.groups import resolve as resolve_group
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
-from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth
+from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth, stable_plan
 from flowlift.proxy.workflows.outcomes import StepOutcomes
-from flowlift.proxy.workflows.replay import restore_trace
+from flowlift.proxy.workflows.replay import STEP_ENDS, restore_trace
 from flowlift.proxy.workflows.store import StoredRun
 from flowlift.proxy.workflows.tiering import TieredDispatcher, planned_tiers
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
@@ -138,6 +141,7 @@ class Run:
         self._tasks: list[asyncio.Task[None]] | None = None  # the node tasks, once started
         self._node_tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelling: dict[str, str] = {}  # group members being stopped -> why
+        self.replan: Callable[[Graph], Plan] | None = None  # the proxy's compiler (maps)
         self._context: contextvars.Context | None = None  # where node tasks run
         self.task: asyncio.Task[None] | None = None
         self.observer = observer
@@ -422,6 +426,40 @@ class Run:
         self._emit((GROUP_RESOLVED, won.event(node.id)))
         return won.value
 
+    async def _map(self, node: MapNode) -> list[Any]:
+        """Dynamic fan-out (:mod:`.fanout`): grow the run by a step per item, wait for
+        them, and return their outputs in order."""
+        items = check_items(node, self._resolve(node.over))
+        ids = item_ids(node, len(items))
+        fresh = [n for n in expand(node, items) if n.id not in self._done]
+        if fresh:
+            await self._grow(fresh)
+            self._emit((MAP_EXPANDED, {"step_id": node.id, "items": len(items),
+                                       "steps": ids}))
+            self._spawn(fresh)
+        for step_id in ids:
+            await self._done[step_id].wait()
+        return gathered(node, ids, self.outputs, self.failures)
+
+    async def _grow(self, nodes: Sequence[Node]) -> None:
+        """Add nodes the run made itself (a map's items) to its graph, trace and plan
+        (recompiled over the grown graph, when the run has a compiler: ``replan``);
+        steps finished before a restart take back their trace records."""
+        self.graph = self.graph.model_copy(update={"nodes": (*self.graph.nodes, *nodes)})
+        self._deps = dependencies(self.graph)
+        ids = {n.id for n in nodes}
+        for node in nodes:
+            self._done[node.id] = asyncio.Event()
+            model = node.model if isinstance(node, LLMNode) else None
+            self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
+        for _, name, data in self.log.history():
+            record = data.get("trace")
+            if name in STEP_ENDS and data.get("step_id") in ids and isinstance(record, dict):
+                self.trace.step(data["step_id"]).restore(record)
+        if self.replan is not None:
+            fresh = await asyncio.to_thread(self.replan, self.graph)
+            self.plan = stable_plan(self.plan, fresh)
+
     def _cancel_members(self, step_ids: Sequence[str], reason: str) -> None:
         """Stop group members still waiting, queued or running: each ends skipped
         (``reason``), a running engine request aborted, its generated tokens kept."""
@@ -488,6 +526,8 @@ class Run:
             return await self._tool(node)
         if isinstance(node, GroupNode):
             return await self._group(node)
+        if isinstance(node, MapNode):
+            return await self._map(node)
         return node.value
 
     async def _same_as(self, step_id: str, rep: str) -> Any:

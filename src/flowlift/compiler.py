@@ -53,6 +53,7 @@ from flowlift.graph import (
     InputNode,
     Items,
     LLMNode,
+    MapNode,
     Node,
     Ref,
     Template,
@@ -219,12 +220,19 @@ def _canonical(node: Node, canon: dict[str, str]) -> str | None:
     return json.dumps(body, sort_keys=True, default=_json)
 
 
-def _value_tokens(node: InputNode | GroupNode, opts: CompileOptions,
-                  out_tok: dict[str, float]) -> float:
-    """Tokens of a constant's value, or of a group's (its longest member's output)."""
+def _other_cost(node: InputNode | GroupNode | MapNode, opts: CompileOptions,
+                out_tok: dict[str, float], nodes: dict[str, Node]) -> tuple[float, float]:
+    """``(cost ms, output tokens)`` of a constant (free: its value's tokens), a group
+    (free: its longest member's output) or a map (one item's step, as the items run
+    side by side; its output: ``max_items`` of them)."""
     if isinstance(node, GroupNode):
-        return max(out_tok[m] for m in node.members)
-    return float(len(opts.tokenize(opts.default_model, str(node.value))))
+        return 0.0, max(out_tok[m] for m in node.members)
+    if isinstance(node, MapNode):
+        model = node.step.models()[0] or opts.default_model
+        out = _output_tokens(node.step, opts, model)
+        prompt = _prompt_tokens(node.step, opts, model, out_tok, nodes)
+        return opts.costs(model).step_ms(prompt, out), out * node.max_items
+    return 0.0, float(len(opts.tokenize(opts.default_model, str(node.value))))
 
 
 def _json(value: Any) -> Any:
@@ -438,7 +446,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
         elif isinstance(node, ToolNode):
             cost[nid], out_tok[nid] = opts.tool_ms, 32.0
         else:
-            cost[nid], out_tok[nid] = 0.0, _value_tokens(node, opts, out_tok)
+            cost[nid], out_tok[nid] = _other_cost(node, opts, out_tok, nodes)
 
     start: dict[str, float] = {}
     for nid in order:

@@ -12,10 +12,12 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Final
 
 from flowlift.graph import (
+    ITEM,
     GroupNode,
     InputNode,
     Items,
     LLMNode,
+    MapNode,
     Node,
     Ref,
     Template,
@@ -43,6 +45,8 @@ def needed_inputs(node: Node) -> tuple[list[Ref], list[Items]]:
     arguments) and its list arguments (whose skipped items drop)."""
     if isinstance(node, LLMNode):
         return [p for m in node.messages for p in m.content if isinstance(p, Ref)], []
+    if isinstance(node, MapNode):  # its list, and what its template reads besides items
+        return [node.over, *(r for r in needed_inputs(node.step)[0] if r.ref != ITEM)], []
     needed: list[Ref] = []
     lists: list[Items] = []
     if isinstance(node, ToolNode):
@@ -131,11 +135,14 @@ def decision_report(order: Sequence[str], nodes: Mapping[str, Node],
     """
     chance = run_chances(order, nodes)
     groups = [nid for nid in order if isinstance(nodes[nid], GroupNode)]
+    maps = {nid: n.max_items for nid, n in nodes.items() if isinstance(n, MapNode)}
     conditional = [nid for nid in order if chance[nid] < 1.0]
-    if not conditional and not groups:
+    if not conditional and not groups and not maps:
         return None
     finish = early_finish(order, nodes, deps, cost_ms)
     share = _group_work(order, nodes, cost_ms, finish)
+    for nid, most in maps.items():  # every item may run (the list is not known yet)
+        share[nid] *= most
     worst = dict(early_finish(order, {**nodes, **{g: _all_of(nodes[g]) for g in groups}},
                               deps, cost_ms))
     return DecisionReport(
@@ -143,9 +150,10 @@ def decision_report(order: Sequence[str], nodes: Mapping[str, Node],
         run_chance={nid: round(chance[nid], 4) for nid in conditional},
         groups=groups,
         expected_work_ms=sum(cost_ms[n] * chance[n] * share[n] for n in order),
-        worst_case_work_ms=sum(cost_ms[n] for n in order),
+        worst_case_work_ms=sum(cost_ms[n] * maps.get(n, 1) for n in order),
+        maps=maps,
         expected_tokens=round(sum(tokens.get(n, 0.0) * chance[n] * share[n] for n in order)),
-        worst_case_tokens=round(sum(tokens.get(n, 0.0) for n in order)),
+        worst_case_tokens=round(sum(tokens.get(n, 0.0) * maps.get(n, 1) for n in order)),
         critical_path_ms=round(max(_settled(order, nodes, finish).values(), default=0.0), 1),
         worst_case_critical_path_ms=round(max(worst.values(), default=0.0), 1),
         conditional_on_critical_path=[n for n in conditional if n in critical])
@@ -176,6 +184,30 @@ def _settled(order: Sequence[str], nodes: Mapping[str, Node],
             for m in node.members:
                 over[m] = min(over[m], finish[nid])
     return over
+
+
+def map_problems(node: Node, nodes: Mapping[str, Node]) -> list[str]:
+    """What is wrong with a map: a list it runs over that is no list (an output without
+    a list contract, a constant that is not a list), an agent step as its template."""
+    if not isinstance(node, MapNode):
+        return []
+    where = f"map {node.id!r}"
+    problems = [f"{where}: its step cannot be an agent step (tools); map over a plain "
+                "llm step"] if node.step.tools else []
+    target = nodes.get(node.over.ref)
+    over = ".".join((node.over.ref, *node.over.path))
+    types: set[str] | None = None  # unknown: a tool's output, a group's, a map's list
+    if isinstance(target, InputNode):
+        types = _value_types(target.value, node.over.path)
+    elif isinstance(target, LLMNode):
+        schema = target.contract.json_schema if target.contract else None
+        sub = field_schema(schema, node.over.path)[0] if schema is not None else None
+        types = {"string"} if schema is None else (schema_types(sub) if sub else None)
+    if types is not None and "array" not in types:
+        problems.append(f"{where} runs over {over}, which is not a list: give it a "
+                        "contract whose field (or whole output) is a list, e.g. a "
+                        "pydantic field `items: list[str]`")
+    return problems
 
 
 def group_problems(node: Node, nodes: Mapping[str, Node]) -> list[str]:

@@ -319,7 +319,30 @@ class GroupNode(_Model):
         return self
 
 
-Node = Annotated[LLMNode | ToolNode | InputNode | GroupNode, Field(discriminator="kind")]
+ITEM: Final = "$item"
+"""The reference a map's step template uses for its item (``{"ref": "$item", "path":
+[...]}``: the item or a field of it)."""
+MAX_MAP_ITEMS: Final = 10000
+
+
+class MapNode(_Model):
+    """Dynamic fan-out: one step per item of a list-valued output (``over``: a step's
+    output or a field of it), known only at run time. ``step`` is the template: an llm
+    step whose prompt (and condition) may read the item as ``{"ref": "$item"}``. The
+    value is the list of the item steps' outputs, in order (skipped ones left out); a
+    list longer than ``max_items`` fails the map (:mod:`flowlift.proxy.workflows.fanout`).
+    """
+
+    kind: Literal["map"] = "map"
+    id: str = Field(min_length=1, max_length=200)
+    name: str = ""
+    over: Ref
+    step: LLMNode
+    max_items: int = Field(ge=1, le=MAX_MAP_ITEMS)
+
+
+AnyNode = LLMNode | ToolNode | InputNode | GroupNode | MapNode
+Node = Annotated[AnyNode, Field(discriminator="kind")]
 
 
 DEADLINE_WARNING_HEADER = "X-Flowlift-Deadline-Warning"
@@ -357,7 +380,7 @@ class Graph(_Model):
     detached: bool = False
     nodes: tuple[Node, ...] = Field(min_length=1)
 
-    def node_map(self) -> dict[str, LLMNode | ToolNode | InputNode | GroupNode]:
+    def node_map(self) -> dict[str, AnyNode]:
         return {n.id: n for n in self.nodes}
 
     def to_wire(self) -> dict[str, Any]:
@@ -376,11 +399,15 @@ class Graph(_Model):
         return json.dumps(self.to_wire(), indent=indent, ensure_ascii=False)
 
 
-def node_refs(node: LLMNode | ToolNode | InputNode | GroupNode) -> Iterator[Ref]:
+def node_refs(node: AnyNode) -> Iterator[Ref]:
     """Every reference a node makes, in order (duplicates included): its condition's
     fields first, then its inputs (a group's: its members)."""
     if isinstance(node, GroupNode):
         yield from (Ref(ref=m) for m in node.members)
+        return
+    if isinstance(node, MapNode):
+        yield node.over
+        yield from (r for r in node_refs(node.step) if r.ref != ITEM)
         return
     when = condition_of(node)
     if when is not None:
@@ -393,12 +420,12 @@ def node_refs(node: LLMNode | ToolNode | InputNode | GroupNode) -> Iterator[Ref]
             yield from arg_refs(arg)
 
 
-def condition_of(node: LLMNode | ToolNode | InputNode | GroupNode) -> Predicate | None:
+def condition_of(node: AnyNode) -> Predicate | None:
     """A step's ``when`` condition (None: unconditional, or a kind that has none)."""
     return node.when if isinstance(node, LLMNode | ToolNode) else None
 
 
-def default_of(node: LLMNode | ToolNode | InputNode | GroupNode) -> Literal_ | None:
+def default_of(node: AnyNode) -> Literal_ | None:
     """A step's ``default`` (what it stands for when skipped), or None."""
     return node.default if isinstance(node, LLMNode | ToolNode) else None
 

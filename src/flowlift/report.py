@@ -112,6 +112,9 @@ class DecisionReport(_Report):
     worst_case_work_ms: float
     expected_tokens: int
     worst_case_tokens: int
+    maps: dict[str, int] = {}
+    """Dynamic fan-outs and their ``max_items``: each item may run, so both the
+    expected and the worst-case work count ``max_items`` runs of its step."""
     groups: list[str] = []
     """First-wins and quorum groups: each resolves at its k-th fastest member, and the
     members still going then are cancelled (their work counted up to that point)."""
@@ -128,9 +131,10 @@ def _decision_lines(r: CompileReport) -> list[str]:
         return []
     names = ", ".join(d.conditional[:6]) + (" ..." if len(d.conditional) > 6 else "")
     lines = [f"decided on the proxy: {len(d.conditional)} conditional step(s) ({names}), "
-             f"{len(d.groups)} group(s); expected work {_s(d.expected_work_ms)} and "
-             f"{d.expected_tokens} tokens vs worst case (every branch runs) "
-             f"{_s(d.worst_case_work_ms)} and {d.worst_case_tokens} tokens"]
+             f"{len(d.groups)} group(s), {len(d.maps)} map(s); expected work "
+             f"{_s(d.expected_work_ms)} and {d.expected_tokens} tokens vs worst case "
+             f"(every branch runs) {_s(d.worst_case_work_ms)} and {d.worst_case_tokens} "
+             "tokens"]
     if d.groups:
         lines.append(f"  groups resolving early: critical path {_s(d.critical_path_ms)} vs "
                      f"{_s(d.worst_case_critical_path_ms)} waiting for every member")
