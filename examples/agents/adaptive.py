@@ -32,7 +32,8 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field as dc_field
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -184,7 +185,7 @@ def debate_graph(wf: Workflow, q: Question, variant: str) -> Callable[[], str | 
     if variant == "proxy":
         route = router(q.text, answers)
         revised = {(i, j): revise(q.text, firsts[i - 1], firsts[j - 1],
-                                  when=_edge(route, i, j)) for i, j in EDGES}
+                                  when=field(_edge(route, i, j))) for i, j in EDGES}
     else:
         revised = {(i, j): revise(q.text, firsts[i - 1], firsts[j - 1]) for i, j in EDGES}
 
