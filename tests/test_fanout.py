@@ -197,3 +197,49 @@ def test_compiler_counts_a_map_at_max_items():
     assert d is not None and d.maps == {"map_draft_1": 8}
     one = {n.step_id: n.est_ms for n in report.nodes}["map_draft_1"]
     assert d.worst_case_work_ms == pytest.approx(report.total_work_ms + 7 * one)
+
+
+def test_kill_9_in_the_middle_of_a_map_then_restart_runs_only_the_rest(tmp_path):
+    import os
+    import signal
+    import threading
+
+    from flowlift.testing import free_port, running_proxy
+
+    port, db, log = free_port(), tmp_path / "state.sqlite", tmp_path / "proxy.log"
+
+    def serve():  # type: ignore[no-untyped-def]
+        return running_proxy("--engine", "fake", "--state-db", str(db), "--fake-delay-s",
+                             "0.02", log_path=log, port=port, ready_timeout_s=60)
+
+    wf = workflow("map-restart", base_url=f"http://127.0.0.1:{port}", reconnect_s=60)
+    errors: list[BaseException] = []
+    sections = [f"s{i} " + "word " * (12 * i) for i in range(5)]  # longer ones end later
+
+    def run() -> None:
+        try:
+            with wf:
+                wf.map(draft, wf.input(sections, name="sections"), "t", max_items=5)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    with serve() as (_, proc):
+        thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(
+                k.startswith("map_draft_1-") and not k.endswith("item")
+                for k in wf._outputs) < 2:
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    before = {k for k in wf._outputs if k.startswith("map_draft_1-") and "item" not in k}
+    assert 2 <= len(before) < 5, before
+    with serve():
+        thread.join(timeout=60)
+    assert not thread.is_alive() and not errors, errors
+    assert wf.status == "succeeded" and len(wf.outputs["map_draft_1"]) == 5
+    stored = RunStore(db).load(wf.run_id)
+    finished = [d["step_id"] for _, n, d in stored.events if n == "step.finished"]
+    assert sorted(finished) == sorted(set(finished)), "an item that had finished ran again"
+    assert [n for _, n, _ in stored.events].count("run.resumed") == 1
