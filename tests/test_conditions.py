@@ -283,3 +283,22 @@ def test_compiler_reports_conditional_steps_and_expected_vs_worst_case():
     assert "?conditional" in text
     plain = Graph.model_validate({"nodes": [_node("x")]})
     assert compile_graph(plain).report.decisions is None
+
+
+async def test_bad_conditions_groups_and_maps_come_back_together_over_http(client):
+    schema = {"json_schema": Verdict.model_json_schema()}
+    graph = {"nodes": [
+        _node("v", contract=schema), _node("t"),
+        _node("a", when={"op": "eq", "ref": "v", "path": ["nope"], "value": 1}),
+        {"kind": "group", "id": "g", "mode": "quorum", "members": ["v", "t"], "k": 2,
+         "agree_on": ["missing"]},
+        {"kind": "map", "id": "m", "over": {"ref": "t"}, "max_items": 2,
+         "step": _node("s")}]}
+    response = await client.post("/v1/workflows", json=graph)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["code"] == "invalid_graph"
+    text = "\n".join(error["problems"])
+    assert "reads field 'nope' of 'v'" in text
+    assert "agrees on field 'missing'" in text and "member 't' has no JSON contract" in text
+    assert "map 'm' runs over t, which is not a list" in text
