@@ -422,6 +422,7 @@ class Run:
             ok = m in self.outputs and m not in self.skipped
             return ok, self.outputs.get(m)
 
+        self.trace.step(node.id).status = "pending"  # it waits for members, not a slot
         won = await resolve_group(node, self._done, result, self._cancel_members)
         self._emit((GROUP_RESOLVED, won.event(node.id)))
         return won.value
