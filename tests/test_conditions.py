@@ -302,3 +302,13 @@ async def test_bad_conditions_groups_and_maps_come_back_together_over_http(clien
     assert "reads field 'nope' of 'v'" in text
     assert "agrees on field 'missing'" in text and "member 't' has no JSON contract" in text
     assert "map 'm' runs over t, which is not a list" in text
+
+
+async def test_the_timeline_page_shows_skipped_steps_as_skipped(client, engine):
+    engine.responder = _verdict(ok=True, score=2)
+    async with workflow("page", base_url=_base(client)) as wf:
+        v = judge("x")
+        repair(v.topic, when=field(v.score) > 5)
+    page = await (await client.get(f"/ui/workflows/{wf.run_id}")).text()
+    assert "<td>skipped</td>" in page
+    assert "skipped: condition judge_1.score &gt; 5 is false" in page
