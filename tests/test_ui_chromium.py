@@ -1,6 +1,8 @@
 """The timeline and compile pages in a real browser: headless Chromium (Debian's
 ``chromium``, installed by ``scripts/install.sh --test``) against a proxy on a
-FakeEngine on a real port, after a small workflow ran to its end.
+FakeEngine on a real port, after a small workflow ran to its end. The compile page runs
+the compiler in the browser (Pyodide, ``scripts/fetch_pyodide.sh``): those tests drive
+the tab over the DevTools protocol (tests/cdp.py) to count every request it makes.
 
 Skipped only when no Chromium is on PATH; ``scripts/test.sh`` (CI) sets
 ``FLOWLIFT_REQUIRE_CHROMIUM=1`` and then a missing browser is a failure.
@@ -8,17 +10,29 @@ Skipped only when no Chromium is on PATH; ``scripts/test.sh`` (CI) sets
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import http.server
+import io
+import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any, ClassVar
 
 import httpx
 import pytest
+from browser_graphs import INVALID, VALID, rich_graph
+from cdp import Tab, chromium_tab
 
-from flowlift import step, tool, workflow
+from flowlift import cli, step, tool, workflow
+from flowlift.proxy.ui import offline
+from flowlift.proxy.ui.pages import static_compile_page
 from flowlift.testing import running_proxy
 
 CHROMIUM = next((p for n in ("chromium", "chromium-browser", "google-chrome")
@@ -140,17 +154,135 @@ def test_timeline_page_in_chromium(proxy, tmp_path):
     assert {s for s, r in rows.items() if r.get("class") == "critical"} == critical
 
 
-def test_compile_page_in_chromium(proxy, tmp_path):
-    dom = dump(f"{proxy}/ui/compile", tmp_path / "profile")
+def cli_compile(graph: dict[str, Any], tmp_path: Path) -> tuple[int, str, str]:
+    """``flowlift compile --local GRAPH`` (nothing learned: an empty cache folder)."""
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(graph))
+    out, err = io.StringIO(), io.StringIO()
+    old = os.environ.get("FLOWLIFT_CACHE_DIR")
+    os.environ["FLOWLIFT_CACHE_DIR"] = str(tmp_path / "empty-cache")
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["compile", "--local", str(path)])
+    finally:
+        if old is None:
+            del os.environ["FLOWLIFT_CACHE_DIR"]
+        else:
+            os.environ["FLOWLIFT_CACHE_DIR"] = old
+    return code, out.getvalue(), err.getvalue()
+
+
+READY = "document.getElementById('compiler-state').getAttribute('data-ready')"
+COMPILED = "document.getElementById('report').getAttribute('data-compiled')"
+PAGE_TEXT = ("JSON.stringify({text: document.getElementById('report-text').textContent, "
+             "problems: [...document.querySelectorAll('#errors li')].map(li => li.textContent)})")
+
+
+async def start_compiler(tab: Tab, url: str) -> float:
+    """Open the compile page and wait until its compiler ran on the example graph; the
+    compiler's start-up time in ms, as the page measured it."""
+    if offline.boot_config() is None:
+        message = f"no browser compiler in {offline.pyodide_dir()}: {offline.MISSING_HINT}"
+        if os.environ.get("FLOWLIFT_REQUIRE_CHROMIUM") == "1":
+            raise AssertionError(message)
+        pytest.skip(message)
+    await tab.send("Page.navigate", url=url)
+    assert await tab.wait_for(READY, 180) == "1", tab.console
+    assert await tab.wait_for(COMPILED, 30) == "1", await tab.evaluate(PAGE_TEXT)
+    return float(await tab.evaluate(
+        "document.getElementById('compiler-state').getAttribute('data-load-ms')"))
+
+
+async def compile_in_page(tab: Tab, graph: dict[str, Any]) -> dict[str, Any]:
+    """Paste ``graph`` into the page, press Compile; the text report or the problems."""
+    await tab.evaluate(f"document.getElementById('graph').value = {json.dumps(json.dumps(graph))};"
+                       "document.querySelector('#compile-form button').click(); 1")
+    await tab.wait_for(COMPILED, 30)
+    return dict(json.loads(await tab.evaluate(PAGE_TEXT)))
+
+
+async def check_as_the_cli(tab: Tab, tmp_path: Path) -> None:
+    for name, graph in {**VALID, **INVALID}.items():
+        got = await compile_in_page(tab, graph)
+        code, out, err = cli_compile(graph, tmp_path)
+        if name in VALID:
+            assert code == 0 and got["problems"] == [] and got["text"] + "\n" == out, name
+        else:
+            assert code == 1 and got["text"] == "", name
+            assert err == "".join(f"flowlift compile: {p}\n" for p in got["problems"]), name
+
+
+def offsite(requests: list[dict[str, Any]], origin: str) -> list[str]:
+    return [u for r in requests if not (u := r["request"]["url"]).startswith(origin + "/")
+            and not u.startswith("data:")]
+
+
+async def test_compile_page_compiles_in_the_browser(proxy, tmp_path):
+    """The proxy's compile page: Pyodide and the compiler from the proxy, then every
+    graph compiled in the page as `flowlift compile --local` does, with not one request
+    after the start (to the proxy or anywhere)."""
+    async with chromium_tab(CHROMIUM, tmp_path / "profile") as tab:
+        load_ms = await start_compiler(tab, f"{proxy}/ui/compile")
+        loaded = len(tab.requests)
+        assert offsite(tab.requests, proxy) == []
+        assert any(r["request"]["url"].endswith("/ui/pyodide/pyodide.asm.wasm")
+                   for r in tab.requests)
+        html = await tab.evaluate("document.documentElement.outerHTML")
+        dom = Dom()
+        dom.feed(html)
+        rows = {r["data-step"]: r for r in dom.report_rows}  # the example graph's report
+        assert set(rows) == {"doc", "facts", "title", "summary"}
+        assert rows["summary"].get("class") == "critical"
+        planned = {b["data-step"]: b for b in dom.plan_bars}  # the planned schedule's chart
+        assert {s for s, b in planned.items() if b.get("data-critical") == "planned"} == {
+            "facts", "summary"}
+        await check_as_the_cli(tab, tmp_path)
+        assert tab.requests[loaded:] == [], "requests after the compiler started"
+    print(f"browser compiler started in {load_ms:.0f} ms")
+
+
+class LoggedFiles(http.server.SimpleHTTPRequestHandler):
+    log: ClassVar[list[str]] = []
+
+    def log_message(self, format: str, *args: Any) -> None:
+        LoggedFiles.log.append(self.path)
+
+
+async def test_static_page_compiles_with_nothing_sent(tmp_path):
+    """The static folder (`python -m flowlift.proxy.ui DIR`) under a plain file server
+    that logs each request: after the start, neither the server nor the browser sees
+    one."""
+    if offline.boot_config() is None:
+        await start_compiler(None, "")  # type: ignore[arg-type]  # skips or fails
+    site = tmp_path / "site"
+    offline.build_static(site, static_compile_page())
+    handler = functools.partial(LoggedFiles, directory=str(site))
+    LoggedFiles.log = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    origin = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        async with chromium_tab(CHROMIUM, tmp_path / "profile") as tab:
+            await start_compiler(tab, f"{origin}/")
+            served, loaded = len(LoggedFiles.log), len(tab.requests)
+            assert offsite(tab.requests, origin) == []
+            assert "/py/flowlift.zip" in LoggedFiles.log
+            got = await compile_in_page(tab, rich_graph())
+            assert got["text"] + "\n" == cli_compile(rich_graph(), tmp_path)[1]
+            await asyncio.sleep(1)  # a request in flight would have reached the server
+            assert LoggedFiles.log[served:] == [] and tab.requests[loaded:] == []
+    finally:
+        server.shutdown()
+
+
+def test_compile_page_without_pyodide_asks_the_proxy(tmp_path, monkeypatch):
+    """No browser compiler installed: the page posts the graph to the proxy's compiler."""
+    monkeypatch.setenv(offline.PYODIDE_DIR_ENV, str(tmp_path / "no-pyodide"))
+    with running_proxy("--engine", "fake", "--state-db", ":memory:", log_path=tmp_path / "log",
+                       ready_timeout_s=60) as (base, _):
+        dom = dump(f"{base}/ui/compile", tmp_path / "profile")
     assert dom.attrs["report"].get("data-compiled") == "1", "the report was not drawn"
-    rows = {r["data-step"]: r for r in dom.report_rows}
-    assert set(rows) == {"doc", "facts", "title", "summary"}
-    assert rows["summary"].get("class") == "critical"
-    planned = {b["data-step"]: b for b in dom.plan_bars}  # the planned schedule's chart
-    assert set(planned) == {"facts", "title", "summary"}
-    assert {s for s, b in planned.items() if b.get("data-critical") == "planned"} == {
-        "facts", "summary"}
-    assert float(planned["summary"]["x"]) > float(planned["facts"]["x"])
+    assert {r["data-step"] for r in dom.report_rows} == {"doc", "facts", "title", "summary"}
 
 
 def test_missing_run_in_chromium(proxy, tmp_path):

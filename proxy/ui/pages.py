@@ -9,8 +9,10 @@ fetched from outside the machine).
   steps with their outputs, then each llm step's resolved prompt (the messages its
   model received). It shows exactly what ``GET /v1/workflows/{run_id}`` answers. An
   unknown run is a 404 page; a running run's page reloads every 2 s.
-* ``GET /ui/compile`` -- paste a graph, see the compiler's report (the page calls
-  ``POST /v1/workflows:compile``).
+* ``GET /ui/compile`` -- paste a graph (``?run=RUN_ID``: that run's recorded graph), see
+  the compiler's report. With the browser compiler installed (``scripts/fetch_pyodide.sh``)
+  the page runs flowlift's compiler itself under Pyodide (:mod:`flowlift.proxy.ui.offline`)
+  and sends nothing anywhere; without it, it calls ``POST /v1/workflows:compile``.
 
 Pages are self-contained: CSS and JS are package data (``static/``) inlined into the
 page, under a Content-Security-Policy that allows only this page's own scripts (a
@@ -36,6 +38,8 @@ from aiohttp import web
 from flowlift.errors import RequestError
 from flowlift.proxy.state import STATE
 from flowlift.proxy.tenants import tenant_of
+from flowlift.proxy.ui import offline
+from flowlift.proxy.ui.offline import boot_config
 from flowlift.proxy.ui.svg import gantt_svg, legend_html
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows.store import RunSummary
@@ -49,6 +53,7 @@ from flowlift.tracing.timeline import (
 )
 
 routes = web.RouteTableDef()
+NO_ICON = '<link rel="icon" href="data:,">'  # no /favicon.ico request
 OUTPUT_PREVIEW_CHARS = 240
 ARROW = " \u2192 "
 
@@ -66,20 +71,23 @@ def json_for_script(value: Any) -> str:
 
 
 def page(title: str, body: str, *, scripts: tuple[str, ...] = (), init_js: str = "",
-         status: int = 200, refresh_s: int | None = None) -> web.Response:
+         status: int = 200, refresh_s: int | None = None,
+         script_src: str = "") -> web.Response:
     """A whole HTML page with the shared stylesheet, the given ``static/`` scripts and
-    then ``init_js`` (our own code, never data)."""
+    then ``init_js`` (our own code, never data); ``script_src``: more CSP script sources
+    (the compile page's ``'self' 'wasm-unsafe-eval'`` for Pyodide)."""
     nonce = secrets.token_urlsafe(16)
     js = "".join(f'<script nonce="{nonce}">{code}</script>'
                  for code in (*map(static, scripts), init_js) if code)
     meta = f'<meta http-equiv="refresh" content="{refresh_s}">' if refresh_s else ""
     html = (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">{meta}'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">{meta}{NO_ICON}'
             f"<title>{escape(title)}</title><style nonce=\"{nonce}\">{static('ui.css')}</style>"
             f'</head><body><header><h1>flowlift</h1><nav><a href="/ui/">runs</a>'
             f'<a href="/ui/compile">compile a graph</a></nav></header>'
             f"<main>{body}</main>{js}</body></html>")
-    csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
+    scripts_csp = " ".join(filter(None, (f"'nonce-{nonce}'", script_src)))
+    csp = (f"default-src 'none'; script-src {scripts_csp}; style-src 'nonce-{nonce}'; "
            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'self'; "
            "frame-ancestors 'none'")
     return web.Response(text=html, status=status, content_type="text/html", headers={
@@ -109,7 +117,9 @@ def _head(doc: dict[str, Any], head: dict[str, Any], steps: list[Any]) -> str:
             f"<b>{len(steps)}</b> steps, <b>{len(doc.get('failures') or {})}</b> failed · "
             f"class {escape(str(head.get('class', '-')))} · tokens: {tok['prompt']} prompt "
             f"({tok['cached']} from prefix cache), {tok['completion']} generated · "
-            f'<a href="/v1/workflows/{escape(str(doc.get("run_id")))}">JSON</a></p>')
+            f'<a href="/v1/workflows/{escape(str(doc.get("run_id")))}">JSON</a> · '
+            f'<a href="/ui/compile?run={quote(str(doc.get("run_id")))}">compile its graph</a>'
+            "</p>")
 
 
 def _path_html(steps: list[Any], path: tuple[str, ...], planned: tuple[str, ...],
@@ -249,18 +259,68 @@ def example_graph(model: str | None) -> dict[str, Any]:
             {"ref": "title"})]}
 
 
+COMPILE_CSP_SCRIPTS = "'self' 'wasm-unsafe-eval'"
+"""Pyodide: its modules are imported from this origin and compile WebAssembly."""
+
+
+def compile_body(graph_text: str, boot: dict[str, Any] | None, *, intro: str = "") -> str:
+    """The compile page's body: the graph ``graph_text`` in a form, the report's places,
+    and ``boot`` (:func:`flowlift.proxy.ui.offline.boot_config`; ``None``: the proxy
+    compiles) as JSON for compile.js."""
+    where = ("The compiler runs in this page (Pyodide, loaded from this machine): nothing you "
+             "paste is sent anywhere; cost figures are the defaults and the tokenizer the "
+             "approximate one, as <code>flowlift compile --local</code>." if boot is not None
+             else "The proxy's compiler answers with its plan under this proxy's tokenizers "
+             "and measured cost models (the browser compiler is not installed: "
+             "<code>bash scripts/fetch_pyodide.sh</code>).")
+    return ('<section class="compile"><h2>Compile a graph</h2><p class="facts">Paste a graph '
+            "document (the wire format: <code>workflow(..., submit=False)</code> then "
+            "<code>wf.graph().to_wire()</code>), or a workflow's recorded graph. "
+            f"{intro}Nothing runs.</p>"
+            f'<p class="facts" id="compiler-state">{where}</p>'
+            '<form id="compile-form"><textarea id="graph" spellcheck="false">'
+            f"{escape(graph_text)}</textarea>"
+            '<br><button type="submit">Compile</button></form><ul class="errors" id="errors">'
+            '</ul><div class="report" id="report"></div><details class="report-text" open><summary>'
+            'What <code>flowlift compile --local</code> prints</summary>'
+            '<pre id="report-text"></pre></details>'
+            f'<script type="application/json" id="compiler-boot">{json_for_script(boot)}'
+            "</script></section>")
+
+
+def static_compile_page() -> dict[str, str]:
+    """The compile page as static files (``index.html`` and the CSS/JS it links), for
+    :func:`flowlift.proxy.ui.offline.build_static`: no proxy behind it."""
+    body = compile_body(json.dumps(example_graph(None), indent=2), boot_config())
+    csp = (f"default-src 'none'; script-src {COMPILE_CSP_SCRIPTS}; style-src 'self'; "
+           "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'")
+    html = ('<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"{NO_ICON}<title>flowlift: compile a graph</title>"
+            '<link rel="stylesheet" href="ui.css">'
+            "</head><body><header><h1>flowlift</h1></header>"
+            f'<main>{body}</main><script src="report.js"></script>'
+            '<script src="compile.js"></script></body></html>')
+    return {"index.html": html, **{n: static(n) for n in ("ui.css", "report.js", "compile.js")}}
+
+
 @routes.get("/ui/compile")
 async def compile_page(request: web.Request) -> web.Response:
-    example = example_graph(request.app[STATE].backends.default_model)
-    body = ('<section class="compile"><h2>Compile a graph</h2><p class="facts">Paste a graph '
-            "document (the wire format: <code>workflow(..., submit=False)</code> then "
-            "<code>wf.graph().to_wire()</code>); the proxy's compiler answers with its plan "
-            "under this proxy's tokenizers and measured cost models. Nothing runs.</p>"
-            '<form id="compile-form"><textarea id="graph" spellcheck="false">'
-            f"{escape(json.dumps(example, indent=2))}</textarea>"
-            '<br><button type="submit">Compile</button></form><ul class="errors" id="errors">'
-            '</ul><div class="report" id="report"></div></section>')
-    return page("flowlift: compile a graph", body, scripts=("report.js", "compile.js"))
+    """The compile page; ``?run=RUN_ID`` fills in that workflow's recorded graph."""
+    state = request.app[STATE]
+    run_id = request.query.get("run")
+    if run_id:
+        try:
+            graph = workflows.recorded_graph(state, run_id, tenant_of(request))
+        except RequestError as exc:
+            return page("flowlift: no such run", '<section class="notfound"><h2>No such '
+                        f"run</h2><p>{escape(exc.message)}.</p></section>", status=404)
+    else:
+        graph = example_graph(state.backends.default_model)
+    body = compile_body(json.dumps(graph, indent=2, ensure_ascii=False), boot_config())
+    return page("flowlift: compile a graph", body, scripts=("report.js", "compile.js"),
+                script_src=COMPILE_CSP_SCRIPTS)
 
 
 INDEX_PAGE = 50
@@ -312,5 +372,6 @@ async def ui_index(request: web.Request) -> web.Response:
 
 
 def setup(app: web.Application) -> None:
-    """Add the pages to the proxy's app."""
+    """Add the pages, and the browser compiler's files, to the proxy's app."""
     app.add_routes(routes)
+    offline.setup(app)

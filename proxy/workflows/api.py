@@ -344,6 +344,18 @@ def _stored_graph(stored: StoredRun) -> Graph | dict[str, Any]:
         return stored.graph
 
 
+def recorded_graph(state: ProxyState, run_id: str, tenant: str | None) -> dict[str, Any]:
+    """A run's graph as recorded (wire format, appended nodes included).
+
+    Raises:
+        RunNotFound: no such run (for this tenant; a RequestError, HTTP 404).
+    """
+    run = state.runs.live(run_id, tenant)
+    if run is not None:
+        return run.graph.to_wire()
+    return _wire(_stored_graph(state.runs.stored(run_id, tenant)))
+
+
 def _wire(graph: Graph | dict[str, Any]) -> dict[str, Any]:
     return graph.to_wire() if isinstance(graph, Graph) else graph
 
