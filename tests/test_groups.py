@@ -204,3 +204,21 @@ async def test_group_members_still_waiting_for_inputs_are_dropped(aiohttp_client
     prompts = [r.messages[-1].content for r in engine.requests]
     assert not any(p.startswith("use ") for p in prompts)  # never sent
     await asyncio.sleep(0)
+
+
+async def test_a_tool_member_out_in_the_app_is_cancelled_and_its_late_result_harmless(
+        aiohttp_client, make_app, engine):
+    from flowlift import tool
+
+    @tool
+    async def slow_lookup(x):
+        await asyncio.sleep(0.3)
+        return f"looked up {x}"
+
+    engine.responder = lambda r: "quick answer"
+    _, client = await _proxy(aiohttp_client, make_app, engine)
+    async with workflow("tool-member", base_url=_base(client)) as wf:
+        looked = slow_lookup("q")
+        best = wf.first(looked, say("q"))
+    assert best.value == "quick answer" and looked.step_id in wf.skipped
+    assert wf.status == "succeeded" and not wf.failures
