@@ -45,6 +45,7 @@ def summarize(runs: list[Outcome], n: int) -> dict[str, Any]:
             "tokens": int(statistics.median(o.tokens for o in runs)),
             "accuracy": round(statistics.median(o.correct / n for o in runs), 3),
             "skipped": int(statistics.median(o.skipped for o in runs)),
+            "failed": int(statistics.median(o.failed for o in runs)),
             "reps": len(runs)}
 
 
@@ -68,13 +69,13 @@ async def measure(base: str, reps: int, limit: int) -> dict[str, dict[str, Any]]
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     lines = [f"{'shape':<7} {'variant':<7} {'makespan s':>10} {'x static':>8} "
-             f"{'tokens':>7} {'x static':>8} {'accuracy':>8} {'skipped':>7}"]
+             f"{'tokens':>7} {'x static':>8} {'accuracy':>8} {'skipped':>7} {'failed':>6}"]
     for shape, rows in results.items():
         for v, r in rows.items():
             lines.append(f"{shape:<7} {v:<7} {r['makespan_s']:>10.2f} "
                          f"{r['makespan_vs_static']:>8.2f} {r['tokens']:>7} "
                          f"{r['tokens_vs_static']:>8.2f} {r['accuracy']:>8.2f} "
-                         f"{r['skipped']:>7}")
+                         f"{r['skipped']:>7} {r['failed']:>6}")
     return "\n".join(lines)
 
 

@@ -21,7 +21,8 @@ three on one engine.
     flowlift run --engine fake examples/agents/adaptive.py   # without a model
 
 Prints per shape and variant: accuracy, tokens (prompt + generated, cancelled tries
-counted for what they generated), makespan and the run's skipped steps.
+counted for what they generated), makespan, the run's skipped steps and its failed
+ones (a step whose output broke its contract counts as no answer from it).
 """
 
 from __future__ import annotations
@@ -42,7 +43,16 @@ from pydantic import BaseModel, Field
 if __package__ in (None, ""):  # run as a script: make `examples.agents` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flowlift import ProxyUnavailable, Workflow, field, step, workflow
+from flowlift import (
+    ProxyUnavailable,
+    StepFailed,
+    StepWasSkipped,
+    Workflow,
+    WorkflowFailed,
+    field,
+    step,
+    workflow,
+)
 
 Letter = Literal["A", "B", "C", "D"]
 VOTERS, QUORUM, AGENTS = 5, 3, 3
@@ -68,7 +78,7 @@ QUESTIONS: tuple[Question, ...] = (
 
 
 class Vote(BaseModel):
-    reason: str = Field(max_length=160)
+    reason: str = Field(max_length=60)
     choice: Letter
 
 
@@ -88,13 +98,13 @@ SYSTEM = ("Answer the multiple-choice question. Give a one-sentence reason, then
           "letter of the right option.")
 
 
-@step(output=Vote, max_tokens=80, temperature=0.8)
+@step(output=Vote, max_tokens=100, temperature=0.8)
 def voter(question: str, who: int) -> list[dict[str, str]]:
     return [{"role": "system", "content": f"{SYSTEM} You are voter {who}."},
             {"role": "user", "content": question}]
 
 
-@step(output=Vote, max_tokens=80, temperature=0.8)
+@step(output=Vote, max_tokens=100, temperature=0.8)
 def debater(persona: str, question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": f"{SYSTEM} You are {persona}."},
             {"role": "user", "content": question}]
@@ -127,6 +137,7 @@ class Outcome:
     makespan_s: float = 0.0
     tokens: int = 0
     skipped: int = 0
+    failed: int = 0
     run_id: str | None = None
 
     @property
@@ -136,6 +147,15 @@ class Outcome:
 
 def _choice(value: Any) -> str | None:
     return value.choice if isinstance(value, Vote) else None
+
+
+def _said(var: Any) -> str | None:
+    """A step's letter after the run; None when it failed (a broken contract: no vote)
+    or was skipped."""
+    try:
+        return _choice(var.value)
+    except (StepFailed, StepWasSkipped):
+        return None
 
 
 def _majority(choices: list[str | None]) -> str | None:
@@ -155,20 +175,28 @@ def vote_graph(wf: Workflow, q: Question, variant: str) -> Callable[[], str | No
     votes = [voter(q.text, i) for i in range(1, VOTERS + 1)]
     if variant == "proxy":
         agreed = wf.quorum(*votes, k=QUORUM, agree_on="choice")
-        return lambda: _choice(agreed.value)
-    return lambda: _majority([_choice(v.value) for v in votes])
+        return lambda: _said(agreed)
+    return lambda: _majority([_said(v) for v in votes])
 
 
 async def vote_by_app(wf: Workflow, q: Question) -> str | None:
     """The app's early exit in an open run: ``QUORUM`` voters, then one more at a time
     until ``QUORUM`` agree (a round trip per decision)."""
     votes = [voter(q.text, i) for i in range(1, QUORUM + 1)]
-    choices = [_choice(await v) for v in votes]
+    choices = [await _awaited(v) for v in votes]
     while True:
         best, count = (Counter(c for c in choices if c).most_common(1) or [(None, 0)])[0]
         if count >= QUORUM or len(choices) == VOTERS:
             return best
-        choices.append(_choice(await voter(q.text, len(choices) + 1)))
+        choices.append(await _awaited(voter(q.text, len(choices) + 1)))
+
+
+async def _awaited(var: Any) -> str | None:
+    """``await var``'s letter in an open run; None when the step failed."""
+    try:
+        return _choice(await var)
+    except StepFailed:
+        return None
 
 
 # -- the debate -------------------------------------------------------------------------
@@ -190,10 +218,9 @@ def debate_graph(wf: Workflow, q: Question, variant: str) -> Callable[[], str | 
         revised = {(i, j): revise(q.text, firsts[i - 1], firsts[j - 1]) for i, j in EDGES}
 
     def final() -> str | None:
-        said = [_choice(Vote.model_validate(a)) for a in answers.value]
+        said = [_said(a) for a in firsts]
         for (i, _), var in revised.items():
-            if var.step_id not in wf.skipped:
-                said[i - 1] = _choice(var.value) or said[i - 1]
+            said[i - 1] = _said(var) or said[i - 1]
         return _majority(said)
     return final
 
@@ -202,13 +229,17 @@ async def debate_by_app(wf: Workflow, q: Question) -> str | None:
     """The router's decision read by the app, which records only the chosen edges."""
     roster = wf.input(PERSONAS, name="roster")
     answers = wf.map(debater, roster, q.text, max_items=AGENTS)
-    route = await router(q.text, answers)
+    try:
+        route = await router(q.text, answers)
+    except StepFailed:  # no route (a broken contract, a failed agent): no revision
+        route = None
     firsts = [getattr(answers, str(i - 1)) for i in range(1, AGENTS + 1)]
-    chosen = [(i, j) for i, j in EDGES if getattr(route, f"a{i}_reads_a{j}")]
+    chosen = [(i, j) for i, j in EDGES
+              if route is not None and getattr(route, f"a{i}_reads_a{j}")]
     revised = {(i, j): revise(q.text, firsts[i - 1], firsts[j - 1]) for i, j in chosen}
-    said = [_choice(Vote.model_validate(a)) for a in await answers]
+    said = [await _awaited(a) for a in firsts]
     for (i, _), var in revised.items():
-        said[i - 1] = _choice(await var) or said[i - 1]
+        said[i - 1] = await _awaited(var) or said[i - 1]
     return _majority(said)
 
 
@@ -225,13 +256,16 @@ async def run_shape(shape: str, variant: str, questions: list[Question],
     """Every question of one shape, run one way, in one run."""
     out = Outcome(shape, variant)
     t0 = time.monotonic()
-    async with workflow(f"{shape}-{variant}", base_url=base_url,
-                        workflow_class="interactive") as wf:
-        if variant == "app":
-            out.answers = list(await asyncio.gather(*(BY_APP[shape](wf, q)
-                                                      for q in questions)))
-        else:
-            readers = [GRAPHS[shape](wf, q, variant) for q in questions]
+    wf = workflow(f"{shape}-{variant}", base_url=base_url, workflow_class="interactive")
+    try:
+        async with wf:
+            if variant == "app":
+                out.answers = list(await asyncio.gather(*(BY_APP[shape](wf, q)
+                                                          for q in questions)))
+            else:
+                readers = [GRAPHS[shape](wf, q, variant) for q in questions]
+    except WorkflowFailed:  # a step broke its contract: counted as no answer from it
+        out.failed = len(wf.failures)
     out.makespan_s = time.monotonic() - t0
     if variant != "app":
         out.answers = [read() for read in readers]
@@ -241,7 +275,8 @@ async def run_shape(shape: str, variant: str, questions: list[Question],
 
 def line(o: Outcome, n: int) -> str:
     return (f"  {o.shape:<6} {o.variant:<6} accuracy {o.correct}/{n}  tokens {o.tokens:>6}  "
-            f"makespan {o.makespan_s:6.2f} s  skipped {o.skipped:>3}  run {o.run_id}")
+            f"makespan {o.makespan_s:6.2f} s  skipped {o.skipped:>3}  failed {o.failed:>2}  "
+            f"run {o.run_id}")
 
 
 def main(argv: list[str] | None = None) -> int:
