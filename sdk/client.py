@@ -6,7 +6,9 @@ Protocol (proxy: ``flowlift.proxy.workflows.api``):
    ``run.started`` ``{run_id, steps, warnings?}`` (the compiler's warnings: issued as
    :class:`~flowlift.errors.PlanWarning`), ``step.finished`` ``{step_id, value}``,
    ``step.failed`` ``{step_id, error, kind, attempts?}`` (``kind``: see
-   :func:`flowlift.errors.step_failure`), ``tool.wanted`` ``{step_id, name, args, kwargs}``,
+   :func:`flowlift.errors.step_failure`), ``step.skipped`` ``{step_id, reason, value?}``
+   (a condition not taken: :mod:`flowlift.sdk.conditions`), ``tool.wanted``
+   ``{step_id, name, args, kwargs}``,
    ``run.finished`` ``{run_id, status, failures, trace}``. (Other events, e.g. an agent
    step's ``agent.turn`` and ``tool.result``, are the proxy's own records.)
 2. For each ``tool.wanted`` (an agent step's tool call: with ``agent_step``, and a call id
@@ -73,6 +75,18 @@ class ToolCall:
     kwargs: dict[str, Any]
 
 
+_STEP_ENDS: dict[str, Callable[[Workflow, dict[str, Any]], None]] = {
+    "step.finished": lambda wf, d: wf.record_output(d["step_id"], d["value"]),
+    "step.skipped": lambda wf, d: wf.record_skip(d["step_id"], d.get("reason", ""),
+                                                 has_value="value" in d,
+                                                 value=d.get("value")),
+    "step.failed": lambda wf, d: wf.record_failure(d["step_id"], d["error"],
+                                                   kind=d.get("kind"),
+                                                   attempts=d.get("attempts")),
+}
+"""How each event that ends a step is recorded on the workflow."""
+
+
 def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
     if sse.event in ("", "message", "ping") or not sse.data:
         return None
@@ -82,11 +96,8 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
         wf.status = "running"
         for text in data.get("warnings", ()):  # the compiler's, once per run start
             warnings.warn(f"workflow {wf.name!r}: {text}", PlanWarning, stacklevel=2)
-    elif sse.event == "step.finished":
-        wf.record_output(data["step_id"], data["value"])
-    elif sse.event == "step.failed":
-        wf.record_failure(data["step_id"], data["error"], kind=data.get("kind"),
-                          attempts=data.get("attempts"))
+    elif sse.event in _STEP_ENDS:
+        _STEP_ENDS[sse.event](wf, data)
     elif sse.event == "tool.wanted" and "agent_step" in data:
         return ToolCall(data["step_id"], [], wanted_call(wf, data))
     elif sse.event == "tool.wanted" and data["step_id"] not in wf.tools \

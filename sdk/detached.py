@@ -125,6 +125,8 @@ def _settled(wf: Workflow, response: httpx.Response) -> None:
         wf.record_output(step_id, value)
     for step_id, error in (doc.get("failures") or {}).items():
         wf.record_failure(step_id, error)
+    for step_id, reason in (doc.get("skipped") or {}).items():
+        wf.record_skip(step_id, reason)
 
 
 def attach(run_id: str, *, base_url: str | Sequence[str] | None = None,

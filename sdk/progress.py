@@ -54,37 +54,44 @@ class Counts:
     failed: int = 0
     running: int = 0
     queued: int = 0
+    skipped: int = 0  # not taken (a ``when`` condition): not failed
 
     @property
     def waiting(self) -> int:
-        return max(0, self.total - self.done - self.failed - self.running - self.queued)
+        return max(0, self.total - self.done - self.failed - self.skipped - self.running
+                   - self.queued)
 
 
-def merge(total: int, done: int, failed: int, polled: Mapping[str, int] | None) -> Counts:
-    """Counts from the SDK's events (done, failed) and the proxy's last poll (the rest),
-    clamped so they never add up past ``total``."""
+def merge(total: int, done: int, failed: int, polled: Mapping[str, int] | None,
+          skipped: int = 0) -> Counts:
+    """Counts from the SDK's events (done, failed, skipped) and the proxy's last poll
+    (the rest), clamped so they never add up past ``total``."""
     polled = polled or {}
-    left = max(0, total - done - failed)
+    left = max(0, total - done - failed - skipped)
     running = min(left, polled.get("running", 0) + polled.get("waiting_tool", 0))
     queued = min(left - running, polled.get("queued", 0))
-    return Counts(total, done, failed, running, queued)
+    return Counts(total, done, failed, running, queued, skipped)
 
 
 def format_line(c: Counts, elapsed_s: float, name: str = "", width: int = 24) -> str:
     """``flowlift: NAME [##>>..   ] 3/10 done, 2 running, 2 queued, 0 failed, ...``.
 
-    Bar: ``#`` done, ``!`` failed, ``>`` running, ``.`` queued, blank waiting.
+    Bar: ``#`` done, ``!`` failed, ``-`` skipped, ``>`` running, ``.`` queued, blank
+    waiting; ``N skipped`` is shown once a step was skipped.
     """
     def cells(n: int) -> int:
         return round(width * n / c.total) if c.total else 0
 
-    done, failed = cells(c.done), cells(c.failed)
+    done, failed, skipped = cells(c.done), cells(c.failed), cells(c.skipped)
     running = cells(c.running)
-    queued = min(cells(c.queued), max(0, width - done - failed - running))
-    bar = ("#" * done + "!" * failed + ">" * running + "." * queued)[:width].ljust(width)
+    queued = min(cells(c.queued), max(0, width - done - failed - skipped - running))
+    bar = ("#" * done + "!" * failed + "-" * skipped + ">" * running
+           + "." * queued)[:width].ljust(width)
     label = f" {name}" if name else ""
     return (f"flowlift:{label} [{bar}] {c.done}/{c.total} done, {c.running} running, "
-            f"{c.queued} queued, {c.failed} failed, {c.waiting} waiting for inputs, "
+            f"{c.queued} queued, {c.failed} failed, "
+            + (f"{c.skipped} skipped, " if c.skipped else "")
+            + f"{c.waiting} waiting for inputs, "
             f"{elapsed_s:.1f} s")
 
 
@@ -134,9 +141,10 @@ class Tracker:
         self.poll_s = min(self.progress.interval_s, 2.0)
 
     def counts(self) -> Counts:
-        failed = self.wf.failures
-        done = sum(1 for n in self.wf.nodes if self.wf.has_output(n.id) and n.id not in failed)
-        return merge(len(self.wf.nodes), done, len(failed), self.polled)
+        failed, skipped = self.wf.failures, self.wf.skipped
+        done = sum(1 for n in self.wf.nodes if self.wf.has_output(n.id)
+                   and n.id not in failed and n.id not in skipped)
+        return merge(len(self.wf.nodes), done, len(failed), self.polled, len(skipped))
 
     def url(self) -> str | None:
         return None if self.wf.run_id is None else f"/v1/workflows/{self.wf.run_id}/progress"

@@ -39,6 +39,7 @@ from flowlift.graph import (
     ToolSpec,
 )
 from flowlift.sdk.agents import ProxyTool, agent_tools
+from flowlift.sdk.conditions import NO_DEFAULT, Conditional, pop_conditional
 from flowlift.sdk.contracts import OutputSpec, output_spec
 from flowlift.sdk.markers import building, check_kept, check_literal, formatted, split_prompt
 from flowlift.sdk.variables import SemanticVariable
@@ -48,6 +49,18 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _ROLES = ("system", "user", "assistant")
+
+
+def _parameters(fn: Callable[..., Any]) -> frozenset[str]:
+    """Names of ``fn``'s parameters (all names when it takes ``**kwargs``): a call's
+    ``when=``/``default=`` go to the function when it takes them."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset({"when", "default"})
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return frozenset({"when", "default"})
+    return frozenset(p.name for p in params)
 
 
 def _messages(prompt: Any, wf: Workflow, step_name: str) -> tuple[MessageTemplate, ...]:
@@ -135,13 +148,30 @@ class Step(Generic[P]):
         self.tool_specs: tuple[ToolSpec, ...] | None = None
         if tools:
             self._tools, self.tool_specs = agent_tools(tools, self.name)
+        self._takes = _parameters(fn)
         functools.update_wrapper(self, fn)
 
+    def when(self, condition: object, *, default: Any = NO_DEFAULT) -> Callable[P, Any]:
+        """This step, run only when ``condition`` holds on the proxy
+        (:mod:`flowlift.sdk.conditions`); skipped otherwise, standing for ``default``
+        when one is given. ``step(x, when=..., default=...)`` is the same when the
+        function has no parameter so named.
+
+        Raises:
+            UserError: ``condition`` is no condition, ``default`` no JSON value.
+        """
+        cond = Conditional(condition, default)
+        return lambda *args, **kwargs: self._record(args, kwargs, cond)
+
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        return self._record(args, kwargs, pop_conditional(kwargs, self._takes))
+
+    def _record(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                cond: Conditional | None) -> Any:
         wf = current_workflow()
         if wf is None:
             with Workflow(self.name) as eager:
-                var = self(*args, **kwargs)
+                var = self._record(args, kwargs, cond)
             del eager
             return var.value
         with building(self.name):
@@ -155,9 +185,12 @@ class Step(Generic[P]):
                        contract=self.spec.contract, retries=self.retries,
                        cascade=self.cascade, min_confidence=self.min_confidence,
                        tools=self.tool_specs, max_turns=self.max_turns,
-                       tool_errors=self.tool_errors, tool_choice=self.tool_choice)
+                       tool_errors=self.tool_errors, tool_choice=self.tool_choice,
+                       **(cond.node_fields() if cond else {}))
         if self._tools:
             wf.agent_tools[node.id] = self._tools
+        if cond is not None:
+            cond.recorded(wf, node.id)
         return wf.add_node(node, parse=self.spec.parse, fields=self.spec.fields)
 
 
@@ -168,17 +201,35 @@ class Tool(Generic[P, R]):
         self.fn = fn
         self.name = name or fn.__name__
         self.pure = pure
+        self._takes = _parameters(fn)
         functools.update_wrapper(self, fn)
+
+    def when(self, condition: object, *, default: Any = NO_DEFAULT) -> Callable[P, Any]:
+        """This tool step, run only when ``condition`` holds (see :meth:`Step.when`)."""
+        cond = Conditional(condition, default)
+        return lambda *args, **kwargs: self._record(args, kwargs, cond)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
         wf = current_workflow()
         if wf is None:
             return self.fn(*args, **kwargs)
+        return self._record(args, kwargs, pop_conditional(kwargs, self._takes))
+
+    def _record(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                cond: Conditional | None) -> Any:
+        wf = current_workflow()
+        if wf is None:
+            raise UserError(f"tool {self.name!r}: when= needs a `with workflow(...)` block "
+                            "(a plain call runs at once)", param="when")
         wire_args = tuple(_arg(a, wf, f"tool {self.name!r} argument {i}")
                           for i, a in enumerate(args))
         wire_kwargs = {k: _arg(v, wf, f"tool {self.name!r} argument {k!r}")
                        for k, v in kwargs.items()}
-        return wf.add_tool(self, wire_args, wire_kwargs)
+        var = wf.add_tool(self, wire_args, wire_kwargs,
+                          cond.node_fields() if cond else None)
+        if cond is not None:
+            cond.recorded(wf, var.step_id)
+        return var
 
     def parse_arguments(self, args: Sequence[Any], kwargs: Mapping[str, Any]
                         ) -> tuple[list[Any], dict[str, Any]]:

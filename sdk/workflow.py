@@ -25,11 +25,12 @@ Errors on exit:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import os
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,6 +44,7 @@ from flowlift.errors import (
     SemanticVariableError,
     StepContractError,
     StepFailed,
+    StepWasSkipped,
     UserError,
     WorkflowFailed,
     step_failure,
@@ -107,7 +109,10 @@ class Workflow:
             wait for a client that has the functions (:mod:`flowlift.sdk.detached`).
 
     Attributes (after the run):
-        run_id, status, trace (list of records), failures ({step_id: StepFailed}: typed
+        run_id, status, trace (list of records), skipped ({step_id: why}: steps the
+        proxy did not take, :mod:`flowlift.sdk.conditions`; not failures; reading one
+        raises :class:`~flowlift.errors.StepWasSkipped` unless it has a ``default=``),
+        failures ({step_id: StepFailed}: typed
         failures, :class:`~flowlift.errors.StepSkipped`,
         :class:`~flowlift.errors.DeadlineExceeded`, :class:`~flowlift.errors.ToolError`...;
         ``str()`` of each is the reason text).
@@ -151,6 +156,8 @@ class Workflow:
         self._counts: dict[str, int] = {}
         self._outputs: dict[str, Any] = {}
         self.failures: dict[str, StepFailed] = {}
+        self.skipped: dict[str, str] = {}  # step id -> why the proxy skipped it
+        self._defaults: dict[str, Any] = {}  # a conditional step's default= (Python)
         self.run_id: str | None = None
         self.status = "recording"
         self.trace: list[dict[str, Any]] = []
@@ -175,9 +182,11 @@ class Workflow:
         return SemanticVariable(self, node.id, fields=fields)
 
     def add_tool(self, tool: Tool[Any, Any], args: tuple[Arg, ...],
-                 kwargs: dict[str, Arg]) -> SemanticVariable:
+                 kwargs: dict[str, Arg],
+                 conditional: Mapping[str, Any] | None = None) -> SemanticVariable:
+        """Record a ``@tool`` call (``conditional``: its ``when``/``default`` fields)."""
         node = ToolNode(id=self.new_id(tool.name), name=tool.name, args=args, kwargs=kwargs,
-                        pure=tool.pure)
+                        pure=tool.pure, **(conditional or {}))
         self.tools[node.id] = tool
         return self.add_node(node, fields=None)
 
@@ -191,6 +200,60 @@ class Workflow:
         check_literal(json.dumps(value, ensure_ascii=False, default=str),
                       f"workflow input {name!r}")
         return self.add_node(InputNode(id=self.new_id(name), value=value))
+
+    def first(self, *steps: SemanticVariable, name: str | None = None) -> SemanticVariable:
+        """The first of ``steps`` to deliver a result that passes its contract; the others
+        are cancelled on the proxy (:mod:`flowlift.sdk.groups`).
+
+        Raises:
+            UserError: no steps, or one that is not a step's whole output.
+        """
+        from flowlift.sdk.groups import group
+
+        return group(self, "first", steps, name=name)
+
+    def quorum(self, *steps: SemanticVariable, k: int,
+               agree_on: str | Sequence[str] | None = None,
+               name: str | None = None) -> SemanticVariable:
+        """The output of the first ``k`` of ``steps`` whose results agree on field
+        ``agree_on`` (a dotted path; None: the whole output); the others are cancelled
+        as soon as they agree (:mod:`flowlift.sdk.groups`). No quorum possible: the
+        group fails.
+
+        Raises:
+            UserError: no steps, a ``k`` outside 1..len(steps).
+        """
+        from flowlift.sdk.groups import group
+
+        return group(self, "quorum", steps, k=k, agree_on=agree_on, name=name)
+
+    def map(self, step: Any, items: SemanticVariable, *args: Any, max_items: int,
+            name: str | None = None, **kwargs: Any) -> SemanticVariable:
+        """One run of ``step`` per item of the list ``items`` (a step's list-valued
+        output or field), made by the proxy once the list is known; the item is the
+        step's first argument, ``args``/``kwargs`` the rest (:mod:`flowlift.sdk.fanout`).
+        The value: the items' outputs in order. More than ``max_items`` items fail it.
+
+        Raises:
+            UserError: ``step`` is no ``@step``, ``items`` no Semantic Variable, a bad
+                ``max_items``.
+        """
+        from flowlift.sdk.fanout import map_step
+
+        return map_step(self, step, items, args, kwargs, max_items=max_items, name=name)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[list[Node]]:
+        """Record into a separate list (a map's step template), not the graph."""
+        saved, self.nodes = self.nodes, []
+        try:
+            yield self.nodes
+        finally:
+            self.nodes = saved
+
+    def parser_of(self, step_id: str) -> Callable[[Any], Any] | None:
+        """How step ``step_id``'s JSON output becomes its value (None: as is)."""
+        return self._parsers.get(step_id)
 
     def graph(self) -> Graph:
         """The recorded graph in wire form (``wf.graph().to_json()``: its JSON text).
@@ -273,7 +336,8 @@ class Workflow:
 
     # -- results -------------------------------------------------------------------
     def has_output(self, step_id: str) -> bool:
-        return step_id in self._outputs or step_id in self.failures
+        return step_id in self._outputs or step_id in self.failures \
+            or step_id in self.skipped
 
     @property
     def outputs(self) -> dict[str, Any]:
@@ -293,6 +357,8 @@ class Workflow:
     def value_of(self, step_id: str, path: tuple[str, ...] = ()) -> Any:
         if step_id in self.failures:
             raise self.failures[step_id].with_traceback(None)
+        if step_id in self.skipped and step_id not in self._outputs:
+            raise StepWasSkipped(step_id, self.skipped[step_id])
         if step_id not in self._outputs:
             raise SemanticVariableError(f"step {step_id!r} has no output yet")
         value = self._outputs[step_id]
@@ -307,6 +373,20 @@ class Workflow:
         except ValueError as exc:  # pydantic ValidationError is a ValueError
             self.failures[step_id] = StepContractError(
                 step_id, f"output does not parse into the step's output type: {exc}")
+
+    def record_skip(self, step_id: str, reason: str, *, has_value: bool = False,
+                    value: Any = None) -> None:
+        """Record a ``step.skipped`` event: the step stands for its ``default=`` (the
+        Python value given, else the event's JSON ``value``) or has no value."""
+        self.skipped[step_id] = reason
+        if step_id in self._defaults:
+            self._outputs[step_id] = self._defaults[step_id]
+        elif has_value:
+            self.record_output(step_id, value)
+
+    def set_default(self, step_id: str, value: Any) -> None:
+        """Keep ``default=`` of a conditional step as given (a model instance stays one)."""
+        self._defaults[step_id] = value
 
     def record_failure(self, step_id: str, error: str, *, kind: str | None = None,
                        attempts: int | None = None) -> None:
@@ -340,8 +420,10 @@ class Workflow:
         def convert(wire: Arg, value: Any) -> Any:
             if isinstance(wire, Ref) and not wire.path and wire.ref in self._parsers:
                 return self._parsers[wire.ref](value)
-            if isinstance(wire, Items) and isinstance(value, list):
-                return [convert(w, v) for w, v in zip(wire.items, value, strict=True)]
+            if isinstance(wire, Items) and isinstance(value, list):  # skipped items left out
+                kept = [w for w in wire.items if not (isinstance(w, Ref) and w.ref in
+                                                      self.skipped and w.ref not in self._outputs)]
+                return [convert(w, v) for w, v in zip(kept, value, strict=True)]
             return value
 
         py_args = [convert(w, v) for w, v in zip(node.args, args, strict=True)]

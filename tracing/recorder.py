@@ -36,11 +36,13 @@ class AttemptTrace:
     ``outcome``: ``running`` until it ends, then ``ok`` (output accepted),
     ``tool_calls`` (an agent step's turn that called tools: the loop went on),
     ``contract_failed`` (output rejected by the step's contract), ``low_confidence``
-    (valid, but under the step's ``min_confidence``: escalated along its cascade), or
-    ``error`` (the engine or upstream failed). ``error`` holds the reason for the last
-    three. ``confidence``: the geometric mean of the output's token probabilities, when
-    the step asked for logprobs. ``model``: the name the step asked for (a cascade's
-    ``small``/``large``; the served name when the step named none). ``finish_reason``:
+    (valid, but under the step's ``min_confidence``: escalated along its cascade),
+    ``error`` (the engine or upstream failed), or ``cancelled`` (stopped mid-stream:
+    its group resolved without it; ``completion_tokens`` are those generated until
+    then). ``error`` holds the reason for the last four. ``confidence``: the geometric
+    mean of the output's token probabilities, when the step asked for logprobs.
+    ``model``: the name the step asked for (a cascade's ``small``/``large``; the served
+    name when the step named none). ``finish_reason``:
     the engine's (``stop``, ``length``, ``abort``...), when the generation ended.
     ``turn``: an agent step's model turn (1 first, counted over the whole step).
     """

@@ -18,19 +18,21 @@ def stage_summary(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             from the JSON-lines file).
 
     Returns:
-        ``{"wall_ms", "steps", "stages": {stage: {"total_ms", "mean_ms", "count"}},
+        ``{"wall_ms", "steps", "failed", "skipped" (not taken: a ``when`` condition),
+        "stages": {stage: {"total_ms", "mean_ms", "count"}},
         "tokens": {"prompt", "completion", "cached"}}``. Stage totals add up
         step-time, which exceeds wall time when steps overlap.
     """
     stages = {s: {"total_ms": 0.0, "count": 0} for s in STAGES}
     tokens = {"prompt": 0, "completion": 0, "cached": 0}
-    wall_ms, n_steps, failed = None, 0, 0
+    wall_ms, n_steps, failed, skipped = None, 0, 0, 0
     for rec in records:
         if rec.get("type") == "run":
             wall_ms = rec.get("wall_ms")
             continue
         n_steps += 1
         failed += rec.get("status") == "failed"
+        skipped += rec.get("status") == "skipped"
         for stage, ms in (rec.get("stages_ms") or {}).items():
             stages[stage]["total_ms"] += ms
             stages[stage]["count"] += 1
@@ -39,8 +41,8 @@ def stage_summary(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         tokens["cached"] += rec.get("cached_tokens", 0)
     for agg in stages.values():
         agg["mean_ms"] = agg["total_ms"] / agg["count"] if agg["count"] else 0.0
-    return {"wall_ms": wall_ms, "steps": n_steps, "failed": failed, "stages": stages,
-            "tokens": tokens}
+    return {"wall_ms": wall_ms, "steps": n_steps, "failed": failed, "skipped": skipped,
+            "stages": stages, "tokens": tokens}
 
 
 def format_stage_table(summary: Mapping[str, Any]) -> str:
@@ -55,7 +57,9 @@ def format_stage_table(summary: Mapping[str, Any]) -> str:
     tok = summary["tokens"]
     wall = summary["wall_ms"]
     lines.append(f"wall time {wall / 1000:.2f} s for {summary['steps']} steps "
-                 f"({summary['failed']} failed); tokens: {tok['prompt']} prompt "
+                 f"({summary['failed']} failed"
+                 + (f", {summary['skipped']} skipped" if summary.get("skipped") else "")
+                 + f"); tokens: {tok['prompt']} prompt "
                  f"({tok['cached']} from prefix cache), {tok['completion']} generated"
                  if wall is not None else f"{summary['steps']} steps")
     return "\n".join(lines)

@@ -150,6 +150,7 @@ def _estimate_cells(planned: dict[str, Any] | None, s: dict[str, Any]) -> str:
 
 def _steps_table(doc: dict[str, Any], steps: list[Any], critical: set[str]) -> str:
     outputs, failures = doc.get("outputs") or {}, doc.get("failures") or {}
+    skipped = doc.get("skipped") or {}  # not taken (a condition, a group resolved)
     planned = {n["step_id"]: n for n in (doc.get("report") or {}).get("nodes") or []}
     cols = ("queue", "prefill", "decode", "validate", "tool_wait")
     head = "".join(f'<th class="num">{escape(STAGE_LABELS[c].split(" (")[0])}</th>'
@@ -162,6 +163,8 @@ def _steps_table(doc: dict[str, Any], steps: list[Any], critical: set[str]) -> s
                        for c in cols)
         if sid in failures:
             out = f'<td class="out err">{escape(_preview(failures[sid]))}</td>'
+        elif sid in skipped and sid not in outputs:
+            out = f'<td class="out">skipped: {escape(_preview(skipped[sid]))}</td>'
         else:
             out = f'<td class="out">{escape(_preview(outputs[sid])) if sid in outputs else ""}</td>'
         rows.append(f'<tr{" class=critical" if sid in critical else ""}>'

@@ -30,8 +30,9 @@
   ``?state=`` (running, succeeded, failed,
   cancelled), ``?name=`` (the graph's name), ``?limit=`` (1-100, default 20), ``?after=``
   (the last id of the previous page), ``?since=`` (epoch s).
-* ``GET /v1/workflows/{run_id}`` -- status, outputs and failures (and the trace, once
-  finished) of a run, ``prompts`` (step id -> the messages its model received),
+* ``GET /v1/workflows/{run_id}`` -- status, outputs, failures, ``skipped`` (step id ->
+  why; not failures) and the trace (once finished) of a run, ``prompts`` (step id ->
+  the messages its model received),
   ``spend`` (each answer's tier and price: :func:`~flowlift.proxy.workflows.progress.spend`)
   and ``report``: the compiler's report of its graph.
 * ``DELETE /v1/workflows/{run_id}`` -- cancel a run (queued steps dropped, engine
@@ -351,6 +352,7 @@ async def get_run(request: web.Request) -> web.Response:
                                   "status": run.trace.status,
                                   "open": not run.growth.closed,
                                   "outputs": run.outputs, "failures": run.failures,
+                                  "skipped": run.skipped,
                                   "trace": run.trace.records(), "prompts": run.prompts,
                                   "spend": progress.spend(run.log.history()),
                                   "report": await _run_report(state, run.graph, run.plan)})
@@ -359,6 +361,7 @@ async def get_run(request: web.Request) -> web.Response:
     return web.json_response({"run_id": run_id, "name": stored.graph.get("name"),
                               "status": stored.status,
                               "outputs": stored.outputs(), "failures": stored.failures(),
+                              "skipped": stored.skipped(),
                               "trace": trace_records(run_id, _wire(graph), stored.events),
                               "prompts": stored.prompts(),
                               "spend": progress.spend(stored.events),

@@ -3,6 +3,7 @@ logprobs, kept as the generation runs (no I/O; the dispatch is elsewhere)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from flowlift.local_engine.base import GenerationChunk, ToolCall
@@ -26,6 +27,7 @@ class AttemptBooks:
         self.pieces: list[str] = []
         self.logprobs: list[Any] = []
         self.tool_calls: tuple[ToolCall, ...] | None = None
+        self.generated = 0  # tokens streamed so far (chunks' token ids; else chunks)
 
     def started(self) -> None:
         """A slot was granted: the try starts (once, even if it moves to another backend)."""
@@ -49,6 +51,8 @@ class AttemptBooks:
             if self.step.first_token_ms is None:
                 self.trace.mark(self.step_id, "first_token")
         self.pieces.append(chunk.text)
+        if chunk.finish_reason is None:
+            self.generated += len(chunk.token_ids) if chunk.token_ids is not None else 1
         self.logprobs.extend(chunk.logprobs or ())
         attempt.finish_reason = chunk.finish_reason or attempt.finish_reason
         self.tool_calls = chunk.tool_calls or self.tool_calls
@@ -59,10 +63,19 @@ class AttemptBooks:
         return first
 
     def failed(self, exc: BaseException) -> None:
-        """The try ended with ``exc`` (nothing to book when no slot was granted)."""
+        """The try ended with ``exc`` (nothing to book when no slot was granted). A try
+        cancelled mid-stream (its group resolved without it) has outcome ``cancelled``
+        and keeps the tokens it generated until then (the engine reports no usage for
+        an aborted request): what it is billed for."""
         if self.attempt is not None:
             self.attempt.finished_ms, self.attempt.outcome = self.trace.now_ms(), "error"
             self.attempt.error = getattr(exc, "message", None) or type(exc).__name__
+            if isinstance(exc, asyncio.CancelledError):
+                self.attempt.outcome = "cancelled"
+                self.attempt.completion_tokens = max(self.attempt.completion_tokens,
+                                                     self.generated)
+                self.step.completion_tokens = sum(a.completion_tokens
+                                                  for a in self.step.attempts)
 
     def finished(self) -> AttemptTrace:
         """The try generated its whole answer: the step's marks and token sums."""

@@ -1,9 +1,10 @@
 """``GET /v1/workflows/{run_id}/progress``: how far a run has got, in counts of steps.
 
 Answer: ``{"run_id", "status", "steps", "counts": {"pending", "queued", "running",
-"waiting_tool", "done", "failed"}}``. ``pending`` steps wait for their inputs,
+"waiting_tool", "done", "failed", "skipped"}}``. ``pending`` steps wait for their inputs,
 ``queued`` ones for a backend slot, ``running`` ones are on an engine, ``waiting_tool``
-ones are ``@tool`` steps out in the app. Small on purpose: the SDK's progress bar
+ones are ``@tool`` steps out in the app; ``skipped`` ones were not taken (a ``when``
+condition: :mod:`flowlift.proxy.workflows.conditions`). Small on purpose: the SDK's progress bar
 (:mod:`flowlift.sdk.progress`) polls it while a run streams its events. A run only in
 the store (finished before this proxy started) is counted from its event log.
 """
@@ -20,7 +21,7 @@ from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.workflows.store import StoredRun
 
 routes = web.RouteTableDef()
-STATUSES = ("pending", "queued", "running", "waiting_tool", "done", "failed")
+STATUSES = ("pending", "queued", "running", "waiting_tool", "done", "failed", "skipped")
 
 
 def spend(events: Iterable[tuple[int, str, dict[str, Any]]]) -> dict[str, Any]:
@@ -108,7 +109,10 @@ async def run_progress(request: web.Request) -> web.Response:
         steps = len(stored.graph.get("nodes", []))
         counts["done"] = len(stored.outputs())
         counts["failed"] = len(stored.failures())
-        counts["pending"] = max(0, steps - counts["done"] - counts["failed"])
+        counts["skipped"] = len(stored.skipped())
+        counts["done"] -= len(set(stored.outputs()) & set(stored.skipped()))  # defaults
+        counts["pending"] = max(0, steps - counts["done"] - counts["failed"]
+                                - counts["skipped"])
         status = stored.status
     return web.json_response({"run_id": run_id, "status": status, "steps": steps,
                               "counts": counts})

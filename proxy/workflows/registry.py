@@ -267,6 +267,8 @@ class RunRegistry:
                   sink=self._append, outcomes=self.outcomes, observer=self.observer,
                   trace_parent=parent, proxy_tools=self.proxy_tools)
         run.tenant = tenant
+        run.replan = functools.partial(plan, backends=backends, costs=costs,
+                                       outcomes=self.outcomes)  # a map's items
         if epoch is not None:  # (None: a stranger's lease on a fresh id; its writes fail)
             self.epochs[key] = epoch
         self._activate(run)
@@ -315,6 +317,8 @@ class RunRegistry:
                       run_id=client_run_id(run_id, stored.tenant), key=run_id,
                       sink=self._append, restored=stored, outcomes=self.outcomes,
                       observer=self.observer, proxy_tools=self.proxy_tools)
+            run.replan = functools.partial(plan, backends=backends, costs=costs,
+                                           outcomes=self.outcomes)
             self._activate(run)
             resumed.append(run)
             log.info("run_resumed", workflow_id=run.run_id, done=len(run.outputs),

@@ -17,7 +17,7 @@ from typing import Any
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.tracing import RunTrace
 
-STEP_ENDS = ("step.finished", "step.failed")
+STEP_ENDS = ("step.finished", "step.failed", "step.skipped")
 
 
 def started_at(events: Iterable[Event]) -> float | None:

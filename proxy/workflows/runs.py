@@ -36,14 +36,16 @@ from flowlift.costs import CostTracker
 from flowlift.errors import FlowliftError, LeaseLost, RequestError, failure_kind
 from flowlift.graph import (
     Graph,
-    InputNode,
+    GroupNode,
     Items,
     LLMNode,
+    MapNode,
     MessageTemplate,
     Node,
     Ref,
     Template,
     ToolNode,
+    default_of,
     node_refs,
     project,
     render_value,
@@ -63,12 +65,24 @@ from flowlift.proxy.workflows.agent import AgentLoop, ProxyTools, ToolRaised
 from flowlift.proxy.workflows.ahead import HOLE, ahead_request, consumers, known_prefix
 from flowlift.proxy.workflows.books import AttemptBooks
 from flowlift.proxy.workflows.cascade import Attempt, Generated, run_step
+from flowlift.proxy.workflows.conditions import (
+    SKIPPED,
+    PredicateFailed,
+    condition_deps,
+    kept_items,
+    skip_for_condition,
+    skip_for_inputs,
+)
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import EventLog, Written
+from flowlift.proxy.workflows.fanout import EXPANDED as MAP_EXPANDED
+from flowlift.proxy.workflows.fanout import check_items, expand, gathered, item_ids
+from flowlift.proxy.workflows.groups import RESOLVED as GROUP_RESOLVED
+from flowlift.proxy.workflows.groups import resolve as resolve_group
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
-from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth
+from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth, stable_plan
 from flowlift.proxy.workflows.outcomes import StepOutcomes
-from flowlift.proxy.workflows.replay import restore_trace
+from flowlift.proxy.workflows.replay import STEP_ENDS, restore_trace
 from flowlift.proxy.workflows.store import StoredRun
 from flowlift.proxy.workflows.tiering import TieredDispatcher, planned_tiers
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
@@ -90,8 +104,10 @@ class Run:
             (:func:`~flowlift.proxy.tenants.run_key`: ids are per tenant; default
             ``run_id``).
         log: the numbered event log (replayable; persisted through ``sink``).
-        outputs: step id -> output value, filled as steps finish.
+        outputs: step id -> output value, filled as steps finish (a skipped step's
+            ``default``, when it has one).
         failures: step id -> error message.
+        skipped: step id -> why it was skipped (:mod:`.conditions`; not a failure).
         trace: the run's :class:`RunTrace`.
         tenant: who started it (:mod:`flowlift.proxy.tenants`; None: anonymous).
     """
@@ -122,6 +138,7 @@ class Run:
         self.parked = self.resumed and not graph.detached  # waits for its client to return
         self.outputs: dict[str, Any] = restored.outputs() if restored else {}
         self.failures: dict[str, str] = restored.failures() if restored else {}
+        self.skipped: dict[str, str] = restored.skipped() if restored else {}
         self.detached_since: float | None = None
         self._suspending = False
         self.trace = RunTrace(self.run_id, graph.name, graph.workflow_class)
@@ -134,6 +151,8 @@ class Run:
         self.growth = Growth(graph.open, restored.events if restored else ())
         self._tasks: list[asyncio.Task[None]] | None = None  # the node tasks, once started
         self._node_tasks: dict[str, asyncio.Task[None]] = {}
+        self._cancelling: dict[str, str] = {}  # group members being stopped -> why
+        self.replan: Callable[[Graph], Plan] | None = None  # the proxy's compiler (maps)
         self._context: contextvars.Context | None = None  # where node tasks run
         self.task: asyncio.Task[None] | None = None
         self.observer = observer
@@ -310,8 +329,7 @@ class Run:
             group = self.plan.prefix_group.get(step_id) if self.plan else None
             return None if group is None else self._warmer.get(group)
 
-        promoted = self.growth.blocking(
-            step_ids, self._deps, lambda s: s in self.outputs or s in self.failures, warmer)
+        promoted = self.growth.blocking(step_ids, self._deps, self._ended, warmer)
         for step_id in promoted:
             task = self._node_tasks.get(step_id)
             if task is not None and not task.done():
@@ -331,12 +349,16 @@ class Run:
         self.growth.changed.set()
         return True
 
+    def _ended(self, step_id: str) -> bool:
+        """The step has its outcome: an output, a failure or a skip."""
+        return step_id in self.outputs or step_id in self.failures or step_id in self.skipped
+
     def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str, kind: str) -> None:
         for task in tasks:
             task.cancel()
         now = self.trace.now_ms()
         for node in self.graph.nodes:
-            if node.id not in self.outputs and node.id not in self.failures:
+            if not self._ended(node.id):
                 st = self.trace.step(node.id)
                 if st.ready_ms is None:
                     spent = " before its inputs were ready"
@@ -376,30 +398,134 @@ class Run:
         self._emit(("step.failed", event))
         self._done[step_id].set()
 
-    async def _node(self, node: LLMNode | ToolNode | InputNode) -> None:
+    def _skip(self, node: Node, reason: str) -> None:
+        """Skip a step (:mod:`.conditions`): ``step.skipped``, its default (if any) as
+        its value."""
+        self.skipped[node.id] = reason
+        event: dict[str, Any] = {"step_id": node.id, "reason": reason}
+        default = default_of(node)
+        if default is not None:
+            self.outputs[node.id] = event["value"] = default.value
+        self.trace.mark(node.id, "finished", status="skipped", error=reason)
+        event["trace"] = self.trace.step(node.id).to_record()
+        self._emit((SKIPPED, event))
+        self._done[node.id].set()
+
+    async def _inputs(self, node: Node) -> str | None:
+        """Wait for ``node``'s inputs, its condition's first; why it is skipped, or None.
+        A group waits for its members itself (:mod:`.groups`).
+
+        Raises:
+            UpstreamFailed: an input failed.
+            PredicateFailed: its condition cannot be evaluated.
+        """
+        if isinstance(node, GroupNode):
+            return None
+        first = condition_deps(node)
+        for batch in (first, self._deps[node.id] - first):
+            for dep in batch:
+                await self._done[dep].wait()
+                if dep in self.failures:
+                    raise UpstreamFailed(f"input {dep!r} failed")
+            reason = (skip_for_condition if batch is first else skip_for_inputs)(
+                node, self.outputs, self.skipped)
+            if reason is not None:
+                return reason
+        return None
+
+    async def _group(self, node: GroupNode) -> Any:
+        """A first-wins or quorum group (:mod:`.groups`): the winner's value; the
+        members still going are cancelled (:meth:`_cancel_members`)."""
+        def result(m: str) -> tuple[bool, Any]:
+            ok = m in self.outputs and m not in self.skipped
+            return ok, self.outputs.get(m)
+
+        self.trace.step(node.id).status = "pending"  # it waits for members, not a slot
+        won = await resolve_group(node, self._done, result, self._cancel_members)
+        self._emit((GROUP_RESOLVED, won.event(node.id)))
+        return won.value
+
+    async def _map(self, node: MapNode) -> list[Any]:
+        """Dynamic fan-out (:mod:`.fanout`): grow the run by a step per item, wait for
+        them, and return their outputs in order."""
+        items = check_items(node, self._resolve(node.over))
+        ids = item_ids(node, len(items))
+        fresh = [n for n in expand(node, items) if n.id not in self._done]
+        if fresh:
+            await self._grow(fresh)
+            self._emit((MAP_EXPANDED, {"step_id": node.id, "items": len(items),
+                                       "steps": ids}))
+            self._spawn(fresh)
+        for step_id in ids:
+            await self._done[step_id].wait()
+        return gathered(node, ids, self.outputs, self.failures)
+
+    async def _grow(self, nodes: Sequence[Node]) -> None:
+        """Add nodes the run made itself (a map's items) to its graph, trace and plan
+        (recompiled over the grown graph, when the run has a compiler: ``replan``);
+        steps finished before a restart take back their trace records."""
+        self.graph = self.graph.model_copy(update={"nodes": (*self.graph.nodes, *nodes)})
+        self._know(nodes)
+        ids = {n.id for n in nodes}
+        for node in nodes:
+            self._done[node.id] = asyncio.Event()
+            model = node.model if isinstance(node, LLMNode) else None
+            self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
+        for _, name, data in self.log.history():
+            record = data.get("trace")
+            if name in STEP_ENDS and data.get("step_id") in ids and isinstance(record, dict):
+                self.trace.step(data["step_id"]).restore(record)
+        growing = self.growth.compiler  # an open run's incremental plan (open_runs)
+        if growing is not None:
+            async with self.growth.lock:  # (not while an append grows it)
+                growing.add(nodes)
+                self.plan = growing.plan(None if self.plan is None
+                                         else self.plan.latest_report())
+        elif self.replan is not None:
+            fresh = await asyncio.to_thread(self.replan, self.graph)
+            self.plan = stable_plan(self.plan, fresh)
+
+    def _cancel_members(self, step_ids: Sequence[str], reason: str) -> None:
+        """Stop group members still waiting, queued or running: each ends skipped
+        (``reason``), a running engine request aborted, its generated tokens kept."""
+        for step_id in step_ids:
+            task = self._node_tasks.get(step_id)
+            if self._ended(step_id) or task is None or task.done():
+                continue
+            self._cancelling[step_id] = reason
+            fut = self._tool_results.get(step_id)
+            if fut is not None and not fut.done():
+                fut.cancel()  # a @tool member out in the app: its result is not wanted
+            task.cancel()
+
+    async def _node(self, node: Node) -> None:
         with bind_run(workflow_id=self.run_id, step_id=node.id):
-            if node.id in self.outputs or node.id in self.failures:  # restored: not re-run
-                self.trace.step(node.id).status = ("failed" if node.id in self.failures
-                                                   else "done")
+            if self._ended(node.id):  # restored: not re-run
+                self.trace.step(node.id).status = (
+                    "failed" if node.id in self.failures
+                    else "skipped" if node.id in self.skipped else "done")
                 self._done[node.id].set()
                 return
             try:
-                for dep in self._deps[node.id]:
-                    await self._done[dep].wait()
-                    if dep in self.failures:
-                        raise UpstreamFailed(f"input {dep!r} failed")
+                skip = await self._inputs(node)
+                if skip is not None:
+                    self._skip(node, skip)
+                    return
                 self.trace.mark(node.id, "ready", status="queued")
-                same_as = self.plan.merged_into.get(node.id) if self.plan else None
-                if same_as is not None:
-                    value = await self._same_as(node.id, same_as)
-                elif isinstance(node, LLMNode):
-                    value = await self._llm(node)
-                elif isinstance(node, ToolNode):
-                    value = await self._tool(node)
-                else:
-                    value = node.value
+                value = await self._value(node)
             except UpstreamFailed as exc:
                 self._failed(node.id, f"skipped: {exc}", "skipped")
+                return
+            except PredicateFailed as exc:
+                self._failed(node.id, str(exc))
+                return
+            except asyncio.CancelledError:
+                reason = self._cancelling.pop(node.id, None)
+                task = asyncio.current_task()
+                if reason is None or task is None:  # the run's cancellation: not ours
+                    raise
+                task.uncancel()  # a group resolved without it
+                self._skip(node, reason)
                 return
             except FlowliftError as exc:
                 self._failed(node.id, exc.message, failure_kind(exc))
@@ -413,6 +539,21 @@ class Run:
             self._emit(("step.finished", {"step_id": node.id, "value": value,
                                           "trace": self.trace.step(node.id).to_record()}))
             self._done[node.id].set()
+
+    async def _value(self, node: Node) -> Any:
+        """Compute a ready node's output, by its kind (an identical call's: reused)."""
+        same_as = self.plan.merged_into.get(node.id) if self.plan else None
+        if same_as is not None:
+            return await self._same_as(node.id, same_as)
+        if isinstance(node, LLMNode):
+            return await self._llm(node)
+        if isinstance(node, ToolNode):
+            return await self._tool(node)
+        if isinstance(node, GroupNode):
+            return await self._group(node)
+        if isinstance(node, MapNode):
+            return await self._map(node)
+        return node.value
 
     async def _same_as(self, step_id: str, rep: str) -> Any:
         """An identical call (same model, prompt, params; deterministic): paid once."""
@@ -589,7 +730,7 @@ class Run:
         skip = self.plan.merged_into if self.plan else {}
         readers = (self._nodes[r] for r in self._readers.get(tool_id, ()))
         for step in consumers(readers, self._nodes, skip):
-            if step.id in self.outputs or step.id in self.failures:
+            if self._ended(step.id):
                 continue
             messages = known_prefix(step.messages, self.outputs)
             if messages is not None:
@@ -618,8 +759,8 @@ class Run:
                 return self._resolve(a)
             if isinstance(a, Template):
                 return self._render(a.template)
-            if isinstance(a, Items):
-                return [arg(item) for item in a.items]
+            if isinstance(a, Items):  # items skipped without a default are left out
+                return [arg(i) for i in kept_items(a.items, self.outputs, self.skipped)]
             return a.value
 
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

@@ -87,10 +87,17 @@ class StoredRun:
     tenant: str | None = None
 
     def outputs(self) -> dict[str, Any]:
-        return {d["step_id"]: d["value"] for _, n, d in self.events if n == "step.finished"}
+        """Step id -> output (a skipped step's default included)."""
+        return {d["step_id"]: d["value"] for _, n, d in self.events
+                if n == "step.finished" or (n == "step.skipped" and "value" in d)}
 
     def failures(self) -> dict[str, str]:
         return {d["step_id"]: d["error"] for _, n, d in self.events if n == "step.failed"}
+
+    def skipped(self) -> dict[str, str]:
+        """Step id -> why it was skipped (``step.skipped``: not a failure)."""
+        return {d["step_id"]: str(d.get("reason", "")) for _, n, d in self.events
+                if n == "step.skipped"}
 
     def prompts(self) -> dict[str, list[dict[str, str]]]:
         """Step id -> the messages its model received (``step.prompt`` events), each

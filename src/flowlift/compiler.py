@@ -41,10 +41,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from flowlift.costs import UNMEASURED, CostModel
 from flowlift.dataflow import dependencies, levels
+from flowlift.decisions import decision_report, with_decisions
 from flowlift.escalation import OutcomeCounts, expected_cost
-from flowlift.graph import Graph, InputNode, Items, LLMNode, Node, Ref, Template, ToolNode
+from flowlift.graph import (
+    Graph,
+    GroupNode,
+    InputNode,
+    Items,
+    LLMNode,
+    MapNode,
+    Node,
+    Ref,
+    Template,
+    ToolNode,
+    condition_of,
+    default_of,
+)
 from flowlift.output_size import size_warnings
 from flowlift.report import (
     BreakReport,
@@ -230,7 +246,13 @@ def _canonical(node: Node, canon: dict[str, str]) -> str | None:
                 "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}
     else:
         return None  # other client-run steps may have side effects: never merged
-    return json.dumps(body, sort_keys=True, default=str)
+    if condition_of(node) or default_of(node):  # merged only with the same decision
+        body = {"call": body, "when": condition_of(node), "default": default_of(node)}
+    return json.dumps(body, sort_keys=True, default=_json)
+
+
+def _json(value: Any) -> Any:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else str(value)
 
 
 def find_identical(graph: Graph, order: Sequence[str]) -> dict[str, str]:
@@ -436,7 +458,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
             if cascade is not None:
                 cascades.append(cascade)
         else:
-            cost[nid], out_tok[nid] = other_estimate(node, opts)
+            cost[nid], out_tok[nid] = other_estimate(node, opts, out_tok, nodes)
 
     start: dict[str, float] = {}
     for nid in order:
@@ -459,7 +481,11 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
                                        "open": graph.open, "warnings": warnings,
                                        "tier_plan": _tier_plan(graph, opts, order, deps,
                                                                model_of, cost, prompt_tok,
-                                                               out_tok)})
+                                                               out_tok),
+                                       })
+    report = with_decisions(report, decision_report(
+        order, nodes, deps, cost, {n: prompt_tok.get(n, 0.0) + out_tok[n]
+                                   for n in prompt_tok}, path))
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
                 prefix_group=group_of, group_leader=leader, compiled=report,
                 output_tokens=out_tok)
@@ -477,11 +503,22 @@ def llm_price(node: LLMNode, opts: CompileOptions, model: str, prompt: float, ou
     return uncached, cost, cascade
 
 
-def other_estimate(node: Node, opts: CompileOptions) -> tuple[float, float]:
-    """Cost (ms) and output tokens of a step that is no model call: a client-run tool
-    (``tool_ms``, 32 tokens) or an input (free; its value's tokens)."""
+def other_estimate(node: Node, opts: CompileOptions, out_tok: dict[str, float],
+                   nodes: dict[str, Node]) -> tuple[float, float]:
+    """``(cost ms, output tokens)`` of a step that is no model call: a client-run tool
+    (``tool_ms``, 32 tokens), a constant (free: its value's tokens), a group (free: its
+    longest member's output) or a map (one item's step, as the items run side by side;
+    its output: ``max_items`` of them). ``out_tok``: the output tokens of the steps
+    before it (a group's members, a map's inputs)."""
     if isinstance(node, ToolNode):
         return opts.tool_ms, 32.0
+    if isinstance(node, GroupNode):
+        return 0.0, max(out_tok[m] for m in node.members)
+    if isinstance(node, MapNode):
+        model = node.step.models()[0] or opts.default_model
+        out = _output_tokens(node.step, opts, model)
+        prompt = _prompt_tokens(node.step, opts, model, out_tok, nodes)
+        return opts.costs(model).step_ms(prompt, out), out * node.max_items
     assert isinstance(node, InputNode)
     return 0.0, float(len(opts.tokenize(opts.default_model, str(node.value))))
 

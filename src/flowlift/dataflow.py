@@ -14,8 +14,9 @@ from collections.abc import Collection, Mapping
 import jsonschema
 from jsonschema.exceptions import SchemaError
 
+from flowlift.decisions import condition_problems, group_problems, map_problems
 from flowlift.errors import GraphError
-from flowlift.graph import Graph, LLMNode, Node, node_refs
+from flowlift.graph import Graph, LLMNode, MapNode, Node, node_refs
 
 
 def dependencies(graph: Graph) -> dict[str, frozenset[str]]:
@@ -93,6 +94,11 @@ def _node_problems(node: Node, ids: Collection[str], nodes: Mapping[str, Node],
             if target.contract is None or target.contract.json_schema is None:
                 problems.append(f"node {node.id!r} reads field {'.'.join(ref.path)!r} of "
                                 f"{ref.ref!r}, whose output is text (give it a JSON contract)")
+    problems.extend(condition_problems(node, nodes))
+    problems.extend(group_problems(node, nodes))
+    problems.extend(map_problems(node, nodes))
+    if isinstance(node, MapNode):
+        problems.extend(_llm_problems(node.step, models))
     if isinstance(node, LLMNode):
         problems.extend(_llm_problems(node, models))
     return problems

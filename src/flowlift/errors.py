@@ -6,6 +6,8 @@
     ├── UserError                     the caller's mistake; fix the input
     │   ├── GraphError                invalid workflow graph (``problems`` lists all)
     │   ├── SemanticVariableError     a placeholder used as if it held a value
+    │   │   └── StepWasSkipped        the value of a step its condition skipped (and
+    │   │                             that declares no ``default=``)
     │   ├── RequestError              malformed request (``param`` names the field)
     │   │   ├── PayloadTooLarge       body over the configured limit (HTTP 413)
     │   │   ├── RunNotFound           no workflow run has that id (HTTP 404)
@@ -114,6 +116,25 @@ class SemanticVariableError(UserError):
     """A Semantic Variable (placeholder of a not-yet-known output) used as a value."""
 
     code = "semantic_variable_misuse"
+
+
+class StepWasSkipped(SemanticVariableError):
+    """The value of a step that was skipped (its ``when`` condition was false, or a
+    value it needs was skipped) and that declares no ``default=``: there is none.
+
+    Attributes:
+        step_id: the skipped step.
+        reason: why the proxy skipped it.
+    """
+
+    code = "step_skipped"
+
+    def __init__(self, step_id: str, reason: str) -> None:
+        super().__init__(f"step {step_id!r} was skipped ({reason}), so it has no value; "
+                         "give it a `default=` to stand for its value, or check "
+                         f"`wf.skipped` before reading it")
+        self.step_id = step_id
+        self.reason = reason
 
 
 class RequestError(UserError):

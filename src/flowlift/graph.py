@@ -47,6 +47,8 @@ from pydantic import (
     model_validator,
 )
 
+from flowlift.predicates import Predicate, leaves
+
 GRAPH_VERSION: Final = "1"
 
 
@@ -202,7 +204,21 @@ class ToolSpec(_Model):
         return self
 
 
-class LLMNode(_Model):
+class _Conditional(_Model):
+    """The fields of a step that may be skipped (:mod:`flowlift.predicates`)."""
+
+    when: Predicate | None = None
+    """Run only when this condition over earlier outputs holds; else the step is
+    *skipped* (not failed), and so are steps that need its value."""
+    default: Literal_ | None = None
+    """The value a skipped step stands for (its readers run with it); none: reading
+    the skipped step's value skips the reader too."""
+
+
+_CONDITIONAL_DEFAULTS: Final = {"when": None, "default": None}
+
+
+class LLMNode(_Conditional):
     kind: Literal["llm"] = "llm"
     id: str = Field(min_length=1, max_length=200)
     name: str = ""
@@ -254,14 +270,15 @@ class LLMNode(_Model):
     def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
         return _drop(handler(self), {"retries": 0, "cascade": None, "min_confidence": None,
                                      "tools": None, "max_turns": 10,
-                                     "tool_errors": "return", "tool_choice": "auto"})
+                                     "tool_errors": "return", "tool_choice": "auto",
+                                     **_CONDITIONAL_DEFAULTS})
 
     def models(self) -> tuple[str | None, ...]:
         """The models this step may run on, in order (``None``: the default model)."""
         return self.cascade if self.cascade is not None else (self.model,)
 
 
-class ToolNode(_Model):
+class ToolNode(_Conditional):
     """A client-run step: the proxy pauses this branch and the SDK runs ``name``.
 
     ``pure``: the app declares the tool a function of its arguments with no side effects
@@ -276,6 +293,10 @@ class ToolNode(_Model):
     kwargs: dict[str, Arg] = {}
     pure: bool = False
 
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _drop(handler(self), dict(_CONDITIONAL_DEFAULTS))
+
 
 class InputNode(_Model):
     kind: Literal["input"] = "input"
@@ -283,7 +304,59 @@ class InputNode(_Model):
     value: Any
 
 
-Node = Annotated[LLMNode | ToolNode | InputNode, Field(discriminator="kind")]
+class GroupNode(_Model):
+    """Sibling steps of which the first good result wins (``mode: "first"``), or ``k``
+    that agree on a field (``mode: "quorum"``, ``agree_on``: the field's path; empty:
+    the whole output). Its value is the winning member's output (quorum: the first of
+    the agreeing ones to finish); the other members are cancelled as soon as it
+    resolves and show as skipped (:mod:`flowlift.proxy.workflows.groups`)."""
+
+    kind: Literal["group"] = "group"
+    id: str = Field(min_length=1, max_length=200)
+    name: str = ""
+    mode: Literal["first", "quorum"]
+    members: tuple[str, ...] = Field(min_length=1, max_length=256)
+    k: int = Field(default=1, ge=1)
+    agree_on: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _sizes(self) -> GroupNode:
+        if len(set(self.members)) != len(self.members):
+            raise ValueError(f"group {self.id!r}: members must be distinct, got "
+                             f"{list(self.members)}")
+        if self.k > len(self.members):
+            raise ValueError(f"group {self.id!r}: k={self.k} needs at least {self.k} "
+                             f"members, got {len(self.members)}")
+        if self.mode == "first" and (self.k != 1 or self.agree_on):
+            raise ValueError(f"group {self.id!r}: a first-wins group takes no k or "
+                             "agree_on (that is a quorum)")
+        return self
+
+
+ITEM: Final = "$item"
+"""The reference a map's step template uses for its item (``{"ref": "$item", "path":
+[...]}``: the item or a field of it)."""
+MAX_MAP_ITEMS: Final = 10000
+
+
+class MapNode(_Model):
+    """Dynamic fan-out: one step per item of a list-valued output (``over``: a step's
+    output or a field of it), known only at run time. ``step`` is the template: an llm
+    step whose prompt (and condition) may read the item as ``{"ref": "$item"}``. The
+    value is the list of the item steps' outputs, in order (skipped ones left out); a
+    list longer than ``max_items`` fails the map (:mod:`flowlift.proxy.workflows.fanout`).
+    """
+
+    kind: Literal["map"] = "map"
+    id: str = Field(min_length=1, max_length=200)
+    name: str = ""
+    over: Ref
+    step: LLMNode
+    max_items: int = Field(ge=1, le=MAX_MAP_ITEMS)
+
+
+AnyNode = LLMNode | ToolNode | InputNode | GroupNode | MapNode
+Node = Annotated[AnyNode, Field(discriminator="kind")]
 
 
 DEADLINE_WARNING_HEADER = "X-Flowlift-Deadline-Warning"
@@ -321,7 +394,7 @@ class Graph(_Model):
     detached: bool = False
     nodes: tuple[Node, ...] = Field(min_length=1)
 
-    def node_map(self) -> dict[str, LLMNode | ToolNode | InputNode]:
+    def node_map(self) -> dict[str, AnyNode]:
         return {n.id: n for n in self.nodes}
 
     def to_wire(self) -> dict[str, Any]:
@@ -340,14 +413,42 @@ class Graph(_Model):
         return json.dumps(self.to_wire(), indent=indent, ensure_ascii=False)
 
 
-def node_refs(node: LLMNode | ToolNode | InputNode) -> Iterator[Ref]:
-    """Every reference a node makes, in order (duplicates included)."""
+def node_refs(node: AnyNode) -> Iterator[Ref]:
+    """Every reference a node makes, in order (duplicates included): its condition's
+    fields first, then its inputs (a group's: its members)."""
+    if isinstance(node, GroupNode):
+        yield from (Ref(ref=m) for m in node.members)
+        return
+    if isinstance(node, MapNode):
+        yield node.over
+        yield from (r for r in node_refs(node.step) if r.ref != ITEM)
+        return
+    when = condition_of(node)
+    if when is not None:
+        yield from condition_refs(when)
     if isinstance(node, LLMNode):
         for message in node.messages:
             yield from (p for p in message.content if isinstance(p, Ref))
     elif isinstance(node, ToolNode):
         for arg in (*node.args, *node.kwargs.values()):
             yield from arg_refs(arg)
+
+
+def condition_of(node: AnyNode) -> Predicate | None:
+    """A step's ``when`` condition (None: unconditional, or a kind that has none)."""
+    return node.when if isinstance(node, LLMNode | ToolNode) else None
+
+
+def default_of(node: AnyNode) -> Literal_ | None:
+    """A step's ``default`` (what it stands for when skipped), or None."""
+    return node.default if isinstance(node, LLMNode | ToolNode) else None
+
+
+def condition_refs(pred: Predicate) -> Iterator[Ref]:
+    """The output fields a condition reads, as references."""
+    for leaf in leaves(pred):
+        assert leaf.ref is not None
+        yield Ref(ref=leaf.ref, path=leaf.path)
 
 
 def arg_refs(arg: Arg) -> Iterator[Ref]:

@@ -294,7 +294,8 @@ class GrowingPlan:
                                                   self.nodes)
             self._reprice(nid)
         else:
-            self.cost[nid], self.out_tok[nid] = other_estimate(node, self.opts)
+            self.cost[nid], self.out_tok[nid] = other_estimate(node, self.opts, self.out_tok,
+                                                               self.nodes)
 
     def _reprice(self, nid: str) -> None:
         node = self.nodes[nid]

@@ -100,6 +100,47 @@ class TierPlanReport(_Report):
     steps: list[TierStepReport]
 
 
+class DecisionReport(_Report):
+    """Steps the proxy decides on (:mod:`flowlift.decisions`): which may not run, and
+    the graph's work expected against its worst case (every branch runs). Work in ms
+    of engine time, tokens prompt plus output; ``run_chance``: each conditional step's
+    chance of running (conditions counted at 0.5, as nothing is learned about them)."""
+
+    conditional: list[str]
+    run_chance: dict[str, float]
+    expected_work_ms: float
+    worst_case_work_ms: float
+    expected_tokens: int
+    worst_case_tokens: int
+    maps: dict[str, int] = {}
+    """Dynamic fan-outs and their ``max_items``: each item may run, so both the
+    expected and the worst-case work count ``max_items`` runs of its step."""
+    groups: list[str] = []
+    """First-wins and quorum groups: each resolves at its k-th fastest member, and the
+    members still going then are cancelled (their work counted up to that point)."""
+    critical_path_ms: float = 0.0
+    """The critical path with groups resolving early (the report's own, when groups)."""
+    worst_case_critical_path_ms: float = 0.0
+    """The critical path when every group waits for all its members."""
+    conditional_on_critical_path: list[str] = []
+
+
+def _decision_lines(r: CompileReport) -> list[str]:
+    d = r.decisions
+    if d is None:
+        return []
+    names = ", ".join(d.conditional[:6]) + (" ..." if len(d.conditional) > 6 else "")
+    lines = [f"decided on the proxy: {len(d.conditional)} conditional step(s) ({names}), "
+             f"{len(d.groups)} group(s), {len(d.maps)} map(s); expected work "
+             f"{_s(d.expected_work_ms)} and {d.expected_tokens} tokens vs worst case "
+             f"(every branch runs) {_s(d.worst_case_work_ms)} and {d.worst_case_tokens} "
+             "tokens"]
+    if d.groups:
+        lines.append(f"  groups resolving early: critical path {_s(d.critical_path_ms)} vs "
+                     f"{_s(d.worst_case_critical_path_ms)} waiting for every member")
+    return lines
+
+
 class CompileReport(_Report):
     """Everything the compiler found about one graph."""
 
@@ -129,6 +170,8 @@ class CompileReport(_Report):
     step's ``max_tokens``: :func:`flowlift.output_size.size_warnings`)."""
     tier_plan: TierPlanReport | None = None
     """Each step's service tier under the deadline (None: no deadline or no tiers)."""
+    decisions: DecisionReport | None = None
+    """Conditional steps and expected vs worst-case work (None: every step runs)."""
 
 
 def _s(ms: float) -> str:
@@ -202,6 +245,7 @@ def format_report(r: CompileReport, max_rows: int = 40) -> str:
         lines.append(f"warnings: {len(r.warnings)}")
         lines += [f"  {w}" for w in r.warnings[:10]]
     lines += _tier_lines(r)
+    lines += _decision_lines(r)
     if r.breaks:
         lines.append(f"chain breaks: {len(r.breaks)}")
         lines += [f"  {b.step_id}: {b.reason}" for b in r.breaks[:5]]
@@ -213,6 +257,8 @@ def format_report(r: CompileReport, max_rows: int = 40) -> str:
         tier = tiers.get(n.step_id)
         notes = " ".join(x for x in (f"tier={tier}" if tier else "",
                                      "*critical" if n.critical else "",
+                                     "?conditional" if r.decisions and n.step_id in
+                                     r.decisions.run_chance else "",
                                      f"prefix#{n.prefix_group}" if n.prefix_group is not None
                                      else "", f"=={n.same_as}" if n.same_as else "") if x)
         lines.append(f"{n.step_id[:24]:<24} {n.level:>3} {(n.model or '-')[:22]:<22} "
