@@ -143,6 +143,7 @@ class PrioritySlots:
                           or max(1, capacity // 2))
         self.linger_s = linger_s
         self._interactive_until = 0.0
+        self._linger_timer: asyncio.TimerHandle | None = None  # at most one at a time
         self.prefill_budget = batch_prefill_budget
         self.batch_prefill = 0
         self.in_use = 0
@@ -275,7 +276,20 @@ class PrioritySlots:
             self.batch_in_use -= 1
         elif not self.fcfs:
             self._interactive_until = time.monotonic() + self.linger_s
-            asyncio.get_running_loop().call_later(self.linger_s + 0.01, self._grant)
+            if self._linger_timer is None:
+                self._linger_timer = asyncio.get_running_loop().call_later(
+                    self.linger_s + 0.01, self._linger_over)
+        self._grant()
+
+    def _linger_over(self) -> None:
+        """The linger window may be over: grant what it held back, or wait out the rest
+        of a window a later release extended (one timer, however many releases)."""
+        left = self._interactive_until - time.monotonic()
+        if left > 0:
+            self._linger_timer = asyncio.get_running_loop().call_later(left + 0.01,
+                                                                       self._linger_over)
+            return
+        self._linger_timer = None
         self._grant()
 
     def _grant(self) -> None:

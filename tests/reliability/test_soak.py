@@ -94,6 +94,15 @@ async def traffic(session: aiohttp.ClientSession, base: str, ids: Iterator[int],
     await asyncio.gather(*[one(next(ids)) for _ in range(n)])
 
 
+POOLED = ("._loop._transports", "._loop._selector")
+"""The event loop's open sockets: the test's client, the proxy, its upstream client and
+the fake upstream share one loop, and each side's keep-alive pool is bounded by its
+connector's limit (more of them open at once now that store calls leave the loop free).
+The loop's timers (``_scheduled``) are still measured: the live ones, less each open
+connection's keep-alive timer (a cancelled timer stays in the heap until asyncio sweeps
+it)."""
+
+
 def sizes(root: Any, *, depth: int = 6) -> dict[str, int]:
     """``path -> len`` of every sized container reachable from ``root`` through object
     attributes and the items of small dicts and lists, ``depth`` levels deep (breadth
@@ -110,6 +119,12 @@ def sizes(root: Any, *, depth: int = 6) -> dict[str, int]:
         seen.add(id(obj))
         if isinstance(obj, deque) and obj.maxlen is not None:
             continue  # bounded by construction (e.g. the last output lengths of a step)
+        if path.endswith(POOLED):
+            continue  # open connections: bounded by each connector's limit, not by BOUND
+        if path.endswith("._loop._scheduled"):  # live timers, but a connection's own
+            out[path] = sum(1 for h in obj if not h.cancelled()
+                            and "_process_keepalive" not in repr(h))
+            continue
         if isinstance(obj, dict | list | set | tuple | TTLCache | frozenset | deque):
             out[path] = len(obj)
             if len(obj) < 64 and isinstance(obj, dict):
