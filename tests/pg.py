@@ -81,6 +81,7 @@ class PgServer:
     bindir: Path
     prefix: list[str]
     log: Path
+    options: str  # the server's own (pg_ctl -o): address, port, socket folder
 
     def pg_ctl(self, *args: str) -> None:
         done = subprocess.run([*self.prefix, str(self.bindir / "pg_ctl"), "-D", str(self.data),
@@ -97,7 +98,7 @@ class PgServer:
             return
         self.pg_ctl("-m", "fast", "stop")
         time.sleep(down_s)
-        self.pg_ctl("start")
+        self.pg_ctl("-o", self.options, "start")
 
 
 @pytest.fixture(scope="session")
@@ -115,6 +116,7 @@ def pg_server() -> Iterator[PgServer]:
     if user is not None:
         os.chown(root, user.pw_uid, user.pw_gid)
     data, port = root / "data", _free_port()
+    options = f"-h 127.0.0.1 -p {port} -k {root} -F"
 
     def run(*cmd: str) -> None:
         done = subprocess.run([*prefix, *cmd], capture_output=True, text=True, timeout=120)
@@ -126,11 +128,12 @@ def pg_server() -> Iterator[PgServer]:
         run(str(bindir / "initdb"), "-D", str(data), "-U", "flowlift", "--auth=trust",
             "-E", "UTF8", "--no-sync")
         run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w",
-            "-t", "60", "-o", f"-h 127.0.0.1 -p {port} -k {root} -F", "start")
+            "-t", "60", "-o", options, "start")
         base = f"postgresql://flowlift@127.0.0.1:{port}"
         with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {DATABASE}")
-        yield PgServer(f"{base}/{DATABASE}", port, data, bindir, prefix, root / "server.log")
+        yield PgServer(f"{base}/{DATABASE}", port, data, bindir, prefix, root / "server.log",
+                       options)
     finally:
         if (data / "postmaster.pid").exists():
             subprocess.run([*prefix, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast",

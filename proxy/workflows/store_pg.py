@@ -214,6 +214,16 @@ def redact(url: str) -> str:
     return re.sub(r"(password\s*=\s*)\S+", r"\1***", url)
 
 
+def with_defaults(url: str) -> str:
+    """``url`` with each of :data:`CONNECT_DEFAULTS` it does not set itself.
+
+    Raises:
+        psycopg.ProgrammingError: not a libpq URL or conninfo.
+    """
+    given = conninfo_to_dict(url)
+    return make_conninfo(url, **{k: v for k, v in CONNECT_DEFAULTS.items() if k not in given})
+
+
 def check_reachable(url: str, timeout_s: float) -> None:
     """One connection attempt, so that an unreachable server is reported with its own
     reason at once (a pool retries until its timeout and says only that it timed out).
@@ -252,9 +262,7 @@ class PostgresRunStore:
         self._trouble: str | None = None
         self._closing = False
         try:
-            given = conninfo_to_dict(url)
-            self._conninfo = make_conninfo(url, **{k: v for k, v in CONNECT_DEFAULTS.items()
-                                                   if k not in given})
+            self._conninfo = with_defaults(url)
             check_reachable(self._conninfo, connect_timeout_s)
             self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
                 self._conninfo, min_size=1, max_size=max_connections, open=False,
@@ -491,7 +499,7 @@ class PostgresRunStore:
         own announcements (:class:`~flowlift.proxy.workflows.store_pg_listen.PgWakeups`)."""
         from flowlift.proxy.workflows.store_pg_listen import PgWakeups
 
-        return PgWakeups(self._conninfo, ignore=self.pids)
+        return PgWakeups(self._conninfo, ignore=self.pids, name=self.path)
 
     def close(self) -> None:
         """Close the pool; calls still retrying give up at their next attempt."""

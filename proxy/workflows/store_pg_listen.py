@@ -52,12 +52,15 @@ class PgWakeups(Wakeups):
         poll_s: the watches' interval while the channel is down.
         fallback_s: their interval while it listens.
         backoff_max_s: the longest wait between two reconnection attempts.
+        name: the store as logs name it.
     """
 
     def __init__(self, conninfo: str, *, ignore: Container[int] = (), poll_s: float = 0.2,
-                 fallback_s: float = 2.0, backoff_max_s: float = 5.0) -> None:
+                 fallback_s: float = 2.0, backoff_max_s: float = 5.0,
+                 name: str | None = None) -> None:
         super().__init__(poll_s=poll_s, fallback_s=fallback_s)
         self._conninfo = conninfo
+        self.name = name or redact(conninfo)  # (logs: the store's URL without password)
         self._ignore = ignore
         self.backoff_max_s = backoff_max_s
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,7 +101,7 @@ class PgWakeups(Wakeups):
                     for notice in conn.notifies(timeout=0.5):
                         self._deliver(notice)
             except psycopg.Error as exc:  # the server restarted, the backend was killed...
-                log.warning("run_store_listen_lost", store=redact(self._conninfo),
+                log.warning("run_store_listen_lost", store=self.name,
                             error=str(exc).strip())
             finally:
                 self._state(False, None)
@@ -123,7 +126,7 @@ class PgWakeups(Wakeups):
                     return conn
         except psycopg.Error as exc:  # (stopped, or not a connection failure)
             if not self._stop.is_set():
-                log.error("run_store_listen_failed", store=redact(self._conninfo),
+                log.error("run_store_listen_failed", store=self.name,
                           error=str(exc).strip())
         return None
 
@@ -139,7 +142,7 @@ class PgWakeups(Wakeups):
         if listening:
             self.connects += 1
             if self.connects > 1:
-                log.info("run_store_listen_back", store=redact(self._conninfo))
+                log.info("run_store_listen_back", store=self.name)
         self._call(self.wake_all)
 
     def _deliver(self, notice: psycopg.Notify) -> None:
