@@ -160,12 +160,15 @@ async def under_fault(aiohttp_client: Any, store_url: str,
     refused = [p for p in probed.posts if p[0] == 503]
     assert refused, f"{what}: no new run was refused while the store was away"
     assert max(p[2] for p in probed.posts) < ANSWER_BOUND_S
+    quick = sorted(p[2] for p in refused)[len(refused) // 2]
+    assert quick < 1.0, f"{what}: refusals wait for the store (median {quick:.2f} s)"
     reasons = [r for s, r in probed.ready if s == 503]
     assert reasons and all("run store" in (r or "") for r in reasons), probed.ready
     assert runs.unavailable() is None and (await client.get("/readyz")).status == 200
     print(f"\n{what}: fault {ended[0] - fault_t0:.1f} s; new runs meanwhile: "
-          f"{len(refused)} x 503 store_unavailable, {len(probed.posts) - len(refused)} "
-          f"admitted; slowest answer {max(p[2] for p in probed.posts):.2f} s; /readyz 503 "
+          f"{len(refused)} x 503 store_unavailable (median answer {quick * 1000:.0f} ms), "
+          f"{len(probed.posts) - len(refused)} admitted; slowest answer "
+          f"{max(p[2] for p in probed.posts):.2f} s; /readyz 503 "
           f"x {len(reasons)} (e.g. {reasons[0]!r}); /healthz slowest "
           f"{max(probed.alive_s) * 1000:.0f} ms; first run admitted "
           f"{probed.recovered_s:.2f} s after the fault ended; {RUNS} runs succeeded, "

@@ -15,8 +15,10 @@ import psycopg
 
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.state import STATE
+from flowlift.proxy.workflows.registry import TAIL_POLL_S
 from flowlift.proxy.workflows.store_pg import PostgresRunStore
 from flowlift.proxy.workflows.store_pg_listen import PgWakeups
+from flowlift.proxy.workflows.wakeups import Wakeups
 from flowlift.testing import FakeEngine
 from tests.pg import Relay
 
@@ -35,20 +37,22 @@ def graph(run_id: str) -> dict[str, Any]:
 
 
 async def replica(aiohttp_client: Any, url: str, *, lease_ttl_s: float = 30.0,
-                  listen_url: str | None = None) -> tuple[Any, Any]:
+                  listen_url: str | None = None, listen: bool = True) -> tuple[Any, Any]:
     """A proxy on the store at ``url`` whose watches poll every SLOW_S while they listen
     (``listen_url``: its LISTEN connection's own route to the server); its app and
-    client, once it listens."""
+    client, once it listens. ``listen=False``: no channel, polling every 0.2 s as before
+    LISTEN/NOTIFY (the control)."""
     app = create_app({"fake-model": FakeEngine(["fake-model"], delay_s=0.01)},
                      ProxyConfig(state_path=url, lease_ttl_s=lease_ttl_s))
     runs = app[STATE].runs
     store = runs.store
     assert isinstance(store, PostgresRunStore)
     conninfo = store._conninfo if listen_url is None else listen_url
-    runs.wakeups = PgWakeups(conninfo, ignore=store.pids, fallback_s=SLOW_S)
+    runs.wakeups = (PgWakeups(conninfo, ignore=store.pids, fallback_s=SLOW_S) if listen
+                    else Wakeups(poll_s=TAIL_POLL_S))
     client = await aiohttp_client(app)
     await app[STATE].ready.wait()
-    await until(lambda: runs.wakeups.listening, 10, "the replica never listened")
+    await until(lambda: runs.wakeups.listening or not listen, 10, "it never listened")
     return app, client
 
 
@@ -176,6 +180,34 @@ async def test_with_its_listener_killed_polling_delivers_and_the_listener_comes_
     await asyncio.wait_for(follower, 10)
     stream.close()
     assert max(seen.values()) - t0 < BOUND_S
+
+
+async def test_handover_latency_notify_against_polling(aiohttp_client, pg_url: str) -> None:
+    """The same handover, side by side: a follower on B waits for the event A writes
+    when a tool result reaches A; B woken by NOTIFY, then B polling every 0.2 s (the
+    behaviour before it). 12 handovers each; the medians are printed."""
+    _, a = await replica(aiohttp_client, pg_url)
+    medians = {}
+    for mode in ("notify", "poll"):
+        app_b, b = await replica(aiohttp_client, pg_url, listen=mode == "notify")
+        took = []
+        for i in range(12):
+            run_id = f"wf-{mode}-{i}"
+            stream = await start_waiting(a, run_id)
+            seen: dict[str, float] = {}
+            follower = asyncio.create_task(follow(b, run_id, seen))
+            tailed = app_b[STATE].runs.tailed
+            await until(lambda rid=run_id, t=tailed: rid in t, 5, "B never tailed the run")
+            await asyncio.sleep(0.25 + 0.017 * i)  # (B waits, at various phases of a poll)
+            t0 = time.monotonic()
+            await a.post(f"/v1/workflows/{run_id}/steps/t/result", json={"value": "x"})
+            await asyncio.wait_for(follower, 10)
+            stream.close()
+            took.append(min(at for at in seen.values() if at > t0) - t0)
+        medians[mode] = sorted(took)[len(took) // 2]
+        print(f"\n{mode}: step.finished of the tool step on B after "
+              f"{[round(x * 1000) for x in sorted(took)]} ms (median {medians[mode] * 1000:.0f})")
+    assert medians["notify"] < medians["poll"] / 2, medians
 
 
 def test_events_arrive_through_the_channel_in_their_transactions(pg_url: str) -> None:
