@@ -626,10 +626,11 @@ class RunRegistry:
         still failing by then gives them up, and their runs resume from their logs at
         the next start), close the store and the worker."""
         self.wakeups.close()
-        if not self.io.drain(grace_s):
+        drained = self.io.drain(grace_s)
+        if not drained:
             log.warning("run_store_not_drained", backlog=self.io.backlog, grace_s=grace_s)
         self.store.close()  # (calls still retrying give up at once)
-        self.io.close()
+        self.io.close(wait=drained)
 
     def _activate(self, run: Run) -> None:
         self.active[run.key] = run

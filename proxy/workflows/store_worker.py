@@ -149,6 +149,8 @@ class StoreWorker:
         flushed = self.submit(lambda: None)
         return not concurrent.futures.wait([flushed], timeout=timeout_s).not_done
 
-    def close(self) -> None:
-        """Wait for every call submitted, then stop the thread."""
-        self._pool.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """Wait for every call submitted, then stop the thread; ``wait=False``: drop the
+        calls not started and leave a running one to end by itself (a call stuck on a
+        vanished database must not hold the proxy's exit)."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
