@@ -198,7 +198,7 @@ async def test_the_connection_pool_exhausted(aiohttp_client, pg_url: str) -> Non
     await under_fault(aiohttp_client, pg_url, exhaust, "pool exhausted")
 
 
-async def test_a_10_s_network_drop(aiohttp_client, pg_url: str, relay: Relay) -> None:
+async def test_a_10_s_network_drop(relay: Relay, aiohttp_client, pg_url: str) -> None:
     """The proxy reaches the server through a relay that black-holes everything, both
     ways, for 10 s (new connections too), then lets it through."""
     async def drop(app: Any) -> None:

@@ -142,7 +142,7 @@ async def test_a_released_run_is_taken_over_at_once(aiohttp_client, pg_url: str)
 
 
 async def test_with_its_listener_killed_polling_delivers_and_the_listener_comes_back(
-        aiohttp_client, pg_url: str, relay: Relay) -> None:
+        relay: Relay, aiohttp_client, pg_url: str) -> None:
     """B listens through a relay; its LISTEN backend is terminated and the relay refuses
     new connections for a while: B's tail falls back to polling every 0.2 s by itself
     (the 30 s fallback is for while it listens), then the listener reconnects."""

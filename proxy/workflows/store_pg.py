@@ -324,7 +324,7 @@ class PostgresRunStore:
             if self._failing_since is None:
                 self._failing_since = now
                 log.warning("run_store_unavailable", store=self.path, error=str(exc))
-            self._trouble = f"{type(exc).__name__}: {exc}".strip()
+            self._trouble = " ".join(f"{type(exc).__name__}: {exc}".split())  # (one line)
         return self._closing or (self._failing_since is not None
                                  and now - self._failing_since > self.retry_s)
 
