@@ -44,7 +44,7 @@ from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import compile_options
-from flowlift.proxy.workflows.registry import TAIL_POLL_S, RunRegistry
+from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.store import open_store
 
 
@@ -91,38 +91,30 @@ async def _sweep(app: web.Application, every_s: float = 5.0) -> None:
 
 
 async def _heartbeat(app: web.Application) -> None:
-    """On a shared store: renew this proxy's run leases every third of their time, and
-    take over the runs of proxies that stopped renewing (RunRegistry.heartbeat)."""
+    """On a shared store: renew this proxy's run leases every third of their time, take
+    over the runs of proxies that stopped renewing, and those released elsewhere at once
+    (RunRegistry.keep_leases)."""
     state: ProxyState = app[STATE]
     await state.ready.wait()
-    while True:
-        await asyncio.sleep(max(state.runs.lease_ttl_s / 3, 0.1))
-        try:
-            await state.runs.heartbeat(state.backends, state.costs)
-        except Exception:  # a database hiccup: the next beat tries again
-            log.exception("run_heartbeat_failed")
+    await state.runs.keep_leases(state.backends, state.costs)
 
 
 async def _posted_results(app: web.Application) -> None:
     """Hand the ``@tool`` results kept in the store (posted to another replica of a shared
     store, or before this proxy resumed the run), and the appends and closes kept for
-    the runs here, to those runs (RunRegistry.deliver_posted, apply_requests), every
-    TAIL_POLL_S."""
+    the runs here, to those runs as the store announces them, or every TAIL_POLL_S
+    without a channel (RunRegistry.watch_posted)."""
     state: ProxyState = app[STATE]
     await state.ready.wait()
-    while True:
-        await asyncio.sleep(TAIL_POLL_S)
-        try:
-            await state.runs.deliver_posted()
-            await state.runs.apply_requests(
-                state.backends.known(), compile_options(state.backends, state.costs,
-                                                        state.runs.outcomes, state.prices),
-                recompile=state.config.append_recompile)
-        except Exception:  # a database hiccup: the next round tries again
-            log.exception("run_tool_results_failed")
+    await state.runs.watch_posted(
+        state.backends.known,
+        lambda: compile_options(state.backends, state.costs, state.runs.outcomes,
+                                state.prices),
+        recompile=state.config.append_recompile)
 
 
 async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
+    app[STATE].runs.wakeups.start()  # (the store's LISTEN, on a thread of its own)
     loader = asyncio.create_task(_load_engines(app))
     sweeper = asyncio.create_task(_sweep(app))
     posted = asyncio.create_task(_posted_results(app))
@@ -140,8 +132,7 @@ async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         await engine.close()
     await state.backends.aclose()
     await state.tools.aclose()  # stdio tool servers' processes end
-    state.runs.io.close()  # (every event submitted is written first)
-    state.runs.store.close()
+    state.runs.close()  # (every event submitted is written first, if the store can)
     state.runs.outcomes.close()
 
 

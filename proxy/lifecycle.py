@@ -1,9 +1,10 @@
 """The proxy's life: readiness, and a graceful drain on SIGTERM.
 
 * ``/healthz`` -- the process is alive and its event loop answers (liveness).
-* ``/readyz`` -- 200 only while the engines are loaded, the run store is open and the
-  proxy is not draining; otherwise 503 with ``reason`` (readiness: a Kubernetes Service
-  stops sending traffic to a pod that is not ready).
+* ``/readyz`` -- 200 only while the engines are loaded, the run store answers (not
+  stalled, failing or far behind: ``RunRegistry.unavailable``) and the proxy is not
+  draining; otherwise 503 with ``reason`` (readiness: a Kubernetes
+  Service stops sending traffic to a pod that is not ready).
 * :func:`serve` -- listen until SIGTERM (or SIGINT), then drain:
 
   1. stop accepting new work: ``/readyz`` turns 503, and a request that would start
@@ -43,6 +44,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from flowlift.errors import StoreUnavailable
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.runs import Run
@@ -83,10 +85,13 @@ async def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
         return f"the engine failed to load: {state.load_error}"
     if not state.ready.is_set():
         return "the engine is still loading"
-    behind = state.runs.io.behind()
-    if behind:
-        return behind
-    problem = await state.runs.io.call(state.runs.store.problem)  # (off the loop)
+    unavailable = state.runs.unavailable()  # (no I/O: a stalled or failing store)
+    if unavailable:
+        return unavailable
+    try:  # (off the loop, and never waiting behind a stalled call for long)
+        problem = await state.runs.io.call(state.runs.store.problem, within_s=2.0)
+    except StoreUnavailable as exc:
+        return exc.message
     if problem:
         return f"the run store is not usable: {problem}"
     return None

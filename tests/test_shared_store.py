@@ -257,6 +257,7 @@ async def test_heartbeats_hand_a_run_over_and_the_loser_stops_it(pg_url: str) ->
     assert not stores[0].claim("wf-h", reg_a.owner, 30)  # B holds it
     run_b.suspend()  # B shuts down cleanly: the lease is released as the run stops
     await asyncio.wait([run_b.task], timeout=5)
+    await reg_b.io.flush()  # (the release lands on B's store worker after the run ends)
     (again,) = await reg_a.resume_all(backends[0], costs)  # at once, no expiry to wait for
     assert again.run_id == "wf-h"
     again.cancel()

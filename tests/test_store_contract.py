@@ -226,7 +226,7 @@ def test_a_newer_schema_is_refused(open_db: Opener) -> None:
     if isinstance(store, PostgresRunStore):
         import psycopg
 
-        with psycopg.connect(store._url, autocommit=True) as conn:
+        with psycopg.connect(store._conninfo, autocommit=True) as conn:
             conn.execute("UPDATE flowlift_meta SET value = '99'")
     else:
         import sqlite3

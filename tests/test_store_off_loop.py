@@ -148,3 +148,34 @@ async def test_a_failed_write_holds_back_its_event_and_every_later_one() -> None
     assert log.durable_seq == 1
     log.end()
     assert [seq async for seq, _, _ in log.follow()] == [1]
+
+
+async def test_a_stalled_call_is_said_and_callers_with_a_bound_get_a_503() -> None:
+    """A call that does not return (a database restarting, unreachable, out of
+    connections): :meth:`StoreWorker.behind` says so after ``stall_s``; a call given
+    ``within_s`` is answered StoreUnavailable then, and never runs once its caller has
+    been answered."""
+    import threading
+
+    import pytest
+
+    from flowlift.errors import StoreUnavailable
+
+    worker = StoreWorker(stall_s=0.2)
+    release, ran = threading.Event(), []
+    stuck = worker.later(release.wait, 10.0)
+    await asyncio.sleep(0.05)
+    assert worker.behind() is None  # (not yet)
+    await asyncio.sleep(0.25)
+    assert "has not answered for" in (worker.behind() or "")
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable) as refused:
+        await worker.call(ran.append, "late", within_s=0.3)
+    assert 0.25 < time.monotonic() - t0 < 1.0
+    assert refused.value.status == 503 and refused.value.code == "store_unavailable"
+    release.set()
+    await stuck
+    await worker.flush()
+    assert ran == [] and worker.behind() is None  # the late call never ran
+    assert await worker.call(lambda: 7, within_s=1.0) == 7
+    worker.close()

@@ -67,6 +67,7 @@ from flowlift.proxy.tenants import run_key, tenant_of
 from flowlift.proxy.workflows import open_runs, progress
 from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.planning import compile_options, plan
+from flowlift.proxy.workflows.registry import ANSWER_WITHIN_S
 from flowlift.proxy.workflows.replay import trace_records
 from flowlift.proxy.workflows.runs import Run
 from flowlift.proxy.workflows.store import StoredRun
@@ -248,7 +249,7 @@ async def _figures(registry: RunRegistry, key: str) -> dict[str, Any]:
         left = run.clock.left_s() if run.clock is not None and not run.finished else None
         return progress.listing(len(run.trace.steps), run.graph.deadline_s,
                                 run.log.history(), left)
-    stored = await registry.io.call(registry.store.load, key)
+    stored = await registry.io.call(registry.store.load, key, within_s=ANSWER_WITHIN_S)
     return {} if stored is None else progress.stored_listing(stored)
 
 
@@ -264,7 +265,7 @@ async def follow_workflow(request: web.Request) -> web.StreamResponse:
     run = state.runs.live(run_id, tenant)
     if run is not None:
         return await _send(request, run.log.follow(after, _serves(request.query)), run)
-    stored = await state.runs.stored(run_id, tenant)
+    stored = await state.runs.stored(run_id, tenant, within_s=ANSWER_WITHIN_S)
     if stored.status == "running" and state.runs.store.shared:  # another proxy runs it
         return await _send(request, state.runs.tail(stored, after), None)
     return await _send(request, _replay(stored.events, after), None)
@@ -356,7 +357,7 @@ async def get_run(request: web.Request) -> web.Response:
                                   "trace": run.trace.records(), "prompts": run.prompts,
                                   "spend": progress.spend(run.log.history()),
                                   "report": await _run_report(state, run.graph, run.plan)})
-    stored = await runs.stored(run_id, tenant)
+    stored = await runs.stored(run_id, tenant, within_s=ANSWER_WITHIN_S)
     graph = _stored_graph(stored)
     return web.json_response({"run_id": run_id, "name": stored.graph.get("name"),
                               "status": stored.status,

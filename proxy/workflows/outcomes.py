@@ -24,15 +24,21 @@ On a PostgreSQL state database (``--state-db postgresql://...``) the same two ta
 prefixed ``flowlift_``, live in it: every proxy on the database adds to the counts (each
 increment is atomic), so they learn together; each proxy reads them once at start, and
 the output lengths are a last-writer-wins list (a proxy writes back the lengths it
-holds). Outcome writes are advisory: one that fails is logged, never fails a step.
+holds). Outcome writes are advisory: one that fails is logged, never fails a step. They
+run on a writer thread of their own, in order (the counts in memory are updated at once),
+never on the proxy's event loop: a database that restarts or drops off the network
+delays them, not the proxy; past :data:`MAX_PENDING` waiting writes new ones are dropped
+(and logged) until it catches up.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import sqlite3
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -49,6 +55,8 @@ from flowlift.tracing import get_logger
 log = get_logger("flowlift.outcomes")
 
 KEEP_LENGTHS = 200
+MAX_PENDING = 1000
+"""Outcome writes waiting for the database past which new ones are dropped."""
 
 
 class _Dialect(NamedTuple):
@@ -97,13 +105,15 @@ class _Database:
             import psycopg
             from psycopg_pool import ConnectionPool
 
-            from flowlift.proxy.workflows.store_pg import check_reachable
+            from flowlift.proxy.workflows.store_pg import check_reachable, with_defaults
 
             self.errors: tuple[type[Exception], ...] = (psycopg.Error,)  # (pool's too)
+            location = with_defaults(location)  # (timeouts: no write waits forever)
             check_reachable(location, 10.0)
             self._pool: Any = ConnectionPool(location, min_size=1, max_size=1, open=False,
                                              kwargs={"autocommit": True},
-                                             name="flowlift-outcomes")
+                                             name="flowlift-outcomes", timeout=2.0,
+                                             reconnect_timeout=1.0)
             try:
                 self._pool.open(wait=True, timeout=10.0)
             except psycopg.Error:
@@ -193,6 +203,10 @@ class StepOutcomes:
         except errors as exc:
             self._db.close()
             raise EngineError(f"cannot open the outcome store {self.path}: {exc}") from exc
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="flowlift-outcomes")
+        self._lock = threading.Lock()
+        self._pending = 0
         self._counts = {(s, m): OutcomeCounts(i, f, a) for s, m, i, f, a in rows}
         self._lengths: dict[tuple[str, str], deque[int]] = {
             (s, m): deque(json.loads(t), maxlen=KEEP_LENGTHS) for s, m, t in lengths}
@@ -204,20 +218,34 @@ class StepOutcomes:
         failed = 0 if accepted else 1
         self._counts[key] = OutcomeCounts(old.items + 1, old.failures + failed,
                                           old.attempts + attempts)
-        try:
-            self._db.execute(_UPSERT, (*key, failed, attempts, time.time()))
-        except self._db.errors as exc:  # advisory counts: a busy database never fails a step
-            log.warning("outcome_store_write_failed", path=self.path, error=str(exc))
+        self._write(_UPSERT, (*key, failed, attempts, time.time()))
 
     def record_output(self, step: str, model: str | None, completion_tokens: int) -> None:
         """``step`` delivered an output of ``completion_tokens`` tokens on ``model``."""
         key = (step, model or self.default_model)
         kept = self._lengths.setdefault(key, deque(maxlen=KEEP_LENGTHS))
         kept.append(int(completion_tokens))
+        self._write(_UPSERT_TOKENS, (*key, json.dumps(list(kept)), time.time()))
+
+    def _write(self, statement: str, params: tuple[Any, ...]) -> None:
+        """``statement`` on the writer thread, after the writes before it (dropped when
+        :data:`MAX_PENDING` wait already)."""
+        with self._lock:
+            if self._pending >= MAX_PENDING:
+                log.warning("outcome_store_write_dropped", path=self.path,
+                            pending=self._pending)
+                return
+            self._pending += 1
+        self._writer.submit(self._write_now, statement, params)
+
+    def _write_now(self, statement: str, params: tuple[Any, ...]) -> None:
         try:
-            self._db.execute(_UPSERT_TOKENS, (*key, json.dumps(list(kept)), time.time()))
-        except self._db.errors as exc:  # advisory, as the counts
+            self._db.execute(statement, params)
+        except self._db.errors as exc:  # advisory: a busy database never fails a step
             log.warning("outcome_store_write_failed", path=self.path, error=str(exc))
+        finally:
+            with self._lock:
+                self._pending -= 1
 
     def lengths(self, step: str, model: str | None) -> OutputLengths | None:
         """The output lengths ``step`` had on ``model`` (tokens), or None when never seen."""
@@ -235,5 +263,10 @@ class StepOutcomes:
     def snapshot(self) -> dict[tuple[str, str], OutcomeCounts]:
         return dict(self._counts)
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """Let the waiting writes land (for up to ``grace_s``; the rest are dropped), then
+        close the database."""
+        flushed = self._writer.submit(lambda: None)
+        concurrent.futures.wait([flushed], timeout=grace_s)
+        self._writer.shutdown(wait=False, cancel_futures=True)
         self._db.close()

@@ -29,6 +29,15 @@
   the calls were made (:mod:`~flowlift.proxy.workflows.store_worker`): a slow database
   delays the runs that wait on it, never the event loop and the other requests. Hence
   the methods that read or write the store are coroutines.
+* Waiting on another proxy (a tail's next event, results and requests posted for the
+  runs here, a released run to take over) goes through :attr:`RunRegistry.wakeups`
+  (:mod:`~flowlift.proxy.workflows.wakeups`): woken by the store's ``NOTIFY`` on
+  PostgreSQL, polled every :data:`TAIL_POLL_S` without it (SQLite, or the channel down).
+* A store that fails (a restarted, exhausted or unreachable database) is waited out:
+  its calls retry inside the store, runs keep their events queued in order and go on
+  once it answers (no step runs twice), while :meth:`RunRegistry.unavailable` refuses
+  new runs (503, ``Retry-After``) and calls that answer a client wait at most
+  :data:`ANSWER_WITHIN_S`.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ from flowlift.errors import (
     RequestError,
     RunClosed,
     RunNotFound,
+    StoreUnavailable,
 )
 from flowlift.graph import Graph, LLMNode, ToolNode
 from flowlift.local_engine.residency import Lookahead, lookahead
@@ -80,6 +90,7 @@ from flowlift.proxy.workflows.store import (
     StoredRun,
 )
 from flowlift.proxy.workflows.store_worker import StoreWorker
+from flowlift.proxy.workflows.wakeups import Wakeups
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
@@ -87,7 +98,11 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 """A client-chosen run id: no path separators or leading dot, since ``<id>.jsonl`` is the
 run's trace file under ``trace_dir`` (``../x`` or ``/tmp/x`` would write outside it)."""
 TAIL_POLL_S = 0.2
-"""How often :meth:`RunRegistry.tail` reads a run another proxy executes from the store."""
+"""How often :meth:`RunRegistry.tail` reads a run another proxy executes from the store
+when nothing announces its events (SQLite, or the store's channel down)."""
+ANSWER_WITHIN_S = 3.0
+"""How long a request that a client waits on waits for the store before it answers 503
+(:class:`~flowlift.errors.StoreUnavailable`)."""
 
 
 def _exists(run_id: str) -> RequestError:
@@ -160,9 +175,11 @@ class RunRegistry:
                  outcomes: StepOutcomes | None = None, store_keep: int = 10_000,
                  store_ttl_s: float = 7 * 24 * 3600, max_active: int = 4096,
                  observer: RunObserver = NO_OBSERVER, lease_ttl_s: float = 15.0,
-                 proxy_tools: ProxyTools | None = None) -> None:
+                 proxy_tools: ProxyTools | None = None,
+                 wakeups: Wakeups | None = None) -> None:
         self.store = store or SQLiteRunStore(":memory:")
         self.io = StoreWorker()  # every store call, in order, off the event loop
+        self.wakeups = wakeups or self.store.listener()  # (started with the app)
         self._starting: set[str] = set()  # keys being created (their ids are taken)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.lease_ttl_s = lease_ttl_s
@@ -198,13 +215,25 @@ class RunRegistry:
             raise RunNotFound(run_id)
         return run
 
-    async def stored(self, run_id: str, tenant: str | None = None) -> StoredRun:
-        """The run ``run_id`` as the store holds it, as ``tenant`` may see it.
+    def unavailable(self) -> str | None:
+        """Why the store cannot take new work now (far behind, a call stalled, its
+        database failing), or None."""
+        trouble = self.store.trouble
+        return self.io.behind() or (None if trouble is None else
+                                    f"the run store {self.store.path} is unavailable "
+                                    f"({trouble}); retry shortly")
+
+    async def stored(self, run_id: str, tenant: str | None = None,
+                     within_s: float | None = None) -> StoredRun:
+        """The run ``run_id`` as the store holds it, as ``tenant`` may see it
+        (``within_s``: see :meth:`StoreWorker.call`).
 
         Raises:
             RunNotFound: the store has no such run, or it is another tenant's (HTTP 404).
+            StoreUnavailable: not read within ``within_s`` (HTTP 503).
         """
-        stored = await self.io.call(self.store.load, run_key(tenant, run_id))
+        stored = await self.io.call(self.store.load, run_key(tenant, run_id),
+                                    within_s=within_s)
         if stored is None or not visible(stored.tenant, tenant):
             raise RunNotFound(run_id)
         return stored
@@ -215,7 +244,8 @@ class RunRegistry:
         ids are its clients' ids (:func:`~flowlift.proxy.tenants.client_run_id`)."""
         runs, more = await self.io.call(functools.partial(
             self.store.recent, tenant=tenant,
-            after=None if after is None else run_key(tenant, after), **filters))
+            after=None if after is None else run_key(tenant, after), **filters),
+            within_s=ANSWER_WITHIN_S)
         return [dataclasses.replace(r, run_id=client_run_id(r.run_id, tenant))
                 for r in runs], more
 
@@ -234,8 +264,10 @@ class RunRegistry:
             RequestError: the graph's ``id`` names a run that exists, or is not a safe
                 name (:data:`_RUN_ID`: it becomes a file name under ``trace_dir``).
             Overloaded: ``max_active`` runs are running already, or ``tenant_max_active``
-                of the tenant's (429, ``Retry-After``); or the store is far behind
-                (:meth:`StoreWorker.behind`: 503, ``Retry-After``).
+                of the tenant's (429, ``Retry-After``).
+            StoreUnavailable: the store is far behind, stalled or failing
+                (:meth:`unavailable`), or did not create the run within
+                :data:`ANSWER_WITHIN_S` (503, ``Retry-After``).
         """
         if graph.id is not None and not _RUN_ID.fullmatch(graph.id):
             raise RequestError(f"run id {graph.id[:80]!r} must be 1-128 letters, digits, "
@@ -250,17 +282,19 @@ class RunRegistry:
             raise Overloaded(f"tenant {tenant!r} has {tenant_max_active} workflow runs "
                              "active, its max_active_runs; retry when one finishes",
                              retry_after_s=1.0, status=429)
-        behind = self.io.behind()
-        if behind is not None:
-            raise Overloaded(behind, retry_after_s=1.0)
+        why = self.unavailable()
+        if why is not None:
+            raise StoreUnavailable(why, retry_after_s=1.0)
         run_id = graph.id or f"wf-{secrets.token_hex(8)}"
         key = run_key(tenant, run_id)  # (ids are per tenant: another's is not looked at)
         if key in self.active or key in self._starting:
             raise _exists(run_id)
         self._starting.add(key)
         try:
+            # (a create that lands after the 503 leaves a run nobody follows: this
+            # proxy's heartbeat resumes it parked and the sweep cancels it)
             epoch = await self.io.call(self._create, key, graph.to_wire(), tenant,
-                                       graph.id is not None)
+                                       graph.id is not None, within_s=ANSWER_WITHIN_S)
         finally:
             self._starting.discard(key)
         run = Run(graph, backends, run_plan, costs, run_id=run_id, key=key,
@@ -321,6 +355,8 @@ class RunRegistry:
                                            outcomes=self.outcomes)
             self._activate(run)
             resumed.append(run)
+            self.wakeups.notify("posted", run_id)  # results kept for it meanwhile
+            self.wakeups.notify("event", run_id)  # tails here follow its own log now
             log.info("run_resumed", workflow_id=run.run_id, done=len(run.outputs),
                      steps=len(graph.nodes))
         return resumed
@@ -521,36 +557,80 @@ class RunRegistry:
             await self.io.call(self.store.drop_requests, done)
         return len(done)
 
-    async def tail(self, stored: StoredRun, after: int = 0,
-                   poll_s: float = TAIL_POLL_S) -> AsyncGenerator[Event, None]:
+    async def tail(self, stored: StoredRun, after: int = 0) -> AsyncGenerator[Event, None]:
         """The events of a run another proxy executes (``stored``: as read now): those
-        after ``after``, then new ones from the store every ``poll_s`` s until
-        ``run.finished``; follows the run's own log once this proxy takes it over. The
-        follow is marked in the store meanwhile (:meth:`heartbeat`)."""
+        after ``after``, then new ones from the store as they are announced (or polled:
+        :attr:`wakeups`) until ``run.finished``; follows the run's own log once this
+        proxy takes it over. The follow is marked in the store meanwhile
+        (:meth:`heartbeat`)."""
         run_id = stored.run_id
         self.tailed[run_id] += 1
         self.io.submit(self.store.mark_followed, [run_id])
         try:
             current: StoredRun | None = stored
-            while current is not None:
-                for event in current.events:
-                    if event[0] > after:
-                        after = event[0]
-                        yield event
-                        if event[1] == FINAL:
-                            return
-                if current.status != "running":
-                    return
-                if run_id in self.active:  # taken over here: its own log from now on
-                    async for event in self.active[run_id].log.follow(after):
-                        yield event
-                    return
-                await asyncio.sleep(poll_s)
-                current = await self.io.call(self.store.load, run_id)
+            with self.wakeups.watch(event={run_id}) as woken:
+                while current is not None:
+                    for event in current.events:
+                        if event[0] > after:
+                            after = event[0]
+                            yield event
+                            if event[1] == FINAL:
+                                return
+                    if current.status != "running":
+                        return
+                    if run_id in self.active:  # taken over here: its own log from now on
+                        async for event in self.active[run_id].log.follow(after):
+                            yield event
+                        return
+                    await woken.wait()
+                    woken.clear()  # (before the read: what is written during it wakes us)
+                    current = await self.io.call(self.store.load, run_id)
         finally:
             self.tailed[run_id] -= 1
             if not self.tailed[run_id]:
                 del self.tailed[run_id]
+
+    async def watch_posted(self, models: Callable[[], Collection[str] | None],
+                           options: Callable[[], CompileOptions], *,
+                           recompile: bool = False) -> None:
+        """Forever: hand the results, appends, closes and cancels kept in the store for
+        the runs here to them (:meth:`deliver_posted`, :meth:`apply_requests`) as they
+        are announced, or polled (:attr:`wakeups`); a failing store is tried again at
+        the next round. ``models``, ``options``: the served models and the compile
+        options of appends, read each round."""
+        with self.wakeups.watch(posted=self.active.keys()) as woken:
+            while True:
+                await woken.wait()
+                woken.clear()
+                try:
+                    await self.deliver_posted()
+                    await self.apply_requests(models(), options(), recompile=recompile)
+                except Exception:  # a database hiccup: the next round tries again
+                    log.exception("run_tool_results_failed")
+
+    async def keep_leases(self, backends: Backends, costs: CostTracker) -> None:
+        """Forever, on a shared store: :meth:`heartbeat` every third of ``lease_ttl_s``,
+        and at once when a run's lease is released elsewhere (take it over) or one of
+        the runs here is claimed by another proxy (stop it here)."""
+        with self.wakeups.watch(released=None, claimed=self.active.keys()) as woken:
+            while True:
+                await woken.wait(max(self.lease_ttl_s / 3, 0.1))
+                woken.clear()
+                try:
+                    await self.heartbeat(backends, costs)
+                except Exception:  # a database hiccup: the next beat tries again
+                    log.exception("run_heartbeat_failed")
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Stop listening, let the writes submitted land (for up to ``grace_s``: a store
+        still failing by then gives them up, and their runs resume from their logs at
+        the next start), close the store and the worker."""
+        self.wakeups.close()
+        drained = self.io.drain(grace_s)
+        if not drained:
+            log.warning("run_store_not_drained", backlog=self.io.backlog, grace_s=grace_s)
+        self.store.close()  # (calls still retrying give up at once)
+        self.io.close(wait=drained)
 
     def _activate(self, run: Run) -> None:
         self.active[run.key] = run

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from flowlift.errors import EngineError
 from flowlift.proxy.tenants import DEFAULT_TENANT
 from flowlift.proxy.workflows.events import Event
+from flowlift.proxy.workflows.wakeups import Wakeups
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, graph TEXT NOT NULL,
@@ -210,6 +211,17 @@ class RunStoreProtocol(Protocol):
 
     def close(self) -> None:
         """Release the database (the object is unusable after)."""
+        ...
+
+    @property
+    def trouble(self) -> str | None:
+        """Why the store's last call failed, while it fails (the database is unreachable,
+        restarting, out of connections: calls are retried meanwhile), or None."""
+        ...
+
+    def listener(self) -> Wakeups:
+        """What announces this store's changes to the proxy's waiters: a LISTEN channel
+        on a shared store, else plain polling (:mod:`~flowlift.proxy.workflows.wakeups`)."""
         ...
 
     # -- ownership: which proxy executes a run (leases; see store_pg) ------------------
@@ -472,6 +484,11 @@ class SQLiteRunStore:
 
     def close(self) -> None:
         self._db.close()
+
+    trouble = None  # (one file on this machine: a failure is no outage to wait out)
+
+    def listener(self) -> Wakeups:
+        return Wakeups()  # one proxy: nobody else writes, polling as before
 
     # -- ownership: one proxy owns a SQLite file, so every claim is granted ---------------
     shared = False

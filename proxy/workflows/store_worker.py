@@ -16,9 +16,14 @@ it. An event reaches followers only once its write has returned (committed: see
 client hears of it" holds as it did when writes blocked the loop.
 
 **Bound.** The queue itself takes every call (an event already computed is never
-dropped); admission is bounded instead: while more than ``max_backlog`` calls wait,
-:meth:`behind` says so and new runs are refused with a 503 and ``Retry-After`` until the
-store catches up.
+dropped); admission is bounded instead: while more than ``max_backlog`` calls wait, or
+the call at the head has run for more than ``stall_s`` (a database that restarts, is out
+of connections or unreachable: the store retries inside the call, see
+:mod:`~flowlift.proxy.workflows.store_pg`), :meth:`behind` says so and new runs are
+refused with a 503 and ``Retry-After`` until the store catches up. A caller that answers
+a client gives its call ``within_s`` (:meth:`call`): past it the client gets
+:class:`~flowlift.errors.StoreUnavailable` (503) instead of waiting, and a call that had
+not started by then never runs.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from flowlift.errors import StoreUnavailable
 
 T = TypeVar("T")
 
@@ -37,26 +45,52 @@ class StoreWorker:
 
     Args:
         max_backlog: calls waiting above which :meth:`behind` answers (new runs wait).
+        stall_s: how long one call may run before :meth:`behind` answers.
     """
 
-    def __init__(self, max_backlog: int = 10_000) -> None:
+    def __init__(self, max_backlog: int = 10_000, stall_s: float = 2.0) -> None:
         self.max_backlog = max_backlog
+        self.stall_s = stall_s
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="flowlift-store")
         self._lock = threading.Lock()
         self._waiting = 0
+        self._since: float | None = None  # time.monotonic() the running call began
 
     @property
     def backlog(self) -> int:
         """Calls submitted and not finished yet."""
         return self._waiting
 
+    @property
+    def stalled_s(self) -> float:
+        """How long the running call has run (0.0: none runs)."""
+        since = self._since
+        return 0.0 if since is None else time.monotonic() - since
+
     def behind(self) -> str | None:
-        """Why new runs should wait (the store is ``max_backlog`` calls behind), or None."""
-        if self._waiting <= self.max_backlog:
-            return None
-        return (f"the run store is {self._waiting} writes behind (a slow or unreachable "
-                "database); retry shortly")
+        """Why new runs should wait (the store is ``max_backlog`` calls behind, or its
+        running call has not returned for ``stall_s``), or None."""
+        if self._waiting > self.max_backlog:
+            return (f"the run store is {self._waiting} writes behind (a slow or unreachable "
+                    "database); retry shortly")
+        stalled = self.stalled_s
+        if stalled > self.stall_s:
+            return (f"the run store has not answered for {stalled:.1f} s (its database is "
+                    "restarting, out of connections or unreachable); retry shortly")
+        return None
+
+    def _timed(self, fn: Callable[..., T], deadline: float | None, *args: object) -> T:
+        """On the worker: ``fn(*args)``, its start noted for :attr:`stalled_s`; not run
+        at all past ``deadline`` (its caller has answered already)."""
+        if deadline is not None and time.monotonic() > deadline:
+            raise StoreUnavailable("the run store did not take the call in time (a slow or "
+                                   "unreachable database); retry shortly")
+        self._since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._since = None
 
     def _done(self, _: object) -> None:
         with self._lock:
@@ -68,9 +102,13 @@ class StoreWorker:
         Returns:
             Its future (the call's result, or its exception).
         """
+        return self._submit(fn, None, *args)
+
+    def _submit(self, fn: Callable[..., T], deadline: float | None,
+                *args: object) -> concurrent.futures.Future[T]:
         with self._lock:
             self._waiting += 1
-        future = self._pool.submit(fn, *args)
+        future = self._pool.submit(self._timed, fn, deadline, *args)
         future.add_done_callback(self._done)
         return future
 
@@ -79,18 +117,40 @@ class StoreWorker:
         the loop)."""
         return asyncio.wrap_future(self.submit(fn, *args))
 
-    async def call(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on the worker, awaited.
+    async def call(self, fn: Callable[..., T], *args: object,
+                   within_s: float | None = None) -> T:
+        """``fn(*args)`` on the worker, awaited; ``within_s``: at most that long (a
+        client waits for the answer), else as long as it takes.
 
         Raises:
+            StoreUnavailable: ``within_s`` passed first (a call that had not started by
+                then never runs; one that had runs to its end unheard).
             Exception: whatever ``fn`` raised.
         """
-        return await self.later(fn, *args)
+        if within_s is None:
+            return await self.later(fn, *args)
+        future = self._submit(fn, time.monotonic() + within_s, *args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), within_s)
+        except TimeoutError:
+            raise StoreUnavailable(f"the run store did not answer within {within_s:g} s "
+                                   "(a slow or unreachable database); retry shortly") from None
 
     async def flush(self) -> None:
         """Wait until every call submitted before has finished (the queue is FIFO)."""
         await self.call(lambda: None)
 
-    def close(self) -> None:
-        """Wait for every call submitted, then stop the thread."""
-        self._pool.shutdown(wait=True)
+    def drain(self, timeout_s: float) -> bool:
+        """Wait (blocking) up to ``timeout_s`` for every call submitted before.
+
+        Returns:
+            Whether they all finished.
+        """
+        flushed = self.submit(lambda: None)
+        return not concurrent.futures.wait([flushed], timeout=timeout_s).not_done
+
+    def close(self, wait: bool = True) -> None:
+        """Wait for every call submitted, then stop the thread; ``wait=False``: drop the
+        calls not started and leave a running one to end by itself (a call stuck on a
+        vanished database must not hold the proxy's exit)."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)

@@ -44,7 +44,9 @@
         ├── ProxyUnavailable          the SDK cannot reach the flowlift proxy
         ├── Overloaded                the proxy sheds load or every backend cools down
         │   │                         (HTTP 429/503 with ``Retry-After``)
-        │   └── ShuttingDown          the proxy drains after SIGTERM (503, ``Retry-After``)
+        │   ├── ShuttingDown          the proxy drains after SIGTERM (503, ``Retry-After``)
+        │   └── StoreUnavailable      the run store's database is unreachable or too slow
+        │                             now (503, ``Retry-After``)
         └── UpstreamError             an upstream provider failed (status, body, retry_after_s)
 
 Warnings, not errors: :class:`PlanWarning` (a ``UserWarning``), what the compiler found
@@ -436,6 +438,16 @@ class ShuttingDown(Overloaded):
     def __init__(self, message: str, *, retry_after_s: float) -> None:
         super().__init__(message, retry_after_s=retry_after_s, status=503)
         self.code = "shutting_down"
+
+
+class StoreUnavailable(Overloaded):
+    """The run store cannot take the call now: its database is unreachable, restarting,
+    out of connections or too slow (HTTP 503 with ``Retry-After``, code
+    ``store_unavailable``). Runs under way wait for it and go on; retry new work shortly."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, status=503)
+        self.code = "store_unavailable"
 
 
 class UpstreamError(RunError):
