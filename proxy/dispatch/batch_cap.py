@@ -45,6 +45,9 @@ from typing import Any
 
 from flowlift.local_engine.step_log import EngineStep, StepLog
 
+UNBOUNDED_TOKENS = 1 << 30
+"""A prefill allowance that bounds nothing (prefill priced at nothing)."""
+
 
 @dataclass(frozen=True, slots=True)
 class StepModel:
@@ -158,20 +161,15 @@ def plan_beside_interactive(model: StepModel, interactive: int, batch_slots: int
         raise ValueError("slowdown must be >= 1 and batch_slots >= 0")
     i = max(interactive, 1)
     bound = slowdown * model.step_ms(i)
-    if model.per_decode_ms <= 0:
-        cap = batch_slots
-    else:
-        cap = min(batch_slots, max(0, math.floor(
-            (bound - model.step_ms(i)) / model.per_decode_ms + 1e-9)))
+    room = (math.inf if model.per_decode_ms <= 0
+            else (bound - model.step_ms(i)) / model.per_decode_ms)
+    cap = batch_slots if room >= batch_slots else max(0, math.floor(room + 1e-9))
     left = bound - model.step_ms(i + cap)
     per_token = model.per_prefill_token_ms
     if per_token is None or left <= 0:
-        tokens = 0
-    elif per_token <= 0:
-        tokens = 1 << 30
-    else:
-        tokens = math.floor(left / per_token)
-    return BatchPlan(cap, tokens)
+        return BatchPlan(cap, 0)
+    fits = math.inf if per_token <= 0 else left / per_token
+    return BatchPlan(cap, UNBOUNDED_TOKENS if fits >= UNBOUNDED_TOKENS else math.floor(fits))
 
 
 class DynamicCap:
