@@ -32,7 +32,7 @@ async def probe(max_batched: int | None) -> dict[str, Any]:
         import flowlift.local_engine.vllm_engine as ve
         base = ve.engine_kwargs
         ve.engine_kwargs = lambda cfg: {**base(cfg), "max_num_batched_tokens": max_batched}
-    eng = VLLMEngine(VLLMConfig.for_model())
+    eng = VLLMEngine(VLLMConfig.for_model(step_timings=True))
     await eng.start()
     log = eng.step_log()
     assert log is not None

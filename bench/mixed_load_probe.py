@@ -15,6 +15,7 @@ the batch size they decoded at).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -44,8 +45,8 @@ def serve(argv: list[str]) -> int:
     out = open(os.environ["PROBE_STEPS"], "a", buffering=1)  # noqa: SIM115
     init = vllm_engine.VLLMEngine.__init__
 
-    def patched(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
+    def patched(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, dataclasses.replace(config, step_timings=True), *args, **kwargs)
         if self.steps is not None:
             self.steps.listeners.append(lambda s: out.write(json.dumps(
                 [time.time(), s.prefill_requests, s.prefill_tokens, s.decode_requests,

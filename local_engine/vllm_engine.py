@@ -102,7 +102,8 @@ class VLLMConfig:
         step_timings: record each engine iteration's requests, tokens and time in
             :meth:`VLLMEngine.step_log` (vLLM's ``enable_logging_iteration_details``,
             through a stat logger of our own: :mod:`flowlift.local_engine.step_log`);
-            what the dynamic batch cap fits its step-time model to.
+            what the dynamic batch cap fits its step-time model to (``flowlift serve
+            --batch-cap-when-interactive auto`` turns it on; off, vLLM keeps no stats).
     """
 
     model: str
@@ -121,7 +122,7 @@ class VLLMConfig:
     speculative_max_batch: int | None = None
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
-    step_timings: bool = True
+    step_timings: bool = False
 
     @classmethod
     def for_model(cls, name_or_path: str | None = None, **overrides: Any) -> VLLMConfig:

@@ -379,6 +379,9 @@ def test_serve_flags_reach_the_proxy_and_the_engine(engine_configs):
     assert (flags["batch_cap_when_interactive"], flags["interactive_slowdown"]) == ("auto", 1.5)
     cli._engines(args)
     assert engine_kwargs(engine_configs[-1])["max_num_batched_tokens"] == 256
+    assert engine_configs[-1].step_timings, "the auto cap needs the engine's step times"
+    cli._engines(cli.build_parser().parse_args(["serve", "--batch-cap-when-interactive", "4"]))
+    assert not engine_configs[-1].step_timings, "no stats kept where nothing reads them"
     assert "max_num_batched_tokens" not in engine_kwargs(
         VLLMConfig(model="/m", served_model_name="m"))
     assert cli.build_parser().parse_args(

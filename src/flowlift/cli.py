@@ -110,7 +110,10 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
                                                 speculative_ngram=args.speculative_ngram,
                                                 speculative_max_batch=args.speculative_max_batch,
                                                 block_size=args.block_size,
-                                                max_num_batched_tokens=args.max_step_tokens))
+                                                max_num_batched_tokens=args.max_step_tokens,
+                                                step_timings=getattr(
+                                                    args, "batch_cap_when_interactive",
+                                                    None) == "auto"))
         for config in configs:
             _add(sized, config.served_model_name, VLLMEngine(config),
                  config.estimated_memory_mb())
