@@ -31,7 +31,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import mixed_load as ml
-from bench.harness import EXAMPLE_CONFIG, RESULTS, pct
+from bench.harness import RESULTS, pct
 from examples.stdlib_docs.corpus import load_documents
 from flowlift import step, workflow
 from flowlift.testing import free_port
@@ -138,7 +138,7 @@ def main() -> int:
     log = RESULTS / f"probe_{tag}.log"
     log.unlink(missing_ok=True)
     serve_args = ("--state-db", ":memory:", "--log-level", "warning", "--scheduling",
-                  scheduling, *extra, "--config", str(EXAMPLE_CONFIG))
+                  scheduling, *extra)  # the default model (see bench/mixed_load.py)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with log.open("ab") as out:
