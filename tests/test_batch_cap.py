@@ -429,3 +429,22 @@ def test_the_vllm_stat_logger_records_each_real_iteration():
     logger.record(None, None)
     assert [(s.prefill_requests, s.prefill_tokens, s.decode_requests, s.elapsed_ms)
             for s in log] == [(1, 300, 7, 321.5)]
+
+
+async def test_the_slots_linger_as_long_as_programs_were_seen_to_take():
+    import time
+
+    linger = LingerModel(10.0, time.monotonic, min_samples=4)
+    slots = PrioritySlots(capacity=4, reserved_interactive=1, linger_s=10.0, linger=linger)
+    for k in range(6):  # chains whose next step came at once, then ended
+        first = Priority.of("interactive", program=f"run{k}")
+        await slots.acquire(first)
+        slots.release(first)
+        await slots.acquire(first)
+        slots.release(first)
+    assert linger.linger_s() < 1.0
+    await asyncio.sleep(linger.linger_s() + 0.05)
+    assert not slots.interactive_active(), "not the fixed 10 s"
+    waiting = asyncio.create_task(slots.acquire(BATCH, 100))
+    await asyncio.wait_for(waiting, 1)
+    slots.release(BATCH, 100)

@@ -327,11 +327,14 @@ class PrioritySlots:
             if self.linger is not None:
                 self.linger.released(priority.program)
                 linger = self.linger.linger_s()
-            self._interactive_until = max(self._interactive_until,
-                                          time.monotonic() + linger)
+            self._interactive_until = time.monotonic() + linger  # the last release's
+            loop = asyncio.get_running_loop()
+            timer = self._linger_timer
+            if timer is not None and timer.when() > loop.time() + linger + 0.02:
+                timer.cancel()  # a learned linger shrank: end the window sooner
+                self._linger_timer = None
             if self._linger_timer is None:
-                self._linger_timer = asyncio.get_running_loop().call_later(
-                    linger + 0.01, self._linger_over)
+                self._linger_timer = loop.call_later(linger + 0.01, self._linger_over)
         self._grant()
 
     def _linger_over(self) -> None:
