@@ -167,7 +167,8 @@ def main() -> int:
     parser.add_argument("--arms", default="priority,preempt,fcfs",
                         help="schedulers to run, comma-separated (fcfs is the reference); "
                              "NAME:N also sets --batch-cap-when-interactive N (or auto), "
-                             "NAME/T (after any :N) --max-step-tokens T")
+                             "NAME:auto@X also --interactive-slowdown X, NAME/T (last) "
+                             "--max-step-tokens T")
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine (0.03 s a token), 4 documents, 2 arrivals 0.1 s "
                              "apart, nothing saved")
@@ -187,10 +188,13 @@ def main() -> int:
     for arm in arms:  # "preempt:2": --scheduling preempt --batch-cap-when-interactive 2
         head, _, step_tokens = arm.partition("/")  # "preempt:auto/256": --max-step-tokens
         scheduling, _, cap = head.partition(":")
+        cap, _, slowdown = cap.partition("@")  # "auto@1.5": --interactive-slowdown 1.5
         results[arm] = scenario(scheduling, docs, args.interactive, args.every_s,
                                 kind, engine="fake" if args.smoke else "vllm",
                                 extra=(*extra, *(("--batch-cap-when-interactive", cap)
                                                  if cap else ()),
+                                       *(("--interactive-slowdown", slowdown)
+                                         if slowdown else ()),
                                        *(("--max-step-tokens", step_tokens)
                                          if step_tokens and not args.smoke else ())))
     if "fcfs" in results:
