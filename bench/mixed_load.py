@@ -22,13 +22,17 @@ alone (temperature 0; FCFS's count is the control: vLLM's own batch-dependent nu
     .venv/bin/python bench/mixed_load.py [--docs 24] [--interactive 8] [--batch free]
     .venv/bin/python bench/mixed_load.py --smoke   # seconds, fake engine: plumbing only
 
-The proxies serve the example's config (examples/stdlib_docs/flowlift.toml): its
-``classify`` is a ``small -> large`` cascade, so those model names must exist.
+With ``--batch example`` the proxies serve the example's config
+(examples/stdlib_docs/flowlift.toml: its ``classify`` is a ``small -> large`` cascade, so
+those model names must exist; since they became two Qwen2.5-Coder engines in bfloat16,
+that batch runs on them). The free-text batch runs on the default model alone
+(SmolLM2-135M-Instruct, float32), as the preemption figures in bench/RESULTS.md were.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import threading
@@ -100,8 +104,12 @@ def scenario(scheduling: str, docs: list[Any], n_interactive: int,
              every_s: float, kind: Any, engine: str = "vllm",
              extra: tuple[str, ...] = ()) -> dict[str, Any]:
     # the batch's tag is the same in every arm: its prompts (and greedy outputs) too
-    with proxy("--scheduling", scheduling, *extra, "--config", str(EXAMPLE_CONFIG),
-               name=f"mixed_{scheduling}_{'_'.join(extra[-1:])}", engine=engine) as base:
+    # the example's config only for its batch (its classify names the cascade's models);
+    # the free-text batch runs on the default model, SmolLM2-135M in float32, alone on
+    # the machine (the config now loads two Qwen2.5-Coder engines in bfloat16)
+    config = ("--config", str(EXAMPLE_CONFIG)) if kind == "example" else ()
+    with proxy("--scheduling", scheduling, *extra, *config,
+               name=f"mixed_{scheduling}_{'_'.join(extra[-3:])}", engine=engine) as base:
         interactive(base, -1)  # warm-up
         alone = [interactive(base, i) for i in range(8)]
         batch_alone = batch(base, docs, "alone", kind)
@@ -123,6 +131,8 @@ def scenario(scheduling: str, docs: list[Any], n_interactive: int,
         for arrival in arrivals:
             arrival.join()
         preempted = preemptions(base)
+        with urllib.request.urlopen(f"{base}/readyz", timeout=10) as r:
+            plans = json.loads(r.read()).get("batch_plans")
     # the alone and mixed batches differ only in their tag line: compare the outputs of
     # each run against this arm's other batch, which ran without interactive arrivals
     differ = sum(a != b for a, b in zip(batch_alone.pop("outputs"), mixed.pop("outputs"),
@@ -133,6 +143,8 @@ def scenario(scheduling: str, docs: list[Any], n_interactive: int,
                                     "p99": round(pct(loaded, 99), 2), "n": len(loaded)},
            "batch_alone": batch_alone, "batch_mixed": mixed, "preemptions": preempted,
            "batch_outputs_mixed_differing_from_alone": differ}
+    if plans:  # the dynamic cap's fitted step model and plan at the end of the run
+        out["batch_plans"] = plans
     out["batch_throughput_mixed_over_alone"] = round(
         mixed["steps_per_s"] / batch_alone["steps_per_s"], 2)
     for q in ("p50", "p99"):
@@ -154,7 +166,9 @@ def main() -> int:
                         help="max_tokens of the free-text batch step")
     parser.add_argument("--arms", default="priority,preempt,fcfs",
                         help="schedulers to run, comma-separated (fcfs is the reference); "
-                             "NAME:N also sets --batch-cap-when-interactive N")
+                             "NAME:N also sets --batch-cap-when-interactive N (or auto), "
+                             "NAME:auto@X also --interactive-slowdown X, NAME/T (last) "
+                             "--max-step-tokens T")
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine (0.03 s a token), 4 documents, 2 arrivals 0.1 s "
                              "apart, nothing saved")
@@ -172,11 +186,17 @@ def main() -> int:
     results: dict[str, Any] = {"documents": len(docs), "batch": args.batch,
                                "batch_tokens": args.batch_tokens, "every_s": args.every_s}
     for arm in arms:  # "preempt:2": --scheduling preempt --batch-cap-when-interactive 2
-        scheduling, _, cap = arm.partition(":")
+        head, _, step_tokens = arm.partition("/")  # "preempt:auto/256": --max-step-tokens
+        scheduling, _, cap = head.partition(":")
+        cap, _, slowdown = cap.partition("@")  # "auto@1.5": --interactive-slowdown 1.5
         results[arm] = scenario(scheduling, docs, args.interactive, args.every_s,
                                 kind, engine="fake" if args.smoke else "vllm",
                                 extra=(*extra, *(("--batch-cap-when-interactive", cap)
-                                                 if cap else ())))
+                                                 if cap else ()),
+                                       *(("--interactive-slowdown", slowdown)
+                                         if slowdown else ()),
+                                       *(("--max-step-tokens", step_tokens)
+                                         if step_tokens and not args.smoke else ())))
     if "fcfs" in results:
         f = results["fcfs"]
         for arm in arms:

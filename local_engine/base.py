@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flowlift.errors import RequestError
+from flowlift.local_engine.step_log import StepLog
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -322,6 +323,12 @@ class Engine(abc.ABC):
             RequestError: ``upto`` is not in the prompt, or the prompt is invalid.
             EngineError: the engine failed.
         """
+        return None
+
+    def step_log(self) -> StepLog | None:
+        """The engine's own timings of its recent steps (what each held, how long it
+        took: :mod:`flowlift.local_engine.step_log`), or ``None`` when it keeps none
+        (the default)."""
         return None
 
     def kv_cache_usage(self) -> float | None:

@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, Sequence
 
 from flowlift.local_engine.base import Engine, GenerationChunk, GenerationRequest
 from flowlift.local_engine.residency import ResidencyManager
+from flowlift.local_engine.step_log import StepLog
 
 
 class ResidentEngine(Engine):
@@ -72,6 +73,9 @@ class ResidentEngine(Engine):
 
     def tokenize(self, model: str, text: str) -> list[int] | None:
         return self.inner.tokenize(model, text)
+
+    def step_log(self) -> StepLog | None:
+        return self.inner.step_log()
 
 
 def managed_engines(manager: ResidencyManager) -> dict[str, Engine]:

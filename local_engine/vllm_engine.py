@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import time
@@ -47,6 +48,7 @@ from flowlift.local_engine.base import (
 )
 from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
 from flowlift.local_engine.models import cache_dir, default_dtype, resolve_model
+from flowlift.local_engine.step_log import StepLog, vllm_stat_logger
 
 _INSTALL_HINT = "install the engine with `bash scripts/install.sh`"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -92,6 +94,16 @@ class VLLMConfig:
             build). The prefix cache reuses whole blocks, so a smaller block keeps more of
             a session's previous answer cached (case W5: at most ``block_size - 1``
             tokens of a turn's shared prefix are re-prefilled); 32 works on CPU.
+        max_num_batched_tokens: tokens one engine step may compute (``None``: vLLM's
+            default, 2048 or more on CPU); a prompt longer than what is left of it is
+            prefilled in chunks over several steps (vLLM's chunked prefill). Smaller
+            steps bound how long a request arriving mid-step waits for the step to end
+            (on CPU a 1,300-token step takes 1-3 s); at least ``max_num_seqs``.
+        step_timings: record each engine iteration's requests, tokens and time in
+            :meth:`VLLMEngine.step_log` (vLLM's ``enable_logging_iteration_details``,
+            through a stat logger of our own: :mod:`flowlift.local_engine.step_log`);
+            what the dynamic batch cap fits its step-time model to (``flowlift serve
+            --batch-cap-when-interactive auto`` turns it on; off, vLLM keeps no stats).
     """
 
     model: str
@@ -109,6 +121,8 @@ class VLLMConfig:
     speculative_ngram: int | None = None
     speculative_max_batch: int | None = None
     block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    step_timings: bool = False
 
     @classmethod
     def for_model(cls, name_or_path: str | None = None, **overrides: Any) -> VLLMConfig:
@@ -213,7 +227,8 @@ class VLLMEngine(Engine):
         """
         self.config = config
         self.load_time_s: float | None = None  # seconds start() took (import + load)
-        self._build = build or _build_engine
+        self.steps = StepLog() if config.step_timings else None
+        self._build = build or functools.partial(_build_engine, step_log=self.steps)
         self._engine: Any = None
         self._tokenizer: Any = None
         set_env_defaults(config)
@@ -244,6 +259,10 @@ class VLLMEngine(Engine):
         self._engine = built.pop()
         self._tokenizer = self._engine.get_tokenizer()
         self.load_time_s = time.perf_counter() - started
+
+    def step_log(self) -> StepLog | None:
+        """The engine's recent iterations (None: ``step_timings`` off)."""
+        return self.steps
 
     def _require_engine(self) -> Any:
         if self._engine is None:
@@ -478,9 +497,11 @@ def fail_in_flight(engine: Any) -> None:
     propagate(EngineDeadError())
 
 
-def _build_engine(cfg: VLLMConfig) -> Any:
+def _build_engine(cfg: VLLMConfig, step_log: StepLog | None = None) -> Any:
     """Import vLLM and build its ``AsyncLLM`` for ``cfg`` (blocking: the engine core and
-    worker processes start and load the model).
+    worker processes start and load the model); with ``step_log``, each iteration's
+    details are recorded there (:func:`~flowlift.local_engine.step_log.vllm_stat_logger`:
+    vLLM's own default loggers stay off).
 
     Raises:
         EngineError: vLLM is not installed, finds no usable platform, or fails to start.
@@ -499,9 +520,11 @@ def _build_engine(cfg: VLLMConfig) -> Any:
         # like xgrammar: objects with "properties" get additionalProperties=false
         # unless the schema says otherwise (guidance would allow extra keys).
         disable_additional_properties=backend == "guidance")
-    args = AsyncEngineArgs(**engine_kwargs(cfg), structured_outputs_config=structured)
+    args = AsyncEngineArgs(**engine_kwargs(cfg), structured_outputs_config=structured,
+                           enable_logging_iteration_details=step_log is not None)
+    loggers = None if step_log is None else [vllm_stat_logger(step_log)]
     try:
-        return AsyncLLM.from_engine_args(args)
+        return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
     except Exception as exc:
         raise EngineError(f"the vLLM engine failed to start for {cfg.model}: "
                           f"{type(exc).__name__}: {exc}") from exc
@@ -542,15 +565,21 @@ def engine_kwargs(cfg: VLLMConfig) -> dict[str, Any]:
     ``structured_outputs_config`` (a vLLM object, built with vLLM imported).
 
     Raises:
-        EngineError: ``speculative_ngram`` is below 1.
+        EngineError: ``speculative_ngram`` is below 1, or ``max_num_batched_tokens``
+            below ``max_num_seqs`` (vLLM's rule: a step must hold a token of each).
     """
+    step = cfg.max_num_batched_tokens
+    if step is not None and step < cfg.max_num_seqs:
+        raise EngineError(f"max_num_batched_tokens ({step}) must be at least max_num_seqs "
+                          f"({cfg.max_num_seqs}): a step holds a token of each request")
     return dict(
         model=cfg.model, served_model_name=cfg.served_model_name, dtype=cfg.dtype,
         max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
         enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
         scheduling_policy=cfg.scheduling_policy, seed=cfg.seed, disable_log_stats=True,
         speculative_config=speculative_config(cfg),
-        **({"block_size": cfg.block_size} if cfg.block_size else {}))
+        **({"block_size": cfg.block_size} if cfg.block_size else {}),
+        **({"max_num_batched_tokens": step} if step else {}))
 
 
 def speculative_config(config: VLLMConfig) -> dict[str, Any] | None:

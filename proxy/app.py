@@ -59,6 +59,10 @@ async def readyz(request: web.Request) -> web.Response:
             "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason,
             "programs": {b.name: b.slots.programs.snapshot() for b in state.backends.backends
                          if b.slots.programs.enabled}}
+    plans = {b.name: plan for b in state.backends.backends
+             if (plan := b.slots.plan_snapshot()) is not None}
+    if plans:
+        body["batch_plans"] = plans
     if state.residency is not None:
         body["residency"] = {"budget_mb": state.residency.budget_mb,
                              "resident": list(state.residency.resident),
@@ -167,6 +171,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                         preempt=config.scheduling == "preempt",
                         batch_prefill_budget=config.batch_prefill_budget,
                         batch_cap_when_interactive=config.batch_cap_when_interactive,
+                        interactive_slowdown=config.interactive_slowdown,
                         config=file_config, transport=transport, max_queue=config.max_queue,
                         prefill_ahead=AheadConfig(
                             enabled=config.prefill_ahead,

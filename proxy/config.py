@@ -132,7 +132,11 @@ class ProxyConfig:
             dispatch), ``"preempt"`` (the same, and running batch requests are preempted
             for interactive work, then resumed) or ``"fcfs"`` (the baseline).
         batch_prefill_budget: prompt tokens of batch work in prefill at once.
-        batch_cap_when_interactive: batch slots while interactive work runs (None: half).
+        batch_cap_when_interactive: batch slots while interactive work runs (None: half;
+            ``"auto"``: planned from the engine's step times,
+            :mod:`flowlift.proxy.dispatch.batch_cap`).
+        interactive_slowdown: with ``"auto"``: the most an interactive step may slow
+            down beside batch work (1.3: 30 %).
         api_keys: keys of the tenant ``default`` (``[server] api_keys_env``), sent as
             ``Authorization: Bearer``; empty, with no ``tenants``: no auth.
         tenants: the ``[tenants.*]`` of the config (:mod:`flowlift.proxy.tenants`).
@@ -167,7 +171,8 @@ class ProxyConfig:
     detached_timeout_s: float = 300.0
     scheduling: str = "priority"
     batch_prefill_budget: int = 1024
-    batch_cap_when_interactive: int | None = None
+    batch_cap_when_interactive: int | Literal["auto"] | None = None
+    interactive_slowdown: float = 1.3
     api_keys: frozenset[str] = frozenset()
     tenants: tuple[Tenant, ...] = ()
     max_queue: int = 256

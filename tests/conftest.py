@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -44,3 +45,19 @@ async def client(aiohttp_client, make_app):
     c = await aiohttp_client(app)
     await app[STATE].ready.wait()
     return c
+
+
+@pytest.fixture
+def engine_configs(monkeypatch, tmp_path: Path) -> list[Any]:
+    """The ``VLLMConfig`` each engine ``flowlift serve`` builds gets, in order
+    (``VLLMConfig.for_model`` stubbed: no model is prepared, no engine started)."""
+    from flowlift.local_engine.vllm_engine import VLLMConfig
+
+    for key in ("HF_HUB_OFFLINE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):  # VLLMEngine() sets them
+        monkeypatch.setenv(key, "test")
+    seen: list[VLLMConfig] = []
+    monkeypatch.setattr(VLLMConfig, "for_model", classmethod(
+        lambda cls, name=None, **kw: seen.append(cls(model=str(tmp_path), served_model_name="m",
+                                                     **kw)) or seen[-1]))
+    return seen

@@ -4,7 +4,6 @@ reaches vLLM's engine arguments as ``speculative_config`` (method ``ngram``)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
@@ -42,22 +41,16 @@ def test_k_below_one_is_refused():
         speculative_config(_config(speculative_ngram=0))
 
 
-def test_the_serve_flag_reaches_the_engine_config(monkeypatch, tmp_path: Path):
+def test_the_serve_flag_reaches_the_engine_config(engine_configs):
     from flowlift import cli
 
-    for key in ("HF_HUB_OFFLINE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU",
-                "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):  # VLLMEngine() sets them
-        monkeypatch.setenv(key, "test")
-    seen: list[VLLMConfig] = []
-    monkeypatch.setattr(VLLMConfig, "for_model", classmethod(
-        lambda cls, name=None, **kw: seen.append(cls(model=str(tmp_path), served_model_name="m",
-                                                     **kw)) or seen[-1]))
     args = build_parser().parse_args(["serve", "--speculative-ngram", "3",
                                       "--speculative-max-batch", "2"])
     assert isinstance(args, argparse.Namespace)
     engines, _ = cli._engines(args)
-    assert (seen[-1].speculative_ngram, seen[-1].speculative_max_batch) == (3, 2)
-    assert engine_kwargs(seen[-1])["speculative_config"]["num_speculative_tokens"] == 3
+    config = engine_configs[-1]
+    assert (config.speculative_ngram, config.speculative_max_batch) == (3, 2)
+    assert engine_kwargs(config)["speculative_config"]["num_speculative_tokens"] == 3
     assert list(engines) == ["m"]
 
 

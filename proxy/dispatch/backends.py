@@ -18,6 +18,7 @@ import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import httpx
 
@@ -26,6 +27,7 @@ from flowlift.local_engine.base import Engine
 from flowlift.local_engine.models import served_name
 from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamSpec
 from flowlift.proxy.dispatch.batch import BatchClient
+from flowlift.proxy.dispatch.batch_cap import BatchPlan, DynamicCap, LingerModel
 from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
 from flowlift.proxy.dispatch.hints import SessionBook
 from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
@@ -77,7 +79,12 @@ class Backends:
         preempt: running batch requests on embedded engines are preempted for
             interactive work and resumed later (:mod:`~flowlift.proxy.dispatch.preemption`).
         batch_prefill_budget, batch_cap_when_interactive: see
-            :class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`.
+            :class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`;
+            ``batch_cap_when_interactive="auto"``: each engine that times its steps
+            (:meth:`Engine.step_log`) gets a
+            :class:`~flowlift.proxy.dispatch.batch_cap.DynamicCap` at
+            ``interactive_slowdown`` (the others half their slots), and every pool a
+            learned linger (:class:`~flowlift.proxy.dispatch.batch_cap.LingerModel`).
         config: the parsed config file (upstreams, routes, aliases), or None.
         transport: httpx transport for every upstream (tests); None: the network.
         max_queue: requests waiting per embedded backend before the proxy answers 429.
@@ -94,17 +101,22 @@ class Backends:
     def __init__(self, engines: Mapping[str, Engine], *, max_concurrency: int = 16,
                  aliases: Mapping[str, str] | None = None, fcfs: bool = False,
                  batch_prefill_budget: int = 1024,
-                 batch_cap_when_interactive: int | None = None, preempt: bool = False,
+                 batch_cap_when_interactive: int | Literal["auto"] | None = None,
+                 interactive_slowdown: float = 1.3, preempt: bool = False,
                  config: FileConfig | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
                  max_queue: int = 256,
                  prefill_ahead: AheadConfig | None = None,
                  programs: ProgramConfig | None = None) -> None:
+        auto = batch_cap_when_interactive == "auto"
+        self._auto_slowdown = interactive_slowdown if auto else None
         self._new_slots = functools.partial(
             PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
-            batch_cap_when_interactive=batch_cap_when_interactive, preempt=preempt,
-            programs=programs)
+            batch_cap_when_interactive=(None if batch_cap_when_interactive == "auto"
+                                        else batch_cap_when_interactive),
+            preempt=preempt, programs=programs)
         self._max_concurrency = max_concurrency
+        self._prefill_budget = batch_prefill_budget
         self._per_engine: dict[int, Backend] = {}
         self._by_model: dict[str, Backend] = {}
         self._embedded: dict[str, Backend] = {}  # "embedded:<model>" -> backend
@@ -148,12 +160,23 @@ class Backends:
         backend = self._per_engine.get(id(engine))
         if backend is None:
             backend = Backend(f"engine-{len(self._per_engine)}", engine,
-                              self._new_slots(capacity, kv_usage=engine.kv_cache_usage),
+                              self._new_slots(capacity, kv_usage=engine.kv_cache_usage,
+                                              **self._dynamic(engine, capacity)),
                               capacity)
             self._per_engine[id(engine)] = backend
             self.backends.append(backend)
             self.engines.append(engine)
         return backend
+
+    def _dynamic(self, engine: Engine, capacity: int) -> dict[str, Any]:
+        """The dynamic plan and learned linger of ``engine``'s slots (none: not auto)."""
+        if self._auto_slowdown is None:
+            return {}
+        log = engine.step_log()
+        fallback = BatchPlan(max(1, capacity // 2), self._prefill_budget)
+        return {"linger": LingerModel(1.0, time.monotonic),
+                "dynamic": None if log is None else DynamicCap(log, self._auto_slowdown,
+                                                               fallback)}
 
     def _configure(self, config: FileConfig, transport: httpx.AsyncBaseTransport | None) -> None:
         for name, spec in config.backends.items():

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the scheduler imports this module
+    from flowlift.proxy.dispatch.batch_cap import BatchPlan
     from flowlift.proxy.dispatch.scheduler import Priority
 
 
@@ -41,12 +42,16 @@ class Candidate:
         priority: its slot's priority.
         generated_tokens: tokens it has generated so far.
         max_tokens: its limit (None: none).
+        in_prefill: its current engine request has produced no token yet.
+        prefill_tokens: the prompt tokens it counts in prefill (while ``in_prefill``).
     """
 
     key: Hashable
     priority: Priority
     generated_tokens: int = 0
     max_tokens: int | None = None
+    in_prefill: bool = False
+    prefill_tokens: int = 0
 
     @property
     def remaining_tokens(self) -> float:
@@ -92,3 +97,33 @@ def choose_victims(candidates: Sequence[Candidate], count: int,
 def _negated(p: Priority) -> tuple[float, float, float]:
     """A key that sorts the least urgent priority first."""
     return (-p.class_rank, -p.neg_remaining_ms, -p.slack_ms)
+
+
+def victims_beside_interactive(candidates: Sequence[Candidate], plan: BatchPlan,
+                               min_remaining_tokens: int = 4) -> list[Candidate]:
+    """The running batch requests to preempt so that what stays fits ``plan``
+    (:func:`~flowlift.proxy.dispatch.batch_cap.plan_beside_interactive`).
+
+    Requests still in prefill go first: their prompt tokens count against
+    ``plan.prefill_tokens`` (smallest first is kept) and they have generated nothing
+    (their computed KV blocks stay in the prefix cache). Then, while more than
+    ``plan.decode_cap`` requests would stay, the decoding ones in
+    :func:`choose_victims`'s order.
+
+    Returns:
+        The requests to preempt (a request within ``min_remaining_tokens`` of its limit
+        is never chosen).
+    """
+    prefilling = sorted((c for c in candidates if c.in_prefill),
+                        key=lambda c: c.prefill_tokens)
+    decoding = [c for c in candidates if not c.in_prefill]
+    stop: list[Candidate] = []
+    kept, allowance = 0, plan.prefill_tokens
+    for c in prefilling:
+        if c.prefill_tokens <= allowance and kept < plan.decode_cap:
+            allowance -= c.prefill_tokens
+            kept += 1
+        else:
+            stop.append(c)
+    excess = len(decoding) + kept - plan.decode_cap
+    return stop + choose_victims(decoding, excess, min_remaining_tokens)

@@ -1,8 +1,11 @@
 """One generation on the embedded engine that may be preempted and resumed.
 
 A batch request granted a slot registers with its
-:class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots` once its first token came
-(preempting it during its prefill would waste the prefill). When interactive work
+:class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots` as it starts; its candidacy
+says whether it is still in prefill. Under a fixed batch cap only requests past their
+first token are preempted (preempting one in prefill wastes what of the prefill is not
+in whole KV blocks); the dynamic plan preempts those in prefill first, since their
+prefill is what slows the interactive steps most. When interactive work
 arrives and the slots choose it (:func:`~flowlift.proxy.dispatch.preemption.choose_victims`),
 :meth:`ResumableGeneration.preempt` aborts its engine request; its stream ends with
 ``finish_reason="abort"``, it gives its slot back and waits again (ahead of batch work
@@ -60,13 +63,21 @@ class ResumableGeneration:
         self._generated: list[int] = []
         self._attempt_id = request.request_id
         self._stopping = False
+        self._in_prefill = True
         self._aborts: set[asyncio.Task[None]] = set()
         self.resumptions = 0
 
     def candidate(self) -> Candidate:
         """Its priority and progress (:class:`~.preemption.Preemptible`)."""
         return Candidate(id(self), self._priority, len(self._generated),
-                         self._request.sampling.max_tokens)
+                         self._request.sampling.max_tokens, self._in_prefill,
+                         self._uncached_tokens())
+
+    def _uncached_tokens(self) -> int:
+        """Prompt tokens its next engine request prefills, as the slots count them: the
+        prompt's before any token came, else the tokens it generated (the prompt is in
+        the prefix cache; at least these are not, in whole blocks)."""
+        return len(self._generated) or self._prefill_tokens
 
     def preempt(self) -> None:
         """Abort the running engine request; the stream resumes it later."""
@@ -102,7 +113,7 @@ class ResumableGeneration:
                 slot = None
                 # what the prefix cache cannot serve: at least the tokens it decoded
                 # (cached only in whole blocks) go through prefill again
-                waiting = self._slots.slot(self._priority, len(self._generated),
+                waiting = self._slots.slot(self._priority, self._uncached_tokens(),
                                            resumed=True)
                 await waiting.acquire()
                 slot = waiting
@@ -122,15 +133,17 @@ class ResumableGeneration:
         request = dataclasses.replace(self._request, request_id=self._attempt_id,
                                       priority=slot.priority.engine_priority(),
                                       resume_token_ids=resumed)
-        batch = not slot.priority.interactive
+        self._in_prefill = True
+        if not slot.priority.interactive:
+            self._slots.register(self)
         async with contextlib.aclosing(self._engine.generate(request)) as chunks:
             async for chunk in chunks:
                 self._generated.extend(chunk.token_ids or ())
+                if chunk.token_ids or chunk.text:
+                    self._in_prefill = False
                 if chunk.text:
                     slot.prefilled()
                 if chunk.finish_reason is None:
-                    if batch:
-                        self._slots.register(self)
                     yield chunk
                     continue
                 usages.append(chunk.usage or Usage(

@@ -26,6 +26,17 @@ requests above that cap are preempted when interactive work is granted a slot (c
 and wait again, ahead of batch work not yet started, to resume as continuations
 (:mod:`flowlift.proxy.dispatch.resumable`). Without it, running requests are never
 preempted.
+
+With a :class:`~flowlift.proxy.dispatch.batch_cap.DynamicCap` (``flowlift serve
+--batch-cap-when-interactive auto``) the cap is not a fixed number but a plan made from
+the engine's measured step times for the interactive requests running now: how many
+batch requests may decode beside them and how many batch prompt tokens may be prefilled
+beside them (on a CPU: none), so their steps stay within a slowdown bound. New batch
+work waits while it does not fit the plan; with ``preempt`` on, batch requests still in
+prefill beyond it are preempted first, then decoding ones above the cap
+(:func:`~flowlift.proxy.dispatch.preemption.victims_beside_interactive`). A
+:class:`~flowlift.proxy.dispatch.batch_cap.LingerModel` replaces the fixed linger by the
+time programs were seen to take to send their next interactive step.
 """
 
 from __future__ import annotations
@@ -40,7 +51,13 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from flowlift.proxy.dispatch.preemption import Preemptible, choose_victims
+from flowlift.proxy.dispatch.batch_cap import BatchPlan, DynamicCap, LingerModel
+from flowlift.proxy.dispatch.preemption import (
+    Candidate,
+    Preemptible,
+    choose_victims,
+    victims_beside_interactive,
+)
 from flowlift.proxy.dispatch.programs import ProgramBook, ProgramConfig
 
 KvUsage = Callable[[], "float | None"]
@@ -122,6 +139,9 @@ class PrioritySlots:
         kv_usage: the engine's KV-cache share in use (0 to 1, None: unknown), read
             when a new program's request would start while a session's KV is kept.
         timer: the clock of attained service and waits (seconds); tests inject one.
+        dynamic: the batch plan beside interactive work from measured step times
+            (replaces ``batch_cap_when_interactive``; not with ``fcfs``).
+        linger: the learned linger (replaces ``linger_s``; not with ``fcfs``).
 
     Attributes:
         preemptions: requests asked to stop so far.
@@ -133,7 +153,9 @@ class PrioritySlots:
                  linger_s: float = 1.0, batch_prefill_budget: int = 1024,
                  preempt: bool = False, programs: ProgramConfig | None = None,
                  kv_usage: KvUsage | None = None,
-                 timer: Callable[[], float] = time.monotonic) -> None:
+                 timer: Callable[[], float] = time.monotonic,
+                 dynamic: DynamicCap | None = None,
+                 linger: LingerModel | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
@@ -142,6 +164,8 @@ class PrioritySlots:
         self.batch_cap = (capacity if fcfs else batch_cap_when_interactive
                           or max(1, capacity // 2))
         self.linger_s = linger_s
+        self.dynamic = None if fcfs else dynamic
+        self.linger = None if fcfs else linger
         self._interactive_until = 0.0
         self._linger_timer: asyncio.TimerHandle | None = None  # at most one at a time
         self.prefill_budget = batch_prefill_budget
@@ -180,6 +204,25 @@ class PrioritySlots:
         return (self.in_use > self.batch_in_use
                 or time.monotonic() < self._interactive_until)
 
+    def batch_plan(self) -> BatchPlan:
+        """What batch work may do while interactive work is active: the dynamic plan
+        for the interactive requests running now, else the fixed cap (and no bound on
+        prefill beyond ``batch_prefill_budget``)."""
+        if self.dynamic is None:
+            return BatchPlan(self.batch_cap, self.prefill_budget)
+        return self.dynamic.plan(self.in_use - self.batch_in_use,
+                                 self.capacity - self.reserved)
+
+    def plan_snapshot(self) -> dict[str, object] | None:
+        """The dynamic plan's state and the linger now (None: a fixed cap and linger)."""
+        if self.dynamic is None and self.linger is None:
+            return None
+        out: dict[str, object] = {"linger_s": round(self.linger.linger_s(), 3)
+                                  if self.linger is not None else self.linger_s}
+        if self.dynamic is not None:
+            out.update(self.dynamic.snapshot(self.capacity - self.reserved))
+        return out
+
     def _can_take(self, p: Priority, tokens: int = 0) -> bool:
         if self.in_use >= self.capacity:
             return False
@@ -190,7 +233,10 @@ class PrioritySlots:
             return False
         limit = self.capacity - self.reserved
         if not self.fcfs and self.interactive_active():
-            limit = min(limit, self.batch_cap)
+            plan = self.batch_plan()
+            limit = min(limit, plan.decode_cap)
+            if self.dynamic is not None and self.batch_prefill + tokens > plan.prefill_tokens:
+                return False
         return self.batch_in_use < limit
 
     def _key(self, p: Priority, level: int) -> Key:
@@ -221,6 +267,8 @@ class PrioritySlots:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self.programs.unkeep(priority.program)  # its next call came
+        if self.linger is not None and priority.interactive:
+            self.linger.acquired(priority.program)
         level = self.programs.level(priority.program)
         seq = next(self._seq)
         waiter = _Waiter(self._key(priority, level), -seq if resumed else seq, fut,
@@ -275,10 +323,18 @@ class PrioritySlots:
         if not priority.interactive:
             self.batch_in_use -= 1
         elif not self.fcfs:
-            self._interactive_until = time.monotonic() + self.linger_s
+            linger = self.linger_s
+            if self.linger is not None:
+                self.linger.released(priority.program)
+                linger = self.linger.linger_s()
+            self._interactive_until = time.monotonic() + linger  # the last release's
+            loop = asyncio.get_running_loop()
+            timer = self._linger_timer
+            if timer is not None and timer.when() > loop.time() + linger + 0.02:
+                timer.cancel()  # a learned linger shrank: end the window sooner
+                self._linger_timer = None
             if self._linger_timer is None:
-                self._linger_timer = asyncio.get_running_loop().call_later(
-                    self.linger_s + 0.01, self._linger_over)
+                self._linger_timer = loop.call_later(linger + 0.01, self._linger_over)
         self._grant()
 
     def _linger_over(self) -> None:
@@ -409,20 +465,30 @@ class PrioritySlots:
         slot for the interactive request that finds none)."""
         if not self.preempt:
             return
-        stopping = len(self._preempting)
-        excess = self.batch_in_use - stopping - self.batch_cap
-        if blocked:
-            excess = max(excess, self.in_use - stopping - self.capacity + 1)
-        if excess <= 0:
-            return
         running: dict[Hashable, Preemptible] = {
             k: r for k, r in self._preemptible.items() if k not in self._preempting}
         candidates = [dataclasses.replace(r.candidate(), key=k) for k, r in running.items()]
-        for victim in choose_victims(candidates, excess):
+        for victim in self._victims(candidates, blocked):
             request = running[victim.key]
             self._preempting.add(id(request))
             self.preemptions += 1
             request.preempt()
+
+    def _victims(self, candidates: list[Candidate], blocked: bool) -> list[Candidate]:
+        """Whom to preempt now: down to the fixed cap (requests still in prefill are
+        left alone), or to the dynamic plan; ``blocked``: at least one more, to free
+        a slot for the interactive request that finds none."""
+        stopping = len(self._preempting)
+        need = self.in_use - stopping - self.capacity + 1 if blocked else 0
+        if self.dynamic is None:
+            excess = max(self.batch_in_use - stopping - self.batch_cap, need)
+            return choose_victims([c for c in candidates if not c.in_prefill], excess)
+        victims = victims_beside_interactive(candidates, self.batch_plan())
+        if len(victims) < need:
+            chosen = {id(v) for v in victims}
+            victims += choose_victims([c for c in candidates if id(c) not in chosen],
+                                      need - len(victims))
+        return victims
 
     def slot(self, priority: Priority, prefill_tokens: int = 0,
              resumed: bool = False) -> Slot:

@@ -109,7 +109,11 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
                                                 max_num_seqs=args.max_concurrency,
                                                 speculative_ngram=args.speculative_ngram,
                                                 speculative_max_batch=args.speculative_max_batch,
-                                                block_size=args.block_size))
+                                                block_size=args.block_size,
+                                                max_num_batched_tokens=args.max_step_tokens,
+                                                step_timings=getattr(
+                                                    args, "batch_cap_when_interactive",
+                                                    None) == "auto"))
         for config in configs:
             _add(sized, config.served_model_name, VLLMEngine(config),
                  config.estimated_memory_mb())
@@ -149,6 +153,7 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "trace_dir": Path(args.trace_dir) if args.trace_dir else None,
              "scheduling": args.scheduling, "batch_prefill_budget": args.batch_prefill_budget,
              "batch_cap_when_interactive": args.batch_cap_when_interactive,
+             "interactive_slowdown": args.interactive_slowdown,
              "max_queue": args.max_queue, "max_sessions": args.max_sessions,
              "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs,
              "lease_ttl_s": args.lease_ttl_s, "prefill_ahead": args.prefill_ahead,
@@ -447,6 +452,27 @@ _positive_int = _whole(1)
 _count = _whole(0)
 
 
+def _batch_cap(text: str) -> int | str:
+    """``--batch-cap-when-interactive``: ``auto`` or a whole number >= 0."""
+    if text == "auto":
+        return text
+    try:
+        return _count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be 'auto' or a whole number of at least 0, not {text!r}") from None
+
+
+def _slowdown(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 1 <= value < float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number of at least 1, not {text!r}")
+    return value
+
+
 def _name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty: give a model name or folder")
@@ -581,9 +607,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-prefill-budget", type=_positive_int, default=None,
                        help="prompt tokens of batch work in prefill at once (default 1024; "
                             "raise it on a GPU)")
-    serve.add_argument("--batch-cap-when-interactive", type=_count, default=None,
+    serve.add_argument("--batch-cap-when-interactive", type=_batch_cap, default=None,
+                       metavar="N|auto",
                        help="engine slots batch work may hold while interactive work runs "
-                            "(default: half of --max-concurrency)")
+                            "(default: half of --max-concurrency); auto: as many as keep "
+                            "interactive steps within --interactive-slowdown of their time "
+                            "alone, from the engine's measured step times, with no batch "
+                            "prefill beside them unless it fits too")
+    serve.add_argument("--interactive-slowdown", type=_slowdown, default=None, metavar="X",
+                       help="with --batch-cap-when-interactive auto: how much slower batch "
+                            "work may make an interactive step (default 1.3)")
     serve.add_argument("--no-prefill-ahead", dest="prefill_ahead", action="store_const",
                        const=False, default=None,
                        help="do not prefill the known start of the step that reads a tool's "
@@ -624,6 +657,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV-cache block size in tokens (default: vLLM's, 128 on CPU; "
                             "vLLM's CPU build needs a multiple of 32); smaller blocks keep "
                             "more of a session's previous answer cached")
+    serve.add_argument("--max-step-tokens", type=_positive_int, default=None, metavar="N",
+                       help="tokens one engine step may compute (vLLM's "
+                            "max_num_batched_tokens; longer prompts are prefilled in "
+                            "chunks; default: vLLM's, 2048 or more on CPU); smaller steps "
+                            "let an interactive request in sooner beside batch prefills")
     serve.add_argument("--max-sessions", type=_positive_int, default=None,
                        help="X-Flowlift-Session sessions kept (least recently used go "
                             "first; default 10000)")
