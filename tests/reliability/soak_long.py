@@ -25,7 +25,8 @@ or any error.
 
 ``--bound N`` bounds the proxy's tables at N (default 0: ``flowlift serve``'s own
 bounds, 1,024 finished runs and 10,000 of the rest: they fill in about ten minutes at
-1,000 arrivals a minute). ``--leak runs|fds`` makes the proxy leak on purpose: the soak
+1,000 arrivals a minute, the sessions with ``--max-sessions 5000``, since half the chats
+make one). ``--leak runs|fds`` makes the proxy leak on purpose: the soak
 must then fail.
 """
 
@@ -70,6 +71,8 @@ class Options:
     warmup_s: float | None = None
     """None: a third of the run."""
     bound: int = 0
+    max_sessions: int | None = None
+    """``flowlift serve --max-sessions`` (None: its default, 10,000)."""
     leak: str | None = None
     op_timeout_s: float = 60.0
     fake_delay_s: float = 0.02
@@ -105,7 +108,8 @@ def start_proxy(folder: Path, up_url: str, port: int, opts: Options) -> subproce
            "serve", "--engine", "fake", "--fake-delay-s", str(opts.fake_delay_s),
            "--max-concurrency", "32", "--port", str(port), "--log-level", "warning",
            "--config", str(write_config(folder, up_url)),
-           "--state-db", str(folder / "state.sqlite")]
+           "--state-db", str(folder / "state.sqlite"),
+           *(["--max-sessions", str(opts.max_sessions)] if opts.max_sessions else [])]
     env = {**os.environ, **{f"SOAK_KEYS_T{k}": key for k, key in enumerate(TENANT_KEYS)}}
     with (folder / "proxy.log").open("ab") as log:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -297,6 +301,8 @@ def parse(argv: list[str] | None = None) -> tuple[Options, str | None]:
                         help="seconds before the fit (default: a third of the run)")
     parser.add_argument("--bound", type=int, default=0,
                         help="the proxy's tables' bound (0: flowlift serve's defaults)")
+    parser.add_argument("--max-sessions", type=int, default=None,
+                        help="flowlift serve --max-sessions (half the chats make a session)")
     parser.add_argument("--leak", choices=("runs", "fds"), default=None,
                         help="make the proxy leak on purpose (the soak must fail)")
     parser.add_argument("--op-timeout-s", type=float, default=60.0,
@@ -308,9 +314,11 @@ def parse(argv: list[str] | None = None) -> tuple[Options, str | None]:
     per_window = args.window_s / args.sample_s
     if per_window < 1 or abs(per_window - round(per_window)) > 1e-9:
         parser.error("--window-s must be a whole multiple of --sample-s")
-    return Options(args.minutes, args.rate, args.window_s, args.sample_s, args.warmup_s,
-                   args.bound, args.leak, args.op_timeout_s, args.fake_delay_s,
-                   sys.argv[1:] if argv is None else argv), args.out
+    return Options(minutes=args.minutes, rate_per_min=args.rate, window_s=args.window_s,
+                   sample_s=args.sample_s, warmup_s=args.warmup_s, bound=args.bound,
+                   max_sessions=args.max_sessions, leak=args.leak,
+                   op_timeout_s=args.op_timeout_s, fake_delay_s=args.fake_delay_s,
+                   argv=sys.argv[1:] if argv is None else argv), args.out
 
 
 def main(argv: list[str] | None = None) -> int:
