@@ -220,3 +220,82 @@ async def test_soak_memory_plateaus(aiohttp_server, soak_s, capsys):
     # drifts with the allocator's fragmentation, hence its looser bound
     assert objects[1] <= 1.02 * objects[0] + 1000, samples
     assert rss[1] <= 1.05 * rss[0] + 8.0, samples
+
+
+# -- the paced soak against a `flowlift serve` process (issue 28 item 4) ---------------------
+
+TWO_MINUTES = {"minutes": 2.0, "rate_per_min": 1000.0, "window_s": 30.0, "sample_s": 2.0,
+               "warmup_s": 60.0, "bound": 300}
+"""The suite's soak: 2,000 workflows in 2 minutes, tables bounded at 300 so that they are
+full by the end of the first minute (the warm-up); 30 s windows, a sample every 2 s."""
+
+
+@pytest.mark.timeout(400)
+async def test_a_two_minute_soak_at_1000_workflows_a_minute_plateaus(capsys):
+    from tests.reliability.soak_long import Options, show, soak
+
+    report = await soak(Options(**TWO_MINUTES))  # type: ignore[arg-type]
+    with capsys.disabled():
+        show(report)
+    windows = report["windows"]
+    assert len(windows) == 4 and set(report["slopes"]) == {"rss_mib", "fds", "open_runs",
+                                                           "objects"}
+    ended = {k: sum(w["ended"].get(k, 0) for w in [*windows, report["after_last_window"]])
+             for k in ("succeeded", "cancelled")}
+    started = sum(w["started"] for w in windows)
+    assert started == 2000 and ended["cancelled"] >= 100, (started, ended)
+    assert ended["succeeded"] + ended["cancelled"] == started, ended  # every run ended
+    assert not report["problems"], report["problems"]
+
+
+def _report(samples: list[dict[str, float]], **extra: Any) -> dict[str, Any]:
+    windows = [{"window": k + 1, "t1": 30.0 * (k + 1), "errors": 0, "rate_per_min": 1000.0,
+                "objects": 200_000, "tables": {}, "walk": {"app.x": 10}} for k in range(4)]
+    report = {"windows": windows, "samples": samples, "warmup_s": 60.0, "bound": 0,
+              "rate_per_min": 1000.0, "errors": [], "left_open": 0, **extra}
+    from tests.reliability.soak_verdict import slopes
+    report["slopes"] = slopes(samples, windows, 60.0)
+    return report
+
+
+def _samples(rss: Any, fds: Any, runs: Any = lambda t: 10 + t % 7) -> list[dict[str, float]]:
+    return [{"t": float(t), "rss_mib": rss(t), "fds": fds(t), "open_runs": runs(t)}
+            for t in range(0, 121, 2)]
+
+
+def test_the_soak_verdict_calls_a_flat_noisy_line_a_plateau():
+    from tests.reliability.soak_verdict import verdict
+
+    noisy = _samples(lambda t: 130 + (t * 7919 % 11) / 5, lambda t: 40 + t * 31 % 35)
+    assert verdict(_report(noisy)) == []
+
+
+def test_the_soak_verdict_catches_a_slope_in_rss_fds_or_open_runs():
+    from tests.reliability.soak_verdict import verdict
+
+    flat_rss, flat_fds = (lambda t: 130.0), (lambda t: 40 + t * 31 % 35)
+    # one finished run kept (~45 KiB) or one fd per workflow, at 1,000 workflows a minute
+    kept_runs = verdict(_report(_samples(lambda t: 130 + 0.75 * t, flat_fds)))
+    assert [p.split(":")[0] for p in kept_runs] == ["rss_mib"], kept_runs
+    fds = verdict(_report(_samples(flat_rss, lambda t: 40 + 16 * t)))
+    assert [p.split(":")[0] for p in fds] == ["fds"], fds
+    runs = verdict(_report(_samples(flat_rss, flat_fds, lambda t: 10 + t)))
+    assert [p.split(":")[0] for p in runs] == ["open_runs"], runs
+
+
+def test_the_soak_verdict_fails_errors_slow_rates_open_runs_and_growing_tables():
+    from tests.reliability.soak_verdict import verdict
+
+    flat = _samples(lambda t: 130.0, lambda t: 40.0)
+    report = _report(flat, errors=["chat 5: Expected: 500"], left_open=3)
+    report["windows"][1]["errors"] = 1
+    report["windows"][2]["rate_per_min"] = 600.0
+    report["windows"][3]["walk"] = {"app.x": 500}
+    assert verdict(report) == [
+        "1 error(s) in window 2", "chat 5: Expected: 500",
+        "window 3: 600 workflows/min, under 90% of 1000",
+        "app.x grew 10 -> 500 after the warm-up",
+        "3 run(s) still open after every client finished"]
+    short = _report(flat, warmup_s=200.0)
+    short["slopes"] = {}
+    assert verdict(short) == ["too short a soak: no window after the warm-up to judge"]
