@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import httpx
 import orjson
 from httpx_sse import EventSource, ServerSentEvent
 from tenacity import (
@@ -35,7 +34,8 @@ from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
 from flowlift.proxy.dispatch.sse_bytes import complete_prefix, has_data
-from flowlift.proxy.dispatch.upstream import Upstream, error_from, translate
+from flowlift.proxy.dispatch.upstream import Upstream, error_from
+from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, Answer, as_httpx, translate
 from flowlift.tracing import get_logger
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class Opened:
 
     upstream: Upstream
     call: Call
-    response: httpx.Response
+    answer: Answer
     body: bytes | None = None  # plain answers,
     doc: dict[str, Any] | None = None  # and the JSON object they hold (parsed once)
     events: AsyncIterator[ServerSentEvent] | None = None  # streams read as events
@@ -112,14 +112,14 @@ class Opened:
             self.timing.done(self.upstream.name, output_tokens, streamed=self.body is None)
 
     async def release(self) -> None:
-        """Close the upstream response, count the request out of the backend and give
+        """Close the upstream answer, count the request out of the backend and give
         its pool slot back."""
         try:
             for it in (self.events, self.chunks):
                 aclose = getattr(it, "aclose", None)  # (async generators have one)
                 if aclose is not None:
                     await aclose()
-            await self.response.aclose()
+            await self.answer.aclose()
         finally:
             self.call.close()
             if self.slot is not None:
@@ -172,21 +172,20 @@ async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
                    headers: dict[str, str], *, stream: Stream, budget_s: float,
                    waited: Waited) -> Opened:
     spec = upstream.spec
-    response: httpx.Response | None = None
+    response: Answer | None = None
     stage = "before answering"
     sent = 0.0  # when the request went (0: not out, or its wait already counted)
     try:
         async with asyncio.timeout(min(spec.first_token_timeout_s if stream
                                        else spec.response_timeout_s, budget_s)):
-            request = upstream.request(path, body, headers)
             sent = time.monotonic()
-            response = await upstream.send(request)
-            call.answered(response.status_code)
-            if response.status_code >= 400:
+            response = await upstream.post(path, body, headers)
+            call.answered(response.status)
+            if response.status >= 400:
                 raise await error_from(response, upstream.name)
             if not stream:
                 stage = "while sending its answer"
-                answer = await _read_whole(response)
+                answer = await response.read()
                 waited.s += time.monotonic() - sent
                 sent = 0.0
                 return _whole(upstream, call, response, answer)
@@ -199,7 +198,7 @@ async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
                 raise UpstreamError(f"backend {upstream.name!r} ended the stream before any "
                                     "event", status=502, backend=upstream.name)
             return opened
-    except (TimeoutError, httpx.HTTPError) as exc:
+    except TRANSPORT_ERRORS as exc:
         if response is not None:
             await response.aclose()
         raise translate(exc, upstream.name, stage=stage) from None
@@ -212,19 +211,10 @@ async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
             waited.s += time.monotonic() - sent
 
 
-async def _read_whole(response: httpx.Response) -> bytes:
-    """The answer's body: decoded by httpx when it has a ``Content-Encoding``, else the
-    transport's bytes as they are (what ``aread`` returns then, without its decoder,
-    chunker and context manager per read)."""
-    if "content-encoding" in response.headers:
-        return await response.aread()
-    return b"".join([part async for part in response.stream])  # type: ignore[union-attr]
-
-
-def _whole(upstream: Upstream, call: Call, response: httpx.Response, body: bytes) -> Opened:
+def _whole(upstream: Upstream, call: Call, response: Answer, body: bytes) -> Opened:
     """A whole answer, checked: a 200 that is not a JSON object, or a 1xx/204/3xx, is
     the upstream's fault (a retryable 502), never passed on to break the client."""
-    if response.status_code == 200:
+    if response.status == 200:
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -233,24 +223,22 @@ def _whole(upstream: Upstream, call: Call, response: httpx.Response, body: bytes
             return Opened(upstream, call, response, body=body, doc=doc)
         problem = "an answer that is not a JSON object"
     else:
-        problem = f"HTTP {response.status_code}, which is no answer to a POST"
+        problem = f"HTTP {response.status}, which is no answer to a POST"
     raise UpstreamError(f"backend {upstream.name!r} sent {problem}", status=502,
                         backend=upstream.name)
 
 
 async def _first_event(upstream: Upstream, call: Call,
-                       response: httpx.Response) -> Opened | None:
-    events = EventSource(response).aiter_sse()
+                       response: Answer) -> Opened | None:
+    events = EventSource(as_httpx(response)).aiter_sse()
     first = await anext(events, None)
     return None if first is None else Opened(upstream, call, response, events=events,
                                              first=first)
 
 
 async def _first_bytes(upstream: Upstream, call: Call,
-                       response: httpx.Response) -> Opened | None:
-    # the transport's own byte stream (what aiter_raw wraps; its failures are httpx's
-    # too): aiter_raw adds a context manager, a chunker and bookkeeping per read
-    chunks = aiter(response.stream)  # type: ignore[arg-type]  # (an async response)
+                       response: Answer) -> Opened | None:
+    chunks = response.chunks()
     buffer = b""
     async for chunk in chunks:
         buffer += chunk

@@ -19,7 +19,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
 import orjson
 from aiohttp import web
 
@@ -38,12 +37,8 @@ from flowlift.proxy.dispatch.sse_bytes import (
     has_error,
     without_usage,
 )
-from flowlift.proxy.dispatch.upstream import (
-    Upstream,
-    error_message,
-    forwarded_headers,
-    translate,
-)
+from flowlift.proxy.dispatch.upstream import Upstream, error_message, forwarded_headers
+from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.proxy.workflows.inferred import render_message
@@ -219,7 +214,7 @@ def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
     body = opened.body or b""
     if on_output is not None and opened.doc is not None:
         _observe_plain(opened.doc, on_output)
-    return web.Response(body=body, status=opened.response.status_code,
+    return web.Response(body=body, status=opened.answer.status,
                         content_type="application/json",
                         headers={"X-Flowlift-Backend": opened.upstream.name})
 
@@ -323,7 +318,7 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
                     if has_data(events):  # a keep-alive comment does not keep it alive
                         idle.reschedule(min(loop.time() + idle_s, deadline))
                     await passing.pass_on(events)
-        except (TimeoutError, httpx.HTTPError) as exc:
+        except TRANSPORT_ERRORS as exc:
             failure = str(translate(exc, upstream.name, stage="mid-stream"))
         await _end(opened, passing, failure, on_output)
         await resp.write_eof()
