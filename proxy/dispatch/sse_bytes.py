@@ -21,9 +21,20 @@ from collections.abc import Iterator
 
 import orjson
 
-_DONE = re.compile(rb"^data: ?\[DONE\]\s*$", re.MULTILINE)  # OpenAI chat/completions
+# each a whole line (see _line): no "^", which would make re try every position
+_DONE = re.compile(rb"data: ?\[DONE\]\s*$", re.MULTILINE)  # OpenAI chat/completions
 _TERMINAL = re.compile(  # the Responses API's last event
-    rb"^event: ?(?:response\.(?:completed|incomplete|failed)|error)\s*$", re.MULTILINE)
+    rb"event: ?(?:response\.(?:completed|incomplete|failed)|error)\s*$", re.MULTILINE)
+
+
+def _line(pattern: re.Pattern[bytes], events: bytes) -> bool:
+    """Whether ``pattern`` matches ``events`` from the start of a line (a search for its
+    literal start, then a look back: ``^`` in a multi-line pattern costs ~10x more)."""
+    for match in pattern.finditer(events):
+        at = match.start()
+        if at == 0 or events[at - 1] in b"\r\n":
+            return True
+    return False
 
 
 def complete_prefix(buffer: bytes) -> int:
@@ -49,8 +60,18 @@ def has_data(events: bytes) -> bool:
 def finished(events: bytes) -> bool:
     """Whether whole ``events`` include the stream's end marker."""
     # cheap substring tests first: every chunk of a stream passes through here
-    return ((b"[DONE]" in events and _DONE.search(events) is not None)
-            or (b"event:" in events and _TERMINAL.search(events) is not None))
+    return _done(events) or (b"event:" in events and _line(_TERMINAL, events))
+
+
+def _done(events: bytes) -> bool:
+    """Whether a line of ``events`` is ``data: [DONE]`` (found from the end, where it is)."""
+    at = events.rfind(b"[DONE]")
+    while at >= 0:
+        start = max(events.rfind(b"\n", 0, at), events.rfind(b"\r", 0, at)) + 1
+        if _DONE.match(events, start):
+            return True
+        at = events.rfind(b"[DONE]", 0, at)
+    return False
 
 
 def has_error(events: bytes) -> bool:
@@ -73,9 +94,21 @@ def has_error(events: bytes) -> bool:
 _BLOCK_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
-def blocks(events: bytes) -> list[bytes]:
-    """Whole ``events`` cut into their blocks (the blank lines between them dropped)."""
-    return _BLOCK_END.split(events)
+_SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+
+def block_at(events: bytes, at: int) -> tuple[int, int]:
+    """``(start, end)`` of the block of whole ``events`` that holds byte ``at`` (the
+    blank line after it left out)."""
+    start, end = 0, len(events)
+    for sep in _SEPARATORS:
+        before = events.rfind(sep, 0, at)
+        if before >= 0:
+            start = max(start, before + len(sep))
+        after = events.find(sep, at)
+        if after >= 0:
+            end = min(end, after)
+    return start, end
 
 
 def data_of(block: bytes) -> str | None:

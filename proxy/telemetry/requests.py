@@ -47,7 +47,7 @@ from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from flowlift.local_engine.base import Engine, GenerationChunk, Usage
-from flowlift.proxy.dispatch.sse_bytes import blocks, data_of, finished, has_data
+from flowlift.proxy.dispatch.sse_bytes import block_at, data_of, finished, has_data
 from flowlift.proxy.http import Handler
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.tenants import tenant_of
@@ -67,6 +67,8 @@ CHARS_PER_TOKEN = 4
 text with OpenAI-style BPE vocabularies averages about 4 characters a token)."""
 _MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"|"status":\s*"(?:incomplete|failed)"'
                        rb'|"type":\s*"error"')
+_HELD_MAX = 16
+"""Stream events kept for the span before they are read on the stream's path."""
 
 
 def _ns(t: float) -> int:
@@ -112,6 +114,8 @@ class RequestTrace:
         self.upstream_status: str | None = None  # a Responses API answer's status
         self.upstream_text = 0  # characters of a whole upstream answer's text
         self._answer: dict[str, Any] | None = None  # a whole upstream answer, not read yet
+        self._held: list[bytes] = []  # a forwarded stream's events to read, not read yet
+        self._want_model = True  # no event naming the model held yet
         self.prompt_estimate: int | None = None
         self.response_model: str | None = None
         self.outcome = "unknown"
@@ -179,8 +183,9 @@ class RequestTrace:
                 self._answer = doc  # read when the request ends (_read_answer)
 
     def sse(self, events: bytes) -> None:
-        """Whole events of a forwarded upstream stream. Parsed only where they may hold
-        usage or a finish reason (a byte search first), and the first (the model)."""
+        """Whole events of a forwarded upstream stream. Only those that may hold usage or
+        a finish reason (a byte search), and the first naming the model, are kept, and
+        read when the request ends (:meth:`_read_answer`), off the stream's path."""
         try:  # (per write: no context manager object, as _safe would make)
             self._sse(events)
         except Exception as exc:  # tracing must never break a request
@@ -192,22 +197,31 @@ class RequestTrace:
         now = time.monotonic()
         self.first_at = self.first_at or now
         self.last_at = now
-        first = self.events == 0
         self.events += events.count(b"data:")
         self.done = self.done or finished(events)
-        if first or _MAY_HOLD.search(events):
-            for block in blocks(events):  # (a write may hold the whole stream)
-                if self.response_model is not None and not _MAY_HOLD.search(block):
-                    continue  # a content delta: nothing to note but the model, once
-                data = data_of(block)
-                chunk = (chunks.parse_event(data)
-                         if data is not None and data.startswith("{") else None)
-                if chunk is not None:
-                    self._note(chunk)
+        held = self._held
+        if self._want_model and (at := events.find(b'"model"')) >= 0:
+            held.append(events[slice(*block_at(events, at))])
+            self._want_model = False
+        for match in _MAY_HOLD.finditer(events):  # (a write may hold the whole stream)
+            block = events[slice(*block_at(events, match.start()))]
+            if not held or held[-1] != block:
+                held.append(block)
+        if len(held) > _HELD_MAX:  # (an upstream that sends usage in every event)
+            self._read_held()
+
+    def _read_held(self) -> None:
+        held, self._held = self._held, []
+        for block in held:
+            data = data_of(block)
+            chunk = chunks.parse_event(data) if data is not None and data.startswith("{") else None
+            if chunk is not None:
+                self._note(chunk)
 
     def _read_answer(self) -> None:
-        """Note what an upstream's whole answer held (its model, usage, finish reasons,
-        text length): once, when the request ends, off the answer's path."""
+        """Note what an upstream's answer held (its model, usage, finish reasons, a whole
+        answer's text length): once, when the request ends, off the answer's path."""
+        self._read_held()
         doc, self._answer = self._answer, None
         if doc is not None:
             answer = chunks.parse(doc)
