@@ -125,6 +125,9 @@ def pick(route: Route, *, available: Callable[[str], bool], load: Callable[[str]
             (None: unknown); used by ``"predicted-latency"`` (absent: least loaded).
         turn: a counter the caller advances per request (``"round-robin"``).
     """
+    if len(route.backends) == 1:  # no choice to make (tried or not, it is the one)
+        name = route.backends[0]
+        return name if available(name) else None
     for avoid in (tried, ()):
         replicas = [n for n in route.replicas if n not in avoid and available(n)]
         if replicas:

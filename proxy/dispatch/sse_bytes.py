@@ -101,7 +101,7 @@ def block_at(events: bytes, at: int) -> tuple[int, int]:
     """``(start, end)`` of the block of whole ``events`` that holds byte ``at`` (the
     blank line after it left out)."""
     start, end = 0, len(events)
-    for sep in _SEPARATORS:
+    for sep in _SEPARATORS if b"\r" in events else _SEPARATORS[:1]:  # (most send \n only)
         before = events.rfind(sep, 0, at)
         if before >= 0:
             start = max(start, before + len(sep))

@@ -82,7 +82,7 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
         structlog.contextvars.bind_contextvars(workflow_id=joined[0], step_id=joined[1])
     traced = request_tracing.current()
     if traced is not None:
-        traced.request(route.model, joined, data.get("stream") is True, _prompt_chars(data))
+        traced.request(route.model, joined, data.get("stream") is True, data)
 
     async def local(target: Local) -> web.StreamResponse:
         assert handler is not None
@@ -93,13 +93,6 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
                          raw=raw, data=data, affinity=affinity,
                          embedded=local if handler is not None else None,
                          on_output=on_output)
-
-
-def _prompt_chars(data: dict[str, Any]) -> int:
-    """Characters of a request's prompt (``messages``, ``prompt`` or ``input`` as JSON):
-    the base of its prompt-token estimate when no usage comes back."""
-    return sum(len(orjson.dumps(data[key])) for key in ("messages", "prompt", "input")
-               if key in data)
 
 
 @routes.post("/v1/chat/completions")

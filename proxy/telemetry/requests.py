@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import orjson
 from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -93,6 +94,7 @@ class RequestTrace:
 
     def __init__(self, span: trace.Span, operation: str) -> None:
         self.span, self.operation = span, operation
+        self.recording = span.is_recording()  # (a span that goes nowhere takes no attributes)
         self.t0 = time.monotonic()
         self.waited_s = 0.0  # waiting on an upstream or an engine (see the module doc)
         self.ended_at: float | None = None  # the handler returned (or raised)
@@ -116,7 +118,7 @@ class RequestTrace:
         self._answer: dict[str, Any] | None = None  # a whole upstream answer, not read yet
         self._held: list[bytes] = []  # a forwarded stream's events to read, not read yet
         self._want_model = True  # no event naming the model held yet
-        self.prompt_estimate: int | None = None
+        self._prompt: dict[str, Any] | None = None  # the request's body, for prompt_estimate
         self.response_model: str | None = None
         self.outcome = "unknown"
         self.status: int | None = None  # the response's HTTP status, once ended
@@ -133,28 +135,39 @@ class RequestTrace:
 
     # -- hooks (called by the handlers; each one never raises) -------------------------
     def request(self, model: str, joined: tuple[str, str | None] | None, stream: bool,
-                prompt_chars: int = 0) -> None:
+                body: dict[str, Any] | None = None) -> None:
         """The request was read: its served ``model``, the workflow and step it
-        ``joined``, whether it streams, and the characters of its prompt (the estimate
-        of its prompt tokens when no usage comes back)."""
+        ``joined``, whether it streams, and its ``body`` (its prompt's characters are
+        the estimate of its prompt tokens when no usage comes back: :attr:`prompt_estimate`)."""
         with _safe("request"):
-            self.model, self.stream = model, stream
-            self.prompt_estimate = -(-prompt_chars // CHARS_PER_TOKEN) if prompt_chars else None
-            self.span.update_name(f"{self.operation} {model}")
-            self.span.set_attributes({genai.REQUEST_MODEL: model, "flowlift.stream": stream})
+            self.model, self.stream, self._prompt = model, stream, body
             if joined is not None:
                 self.ids[genai.WORKFLOW_ID] = joined[0]
                 if joined[1] is not None:
                     self.ids[genai.STEP_ID] = joined[1]
-                self.span.set_attributes(self.ids)
+            if self.recording:
+                self.span.update_name(f"{self.operation} {model}")
+                self.span.set_attributes({genai.REQUEST_MODEL: model, "flowlift.stream": stream,
+                                          **self.ids})
+
+    @property
+    def prompt_estimate(self) -> int | None:
+        """Prompt tokens estimated from the characters of the body's ``messages``,
+        ``prompt`` or ``input`` as JSON (None: no body, or no prompt in it); computed
+        when asked (only a request that got no usage back needs it)."""
+        body = self._prompt
+        chars = sum(len(orjson.dumps(body[key])) for key in ("messages", "prompt", "input")
+                    if key in body) if body is not None else 0
+        return -(-chars // CHARS_PER_TOKEN) if chars else None
 
     def slot(self, engine: Engine, model: str, backend: str) -> None:
         with _safe("slot"):
             if self.slot_at is None:
                 self.slot_at, self.engine, self.engine_model = time.monotonic(), engine, model
                 self.response_model = model
-                self.span.set_attributes({genai.PROVIDER: genai.provider_name(engine),
-                                          "flowlift.backend": backend})
+                if self.recording:
+                    self.span.set_attributes({genai.PROVIDER: genai.provider_name(engine),
+                                              "flowlift.backend": backend})
 
     def chunk(self, index: int, chunk: GenerationChunk) -> None:
         try:  # (per chunk: no context manager object, as _safe would make)
@@ -177,7 +190,9 @@ class RequestTrace:
         with _safe("upstream"):
             self.routed_at = time.monotonic()
             self.waited_s += waited_s
-            self.span.set_attributes({genai.PROVIDER: "openai", "flowlift.backend": backend})
+            if self.recording:
+                self.span.set_attributes({genai.PROVIDER: "openai",
+                                          "flowlift.backend": backend})
             if doc is not None:
                 self.done = True
                 self._answer = doc  # read when the request ends (_read_answer)
