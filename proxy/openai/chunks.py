@@ -92,11 +92,13 @@ def _is_map(value: object) -> TypeGuard[Mapping[str, Any]]:
     return type(value) is dict or (value is not None and isinstance(value, Mapping))
 
 
-def parse(doc: Mapping[str, Any]) -> Chunk:
+def parse(doc: Mapping[str, Any], *, choices: bool = True) -> Chunk:
     """Read one parsed event or whole answer (see the module for the fields).
 
     Args:
         doc: the event's (or answer's) JSON object.
+        choices: False: leave ``choices`` empty (unread), for a reader that needs only
+            the model, usage and status.
 
     Returns:
         The :class:`Chunk`; never raises on an odd shape.
@@ -106,10 +108,10 @@ def parse(doc: Mapping[str, Any]) -> Chunk:
     raw_usage = holder.get("usage")
     usage_json = raw_usage if _is_map(raw_usage) and raw_usage else None
     model = holder.get("model")
-    raw_choices = doc.get("choices")
-    choices = tuple(c for c in (_choice(entry) for entry in raw_choices)
-                    if c is not None) if isinstance(raw_choices, list) else ()
-    return Chunk(choices=choices, model=model if isinstance(model, str) else None,
+    raw_choices = doc.get("choices") if choices else None
+    read = tuple(c for c in (_choice(entry) for entry in raw_choices)
+                 if c is not None) if isinstance(raw_choices, list) else ()
+    return Chunk(choices=read, model=model if isinstance(model, str) else None,
                  usage=None if usage_json is None else _usage(usage_json),
                  usage_json=usage_json,
                  error=_error(doc["error"]) if "error" in doc else None,

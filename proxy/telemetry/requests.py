@@ -68,6 +68,9 @@ CHARS_PER_TOKEN = 4
 text with OpenAI-style BPE vocabularies averages about 4 characters a token)."""
 _MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"|"status":\s*"(?:incomplete|failed)"'
                        rb'|"type":\s*"error"')
+_MAY_HOLD_COUNTS = re.compile(rb'"usage":\s*\{|"status":\s*"(?:incomplete|failed)"'
+                              rb'|"type":\s*"error"')
+"""What the metrics need of a stream whose span records nothing (no finish reasons)."""
 _HELD_MAX = 16
 """Stream events kept for the span before they are read on the stream's path."""
 
@@ -218,7 +221,8 @@ class RequestTrace:
         if self._want_model and (at := events.find(b'"model"')) >= 0:
             held.append(events[slice(*block_at(events, at))])
             self._want_model = False
-        for match in _MAY_HOLD.finditer(events):  # (a write may hold the whole stream)
+        may_hold = _MAY_HOLD if self.recording else _MAY_HOLD_COUNTS
+        for match in may_hold.finditer(events):  # (a write may hold the whole stream)
             block = events[slice(*block_at(events, match.start()))]
             if not held or held[-1] != block:
                 held.append(block)
@@ -238,8 +242,8 @@ class RequestTrace:
         answer's text length): once, when the request ends, off the answer's path."""
         self._read_held()
         doc, self._answer = self._answer, None
-        if doc is not None:
-            answer = chunks.parse(doc)
+        if doc is not None:  # its choices: for the span, or to estimate a missing usage
+            answer = chunks.parse(doc, choices=self.recording or not doc.get("usage"))
             self._note(answer)
             self.upstream_text = sum(len(c.text) for c in answer.choices)
 
@@ -439,8 +443,12 @@ def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = T
 def _finish(rt: RequestTrace, status: int | None, abandoned: bool,
             error: BaseException | None, observe: Any) -> None:
     """End ``rt``'s span and count it in the metrics (never raises)."""
-    with _safe("end"):
+    try:  # (once per request: no context manager objects, as _safe would make)
         rt.end(status, abandoned, error)
+    except Exception as exc:  # tracing must never break a request
+        _failed("end", exc)
     if observe is not None:
-        with _safe("observe"):
+        try:
             observe(rt)
+        except Exception as exc:
+            _failed("observe", exc)
