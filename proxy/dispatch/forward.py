@@ -293,31 +293,30 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
     traced, clock = passing.traced, time.monotonic
     buffer = opened.tail
     failure: str | None = None
-    loop = asyncio.get_running_loop()
     try:
         await resp.prepare(request)
         await passing.pass_on(opened.head)
         try:
-            idle_s = upstream.spec.idle_timeout_s
-            async with asyncio.timeout_at(min(loop.time() + idle_s, deadline)) as idle:
-                reads = opened.chunks
-                while True:
-                    asked = clock()
-                    try:
-                        chunk = await anext(reads)
-                    except StopAsyncIteration:
-                        break
-                    finally:  # each read waits on the upstream (the proxy's own time not)
-                        if traced is not None:
-                            traced.waited_s += clock() - asked
-                    buffer += chunk
-                    end = complete_prefix(buffer)
-                    if not end:
-                        continue
-                    events, buffer = buffer[:end], buffer[end:]
-                    if has_data(events):  # a keep-alive comment does not keep it alive
-                        idle.reschedule(min(loop.time() + idle_s, deadline))
-                    await passing.pass_on(events)
+            async with asyncio.timeout(None) as expiry:
+                with IdleTimer(expiry, upstream.spec.idle_timeout_s, deadline) as idle:
+                    reads = opened.chunks
+                    while True:
+                        asked = clock()
+                        try:
+                            chunk = await anext(reads)
+                        except StopAsyncIteration:
+                            break
+                        finally:  # each read waits on the upstream (the proxy's own time not)
+                            if traced is not None:
+                                traced.waited_s += clock() - asked
+                        buffer += chunk
+                        end = complete_prefix(buffer)
+                        if not end:
+                            continue
+                        events, buffer = buffer[:end], buffer[end:]
+                        if has_data(events):  # a keep-alive comment does not keep it alive
+                            idle.restart()
+                        await passing.pass_on(events)
         except TRANSPORT_ERRORS as exc:
             failure = str(translate(exc, upstream.name, stage="mid-stream"))
         await _end(opened, passing, failure, on_output)
@@ -325,6 +324,38 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
     except ConnectionResetError:
         log.info("client_went_away", backend=upstream.name)
     return resp
+
+
+class IdleTimer:
+    """An idle timeout restarted by every event, at the cost of a float store: it
+    expires ``expiry`` (an entered ``asyncio.timeout(None)``: the stream's task gets its
+    ``TimeoutError``) ``idle_s`` after the last :meth:`restart`, or at ``deadline``
+    (event-loop time) if sooner. Its one timer handle re-arms itself when it fires
+    early, where ``asyncio.Timeout.reschedule`` would cancel and create a handle per
+    event (~4 us each, measured). A context manager: leaving it cancels the handle.
+    """
+
+    def __init__(self, expiry: asyncio.Timeout, idle_s: float, deadline: float) -> None:
+        self.expiry, self.idle_s, self.deadline = expiry, idle_s, deadline
+        self.loop = asyncio.get_running_loop()
+        self.until = self.armed = min(self.loop.time() + idle_s, deadline)
+        self.handle = self.loop.call_at(self.armed, self._due)
+
+    def restart(self) -> None:
+        self.until = min(self.loop.time() + self.idle_s, self.deadline)
+
+    def __enter__(self) -> IdleTimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.cancel()
+
+    def _due(self) -> None:
+        if self.until > self.armed:  # restarted since: wait for the new end
+            self.armed = self.until
+            self.handle = self.loop.call_at(self.armed, self._due)
+        else:
+            self.expiry.reschedule(self.loop.time())  # now
 
 
 async def _end(opened: Opened, passing: _Passing, failure: str | None,
