@@ -35,6 +35,7 @@ from flowlift.proxy.dispatch.sse_bytes import (
     finished,
     has_data,
     has_error,
+    plain,
     without_usage,
 )
 from flowlift.proxy.dispatch.upstream import Upstream, error_message, forwarded_headers
@@ -112,7 +113,11 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
     """
     deadline = asyncio.get_running_loop().time() + route.total_timeout_s
     headers = forwarded_headers(request.headers)
-    inject(headers)  # the proxy's own span (a child of the caller's) is the upstream's parent
+    traced = request_tracing.current()
+    if traced is not None and not traced.recording:  # (no OpenTelemetry calls for it)
+        traced.inject(headers)  # the proxy's own span (a child of the caller's)
+    else:
+        inject(headers)  # is the upstream's parent
     extra = _usage_asked(path, data)
     sessions = backends.sessions
     if affinity is not None and path in USAGE_PATHS:  # generations: SGLang sessions
@@ -138,7 +143,6 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
             return await embedded(opened)
         finally:
             backend.admitted -= 1
-    traced = request_tracing.current()
     if traced is not None:
         traced.upstream(opened.upstream.name, opened.doc, opened.waited_s)
     try:
@@ -262,12 +266,18 @@ class _Passing:
         self.errored = False  # the upstream sent its own error event
 
     async def pass_on(self, events: bytes) -> None:
-        if self.traced is not None:
-            self.traced.sse(events)
-        await self.resp.write(without_usage(events) if self.strip_usage else events)
+        if plain(events):  # (most writes: an output token's event; nothing to look for)
+            if self.traced is not None:
+                self.traced.sse(events, done=False, plain=True)
+            await self.resp.write(events)
+        else:
+            done = finished(events)
+            if self.traced is not None:
+                self.traced.sse(events, done=done)
+            await self.resp.write(without_usage(events) if self.strip_usage else events)
+            self.done = self.done or done
+            self.errored = self.errored or has_error(events)
         self.events += events.count(b"\n\n")
-        self.done = self.done or finished(events)
-        self.errored = self.errored or has_error(events)
         if self.collect is not None:
             self.collect.add(events)
 

@@ -95,38 +95,58 @@ def _safe(what: str) -> Iterator[None]:
 class RequestTrace:
     """What one OpenAI request's span learns while the request runs."""
 
+    # what a request may never set, as class-level defaults (one store less each,
+    # per request); what every request sets or fills is the instance's own
+    waited_s = 0.0  # waiting on an upstream or an engine (see the module doc)
+    ended_at: float | None = None  # the handler returned (or raised)
+    model: str | None = None
+    stream = False
+    engine: Engine | None = None
+    engine_model: str | None = None
+    slot_at: float | None = None
+    routed_at: float | None = None
+    first_at: float | None = None
+    last_at: float | None = None
+    events = 0
+    done = False
+    upstream_usage: dict[str, Any] | None = None
+    upstream_counts: Usage | None = None
+    upstream_status: str | None = None  # a Responses API answer's status
+    upstream_text = 0  # characters of a whole upstream answer's text
+    _answer: dict[str, Any] | None = None  # a whole upstream answer, not read yet
+    _want_model = True  # no event naming the model held yet
+    _prompt: dict[str, Any] | None = None  # the request's body, for prompt_estimate
+    response_model: str | None = None
+    outcome = "unknown"
+    status: int | None = None  # the response's HTTP status, once ended
+    tenant: str | None = None  # whose request (flowlift.proxy.tenants)
+
     def __init__(self, span: trace.Span, operation: str) -> None:
         self.span, self.operation = span, operation
         self.recording = span.is_recording()  # (a span that goes nowhere takes no attributes)
         self.t0 = time.monotonic()
-        self.waited_s = 0.0  # waiting on an upstream or an engine (see the module doc)
-        self.ended_at: float | None = None  # the handler returned (or raised)
-        self.model: str | None = None
-        self.stream = False
-        self.engine: Engine | None = None
-        self.engine_model: str | None = None
-        self.slot_at: float | None = None
-        self.routed_at: float | None = None
-        self.first_at: float | None = None
-        self.last_at: float | None = None
         self.texts: dict[int, list[str]] = {}
         self.usage: dict[int, Any] = {}
         self.finish: dict[int, str] = {}
-        self.events = 0
-        self.done = False
-        self.upstream_usage: dict[str, Any] | None = None
-        self.upstream_counts: Usage | None = None
-        self.upstream_status: str | None = None  # a Responses API answer's status
-        self.upstream_text = 0  # characters of a whole upstream answer's text
-        self._answer: dict[str, Any] | None = None  # a whole upstream answer, not read yet
         self._held: list[bytes] = []  # a forwarded stream's events to read, not read yet
-        self._want_model = True  # no event naming the model held yet
-        self._prompt: dict[str, Any] | None = None  # the request's body, for prompt_estimate
-        self.response_model: str | None = None
-        self.outcome = "unknown"
-        self.status: int | None = None  # the response's HTTP status, once ended
         self.ids: dict[str, str] = {}  # the workflow and step it joined
-        self.tenant: str | None = None  # whose request (flowlift.proxy.tenants)
+
+    def inject(self, headers: dict[str, str]) -> None:
+        """Write this request's span into ``headers`` as W3C ``traceparent`` (and
+        ``tracestate`` when it carries one), replacing any the caller sent: the
+        header OpenTelemetry's ``TraceContextTextMapPropagator`` writes for it
+        (``00-{trace_id:032x}-{span_id:016x}-{flags:02x}``, W3C Trace Context
+        section 3.2), formatted here without the current context's and the
+        propagator's lookups. The proxy sends its own span upstream this way when
+        the span records nothing (the tracer's spans go nowhere); a recording span's
+        header is :func:`flowlift.tracing.spans.inject`'s."""
+        ctx = self.span.get_span_context()
+        headers.pop("traceparent", None)
+        headers.pop("tracestate", None)
+        headers["traceparent"] = (f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}"
+                                  f"-{ctx.trace_flags:02x}")
+        if ctx.trace_state:
+            headers["tracestate"] = ctx.trace_state.to_header()
 
     def overhead_s(self, now: float | None = None) -> float:
         """The proxy's own time so far (up to ``now``, ``time.monotonic()`` seconds;
@@ -142,7 +162,7 @@ class RequestTrace:
         """The request was read: its served ``model``, the workflow and step it
         ``joined``, whether it streams, and its ``body`` (its prompt's characters are
         the estimate of its prompt tokens when no usage comes back: :attr:`prompt_estimate`)."""
-        with _safe("request"):
+        try:  # (once a request: no context manager object, as _safe would make)
             self.model, self.stream, self._prompt = model, stream, body
             if joined is not None:
                 self.ids[genai.WORKFLOW_ID] = joined[0]
@@ -152,6 +172,8 @@ class RequestTrace:
                 self.span.update_name(f"{self.operation} {model}")
                 self.span.set_attributes({genai.REQUEST_MODEL: model, "flowlift.stream": stream,
                                           **self.ids})
+        except Exception as exc:  # tracing must never break a request
+            _failed("request", exc)
 
     @property
     def prompt_estimate(self) -> int | None:
@@ -190,7 +212,7 @@ class RequestTrace:
                  waited_s: float = 0.0) -> None:
         """An upstream answered (``doc``: its whole JSON answer, when not streamed;
         ``waited_s``: seconds the attempts waited on upstreams until then)."""
-        with _safe("upstream"):
+        try:  # (once a request: no context manager object, as _safe would make)
             self.routed_at = time.monotonic()
             self.waited_s += waited_s
             if self.recording:
@@ -199,29 +221,43 @@ class RequestTrace:
             if doc is not None:
                 self.done = True
                 self._answer = doc  # read when the request ends (_read_answer)
+        except Exception as exc:  # tracing must never break a request
+            _failed("upstream", exc)
 
-    def sse(self, events: bytes) -> None:
+    def sse(self, events: bytes, done: bool | None = None, plain: bool = False) -> None:
         """Whole events of a forwarded upstream stream. Only those that may hold usage or
         a finish reason (a byte search), and the first naming the model, are kept, and
-        read when the request ends (:meth:`_read_answer`), off the stream's path."""
+        read when the request ends (:meth:`_read_answer`), off the stream's path.
+
+        Args:
+            done: whether they hold the end marker, when the caller knows
+                (:func:`~flowlift.proxy.dispatch.sse_bytes.finished`); None: found here.
+            plain: the caller found them :func:`~flowlift.proxy.dispatch.sse_bytes.plain`
+                (no usage, error or end marker in them: only a status may be left).
+        """
         try:  # (per write: no context manager object, as _safe would make)
-            self._sse(events)
+            self._sse(events, finished(events) if done is None else done, plain)
         except Exception as exc:  # tracing must never break a request
             _failed("sse", exc)
 
-    def _sse(self, events: bytes) -> None:
+    def _sse(self, events: bytes, done: bool, plain: bool) -> None:
         if not has_data(events):  # keep-alive comments: no model event
             return
         now = time.monotonic()
         self.first_at = self.first_at or now
         self.last_at = now
         self.events += events.count(b"data:")
-        self.done = self.done or finished(events)
+        self.done = self.done or done
         held = self._held
         if self._want_model and (at := events.find(b'"model"')) >= 0:
             held.append(events[slice(*block_at(events, at))])
             self._want_model = False
-        may_hold = _MAY_HOLD if self.recording else _MAY_HOLD_COUNTS
+        if self.recording:
+            may_hold = _MAY_HOLD
+        elif plain and b'"status"' not in events:  # (what else _MAY_HOLD_COUNTS finds)
+            return
+        else:
+            may_hold = _MAY_HOLD_COUNTS
         for match in may_hold.finditer(events):  # (a write may hold the whole stream)
             block = events[slice(*block_at(events, match.start()))]
             if not held or held[-1] != block:
@@ -379,8 +415,8 @@ def _unexported_span(parent: otel_context.Context | None) -> trace.Span:
     """A span that records nothing, with an id of its own under the caller's trace (a
     new trace without one): the ``traceparent`` sent upstream is what a recorded span's
     would be (the default parent-based sampler's flags)."""
-    up = trace.get_current_span(parent).get_span_context()
-    if up.is_valid:
+    up = None if parent is None else trace.get_current_span(parent).get_span_context()
+    if up is not None and up.is_valid:
         own = SpanContext(up.trace_id, _IDS.generate_span_id(), is_remote=False,
                           trace_flags=up.trace_flags, trace_state=up.trace_state)
     else:
