@@ -1,8 +1,8 @@
 """One span per OpenAI API request (``chat {model}``, ``text_completion {model}``...).
 
-:func:`trace_requests` (an aiohttp middleware) starts the span when the request
-arrives -- a child of the caller's W3C ``traceparent`` -- makes it the current span (so
-:func:`flowlift.tracing.spans.inject` sends the proxy's own span upstream), and ends it
+:class:`RequestTracing` (called by the proxy's middleware) starts the span when the
+request arrives -- a child of the caller's W3C ``traceparent`` -- makes it the current
+span (the proxy's own span is the upstream's parent), and ends it
 when the handler is done: for a stream that is when the stream was exhausted, cut short
 or abandoned by the client, since the handler returns only then (cases T1, T2). What the
 answer held is noted as it passes (:class:`RequestTrace`: the model, the engine's chunks
@@ -49,7 +49,6 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from flowlift.local_engine.base import Engine, GenerationChunk, Usage
 from flowlift.proxy.dispatch.sse_bytes import block_at, data_of, finished, has_data
-from flowlift.proxy.http import Handler
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.tenants import tenant_of
 from flowlift.tracing import genai
@@ -120,6 +119,7 @@ class RequestTrace:
     outcome = "unknown"
     status: int | None = None  # the response's HTTP status, once ended
     tenant: str | None = None  # whose request (flowlift.proxy.tenants)
+    tokens: tuple[Any, Any] = (None, None)  # its context's, while current (RequestTracing)
 
     def __init__(self, span: trace.Span, operation: str) -> None:
         self.span, self.operation = span, operation
@@ -425,8 +425,11 @@ def _unexported_span(parent: otel_context.Context | None) -> trace.Span:
     return trace.NonRecordingSpan(own)
 
 
-def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = True) -> Any:
-    """The aiohttp middleware that traces OpenAI API requests (see the module doc).
+class RequestTracing:
+    """The span of each OpenAI API request (see the module doc), begun and ended by two
+    plain calls that the proxy's one middleware makes around everything else it does
+    (:func:`flowlift.proxy.middleware.proxy_stack`: no middleware, no coroutine, of
+    its own per request).
 
     Args:
         tracer: the proxy's tracer.
@@ -436,44 +439,46 @@ def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = T
             non-recording span with an id of its own (the ``traceparent`` sent upstream
             is as ever), and the metrics and overhead figures are kept as ever.
     """
-    @web.middleware
-    async def trace_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+
+    def __init__(self, tracer: trace.Tracer, observe: Any = None, *,
+                 recording: bool = True) -> None:
+        self.tracer, self.observe, self.recording = tracer, observe, recording
+
+    def begin(self, request: web.Request) -> RequestTrace | None:
+        """Start ``request``'s span and make it current (None: a request not traced,
+        anything but a POST on :data:`TRACED_PATHS`); :meth:`end` must follow."""
         operation = TRACED_PATHS.get(request.path)
         if operation is None or request.method != "POST":
-            return await handler(request)
+            return None
         parent = extract(request.headers)
-        span = (tracer.start_span(operation, context=parent, kind=SpanKind.SERVER, attributes={
-            genai.OPERATION: operation, "http.route": request.path}) if recording
-            else _unexported_span(parent))
+        span = (self.tracer.start_span(operation, context=parent, kind=SpanKind.SERVER,
+                                       attributes={genai.OPERATION: operation,
+                                                   "http.route": request.path})
+                if self.recording else _unexported_span(parent))
         rt = RequestTrace(span, operation)
         request[TRACE_KEY] = rt
-        token = _current.set(rt)
-        ctx_token = otel_context.attach(trace.set_span_in_context(span))
-        status: int | None = None
-        error: BaseException | None = None
-        try:
-            response = await handler(request)
-            status = response.status
-            return response
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            rt.ended_at = time.monotonic()
-            otel_context.detach(ctx_token)
-            _current.reset(token)
-            transport = request.transport
-            abandoned = (transport is None or transport.is_closing()
-                         or isinstance(error, asyncio.CancelledError))
-            if abandoned:  # case N1: the client left; its upstream work was stopped
-                log.info("request_cancelled_by_client", path=request.path,
-                         model=rt.model, after_ms=round((rt.ended_at - rt.t0) * 1000))
-            rt.tenant = tenant_of(request)  # (set by require_key, inside this middleware)
-            # the span's end and the metrics once the answer is on its way: a plain
-            # answer is written after this returns, and this callback runs after that
-            asyncio.get_running_loop().call_soon(_finish, rt, status, abandoned, error,
-                                                 observe)
-    return trace_requests
+        rt.tokens = (_current.set(rt), otel_context.attach(trace.set_span_in_context(span)))
+        return rt
+
+    def end(self, request: web.Request, rt: RequestTrace, status: int | None,
+            error: BaseException | None) -> None:
+        """The handler is done (``status``: its response's, None when it raised
+        ``error``): restore the context; the span's end and the metrics follow once
+        the answer is on its way (a plain answer is written after the middleware
+        returns, and this callback runs after that)."""
+        rt.ended_at = time.monotonic()
+        current, attached = rt.tokens
+        otel_context.detach(attached)
+        _current.reset(current)
+        transport = request.transport
+        abandoned = (transport is None or transport.is_closing()
+                     or isinstance(error, asyncio.CancelledError))
+        if abandoned:  # case N1: the client left; its upstream work was stopped
+            log.info("request_cancelled_by_client", path=request.path,
+                     model=rt.model, after_ms=round((rt.ended_at - rt.t0) * 1000))
+        rt.tenant = tenant_of(request)  # (the key check ran after begin)
+        asyncio.get_running_loop().call_soon(_finish, rt, status, abandoned, error,
+                                             self.observe)
 
 
 def _finish(rt: RequestTrace, status: int | None, abandoned: bool,
