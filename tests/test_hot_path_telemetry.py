@@ -12,8 +12,8 @@ import pytest
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from flowlift.proxy.dispatch import forward
-from flowlift.proxy.dispatch.sse_bytes import finished, has_error, plain, without_usage
+from flowlift.proxy.dispatch import forward, sse_bytes
+from flowlift.proxy.dispatch.sse_bytes import finished, has_error, without_usage
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.proxy.telemetry.requests import RequestTrace
 from tests.upstream_fake import FakeUpstream, chat_json, chunk, upstream_only_proxy
@@ -38,25 +38,56 @@ SPECIAL = [b"data: [DONE]\n\n", _event(chunk({}, "stop", usage=USAGE)),
            _event(chunk({"content": "a"})) + b"data: [DONE]\n\n"]
 
 
-@pytest.mark.parametrize("events", ORDINARY)
-def test_an_ordinary_write_needs_none_of_the_checks(events):
-    assert plain(events)
-    assert not finished(events) and not has_error(events)
-    assert without_usage(events) is events
-
-
-@pytest.mark.parametrize("events", SPECIAL)
-def test_a_write_with_usage_an_error_or_the_end_is_not_ordinary(events):
-    assert not plain(events)
-    assert finished(events) or has_error(events) or without_usage(events) != events
-
-
 class _Sink:
     def __init__(self) -> None:
         self.out: list[bytes] = []
 
     async def write(self, data: bytes) -> None:
         self.out.append(data)
+
+
+def _refuse(*args):
+    raise AssertionError("an ordinary write searched")
+
+
+@pytest.mark.parametrize("events", ORDINARY)
+async def test_an_ordinary_write_is_searched_for_nothing_more(events, monkeypatch):
+    for name in ("finished", "has_error", "without_usage"):
+        monkeypatch.setattr(forward, name, _refuse)
+    sink = _Sink()
+    passing = forward._Passing(sink, None, strip_usage=True)  # type: ignore[arg-type]
+    await passing.pass_on(events)
+    assert sink.out == [events] and not passing.done and not passing.errored
+
+
+@pytest.mark.parametrize("events", SPECIAL)
+async def test_a_write_with_usage_an_error_or_the_end_gets_every_check(events):
+    sink = _Sink()
+    passing = forward._Passing(sink, None, strip_usage=True)  # type: ignore[arg-type]
+    await passing.pass_on(events)
+    assert (passing.done, passing.errored) == (finished(events), has_error(events))
+    assert sink.out == [without_usage(events)]
+    assert passing.done or passing.errored or sink.out != [events]
+
+
+def _without_usage_by_pattern(events: bytes) -> bytes:
+    """``without_usage`` as it was: every event split out by a pattern."""
+    if b'"usage"' not in events:
+        return events
+    return b"".join(sse_bytes._strip_event(m.group(1)) if b'"usage"' in m.group(0)
+                    else m.group(0) for m in sse_bytes._EVENT.finditer(events))
+
+
+def test_usage_is_left_out_of_a_long_write_as_the_pattern_left_it_out():
+    import random
+    pieces = [*ORDINARY, *SPECIAL, b"\n\n", b"data: not json \"usage\"\n\n",
+              b"data: a\ndata: \"usage\"\n\n", _event({**chunk(), "usage": None})]
+    rng = random.Random(28)
+    for _ in range(3000):
+        write = b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        write = (b"\n" if rng.random() < 0.1 else b"") + write + (
+            b"data: cut" if rng.random() < 0.2 else b"")
+        assert without_usage(write) == _without_usage_by_pattern(write), write
 
 
 async def test_a_forwarded_streams_ordinary_events_are_tested_once(monkeypatch):

@@ -35,7 +35,6 @@ from flowlift.proxy.dispatch.sse_bytes import (
     finished,
     has_data,
     has_error,
-    plain,
     without_usage,
 )
 from flowlift.proxy.dispatch.upstream import Upstream, error_message, forwarded_headers
@@ -266,18 +265,17 @@ class _Passing:
         self.errored = False  # the upstream sent its own error event
 
     async def pass_on(self, events: bytes) -> None:
-        if plain(events):  # (most writes: an output token's event; nothing to look for)
-            if self.traced is not None:
-                self.traced.sse(events, done=False, plain=True)
-            await self.resp.write(events)
-        else:
-            done = finished(events)
-            if self.traced is not None:
-                self.traced.sse(events, done=done)
-            await self.resp.write(without_usage(events) if self.strip_usage else events)
-            self.done = self.done or done
-            self.errored = self.errored or has_error(events)
+        # what a write may hold, each looked for once (most writes hold none of them:
+        # an output token's event); each check below runs only where its string is
+        usage, error = b'"usage"' in events, b'"error"' in events
+        named, end = b"event:" in events, b"[DONE]" in events
+        done = (end or named) and finished(events)
+        if self.traced is not None:
+            self.traced.sse(events, done=done, plain=not (usage or error or named or end))
+        await self.resp.write(without_usage(events) if usage and self.strip_usage else events)
         self.events += events.count(b"\n\n")
+        self.done = self.done or done
+        self.errored = self.errored or ((error or named) and has_error(events))
         if self.collect is not None:
             self.collect.add(events)
 

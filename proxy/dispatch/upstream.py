@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
@@ -124,10 +124,11 @@ class Upstream:
         self.health = Health(spec.failures_to_cool, spec.cooldown_s,
                              max_in_flight=spec.max_connections)
 
-    async def post(self, path: str, body: bytes,
-                   headers: Mapping[str, str] | None = None) -> Answer:
+    def post(self, path: str, body: bytes,
+             headers: Mapping[str, str] | None = None) -> Awaitable[Answer]:
         """POST ``body`` (JSON) to ``path`` under ``base_url`` with the upstream's key and
-        ``headers``; the answer once its headers are in (the caller closes it).
+        ``headers``; awaited: the answer once its headers are in (the caller closes it).
+        (The client's awaitable itself: no coroutine of this method's own per request.)
 
         Raises:
             one of :data:`~.upstream_http.TRANSPORT_ERRORS` (see :func:`translate`).
@@ -135,7 +136,7 @@ class Upstream:
         url = self._urls.get(path)
         if url is None:
             url = self._urls[path] = self.spec.base_url.rstrip("/") + path
-        return await self.client.post(url, body, headers)
+        return self.client.post(url, body, headers)
 
     async def post_at(self, url: str, body: bytes) -> Answer:
         """POST ``body`` (JSON) to ``url`` anywhere on the upstream's server (e.g.

@@ -25,7 +25,7 @@ Both clients answer with an :class:`Answer` and raise their library's own except
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Protocol, cast
 
 import aiohttp
@@ -72,10 +72,10 @@ class Answer(Protocol):
 class UpstreamClient(Protocol):
     """POSTs to one upstream server (see :class:`AiohttpClient`, :class:`HttpxClient`)."""
 
-    async def post(self, url: str, body: bytes,
-                   headers: Mapping[str, str] | None = None) -> Answer:
+    def post(self, url: str, body: bytes,
+             headers: Mapping[str, str] | None = None) -> Awaitable[Answer]:
         """POST ``body`` (JSON) to ``url`` with the client's fixed headers and
-        ``headers``; the answer as soon as its headers are in.
+        ``headers``; awaited: the answer as soon as its headers are in.
 
         Raises:
             one of :data:`TRANSPORT_ERRORS` (for :func:`translate`).
@@ -125,15 +125,16 @@ class AiohttpClient:
                                           sock_connect=self.connect_timeout_s))
         return self._session
 
-    async def post(self, url: str, body: bytes,
-                   headers: Mapping[str, str] | None = None) -> Answer:
+    def post(self, url: str, body: bytes,
+             headers: Mapping[str, str] | None = None) -> Awaitable[Answer]:
         session = self._session or self._open()
         target = self._urls.get(url)
         if target is None:  # parsed once per URL
             target = self._urls[url] = URL(url)
-        response = await session.post(target, data=body, headers=headers,
-                                      allow_redirects=False)
-        return cast(AiohttpAnswer, response)
+        # aiohttp's own awaitable (its response is an AiohttpAnswer: response_class),
+        # not awaited here: no coroutine of this method's own per request
+        return cast(Awaitable[Answer], session.post(target, data=body, headers=headers,
+                                                    allow_redirects=False))
 
     async def aclose(self) -> None:
         if self._session is not None:

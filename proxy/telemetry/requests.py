@@ -67,9 +67,13 @@ CHARS_PER_TOKEN = 4
 text with OpenAI-style BPE vocabularies averages about 4 characters a token)."""
 _MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"|"status":\s*"(?:incomplete|failed)"'
                        rb'|"type":\s*"error"')
-_MAY_HOLD_COUNTS = re.compile(rb'"usage":\s*\{|"status":\s*"(?:incomplete|failed)"'
-                              rb'|"type":\s*"error"')
-"""What the metrics need of a stream whose span records nothing (no finish reasons)."""
+"""What may hold what the span and the metrics need: a usage, a finish reason, a
+failed or incomplete status, an error."""
+_MARKS = (b'"usage"', b'"status"', b'"type"')
+"""Where a match of :data:`_MAY_HOLD` but a finish reason starts (what the metrics need
+of a stream whose span records nothing): found with ``bytes.find``, each checked with
+the pattern there (a pattern searched through a write tries every quote in it)."""
+_MARKS_RECORDING = (*_MARKS, b'"finish_reason"')
 _HELD_MAX = 16
 """Stream events kept for the span before they are read on the stream's path."""
 
@@ -89,6 +93,19 @@ def _safe(what: str) -> Iterator[None]:
         yield
     except Exception as exc:  # tracing must never break a request
         _failed(what, exc)
+
+
+def _matches(events: bytes, marks: tuple[bytes, ...]) -> list[int]:
+    """Where :data:`_MAY_HOLD` matches in ``events`` at one of ``marks``, in order."""
+    found = []
+    for mark in marks:
+        at = events.find(mark)
+        while at >= 0:
+            if _MAY_HOLD.match(events, at):
+                found.append(at)
+            at = events.find(mark, at + len(mark))
+    found.sort()
+    return found
 
 
 class RequestTrace:
@@ -232,8 +249,8 @@ class RequestTrace:
         Args:
             done: whether they hold the end marker, when the caller knows
                 (:func:`~flowlift.proxy.dispatch.sse_bytes.finished`); None: found here.
-            plain: the caller found them :func:`~flowlift.proxy.dispatch.sse_bytes.plain`
-                (no usage, error or end marker in them: only a status may be left).
+            plain: the caller found no ``"usage"``, ``"error"``, ``event:`` or
+                ``[DONE]`` in them (only a status may be left to look for).
         """
         try:  # (per write: no context manager object, as _safe would make)
             self._sse(events, finished(events) if done is None else done, plain)
@@ -252,14 +269,13 @@ class RequestTrace:
         if self._want_model and (at := events.find(b'"model"')) >= 0:
             held.append(events[slice(*block_at(events, at))])
             self._want_model = False
+        marks: tuple[bytes, ...] = _MARKS
         if self.recording:
-            may_hold = _MAY_HOLD
-        elif plain and b'"status"' not in events:  # (what else _MAY_HOLD_COUNTS finds)
+            marks = _MARKS_RECORDING
+        elif plain and b'"status"' not in events:  # (what else may hold a count)
             return
-        else:
-            may_hold = _MAY_HOLD_COUNTS
-        for match in may_hold.finditer(events):  # (a write may hold the whole stream)
-            block = events[slice(*block_at(events, match.start()))]
+        for at in _matches(events, marks):  # (a write may hold the whole stream)
+            block = events[slice(*block_at(events, at))]
             if not held or held[-1] != block:
                 held.append(block)
         if len(held) > _HELD_MAX:  # (an upstream that sends usage in every event)
