@@ -182,3 +182,25 @@ async def test_a_recording_span_still_goes_upstream_through_opentelemetry(
         span = captured.named("chat up")[0]
     sent = fake.received[0].headers["traceparent"].split("-")
     assert int(sent[2], 16) == span.context.span_id
+
+
+def test_a_request_naming_no_workflow_is_read_for_none(monkeypatch):
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from flowlift.proxy.workflows import inferred
+    monkeypatch.setattr(inferred, "_pick", _refuse)
+    plain_headers = CIMultiDictProxy(CIMultiDict({"Content-Type": "application/json"}))
+    assert inferred.workflow_from(plain_headers, {"model": "m", "metadata": {}}) is None
+    monkeypatch.undo()
+    joined = CIMultiDictProxy(CIMultiDict({"x-flowlift-workflow": "wf-1"}))
+    assert inferred.workflow_from(joined, {"model": "m"}) == ("wf-1", None)
+    assert inferred.workflow_from(plain_headers, {"metadata": {
+        "flowlift_workflow": "wf-2", "flowlift_step": "s"}}) == ("wf-2", "s")
+
+
+async def test_a_route_that_predicts_nothing_estimates_no_demand(
+        aiohttp_client, aiohttp_server, monkeypatch):
+    monkeypatch.setattr(forward, "demand_of", _refuse)
+    fake = FakeUpstream([FakeUpstream.json(chat_json())])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200

@@ -346,7 +346,7 @@ class _Attempts:
 
     async def _send(self, upstream: Upstream, number: int, slot: Slot | None) -> Opened:
         timing = None  # learned only where a choice is made by it
-        if self.route.strategy == "predicted-latency" and len(self.route.replicas) > 1:
+        if self.route.predicts:
             timing = Timing(self.backends.latency, self.route.model, self.demand,
                             self.backends.features(upstream.name, self.demand),
                             time.monotonic())

@@ -129,7 +129,8 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
                 up, raw, data, route.model, extra if up.spec.stream_usage else None, path,
                 affinity if sessions.is_open(up.name, affinity) else None),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity,
-            demand=demand_of(raw, data, affinity))
+            # (what only a choice that predicts reads: open_answer knows the affinity)
+            demand=demand_of(raw, data, affinity) if route.predicts else None)
     except UpstreamError as exc:
         return upstream_error_response(exc)
     if isinstance(opened, Local):

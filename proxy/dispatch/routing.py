@@ -75,6 +75,12 @@ class Route:
     def backends(self) -> tuple[str, ...]:
         return self._all
 
+    @property
+    def predicts(self) -> bool:
+        """Whether its replica choice predicts latency (``"predicted-latency"`` with
+        more than one replica: a request's demand and timing are read only then)."""
+        return self.strategy == "predicted-latency" and len(self.replicas) > 1
+
 
 def affinity_score(key: str, backend: str) -> int:
     """Rendezvous weight of ``backend`` for ``key`` (stable across processes)."""
