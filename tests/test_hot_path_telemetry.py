@@ -204,3 +204,44 @@ async def test_a_route_that_predicts_nothing_estimates_no_demand(
     fake = FakeUpstream([FakeUpstream.json(chat_json())])
     client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
     assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+
+
+def _awaiting(coro: object) -> list:
+    """The code of each coroutine (or generator) in ``coro``'s chain of awaits."""
+    codes = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            codes.append(frame.f_code)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return codes
+
+
+async def test_a_request_waiting_on_its_upstream_holds_few_coroutines(
+        aiohttp_client, aiohttp_server):
+    """While an answer is awaited, the request's task holds one coroutine per step
+    that must wrap the next (the middleware, the handler, forwarding, the attempts,
+    the attempt): every resumption passes through each of them."""
+    from aiohttp import web
+    release = asyncio.Event()
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.json_response(chat_json())
+    fake = FakeUpstream([held])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    sent = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+    chain: list[str] = []
+    for _ in range(200):
+        await asyncio.sleep(0.005)
+        for task in asyncio.all_tasks():
+            names = [code.co_qualname for code in _awaiting(task.get_coro())
+                     if "/site-packages/" not in code.co_filename]
+            if "_attempt" in names:
+                chain = names
+        if chain:
+            break
+    release.set()
+    assert (await sent).status == 200
+    assert chain == ["proxy_stack.<locals>.stack", "_dispatch", "forward", "open_answer",
+                     "_Attempts.send", "_attempt"]

@@ -278,7 +278,8 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
     attempts = _Attempts(backends, route, path, body_for, headers, stream,
                          demand or Demand(affinity=affinity), admit)
     try:  # the common case, without the retry machinery's overhead
-        return await attempts.once(1)
+        target = attempts.choose()
+        return await attempts.send(target, 1) if isinstance(target, Upstream) else target
     except UpstreamError as exc:
         if not exc.retryable or route.max_attempts == 1:
             raise
@@ -293,7 +294,9 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
             if pending is not None:  # attempt 1 already failed: tenacity waits after it
                 failed, pending = pending, None
                 raise failed
-            return await attempts.once(attempt.retry_state.attempt_number)
+            target = attempts.choose()
+            return (await attempts.send(target, attempt.retry_state.attempt_number)
+                    if isinstance(target, Upstream) else target)
     raise AssertionError("unreachable: tenacity re-raises the last failure")
 
 
@@ -317,7 +320,14 @@ class _Attempts:
         self.waited.s += seconds
         await asyncio.sleep(seconds)
 
-    async def once(self, number: int) -> Opened | Local:
+    def choose(self) -> Local | Upstream:
+        """The next attempt's backend: the embedded one the route chose, or the
+        upstream to :meth:`send` it to (a plain call, then one coroutine per attempt).
+
+        Raises:
+            Overloaded: nothing can take it now (this request's last failure instead,
+                when it had one).
+        """
         try:
             name = self.backends.choose(self.route, self.demand.affinity, self.tried,
                                         self.demand)
@@ -330,6 +340,15 @@ class _Attempts:
         local = self.backends.local(name)
         if local is not None:
             return local
+        return self.backends.upstreams[name]
+
+    async def send(self, upstream: Upstream, number: int) -> Opened:
+        """Attempt ``number`` (1 first) on ``upstream`` (its pool slot first, when the
+        route has a pool).
+
+        Raises:
+            UpstreamError: it failed (recorded in the upstream's health).
+        """
         slot = None
         if self.admit is not None:
             waiting = time.monotonic()
@@ -338,38 +357,36 @@ class _Attempts:
             self.t0 += queued  # queued in the pool: not the budget's
             self.waited.s += queued
         try:
-            return await self._send(self.backends.upstreams[name], number, slot)
+            timing = None  # learned only where a choice is made by it
+            if self.route.predicts:
+                timing = Timing(self.backends.latency, self.route.model, self.demand,
+                                self.backends.features(upstream.name, self.demand),
+                                time.monotonic())
+            call = upstream.health.call(self.key)
+            try:
+                opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
+                                        self.headers, stream=self.stream,
+                                        budget_s=self.route.total_timeout_s
+                                        - (time.monotonic() - self.t0), waited=self.waited)
+            except BaseException as exc:  # cancelled too (its run or its client went away):
+                call.close()  # counted out, or the backend would fill up and look busy
+                if isinstance(exc, UpstreamError):
+                    self.last = exc
+                    evidence = _evidence(call, exc)
+                    call.failed(evidence, retry_after_s=exc.retry_after_s)
+                    if timing is not None and evidence in ("down", "silent"):  # its fault
+                        now = time.monotonic()
+                        self.backends.latency.failed(upstream.name, now - timing.started, now)
+                    log.info("upstream_attempt_failed", backend=upstream.name,
+                             status=exc.status, retryable=exc.retryable, attempt=number,
+                             evidence=evidence)
+                raise
+            opened.slot, opened.waited_s = slot, self.waited.s
+            if timing is not None:
+                timing.first_at = time.monotonic()
+                opened.timing = timing
+            return opened
         except BaseException:
             if slot is not None:
                 slot.release()
             raise
-
-    async def _send(self, upstream: Upstream, number: int, slot: Slot | None) -> Opened:
-        timing = None  # learned only where a choice is made by it
-        if self.route.predicts:
-            timing = Timing(self.backends.latency, self.route.model, self.demand,
-                            self.backends.features(upstream.name, self.demand),
-                            time.monotonic())
-        call = upstream.health.call(self.key)
-        try:
-            opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
-                                    self.headers, stream=self.stream,
-                                    budget_s=self.route.total_timeout_s
-                                    - (time.monotonic() - self.t0), waited=self.waited)
-        except BaseException as exc:  # cancelled too (its run or its client went away):
-            call.close()  # counted out, or the backend would fill up and look busy
-            if isinstance(exc, UpstreamError):
-                self.last = exc
-                evidence = _evidence(call, exc)
-                call.failed(evidence, retry_after_s=exc.retry_after_s)
-                if timing is not None and evidence in ("down", "silent"):  # its fault
-                    now = time.monotonic()
-                    self.backends.latency.failed(upstream.name, now - timing.started, now)
-                log.info("upstream_attempt_failed", backend=upstream.name, status=exc.status,
-                         retryable=exc.retryable, attempt=number, evidence=evidence)
-            raise
-        opened.slot, opened.waited_s = slot, self.waited.s
-        if timing is not None:
-            timing.first_at = time.monotonic()
-            opened.timing = timing
-        return opened

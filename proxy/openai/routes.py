@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -95,20 +96,15 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
                          on_output=on_output)
 
 
-@routes.post("/v1/chat/completions")
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _dispatch(request, "/chat/completions", embedded.chat_completions)
-
-
-@routes.post("/v1/completions")
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _dispatch(request, "/completions", getattr(embedded, "completions", None))
-
-
-@routes.post("/v1/embeddings")
-async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await _dispatch(request, "/embeddings", getattr(embedded, "embeddings", None),
-                           observe=False)
+# the drop-in routes are _dispatch itself, its arguments bound (a coroutine function
+# wrapping it would add a frame that every resumption of a request passes through)
+routes.post("/v1/chat/completions")(partial(
+    _dispatch, path="/chat/completions", handler=embedded.chat_completions))
+routes.post("/v1/completions")(partial(
+    _dispatch, path="/completions", handler=getattr(embedded, "completions", None)))
+routes.post("/v1/embeddings")(partial(
+    _dispatch, path="/embeddings", handler=getattr(embedded, "embeddings", None),
+    observe=False))
 
 
 @routes.post("/v1/responses")
