@@ -56,7 +56,7 @@ async def test_an_ordinary_write_is_searched_for_nothing_more(events, monkeypatc
         monkeypatch.setattr(forward, name, _refuse)
     sink = _Sink()
     passing = forward._Passing(sink, None, strip_usage=True)  # type: ignore[arg-type]
-    await passing.pass_on(events)
+    await sink.write(passing.note(events))
     assert sink.out == [events] and not passing.done and not passing.errored
 
 
@@ -64,7 +64,7 @@ async def test_an_ordinary_write_is_searched_for_nothing_more(events, monkeypatc
 async def test_a_write_with_usage_an_error_or_the_end_gets_every_check(events):
     sink = _Sink()
     passing = forward._Passing(sink, None, strip_usage=True)  # type: ignore[arg-type]
-    await passing.pass_on(events)
+    await sink.write(passing.note(events))
     assert (passing.done, passing.errored) == (finished(events), has_error(events))
     assert sink.out == [without_usage(events)]
     assert passing.done or passing.errored or sink.out != [events]
@@ -111,7 +111,7 @@ async def test_a_forwarded_streams_ordinary_events_are_tested_once(monkeypatch):
         tokens = [_event(chunk({"content": f" w{i}"})) for i in range(20)]
         last = [_event(chunk({}, "stop", usage=USAGE)), b"data: [DONE]\n\n"]
         for events in tokens + last:
-            await passing.pass_on(events)
+            await sink.write(passing.note(events))
     finally:
         request_tracing._current.reset(token)
     assert set(searched) == set(last)  # each of the two by each of the three checks

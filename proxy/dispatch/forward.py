@@ -265,7 +265,10 @@ class _Passing:
         self.events = 0  # events passed on (about one output token each)
         self.errored = False  # the upstream sent its own error event
 
-    async def pass_on(self, events: bytes) -> None:
+    def note(self, events: bytes) -> bytes:
+        """Note whole ``events`` (for the span, the end, an error, ``on_output``); what
+        to write to the client of them. (A plain call: the stream's loop writes, no
+        coroutine of this method's own per write.)"""
         # what a write may hold, each looked for once (most writes hold none of them:
         # an output token's event); each check below runs only where its string is
         usage, error = b'"usage"' in events, b'"error"' in events
@@ -273,12 +276,12 @@ class _Passing:
         done = (end or named) and finished(events)
         if self.traced is not None:
             self.traced.sse(events, done=done, plain=not (usage or error or named or end))
-        await self.resp.write(without_usage(events) if usage and self.strip_usage else events)
         self.events += events.count(b"\n\n")
         self.done = self.done or done
         self.errored = self.errored or ((error or named) and has_error(events))
         if self.collect is not None:
             self.collect.add(events)
+        return without_usage(events) if usage and self.strip_usage else events
 
 
 async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | None,
@@ -304,7 +307,7 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
     failure: str | None = None
     try:
         await resp.prepare(request)
-        await passing.pass_on(opened.head)
+        await resp.write(passing.note(opened.head))
         try:
             async with asyncio.timeout(None) as expiry:
                 with IdleTimer(expiry, upstream.spec.idle_timeout_s, deadline) as idle:
@@ -325,7 +328,7 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
                         events, buffer = buffer[:end], buffer[end:]
                         if has_data(events):  # a keep-alive comment does not keep it alive
                             idle.restart()
-                        await passing.pass_on(events)
+                        await resp.write(passing.note(events))
         except TRANSPORT_ERRORS as exc:
             failure = str(translate(exc, upstream.name, stage="mid-stream"))
         await _end(opened, passing, failure, on_output)

@@ -39,6 +39,9 @@ def _line(pattern: re.Pattern[bytes], events: bytes) -> bool:
 
 def complete_prefix(buffer: bytes) -> int:
     """Length of the longest prefix of ``buffer`` that is whole events (0: none yet)."""
+    if b"\r" not in buffer:  # (most send \n only: one separator to look for)
+        i = buffer.rfind(b"\n\n")
+        return i + 2 if i >= 0 else 0
     end = 0
     for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
         i = buffer.rfind(sep)

@@ -252,14 +252,13 @@ class RequestTrace:
             plain: the caller found no ``"usage"``, ``"error"``, ``event:`` or
                 ``[DONE]`` in them (only a status may be left to look for).
         """
-        try:  # (per write: no context manager object, as _safe would make)
-            self._sse(events, finished(events) if done is None else done, plain)
+        try:  # (per write: no context manager object, as _safe would make; no call)
+            if has_data(events):  # (keep-alive comments: no model event)
+                self._sse(events, finished(events) if done is None else done, plain)
         except Exception as exc:  # tracing must never break a request
             _failed("sse", exc)
 
     def _sse(self, events: bytes, done: bool, plain: bool) -> None:
-        if not has_data(events):  # keep-alive comments: no model event
-            return
         now = time.monotonic()
         self.first_at = self.first_at or now
         self.last_at = now
