@@ -245,3 +245,15 @@ async def test_a_request_waiting_on_its_upstream_holds_few_coroutines(
     assert (await sent).status == 200
     assert chain == ["proxy_stack.<locals>.stack", "_dispatch", "forward", "open_answer",
                      "_Attempts.send", "_attempt"]
+
+
+def test_a_stream_for_a_span_that_records_nothing_is_read_without_its_choices(monkeypatch):
+    from flowlift.proxy.openai import chunks
+    monkeypatch.setattr(chunks, "_choice", _refuse)
+    rt = RequestTrace(NonRecordingSpan(SpanContext(1, 2, False)), "chat")
+    rt.request("up", None, True)
+    rt.sse(_event(chunk({"content": "a"}, model="served")))
+    rt.sse(_event(chunk({}, "stop", usage=USAGE)) + b"data: [DONE]\n\n")
+    rt.end(200, False, None)
+    assert rt.upstream_counts is not None and rt.upstream_counts.completion_tokens == 2
+    assert rt.response_model == "up-model" and rt.outcome == "complete" and not rt.finish

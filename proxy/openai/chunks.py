@@ -129,8 +129,8 @@ def _status(doc: Mapping[str, Any], holder: Mapping[str, Any]) -> str | None:
     return status if isinstance(status, str) else None
 
 
-def parse_event(data: str | bytes) -> Chunk | None:
-    """Read one stream event's ``data``.
+def parse_event(data: str | bytes, *, choices: bool = True) -> Chunk | None:
+    """Read one stream event's ``data`` (``choices``: as :func:`parse`'s).
 
     Returns:
         Its :class:`Chunk`, or None when ``data`` is not a JSON object (``[DONE]``, a
@@ -140,7 +140,7 @@ def parse_event(data: str | bytes) -> Chunk | None:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
-    return parse(doc) if isinstance(doc, dict) else None
+    return parse(doc, choices=choices) if isinstance(doc, dict) else None
 
 
 def _whole(value: object) -> int | None:

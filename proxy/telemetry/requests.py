@@ -284,7 +284,10 @@ class RequestTrace:
         held, self._held = self._held, []
         for block in held:
             data = data_of(block)
-            chunk = chunks.parse_event(data) if data is not None and data.startswith("{") else None
+            # (its choices only for a recording span's finish reasons: the metrics
+            # read a stream's model, usage and status, its end from the end marker)
+            chunk = (chunks.parse_event(data, choices=self.recording)
+                     if data is not None and data.startswith("{") else None)
             if chunk is not None:
                 self._note(chunk)
 
