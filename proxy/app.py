@@ -28,8 +28,8 @@ from flowlift.proxy.config import FileConfig, ProxyConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.prefill_ahead import AheadConfig
 from flowlift.proxy.dispatch.programs import ProgramConfig
-from flowlift.proxy.http import log, openai_errors
-from flowlift.proxy.middleware import readiness_gate, require_key
+from flowlift.proxy.http import log
+from flowlift.proxy.middleware import proxy_stack
 from flowlift.proxy.openai import routes as openai_api
 from flowlift.proxy.openai.responses import serving as responses_api
 from flowlift.proxy.openai.responses.store import ResponseStore
@@ -194,10 +194,9 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                        lease_ttl_s=config.lease_ttl_s, proxy_tools=tools)
     # The whole middleware stack, outermost first.
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
-        tel.request_middleware(),  # a span per OpenAI request (refused ones too), metrics
-        openai_errors,  # every failure leaves in the OpenAI error shape
-        require_key,  # API keys, when configured
-        readiness_gate,  # 503 while loading or draining; counts requests in flight
+        # a span per OpenAI request (refused ones too) and its metrics, the OpenAI error
+        # shape, API keys, the readiness gate: one middleware (proxy.middleware)
+        proxy_stack(tel.request_spans()),
     ])
     app[STATE] = ProxyState(backends=backends, runs=runs, config=config,
                             residency=residency,

@@ -42,24 +42,38 @@ def error_response(exc: FlowliftError, headers: dict[str, str] | None = None) ->
 
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Translate every failure into the OpenAI error shape; never leak a traceback."""
+    """Translate every failure into the OpenAI error shape (:func:`error_answer`); the
+    proxy's own middleware does the same inline
+    (:func:`flowlift.proxy.middleware.proxy_stack`)."""
     try:
         return await handler(request)
-    except FlowliftError as exc:
+    except Exception as exc:
+        return error_answer(request, exc)
+
+
+def error_answer(request: web.Request, exc: Exception) -> web.Response:
+    """The OpenAI-shaped answer to ``request`` for ``exc``, which its handling raised
+    (call it in the ``except`` block: an unexpected error is logged with its
+    traceback, and never leaked).
+
+    Raises:
+        web.HTTPException: ``exc`` itself, when it is aiohttp's answer below 400 (a
+            redirect, which is no failure).
+    """
+    if isinstance(exc, FlowliftError):
         return error_response(exc)
-    except web.HTTPException as exc:
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            raise exc
         kind, code = _AIOHTTP_TYPES.get(exc.status, ("invalid_request_error", None))
         body = {"error": {"message": f"{exc.reason}: {request.method} {request.path}"
                           if exc.status in (404, 405) else exc.text or exc.reason,
                           "type": kind, "param": None, "code": code}}
         return web.json_response(body, status=exc.status)
-    except Exception:
-        log.exception("unhandled_error", path=request.path)
-        body = {"error": {"message": "internal error in the flowlift proxy; see its log",
-                          "type": "server_error", "param": None, "code": "internal_error"}}
-        return web.json_response(body, status=500)
+    log.exception("unhandled_error", path=request.path)
+    body = {"error": {"message": "internal error in the flowlift proxy; see its log",
+                      "type": "server_error", "param": None, "code": "internal_error"}}
+    return web.json_response(body, status=500)
 
 
 def _loc(err: Any) -> str:

@@ -1,9 +1,11 @@
-"""The proxy's own middlewares, and the path sets they treat apart.
+"""The proxy's one middleware, and the path sets its steps treat apart.
 
-:func:`flowlift.proxy.app.create_app` stacks them in one list, outermost first
-(``web.Application(middlewares=...)``): request tracing
-(:mod:`flowlift.proxy.telemetry.requests`), :func:`~flowlift.proxy.http.openai_errors`,
-:func:`require_key`, :func:`readiness_gate`.
+:func:`proxy_stack` is the whole stack, outermost first, in one coroutine per request
+(starlette builds its stack once too; here each step is a plain call, where a
+middleware each would add a coroutine and a frame to every request): request tracing
+(:class:`flowlift.proxy.telemetry.requests.RequestTracing`), the OpenAI error shape
+(:func:`~flowlift.proxy.http.error_answer`), :func:`require_key`,
+:func:`readiness_gate`.
 
 The paths each one lets through are declared here, once:
 
@@ -16,12 +18,15 @@ The paths each one lets through are declared here, once:
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from flowlift.errors import AuthenticationError, EngineError, Overloaded, ShuttingDown
-from flowlift.proxy.http import Handler, error_response
-from flowlift.proxy.lifecycle import DRAIN
+from flowlift.proxy.http import Handler, error_answer, error_response
+from flowlift.proxy.lifecycle import DRAIN, Drain
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.telemetry.requests import RequestTracing
 from flowlift.proxy.tenants import TENANT_KEY, run_key, tenant_of
 from flowlift.proxy.workflows.registry import RunRegistry
 
@@ -34,8 +39,7 @@ RETRY_AFTER_S = 5
 """``Retry-After`` (seconds) of a request refused while loading or draining."""
 
 
-@web.middleware
-async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+def require_key(request: web.Request) -> None:
     """Optional proxy API keys: ``Authorization: Bearer <key>`` on every path but
     :data:`UNAUTHENTICATED`. The key names the request's tenant (``request["tenant"]``,
     :mod:`flowlift.proxy.tenants`), whose request rate is then checked.
@@ -57,7 +61,6 @@ async def require_key(request: web.Request, handler: Handler) -> web.StreamRespo
             raise Overloaded(f"tenant {tenant.name!r} is over its rate of "
                              f"{tenant.requests_per_s:g} requests/s; retry after "
                              f"{wait_s:.2f} s", retry_after_s=wait_s, status=429)
-    return await handler(request)
 
 
 def _follows_running_run(request: web.Request, runs: RunRegistry) -> bool:
@@ -82,14 +85,18 @@ def _refused_while_draining(request: web.Request, state: ProxyState) -> bool:
     return False
 
 
-@web.middleware
-async def readiness_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+def readiness_gate(request: web.Request) -> web.Response | Drain | None:
     """The one readiness gate: 503 with ``Retry-After`` while the engines load (or after
     they failed to load) except on :data:`SERVED_WHILE_LOADING`, and, while the proxy
     drains (:mod:`flowlift.proxy.lifecycle`), on new work; counts requests in flight
-    (probes not counted) for the drain."""
+    (probes not counted) for the drain.
+
+    Returns:
+        The refusal to send; or the drain the request is now counted in (its
+        ``in_flight`` goes down when the request is done); or None, a probe.
+    """
     if request.path in PROBES:
-        return await handler(request)
+        return None
     state: ProxyState = request.app[STATE]
     if not state.ready.is_set() and request.path not in SERVED_WHILE_LOADING:
         why = state.load_error or "the engine is still loading"
@@ -101,7 +108,38 @@ async def readiness_gate(request: web.Request, handler: Handler) -> web.StreamRe
             "the proxy is shutting down and takes no new work; retry (another replica, or "
             "this one after its restart)", retry_after_s=RETRY_AFTER_S))
     drain.in_flight += 1
-    try:
-        return await handler(request)
-    finally:
-        drain.in_flight -= 1
+    return drain
+
+
+def proxy_stack(tracing: RequestTracing) -> Any:
+    """The proxy's middleware (see the module doc): each request traced (OpenAI API
+    requests, refused ones too), every failure answered in the OpenAI error shape,
+    API keys checked, the readiness gate passed, then the handler."""
+    @web.middleware
+    async def stack(request: web.Request, handler: Handler) -> web.StreamResponse:
+        rt = tracing.begin(request)
+        status: int | None = None
+        error: BaseException | None = None
+        try:
+            try:
+                require_key(request)
+                admitted = readiness_gate(request)
+                if isinstance(admitted, web.Response):
+                    response: web.StreamResponse = admitted
+                else:
+                    try:
+                        response = await handler(request)
+                    finally:
+                        if admitted is not None:
+                            admitted.in_flight -= 1
+            except Exception as exc:  # every failure leaves in the OpenAI error shape
+                response = error_answer(request, exc)
+            status = response.status
+            return response
+        except BaseException as exc:  # cancelled (the client left), or a redirect
+            error = exc
+            raise
+        finally:
+            if rt is not None:
+                tracing.end(request, rt, status, error)
+    return stack

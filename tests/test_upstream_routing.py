@@ -237,9 +237,9 @@ async def test_an_injected_httpx_transport_sees_the_upstream_request(monkeypatch
 
     up = Upstream("u", UpstreamSpec(kind="openai", base_url="http://up.example:8000/v1"),
                   "sk-up", transport=httpx.MockTransport(handler))
-    response = await up.send(up.request("/chat/completions", b'{"model":"m"}',
-                                        {"traceparent": "00-a-b-01"}))
-    assert await response.aread() == b'{"ok":true}'
+    response = await up.post("/chat/completions", b'{"model":"m"}',
+                             {"traceparent": "00-a-b-01"})
+    assert await response.read() == b'{"ok":true}'
     req = seen[0]
     assert str(req.url) == "http://up.example:8000/v1/chat/completions"
     assert req.headers["host"] == "up.example:8000" and req.headers["content-length"] == "13"

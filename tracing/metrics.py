@@ -1,7 +1,11 @@
 """Prometheus metrics of one proxy (``GET /metrics``), in a registry of its own.
 
 Every proxy app gets its own :class:`Metrics` (a ``CollectorRegistry`` per instance, no
-module-level collectors), so two apps in one process never share counts.
+module-level collectors), so two apps in one process never share counts. Counters and
+histograms are kept in plain Python structures while requests and runs are counted, and
+become prometheus_client metric families only when ``/metrics`` is read
+(:mod:`flowlift.tracing.tallies`: the same text as prometheus_client's own ``Counter``
+and ``Histogram`` would show).
 
 Recorded when a workflow run ends (from its :class:`RunTrace`, off the request path)
 and when an OpenAI API request ends:
@@ -46,11 +50,12 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from flowlift.tracing.recorder import AttemptTrace, RunTrace, StepTrace
+from flowlift.tracing.tallies import Tallies
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.005, 0.01,
@@ -152,69 +157,57 @@ class Metrics:
                  model_loads: ModelLoads = lambda: (),
                  programs: Programs = lambda: ()) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        t = self.tallies = Tallies()  # (plain Python on the request path; see tallies)
         self.queue_depth, self.active_workflows = queue_depth, active_workflows
         self.upstream_in_flight, self.preemptions = upstream_in_flight, preemptions
         self.model_loads, self.programs = model_loads, programs
-        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
-                              "Engine dispatch to first token", ["model", "source"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds",
-                              "Decode time per output token after the first",
-                              ["model", "source"], buckets=_TPOT_BUCKETS, registry=r)
-        self.queue_wait = Histogram("flowlift_queue_wait_seconds",
-                                    "Workflow step ready to dispatched", ["model"],
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("flowlift_prompt_tokens", "Prompt tokens", ["model"],
-                                     registry=r)
-        self.completion_tokens = Counter("flowlift_completion_tokens", "Completion tokens",
-                                         ["model"], registry=r)
+        self.ttft = t.histogram("gen_ai_server_time_to_first_token_seconds",
+                                "Engine dispatch to first token", ["model", "source"],
+                                buckets=_LATENCY_BUCKETS)
+        self.tpot = t.histogram("gen_ai_server_time_per_output_token_seconds",
+                                "Decode time per output token after the first",
+                                ["model", "source"], buckets=_TPOT_BUCKETS)
+        self.queue_wait = t.histogram("flowlift_queue_wait_seconds",
+                                      "Workflow step ready to dispatched", ["model"],
+                                      buckets=_LATENCY_BUCKETS)
+        self.prompt_tokens = t.counter("flowlift_prompt_tokens", "Prompt tokens", ["model"])
+        self.completion_tokens = t.counter("flowlift_completion_tokens", "Completion tokens",
+                                           ["model"])
         self.price_per_1k = price_per_1k
-        self.spend_total = Counter(
+        self.spend_total = t.counter(
             "flowlift_spend", "Spend in the config's price unit: (prompt + completion "
-            "tokens) / 1000 x the served model's price_per_1k_tokens", ["model"], registry=r)
-        self.estimated_usage = Counter(
+            "tokens) / 1000 x the served model's price_per_1k_tokens", ["model"])
+        self.estimated_usage = t.counter(
             "flowlift_estimated_usage_requests",
             "OpenAI requests whose usage was estimated (the upstream was cut, or the client "
-            "left, before it reported one)", ["model"], registry=r)
-        self.cached_tokens = Counter("flowlift_cached_prompt_tokens",
-                                     "Prompt tokens served from the prefix cache", ["model"],
-                                     registry=r)
-        self.retries = Counter("flowlift_step_retries", "Attempts of a step after its first",
-                               ["model", "reason"], registry=r)
-        self.escalations = Counter("flowlift_cascade_escalations",
-                                   "Steps escalated to the next model of their cascade",
-                                   ["from_model", "to_model"], registry=r)
-        self.deadline_misses = Counter("flowlift_deadline_misses",
-                                       "Workflow runs that ran out of their deadline",
-                                       ["workflow_class"], registry=r)
-        self.workflows = Counter("flowlift_workflows", "Finished workflow runs", ["status"],
-                                 registry=r)
-        self.tenant_tokens = Counter(
+            "left, before it reported one)", ["model"])
+        self.cached_tokens = t.counter("flowlift_cached_prompt_tokens",
+                                       "Prompt tokens served from the prefix cache", ["model"])
+        self.retries = t.counter("flowlift_step_retries", "Attempts of a step after its first",
+                                 ["model", "reason"])
+        self.escalations = t.counter("flowlift_cascade_escalations",
+                                     "Steps escalated to the next model of their cascade",
+                                     ["from_model", "to_model"])
+        self.deadline_misses = t.counter("flowlift_deadline_misses",
+                                         "Workflow runs that ran out of their deadline",
+                                         ["workflow_class"])
+        self.workflows = t.counter("flowlift_workflows", "Finished workflow runs", ["status"])
+        self.tenant_tokens = t.counter(
             "flowlift_tenant_tokens", "Prompt and completion tokens of a configured tenant's "
-            "requests and runs", ["tenant", "kind"], registry=r)
-        self.tenant_spend = Counter(
+            "requests and runs", ["tenant", "kind"])
+        self.tenant_spend = t.counter(
             "flowlift_tenant_spend", "A configured tenant's spend, as flowlift_spend",
-            ["tenant"], registry=r)
-        self.requests = Counter("flowlift_openai_requests", "OpenAI API requests",
-                                ["operation", "outcome"], registry=r)
-        self.overhead = Histogram(
+            ["tenant"])
+        self.requests = t.counter("flowlift_openai_requests", "OpenAI API requests",
+                                  ["operation", "outcome"])
+        self.overhead = t.histogram(
             "flowlift_proxy_overhead_seconds", "An OpenAI request's time in the proxy itself: "
             "its handling time minus its wait on upstreams or engines",
-            ["operation", "stream"], buckets=_OVERHEAD_BUCKETS, registry=r)
+            ["operation", "stream"], buckets=_OVERHEAD_BUCKETS)
         self.prompt_totals: dict[str, int] = {}
         self.cached_totals: dict[str, int] = {}
-        self._children: dict[tuple[Any, ...], Any] = {}
-        r.register(_Live(self))
-
-    def _child(self, metric: Any, *labels: Any) -> Any:
-        """``metric.labels(*labels)``, looked up once per label set (prometheus_client's
-        ``labels()`` validates and locks on every call; it is on each request's path)."""
-        key = (metric, *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+        self.registry.register(t)
+        self.registry.register(_Live(self))
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -224,18 +217,17 @@ class Metrics:
     def tokens(self, model: str, prompt: int, cached: int) -> None:
         if prompt <= 0:
             return
-        self._child(self.prompt_tokens, model).inc(prompt)
-        self._child(self.cached_tokens, model).inc(max(cached, 0))
+        self.prompt_tokens.inc((model,), prompt)
+        self.cached_tokens.inc((model,), max(cached, 0))
         self.prompt_totals[model] = self.prompt_totals.get(model, 0) + prompt
         self.cached_totals[model] = self.cached_totals.get(model, 0) + max(cached, 0)
 
     def latency(self, model: str, source: str, ttft_s: float | None, decode_s: float | None,
                 completion_tokens: int) -> None:
         if ttft_s is not None:
-            self._child(self.ttft, model, source).observe(max(ttft_s, 0.0))
+            self.ttft.observe((model, source), max(ttft_s, 0.0))
         if decode_s is not None and completion_tokens > 1:
-            self._child(self.tpot, model, source).observe(
-                max(decode_s, 0.0) / (completion_tokens - 1))
+            self.tpot.observe((model, source), max(decode_s, 0.0) / (completion_tokens - 1))
 
     def spend(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
         """Count one request's (or step attempt's) spend on the served ``model``, when
@@ -243,7 +235,7 @@ class Metrics:
         price = self.price_per_1k(model)
         tokens = max(prompt_tokens, 0) + max(completion_tokens, 0)
         if price and tokens:
-            self._child(self.spend_total, model).inc(tokens / 1000 * price)
+            self.spend_total.inc((model,), tokens / 1000 * price)
 
     def tenant_usage(self, tenant: str | None, model: str, prompt_tokens: int,
                      completion_tokens: int) -> None:
@@ -253,15 +245,15 @@ class Metrics:
         if tenant is None:
             return
         prompt, completion = max(prompt_tokens, 0), max(completion_tokens, 0)
-        self._child(self.tenant_tokens, tenant, "prompt").inc(prompt)
-        self._child(self.tenant_tokens, tenant, "completion").inc(completion)
+        self.tenant_tokens.inc((tenant, "prompt"), prompt)
+        self.tenant_tokens.inc((tenant, "completion"), completion)
         price = self.price_per_1k(model)
-        self._child(self.tenant_spend, tenant).inc((prompt + completion) / 1000 * (price or 0.0))
+        self.tenant_spend.inc((tenant,), (prompt + completion) / 1000 * (price or 0.0))
 
     def cascade_escalated(self, from_model: str, to_model: str) -> None:
         """Count one escalation of a step from ``from_model`` to the next model of its
         cascade (for escalations not recorded as an ``AttemptTrace``)."""
-        self._child(self.escalations, from_model, to_model).inc()
+        self.escalations.inc((from_model, to_model))
 
     def record_attempts(self, attempts: Sequence[AttemptTrace]) -> None:
         """Retries and escalations of one step, from its attempts in order."""
@@ -271,15 +263,15 @@ class Metrics:
             if after.model != before.model:  # the next model of the cascade: not a retry
                 self.cascade_escalated(before.model, after.model)
             else:
-                self._child(self.retries, after.model, before.outcome).inc()
+                self.retries.inc((after.model, before.outcome))
 
     def observe_run(self, trace: RunTrace, *, deadline_missed: bool = False,
                     tenant: str | None = None) -> None:
         """Everything a finished run adds (its steps' latencies, tokens, attempts; the
         tokens and spend of ``tenant`` too, when the run is a configured tenant's)."""
-        self._child(self.workflows, trace.status).inc()
+        self.workflows.inc((trace.status,))
         if deadline_missed:
-            self._child(self.deadline_misses, trace.workflow_class).inc()
+            self.deadline_misses.inc((trace.workflow_class,))
         for st in trace.steps.values():
             if st.kind == "llm" and st.model and st.same_as is None:
                 self._observe_step(st, tenant)
@@ -287,13 +279,12 @@ class Metrics:
     def _observe_step(self, st: StepTrace, tenant: str | None = None) -> None:
         model = st.model or ""
         if st.ready_ms is not None and st.started_ms is not None:
-            self._child(self.queue_wait, model).observe(
-                max(st.started_ms - st.ready_ms, 0.0) / 1000)
+            self.queue_wait.observe((model,), max(st.started_ms - st.ready_ms, 0.0) / 1000)
         self.record_attempts(st.attempts)
         for at in st.attempts:
             self.tokens(at.model, at.prompt_tokens, at.cached_tokens)
             if at.completion_tokens > 0:
-                self._child(self.completion_tokens, at.model).inc(at.completion_tokens)
+                self.completion_tokens.inc((at.model,), at.completion_tokens)
             self.spend(at.model, at.prompt_tokens, at.completion_tokens)
             self.tenant_usage(tenant, at.model, at.prompt_tokens, at.completion_tokens)
             if at.first_token_ms is None:
@@ -310,16 +301,16 @@ class Metrics:
         """One OpenAI API request that ended (``usage``: prompt, completion, cached
         tokens; ``partial``: they are an estimate; ``overhead_s``: the proxy's own
         seconds, None when not measured), counted once."""
-        self._child(self.requests, operation, outcome).inc()
+        self.requests.inc((operation, outcome))
         if overhead_s is not None:
-            self._child(self.overhead, operation, "true" if stream else "false").observe(overhead_s)
+            self.overhead.observe((operation, "true" if stream else "false"), overhead_s)
         if model is None:
             return
         prompt, completion, cached = usage
         if prompt:
             self.tokens(model, int(prompt), int(cached or 0))
         if completion:
-            self._child(self.completion_tokens, model).inc(int(completion))
+            self.completion_tokens.inc((model,), int(completion))
         if partial:
-            self._child(self.estimated_usage, model).inc()
+            self.estimated_usage.inc((model,))
         self.latency(model, "openai", ttft_s, decode_s, int(completion or 0))

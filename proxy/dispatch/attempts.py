@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import httpx
 import orjson
 from httpx_sse import EventSource, ServerSentEvent
 from tenacity import (
@@ -35,7 +34,8 @@ from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
 from flowlift.proxy.dispatch.sse_bytes import complete_prefix, has_data
-from flowlift.proxy.dispatch.upstream import Upstream, error_from, translate
+from flowlift.proxy.dispatch.upstream import Upstream, error_from
+from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, Answer, as_httpx, translate
 from flowlift.tracing import get_logger
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class Opened:
 
     upstream: Upstream
     call: Call
-    response: httpx.Response
+    answer: Answer
     body: bytes | None = None  # plain answers,
     doc: dict[str, Any] | None = None  # and the JSON object they hold (parsed once)
     events: AsyncIterator[ServerSentEvent] | None = None  # streams read as events
@@ -112,14 +112,14 @@ class Opened:
             self.timing.done(self.upstream.name, output_tokens, streamed=self.body is None)
 
     async def release(self) -> None:
-        """Close the upstream response, count the request out of the backend and give
+        """Close the upstream answer, count the request out of the backend and give
         its pool slot back."""
         try:
             for it in (self.events, self.chunks):
                 aclose = getattr(it, "aclose", None)  # (async generators have one)
                 if aclose is not None:
                     await aclose()
-            await self.response.aclose()
+            await self.answer.aclose()
         finally:
             self.call.close()
             if self.slot is not None:
@@ -172,21 +172,20 @@ async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
                    headers: dict[str, str], *, stream: Stream, budget_s: float,
                    waited: Waited) -> Opened:
     spec = upstream.spec
-    response: httpx.Response | None = None
+    response: Answer | None = None
     stage = "before answering"
     sent = 0.0  # when the request went (0: not out, or its wait already counted)
     try:
         async with asyncio.timeout(min(spec.first_token_timeout_s if stream
                                        else spec.response_timeout_s, budget_s)):
-            request = upstream.request(path, body, headers)
             sent = time.monotonic()
-            response = await upstream.send(request)
-            call.answered(response.status_code)
-            if response.status_code >= 400:
+            response = await upstream.post(path, body, headers)
+            call.answered(response.status)
+            if response.status >= 400:
                 raise await error_from(response, upstream.name)
             if not stream:
                 stage = "while sending its answer"
-                answer = await _read_whole(response)
+                answer = await response.read()
                 waited.s += time.monotonic() - sent
                 sent = 0.0
                 return _whole(upstream, call, response, answer)
@@ -199,7 +198,7 @@ async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
                 raise UpstreamError(f"backend {upstream.name!r} ended the stream before any "
                                     "event", status=502, backend=upstream.name)
             return opened
-    except (TimeoutError, httpx.HTTPError) as exc:
+    except TRANSPORT_ERRORS as exc:
         if response is not None:
             await response.aclose()
         raise translate(exc, upstream.name, stage=stage) from None
@@ -212,19 +211,10 @@ async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
             waited.s += time.monotonic() - sent
 
 
-async def _read_whole(response: httpx.Response) -> bytes:
-    """The answer's body: decoded by httpx when it has a ``Content-Encoding``, else the
-    transport's bytes as they are (what ``aread`` returns then, without its decoder,
-    chunker and context manager per read)."""
-    if "content-encoding" in response.headers:
-        return await response.aread()
-    return b"".join([part async for part in response.stream])  # type: ignore[union-attr]
-
-
-def _whole(upstream: Upstream, call: Call, response: httpx.Response, body: bytes) -> Opened:
+def _whole(upstream: Upstream, call: Call, response: Answer, body: bytes) -> Opened:
     """A whole answer, checked: a 200 that is not a JSON object, or a 1xx/204/3xx, is
     the upstream's fault (a retryable 502), never passed on to break the client."""
-    if response.status_code == 200:
+    if response.status == 200:
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -233,24 +223,22 @@ def _whole(upstream: Upstream, call: Call, response: httpx.Response, body: bytes
             return Opened(upstream, call, response, body=body, doc=doc)
         problem = "an answer that is not a JSON object"
     else:
-        problem = f"HTTP {response.status_code}, which is no answer to a POST"
+        problem = f"HTTP {response.status}, which is no answer to a POST"
     raise UpstreamError(f"backend {upstream.name!r} sent {problem}", status=502,
                         backend=upstream.name)
 
 
 async def _first_event(upstream: Upstream, call: Call,
-                       response: httpx.Response) -> Opened | None:
-    events = EventSource(response).aiter_sse()
+                       response: Answer) -> Opened | None:
+    events = EventSource(as_httpx(response)).aiter_sse()
     first = await anext(events, None)
     return None if first is None else Opened(upstream, call, response, events=events,
                                              first=first)
 
 
 async def _first_bytes(upstream: Upstream, call: Call,
-                       response: httpx.Response) -> Opened | None:
-    # the transport's own byte stream (what aiter_raw wraps; its failures are httpx's
-    # too): aiter_raw adds a context manager, a chunker and bookkeeping per read
-    chunks = aiter(response.stream)  # type: ignore[arg-type]  # (an async response)
+                       response: Answer) -> Opened | None:
+    chunks = response.chunks()
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
@@ -290,7 +278,8 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
     attempts = _Attempts(backends, route, path, body_for, headers, stream,
                          demand or Demand(affinity=affinity), admit)
     try:  # the common case, without the retry machinery's overhead
-        return await attempts.once(1)
+        target = attempts.choose()
+        return await attempts.send(target, 1) if isinstance(target, Upstream) else target
     except UpstreamError as exc:
         if not exc.retryable or route.max_attempts == 1:
             raise
@@ -305,7 +294,9 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
             if pending is not None:  # attempt 1 already failed: tenacity waits after it
                 failed, pending = pending, None
                 raise failed
-            return await attempts.once(attempt.retry_state.attempt_number)
+            target = attempts.choose()
+            return (await attempts.send(target, attempt.retry_state.attempt_number)
+                    if isinstance(target, Upstream) else target)
     raise AssertionError("unreachable: tenacity re-raises the last failure")
 
 
@@ -329,7 +320,14 @@ class _Attempts:
         self.waited.s += seconds
         await asyncio.sleep(seconds)
 
-    async def once(self, number: int) -> Opened | Local:
+    def choose(self) -> Local | Upstream:
+        """The next attempt's backend: the embedded one the route chose, or the
+        upstream to :meth:`send` it to (a plain call, then one coroutine per attempt).
+
+        Raises:
+            Overloaded: nothing can take it now (this request's last failure instead,
+                when it had one).
+        """
         try:
             name = self.backends.choose(self.route, self.demand.affinity, self.tried,
                                         self.demand)
@@ -342,6 +340,15 @@ class _Attempts:
         local = self.backends.local(name)
         if local is not None:
             return local
+        return self.backends.upstreams[name]
+
+    async def send(self, upstream: Upstream, number: int) -> Opened:
+        """Attempt ``number`` (1 first) on ``upstream`` (its pool slot first, when the
+        route has a pool).
+
+        Raises:
+            UpstreamError: it failed (recorded in the upstream's health).
+        """
         slot = None
         if self.admit is not None:
             waiting = time.monotonic()
@@ -350,38 +357,36 @@ class _Attempts:
             self.t0 += queued  # queued in the pool: not the budget's
             self.waited.s += queued
         try:
-            return await self._send(self.backends.upstreams[name], number, slot)
+            timing = None  # learned only where a choice is made by it
+            if self.route.predicts:
+                timing = Timing(self.backends.latency, self.route.model, self.demand,
+                                self.backends.features(upstream.name, self.demand),
+                                time.monotonic())
+            call = upstream.health.call(self.key)
+            try:
+                opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
+                                        self.headers, stream=self.stream,
+                                        budget_s=self.route.total_timeout_s
+                                        - (time.monotonic() - self.t0), waited=self.waited)
+            except BaseException as exc:  # cancelled too (its run or its client went away):
+                call.close()  # counted out, or the backend would fill up and look busy
+                if isinstance(exc, UpstreamError):
+                    self.last = exc
+                    evidence = _evidence(call, exc)
+                    call.failed(evidence, retry_after_s=exc.retry_after_s)
+                    if timing is not None and evidence in ("down", "silent"):  # its fault
+                        now = time.monotonic()
+                        self.backends.latency.failed(upstream.name, now - timing.started, now)
+                    log.info("upstream_attempt_failed", backend=upstream.name,
+                             status=exc.status, retryable=exc.retryable, attempt=number,
+                             evidence=evidence)
+                raise
+            opened.slot, opened.waited_s = slot, self.waited.s
+            if timing is not None:
+                timing.first_at = time.monotonic()
+                opened.timing = timing
+            return opened
         except BaseException:
             if slot is not None:
                 slot.release()
             raise
-
-    async def _send(self, upstream: Upstream, number: int, slot: Slot | None) -> Opened:
-        timing = None  # learned only where a choice is made by it
-        if self.route.strategy == "predicted-latency" and len(self.route.replicas) > 1:
-            timing = Timing(self.backends.latency, self.route.model, self.demand,
-                            self.backends.features(upstream.name, self.demand),
-                            time.monotonic())
-        call = upstream.health.call(self.key)
-        try:
-            opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
-                                    self.headers, stream=self.stream,
-                                    budget_s=self.route.total_timeout_s
-                                    - (time.monotonic() - self.t0), waited=self.waited)
-        except BaseException as exc:  # cancelled too (its run or its client went away):
-            call.close()  # counted out, or the backend would fill up and look busy
-            if isinstance(exc, UpstreamError):
-                self.last = exc
-                evidence = _evidence(call, exc)
-                call.failed(evidence, retry_after_s=exc.retry_after_s)
-                if timing is not None and evidence in ("down", "silent"):  # its fault
-                    now = time.monotonic()
-                    self.backends.latency.failed(upstream.name, now - timing.started, now)
-                log.info("upstream_attempt_failed", backend=upstream.name, status=exc.status,
-                         retryable=exc.retryable, attempt=number, evidence=evidence)
-            raise
-        opened.slot, opened.waited_s = slot, self.waited.s
-        if timing is not None:
-            timing.first_at = time.monotonic()
-            opened.timing = timing
-        return opened

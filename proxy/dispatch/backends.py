@@ -336,7 +336,7 @@ class Backends:
         now = time.monotonic()
         self._turn += 1
         predict = None
-        if route.strategy == "predicted-latency" and len(route.replicas) > 1:
+        if route.predicts:
             predict = self.predict(route, demand or Demand(affinity=affinity), now)
         name = pick(route, available=lambda n: self.available(n, now), load=self.load,
                     affinity=affinity, tried=tried, predict=predict, turn=self._turn)

@@ -19,7 +19,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
 import orjson
 from aiohttp import web
 
@@ -38,12 +37,8 @@ from flowlift.proxy.dispatch.sse_bytes import (
     has_error,
     without_usage,
 )
-from flowlift.proxy.dispatch.upstream import (
-    Upstream,
-    error_message,
-    forwarded_headers,
-    translate,
-)
+from flowlift.proxy.dispatch.upstream import Upstream, error_message, forwarded_headers
+from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.proxy.workflows.inferred import render_message
@@ -117,7 +112,11 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
     """
     deadline = asyncio.get_running_loop().time() + route.total_timeout_s
     headers = forwarded_headers(request.headers)
-    inject(headers)  # the proxy's own span (a child of the caller's) is the upstream's parent
+    traced = request_tracing.current()
+    if traced is not None and not traced.recording:  # (no OpenTelemetry calls for it)
+        traced.inject(headers)  # the proxy's own span (a child of the caller's)
+    else:
+        inject(headers)  # is the upstream's parent
     extra = _usage_asked(path, data)
     sessions = backends.sessions
     if affinity is not None and path in USAGE_PATHS:  # generations: SGLang sessions
@@ -130,7 +129,8 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
                 up, raw, data, route.model, extra if up.spec.stream_usage else None, path,
                 affinity if sessions.is_open(up.name, affinity) else None),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity,
-            demand=demand_of(raw, data, affinity))
+            # (what only a choice that predicts reads: open_answer knows the affinity)
+            demand=demand_of(raw, data, affinity) if route.predicts else None)
     except UpstreamError as exc:
         return upstream_error_response(exc)
     if isinstance(opened, Local):
@@ -143,7 +143,6 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
             return await embedded(opened)
         finally:
             backend.admitted -= 1
-    traced = request_tracing.current()
     if traced is not None:
         traced.upstream(opened.upstream.name, opened.doc, opened.waited_s)
     try:
@@ -219,7 +218,7 @@ def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
     body = opened.body or b""
     if on_output is not None and opened.doc is not None:
         _observe_plain(opened.doc, on_output)
-    return web.Response(body=body, status=opened.response.status_code,
+    return web.Response(body=body, status=opened.answer.status,
                         content_type="application/json",
                         headers={"X-Flowlift-Backend": opened.upstream.name})
 
@@ -266,15 +265,23 @@ class _Passing:
         self.events = 0  # events passed on (about one output token each)
         self.errored = False  # the upstream sent its own error event
 
-    async def pass_on(self, events: bytes) -> None:
+    def note(self, events: bytes) -> bytes:
+        """Note whole ``events`` (for the span, the end, an error, ``on_output``); what
+        to write to the client of them. (A plain call: the stream's loop writes, no
+        coroutine of this method's own per write.)"""
+        # what a write may hold, each looked for once (most writes hold none of them:
+        # an output token's event); each check below runs only where its string is
+        usage, error = b'"usage"' in events, b'"error"' in events
+        named, end = b"event:" in events, b"[DONE]" in events
+        done = (end or named) and finished(events)
         if self.traced is not None:
-            self.traced.sse(events)
-        await self.resp.write(without_usage(events) if self.strip_usage else events)
+            self.traced.sse(events, done=done, plain=not (usage or error or named or end))
         self.events += events.count(b"\n\n")
-        self.done = self.done or finished(events)
-        self.errored = self.errored or has_error(events)
+        self.done = self.done or done
+        self.errored = self.errored or ((error or named) and has_error(events))
         if self.collect is not None:
             self.collect.add(events)
+        return without_usage(events) if usage and self.strip_usage else events
 
 
 async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | None,
@@ -298,38 +305,69 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
     traced, clock = passing.traced, time.monotonic
     buffer = opened.tail
     failure: str | None = None
-    loop = asyncio.get_running_loop()
     try:
         await resp.prepare(request)
-        await passing.pass_on(opened.head)
+        await resp.write(passing.note(opened.head))
         try:
-            idle_s = upstream.spec.idle_timeout_s
-            async with asyncio.timeout_at(min(loop.time() + idle_s, deadline)) as idle:
-                reads = opened.chunks
-                while True:
-                    asked = clock()
-                    try:
-                        chunk = await anext(reads)
-                    except StopAsyncIteration:
-                        break
-                    finally:  # each read waits on the upstream (the proxy's own time not)
-                        if traced is not None:
-                            traced.waited_s += clock() - asked
-                    buffer += chunk
-                    end = complete_prefix(buffer)
-                    if not end:
-                        continue
-                    events, buffer = buffer[:end], buffer[end:]
-                    if has_data(events):  # a keep-alive comment does not keep it alive
-                        idle.reschedule(min(loop.time() + idle_s, deadline))
-                    await passing.pass_on(events)
-        except (TimeoutError, httpx.HTTPError) as exc:
+            async with asyncio.timeout(None) as expiry:
+                with IdleTimer(expiry, upstream.spec.idle_timeout_s, deadline) as idle:
+                    reads = opened.chunks
+                    while True:
+                        asked = clock()
+                        try:
+                            chunk = await anext(reads)
+                        except StopAsyncIteration:
+                            break
+                        finally:  # each read waits on the upstream (the proxy's own time not)
+                            if traced is not None:
+                                traced.waited_s += clock() - asked
+                        buffer += chunk
+                        end = complete_prefix(buffer)
+                        if not end:
+                            continue
+                        events, buffer = buffer[:end], buffer[end:]
+                        if has_data(events):  # a keep-alive comment does not keep it alive
+                            idle.restart()
+                        await resp.write(passing.note(events))
+        except TRANSPORT_ERRORS as exc:
             failure = str(translate(exc, upstream.name, stage="mid-stream"))
         await _end(opened, passing, failure, on_output)
         await resp.write_eof()
     except ConnectionResetError:
         log.info("client_went_away", backend=upstream.name)
     return resp
+
+
+class IdleTimer:
+    """An idle timeout restarted by every event, at the cost of a float store: it
+    expires ``expiry`` (an entered ``asyncio.timeout(None)``: the stream's task gets its
+    ``TimeoutError``) ``idle_s`` after the last :meth:`restart`, or at ``deadline``
+    (event-loop time) if sooner. Its one timer handle re-arms itself when it fires
+    early, where ``asyncio.Timeout.reschedule`` would cancel and create a handle per
+    event (~4 us each, measured). A context manager: leaving it cancels the handle.
+    """
+
+    def __init__(self, expiry: asyncio.Timeout, idle_s: float, deadline: float) -> None:
+        self.expiry, self.idle_s, self.deadline = expiry, idle_s, deadline
+        self.loop = asyncio.get_running_loop()
+        self.until = self.armed = min(self.loop.time() + idle_s, deadline)
+        self.handle = self.loop.call_at(self.armed, self._due)
+
+    def restart(self) -> None:
+        self.until = min(self.loop.time() + self.idle_s, self.deadline)
+
+    def __enter__(self) -> IdleTimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.cancel()
+
+    def _due(self) -> None:
+        if self.until > self.armed:  # restarted since: wait for the new end
+            self.armed = self.until
+            self.handle = self.loop.call_at(self.armed, self._due)
+        else:
+            self.expiry.reschedule(self.loop.time())  # now
 
 
 async def _end(opened: Opened, passing: _Passing, failure: str | None,

@@ -41,13 +41,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-import httpx
 import orjson
 from cachetools import TTLCache
 
 from flowlift.local_engine.base import GenerationRequest
 from flowlift.proxy.config import UpstreamSpec
 from flowlift.proxy.dispatch.upstream import Upstream
+from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.proxy.dispatch.hints")
@@ -207,26 +207,30 @@ class SessionBook:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
 
-async def _post(up: Upstream, path: str, doc: dict[str, Any]) -> httpx.Response:
-    request = up.request_at(server_root(up.spec.base_url) + path, orjson.dumps(doc))
+async def _post(up: Upstream, path: str, doc: dict[str, Any]) -> int:
+    """The HTTP status of a POST of ``doc`` to ``path`` on ``up``'s server (its body
+    read and dropped, so the connection goes back to the pool)."""
     async with asyncio.timeout(up.spec.first_token_timeout_s):
-        response = await up.send(request)
-        await response.aread()
-    return response
+        response = await up.post_at(server_root(up.spec.base_url) + path, orjson.dumps(doc))
+        try:
+            await response.read()
+        finally:
+            await response.aclose()
+    return response.status
 
 
 async def _open(up: Upstream, session_id: str) -> bool:
     try:
-        response = await _post(up, "/open_session", {
+        status = await _post(up, "/open_session", {
             "capacity_of_str_len": SESSION_CAPACITY_CHARS, "session_id": session_id,
             "timeout": SESSION_TIMEOUT_S})
-    except (TimeoutError, httpx.HTTPError) as exc:
+    except TRANSPORT_ERRORS as exc:
         log.warning("sglang_session_open_failed", backend=up.name, session_id=session_id,
                     error=type(exc).__name__)
         return False
-    if response.status_code != 200:
+    if status != 200:
         log.warning("sglang_session_open_failed", backend=up.name, session_id=session_id,
-                    status=response.status_code)
+                    status=status)
         return False
     return True
 
@@ -235,14 +239,14 @@ async def _close_after(opening: asyncio.Task[bool], up: Upstream, session_id: st
     try:
         if not await opening:
             return
-        response = await _post(up, "/close_session", {"session_id": session_id})
-    except (TimeoutError, httpx.HTTPError) as exc:
+        status = await _post(up, "/close_session", {"session_id": session_id})
+    except TRANSPORT_ERRORS as exc:
         log.warning("sglang_session_close_failed", backend=up.name, session_id=session_id,
                     error=type(exc).__name__)
         return
-    if response.status_code != 200:
+    if status != 200:
         log.warning("sglang_session_close_failed", backend=up.name, session_id=session_id,
-                    status=response.status_code)
+                    status=status)
 
 
 __all__ = ["SESSION_CAPACITY_CHARS", "SESSION_TIMEOUT_S", "Hint", "SessionBook", "StepHints",

@@ -75,6 +75,12 @@ class Route:
     def backends(self) -> tuple[str, ...]:
         return self._all
 
+    @property
+    def predicts(self) -> bool:
+        """Whether its replica choice predicts latency (``"predicted-latency"`` with
+        more than one replica: a request's demand and timing are read only then)."""
+        return self.strategy == "predicted-latency" and len(self.replicas) > 1
+
 
 def affinity_score(key: str, backend: str) -> int:
     """Rendezvous weight of ``backend`` for ``key`` (stable across processes)."""
@@ -125,6 +131,9 @@ def pick(route: Route, *, available: Callable[[str], bool], load: Callable[[str]
             (None: unknown); used by ``"predicted-latency"`` (absent: least loaded).
         turn: a counter the caller advances per request (``"round-robin"``).
     """
+    if len(route.backends) == 1:  # no choice to make (tried or not, it is the one)
+        name = route.backends[0]
+        return name if available(name) else None
     for avoid in (tried, ()):
         replicas = [n for n in route.replicas if n not in avoid and available(n)]
         if replicas:

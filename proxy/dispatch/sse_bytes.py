@@ -21,13 +21,27 @@ from collections.abc import Iterator
 
 import orjson
 
-_DONE = re.compile(rb"^data: ?\[DONE\]\s*$", re.MULTILINE)  # OpenAI chat/completions
+# each a whole line (see _line): no "^", which would make re try every position
+_DONE = re.compile(rb"data: ?\[DONE\]\s*$", re.MULTILINE)  # OpenAI chat/completions
 _TERMINAL = re.compile(  # the Responses API's last event
-    rb"^event: ?(?:response\.(?:completed|incomplete|failed)|error)\s*$", re.MULTILINE)
+    rb"event: ?(?:response\.(?:completed|incomplete|failed)|error)\s*$", re.MULTILINE)
+
+
+def _line(pattern: re.Pattern[bytes], events: bytes) -> bool:
+    """Whether ``pattern`` matches ``events`` from the start of a line (a search for its
+    literal start, then a look back: ``^`` in a multi-line pattern costs ~10x more)."""
+    for match in pattern.finditer(events):
+        at = match.start()
+        if at == 0 or events[at - 1] in b"\r\n":
+            return True
+    return False
 
 
 def complete_prefix(buffer: bytes) -> int:
     """Length of the longest prefix of ``buffer`` that is whole events (0: none yet)."""
+    if b"\r" not in buffer:  # (most send \n only: one separator to look for)
+        i = buffer.rfind(b"\n\n")
+        return i + 2 if i >= 0 else 0
     end = 0
     for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
         i = buffer.rfind(sep)
@@ -49,8 +63,18 @@ def has_data(events: bytes) -> bool:
 def finished(events: bytes) -> bool:
     """Whether whole ``events`` include the stream's end marker."""
     # cheap substring tests first: every chunk of a stream passes through here
-    return ((b"[DONE]" in events and _DONE.search(events) is not None)
-            or (b"event:" in events and _TERMINAL.search(events) is not None))
+    return _done(events) or (b"event:" in events and _line(_TERMINAL, events))
+
+
+def _done(events: bytes) -> bool:
+    """Whether a line of ``events`` is ``data: [DONE]`` (found from the end, where it is)."""
+    at = events.rfind(b"[DONE]")
+    while at >= 0:
+        start = max(events.rfind(b"\n", 0, at), events.rfind(b"\r", 0, at)) + 1
+        if _DONE.match(events, start):
+            return True
+        at = events.rfind(b"[DONE]", 0, at)
+    return False
 
 
 def has_error(events: bytes) -> bool:
@@ -73,9 +97,21 @@ def has_error(events: bytes) -> bool:
 _BLOCK_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
-def blocks(events: bytes) -> list[bytes]:
-    """Whole ``events`` cut into their blocks (the blank lines between them dropped)."""
-    return _BLOCK_END.split(events)
+_SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+
+def block_at(events: bytes, at: int) -> tuple[int, int]:
+    """``(start, end)`` of the block of whole ``events`` that holds byte ``at`` (the
+    blank line after it left out)."""
+    start, end = 0, len(events)
+    for sep in _SEPARATORS if b"\r" in events else _SEPARATORS[:1]:  # (most send \n only)
+        before = events.rfind(sep, 0, at)
+        if before >= 0:
+            start = max(start, before + len(sep))
+        after = events.find(sep, at)
+        if after >= 0:
+            end = min(end, after)
+    return start, end
 
 
 def data_of(block: bytes) -> str | None:
@@ -105,6 +141,9 @@ def without_usage(events: bytes) -> bytes:
     """
     if b'"usage"' not in events:  # the common case: one substring test
         return events
+    if b"\r" not in events:  # (most send \n only: split where the pattern would, at C speed)
+        return b"".join(_strip_event(block) if b'"usage"' in block else block + b"\n\n"
+                        for block in events.split(b"\n\n")[:-1])
     out = []
     for match in _EVENT.finditer(events):
         event = match.group(0)

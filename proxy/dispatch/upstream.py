@@ -1,9 +1,11 @@
-"""Upstream OpenAI-compatible providers: pooled httpx clients (their health and cool-down
-are :mod:`flowlift.proxy.dispatch.health`'s), ``Retry-After`` parsing, and which client
-headers may travel upstream.
+"""Upstream OpenAI-compatible providers: each with its pooled HTTP client
+(:mod:`flowlift.proxy.dispatch.upstream_http`: aiohttp's, or an injected httpx
+transport), its health and cool-down (:mod:`flowlift.proxy.dispatch.health`'s),
+``Retry-After`` parsing, and which client headers may travel upstream.
 
-httpx is the only place upstream errors come from; :func:`translate` turns them into
-:class:`~flowlift.errors.UpstreamError` in this one place.
+Upstream errors come from the clients only; :func:`~.upstream_http.translate` turns
+them into :class:`~flowlift.errors.UpstreamError` in that one place (re-exported here),
+and :func:`error_from` does the same for an upstream's 4xx/5xx answer.
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
 import httpx
-from httpx_aiohttp import AiohttpTransport
 
 from flowlift.errors import (
     ContentRefused,
@@ -28,6 +29,13 @@ from flowlift.errors import (
 from flowlift.proxy.config import UpstreamSpec
 from flowlift.proxy.dispatch.health import Call as Call
 from flowlift.proxy.dispatch.health import Health as Health
+from flowlift.proxy.dispatch.upstream_http import (
+    AiohttpClient,
+    Answer,
+    HttpxClient,
+    UpstreamClient,
+)
+from flowlift.proxy.dispatch.upstream_http import translate as translate
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529})
 """Upstream answers another attempt may fix (OpenAI's client retries the same set)."""
@@ -97,8 +105,7 @@ class Upstream:
         spec: its settings.
         api_key: sent as ``Authorization: Bearer``; the client's key never is.
         transport: an httpx transport (tests use ``httpx.MockTransport``); None: the
-            network through aiohttp's connection pool (``httpx-aiohttp``, the transport
-            openai-python offers for high concurrency) behind httpx's API.
+            network, through aiohttp's client (:mod:`.upstream_http` says why not httpx).
     """
 
     def __init__(self, name: str, spec: UpstreamSpec, api_key: str | None = None, *,
@@ -106,91 +113,62 @@ class Upstream:
         self.name = name
         self.spec = spec
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._headers = httpx.Headers({
-            **headers, "host": httpx.URL(spec.base_url).netloc.decode("ascii"),
-            "content-type": "application/json", "accept": "application/json, text/event-stream"})
-        self._urls: dict[str, httpx.URL] = {}
-        limits = httpx.Limits(max_connections=spec.max_connections,
-                              max_keepalive_connections=spec.max_connections)
-        timeout = httpx.Timeout(connect=spec.connect_timeout_s, read=None, write=60.0,
-                                pool=spec.connect_timeout_s)
-        if transport is None:  # aiohttp's connector: httpcore's pool scans every pooled
-            transport = AiohttpTransport(limits=limits)  # connection on each request
-        self.transport = transport  # no httpx.AsyncClient around it: see send()
-        self._extensions = {"timeout": timeout.as_dict()}
+        headers |= {"content-type": "application/json",
+                    "accept": "application/json, text/event-stream"}
+        self.client: UpstreamClient = (
+            AiohttpClient(max_connections=spec.max_connections,
+                          connect_timeout_s=spec.connect_timeout_s, headers=headers)
+            if transport is None else
+            HttpxClient(transport, connect_timeout_s=spec.connect_timeout_s, headers=headers))
+        self._urls: dict[str, str] = {}
         self.health = Health(spec.failures_to_cool, spec.cooldown_s,
                              max_in_flight=spec.max_connections)
 
-    def request(self, path: str, body: bytes, headers: Mapping[str, str]) -> httpx.Request:
-        """A POST of ``body`` (JSON) to ``path`` under ``base_url``, with the upstream's key.
+    def post(self, path: str, body: bytes,
+             headers: Mapping[str, str] | None = None) -> Awaitable[Answer]:
+        """POST ``body`` (JSON) to ``path`` under ``base_url`` with the upstream's key and
+        ``headers``; awaited: the answer once its headers are in (the caller closes it).
+        (The client's awaitable itself: no coroutine of this method's own per request.)
 
-        Built directly (URLs and fixed headers prepared once per path): the client's
-        ``build_request`` re-merges URLs, cookies and headers on every call, a measurable
-        part of the proxy's per-request cost.
+        Raises:
+            one of :data:`~.upstream_http.TRANSPORT_ERRORS` (see :func:`translate`).
         """
         url = self._urls.get(path)
         if url is None:
-            url = self._urls[path] = httpx.URL(self.spec.base_url.rstrip("/") + path)
-        return self.request_at(url, body, headers)
+            url = self._urls[path] = self.spec.base_url.rstrip("/") + path
+        return self.client.post(url, body, headers)
 
-    def request_at(self, url: httpx.URL | str, body: bytes,
-                   headers: Mapping[str, str] | None = None) -> httpx.Request:
-        """A POST of ``body`` (JSON) to ``url`` (anywhere on the upstream's server, e.g.
+    async def post_at(self, url: str, body: bytes) -> Answer:
+        """POST ``body`` (JSON) to ``url`` anywhere on the upstream's server (e.g.
         SGLang's ``/open_session`` beside ``/v1``), with the upstream's key."""
-        all_headers = self._headers.copy()
-        all_headers["content-length"] = str(len(body))
-        for name, value in (headers or {}).items():
-            all_headers[name] = value
-        # stream= rather than content=: the body is already bytes, and content= re-derives
-        # every header (4x the cost of this whole function, measured)
-        request = httpx.Request("POST", url, headers=all_headers,
-                                stream=httpx.ByteStream(body), extensions=self._extensions)
-        # read: its content is the bytes, which the aiohttp transport then sends as bytes
-        # (an unread request goes as an async stream, and its transfer-encoding header is
-        # popped through MutableMapping's slow path: ~10% of the transport's cost)
-        request.read()
-        return request
-
-    async def send(self, request: httpx.Request) -> httpx.Response:
-        """Send through the transport itself: the client's redirect, auth, cookie and
-        event-hook machinery has nothing to do for a proxied POST."""
-        return await self.transport.handle_async_request(request)
+        return await self.client.post(url, body)
 
     def upstream_model(self, model: str) -> str:
         return self.spec.rename.get(model, model)
 
     async def aclose(self) -> None:
-        await self.transport.aclose()
+        await self.client.aclose()
 
 
-def translate(exc: Exception, backend: str, *, stage: str) -> UpstreamError:
-    """An httpx or timeout failure as a retryable :class:`UpstreamError`."""
-    cause = exc.__cause__
-    if isinstance(exc, TimeoutError) or (isinstance(exc, httpx.TimeoutException) and (
-            cause is None or isinstance(cause, TimeoutError))):  # httpx-aiohttp maps every
-        # aiohttp connection error to ConnectTimeout; the cause says what it really was
-        return UpstreamError(f"backend {backend!r} timed out {stage}", status=504,
-                             backend=backend)
-    real = cause if cause is not None else exc
-    return UpstreamError(f"backend {backend!r} failed {stage}: {type(real).__name__}: {real}",
-                         status=502, backend=backend)
+async def error_from(resp: Answer, backend: str) -> UpstreamError:
+    """The error for an upstream's 4xx/5xx answer (its body is kept for the client).
 
-
-async def error_from(resp: httpx.Response, backend: str) -> UpstreamError:
-    """The error for an upstream's 4xx/5xx answer (its body is kept for the client)."""
+    Raises:
+        one of :data:`~.upstream_http.TRANSPORT_ERRORS` when the body cannot be read.
+    """
     try:
-        body = await resp.aread()
+        body = await resp.read()
     finally:
         await resp.aclose()
-    if resp.status_code in (401, 403):  # flowlift's upstream key, not the client's: a 502
+    status = resp.status
+    if status in (401, 403):  # flowlift's upstream key, not the client's: a 502
         return UpstreamError(f"backend {backend!r} rejected flowlift's upstream credentials "
-                             f"(HTTP {resp.status_code}); check its api_key_env in the "
+                             f"(HTTP {status}); check its api_key_env in the "
                              "proxy's config", status=502, retryable=False, backend=backend)
     said = error_message(body)
-    return UpstreamError(f"backend {backend!r} answered HTTP {resp.status_code}"
+    return UpstreamError(f"backend {backend!r} answered HTTP {status}"
                          + (f": {said[:500]}" if said else ""),
-                         status=resp.status_code, body=body,
-                         retryable=resp.status_code in RETRYABLE_STATUS,
+                         status=status, body=body, retryable=status in RETRYABLE_STATUS,
                          retry_after_s=retry_after_s(resp.headers), backend=backend)
 
 

@@ -19,7 +19,6 @@ import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import orjson
 
 from flowlift.errors import ContentRefused, EngineError, RequestError, UpstreamError
@@ -38,7 +37,8 @@ from flowlift.proxy.dispatch.hints import StepHints, hint_fields
 from flowlift.proxy.dispatch.latency import Demand
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
-from flowlift.proxy.dispatch.upstream import Upstream, translate, unretryable
+from flowlift.proxy.dispatch.upstream import Upstream, unretryable
+from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
 from flowlift.proxy.openai import chunks
 from flowlift.tracing.spans import inject
 
@@ -253,7 +253,7 @@ class UpstreamEngine(Engine):
                     yield chunk
                 else:
                     finish, usage, calls, tier = chunk
-        except (TimeoutError, httpx.HTTPError) as exc:
+        except TRANSPORT_ERRORS as exc:
             failure = str(translate(exc, opened.upstream.name, stage="mid-stream"))
         finally:
             self._open.pop(rid, None)
@@ -314,5 +314,5 @@ class UpstreamEngine(Engine):
         opened = self._open.get(request_id)
         if opened is not None:
             self._aborted.add(request_id)
-            await opened.response.aclose()
+            await opened.answer.aclose()
 

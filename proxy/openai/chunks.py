@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -86,24 +86,32 @@ class Chunk:
         return next((c for c in self.choices if c.index == index), None)
 
 
-def parse(doc: Mapping[str, Any]) -> Chunk:
+def _is_map(value: object) -> TypeGuard[Mapping[str, Any]]:
+    """``isinstance(value, Mapping)``, the ABC's check skipped for what JSON gives (a
+    ``dict``, or None for a missing field): most of a chunk's reading time otherwise."""
+    return type(value) is dict or (value is not None and isinstance(value, Mapping))
+
+
+def parse(doc: Mapping[str, Any], *, choices: bool = True) -> Chunk:
     """Read one parsed event or whole answer (see the module for the fields).
 
     Args:
         doc: the event's (or answer's) JSON object.
+        choices: False: leave ``choices`` empty (unread), for a reader that needs only
+            the model, usage and status.
 
     Returns:
         The :class:`Chunk`; never raises on an odd shape.
     """
     response = doc.get("response")
-    holder = response if isinstance(response, Mapping) else doc  # Responses API events
+    holder = response if _is_map(response) else doc  # Responses API events
     raw_usage = holder.get("usage")
-    usage_json = raw_usage if isinstance(raw_usage, Mapping) and raw_usage else None
+    usage_json = raw_usage if _is_map(raw_usage) and raw_usage else None
     model = holder.get("model")
-    raw_choices = doc.get("choices")
-    choices = tuple(c for c in (_choice(entry) for entry in raw_choices)
-                    if c is not None) if isinstance(raw_choices, list) else ()
-    return Chunk(choices=choices, model=model if isinstance(model, str) else None,
+    raw_choices = doc.get("choices") if choices else None
+    read = tuple(c for c in (_choice(entry) for entry in raw_choices)
+                 if c is not None) if isinstance(raw_choices, list) else ()
+    return Chunk(choices=read, model=model if isinstance(model, str) else None,
                  usage=None if usage_json is None else _usage(usage_json),
                  usage_json=usage_json,
                  error=_error(doc["error"]) if "error" in doc else None,
@@ -121,8 +129,8 @@ def _status(doc: Mapping[str, Any], holder: Mapping[str, Any]) -> str | None:
     return status if isinstance(status, str) else None
 
 
-def parse_event(data: str | bytes) -> Chunk | None:
-    """Read one stream event's ``data``.
+def parse_event(data: str | bytes, *, choices: bool = True) -> Chunk | None:
+    """Read one stream event's ``data`` (``choices``: as :func:`parse`'s).
 
     Returns:
         Its :class:`Chunk`, or None when ``data`` is not a JSON object (``[DONE]``, a
@@ -132,7 +140,7 @@ def parse_event(data: str | bytes) -> Chunk | None:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
-    return parse(doc) if isinstance(doc, dict) else None
+    return parse(doc, choices=choices) if isinstance(doc, dict) else None
 
 
 def _whole(value: object) -> int | None:
@@ -149,7 +157,7 @@ def _usage(doc: Mapping[str, Any]) -> Usage:
     """Chat/completions names (``prompt_tokens``...) or the Responses API's
     (``input_tokens``...)."""
     details = doc.get("prompt_tokens_details", doc.get("input_tokens_details"))
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    cached = details.get("cached_tokens") if _is_map(details) else None
     prompt = doc.get("prompt_tokens", doc.get("input_tokens"))
     completion = doc.get("completion_tokens", doc.get("output_tokens"))
     return Usage(prompt_tokens=_whole(prompt) or 0,
@@ -158,7 +166,7 @@ def _usage(doc: Mapping[str, Any]) -> Usage:
 
 
 def _error(value: object) -> str:
-    if isinstance(value, Mapping):
+    if _is_map(value):
         message = value.get("message")
         return message if isinstance(message, str) else ""
     return value if isinstance(value, str) else ""
@@ -166,14 +174,14 @@ def _error(value: object) -> str:
 
 def _text(choice: Mapping[str, Any]) -> str:
     for holder in (choice.get("delta"), choice.get("message")):
-        if isinstance(holder, Mapping) and isinstance(holder.get("content"), str):
+        if _is_map(holder) and isinstance(holder.get("content"), str):
             return str(holder["content"])
     text = choice.get("text")
     return text if isinstance(text, str) else ""
 
 
 def _choice(entry: object) -> ChunkChoice | None:
-    if not isinstance(entry, Mapping):
+    if not _is_map(entry):
         return None
     index = 0 if entry.get("index") is None else _whole(entry.get("index"))
     if index is None:
@@ -183,14 +191,14 @@ def _choice(entry: object) -> ChunkChoice | None:
     return ChunkChoice(index=index, text=_text(entry),
                        finish_reason=finish if isinstance(finish, str) and finish else None,
                        logprobs=token_logprobs(entry),
-                       message=message if isinstance(message, Mapping) else None,
+                       message=message if _is_map(message) else None,
                        tool_calls=_tool_calls(entry))
 
 
 def _tool_calls(choice: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
     delta = choice.get("delta")
-    calls = delta.get("tool_calls") if isinstance(delta, Mapping) else None
-    return tuple(c for c in calls if isinstance(c, Mapping)) if isinstance(calls, list) else ()
+    calls = delta.get("tool_calls") if _is_map(delta) else None
+    return tuple(c for c in calls if _is_map(c)) if isinstance(calls, list) else ()
 
 
 class ToolCallPieces:
@@ -209,7 +217,7 @@ class ToolCallPieces:
                 index = max(self._calls, default=0)
             call = self._calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
             fn = piece.get("function")
-            fn = fn if isinstance(fn, Mapping) else {}
+            fn = fn if _is_map(fn) else {}
             if isinstance(piece.get("id"), str) and piece["id"]:
                 call["id"] = piece["id"]
             if isinstance(fn.get("name"), str) and not call["name"]:
@@ -239,7 +247,7 @@ def token_logprobs(choice: Mapping[str, Any]) -> tuple[TokenLogprob, ...]:
     """A choice's ``logprobs.content`` as :class:`TokenLogprob` entries; an entry without
     a numeric ``logprob`` is left out (a missing ``token`` reads as "")."""
     logprobs = choice.get("logprobs")
-    entries = logprobs.get("content") if isinstance(logprobs, Mapping) else None
+    entries = logprobs.get("content") if _is_map(logprobs) else None
     out = []
     for entry in entries if isinstance(entries, list) else ():
         pair = _pair(entry)
@@ -253,7 +261,7 @@ def token_logprobs(choice: Mapping[str, Any]) -> tuple[TokenLogprob, ...]:
 
 
 def _pair(entry: object) -> tuple[str, float] | None:
-    if not isinstance(entry, Mapping):
+    if not _is_map(entry):
         return None
     token, logprob = entry.get("token", ""), _number(entry.get("logprob", 0.0))
     if logprob is None:

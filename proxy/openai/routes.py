@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -82,7 +83,7 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
         structlog.contextvars.bind_contextvars(workflow_id=joined[0], step_id=joined[1])
     traced = request_tracing.current()
     if traced is not None:
-        traced.request(route.model, joined, data.get("stream") is True, _prompt_chars(data))
+        traced.request(route.model, joined, data.get("stream") is True, data)
 
     async def local(target: Local) -> web.StreamResponse:
         assert handler is not None
@@ -95,27 +96,15 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
                          on_output=on_output)
 
 
-def _prompt_chars(data: dict[str, Any]) -> int:
-    """Characters of a request's prompt (``messages``, ``prompt`` or ``input`` as JSON):
-    the base of its prompt-token estimate when no usage comes back."""
-    return sum(len(orjson.dumps(data[key])) for key in ("messages", "prompt", "input")
-               if key in data)
-
-
-@routes.post("/v1/chat/completions")
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _dispatch(request, "/chat/completions", embedded.chat_completions)
-
-
-@routes.post("/v1/completions")
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _dispatch(request, "/completions", getattr(embedded, "completions", None))
-
-
-@routes.post("/v1/embeddings")
-async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await _dispatch(request, "/embeddings", getattr(embedded, "embeddings", None),
-                           observe=False)
+# the drop-in routes are _dispatch itself, its arguments bound (a coroutine function
+# wrapping it would add a frame that every resumption of a request passes through)
+routes.post("/v1/chat/completions")(partial(
+    _dispatch, path="/chat/completions", handler=embedded.chat_completions))
+routes.post("/v1/completions")(partial(
+    _dispatch, path="/completions", handler=getattr(embedded, "completions", None)))
+routes.post("/v1/embeddings")(partial(
+    _dispatch, path="/embeddings", handler=getattr(embedded, "embeddings", None),
+    observe=False))
 
 
 @routes.post("/v1/responses")

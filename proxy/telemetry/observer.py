@@ -4,7 +4,8 @@
   current span is the run's ``invoke_workflow`` span (a child of the caller's
   ``traceparent``); :meth:`Telemetry.run_closed` ends it, emits its steps' spans from
   the trace (:mod:`flowlift.tracing.run_spans`) and feeds the metrics.
-* OpenAI API requests: the :mod:`flowlift.proxy.telemetry.requests` middleware.
+* OpenAI API requests: :mod:`flowlift.proxy.telemetry.requests` (called by the app's
+  middleware, :func:`flowlift.proxy.middleware.proxy_stack`).
 * ``GET /metrics``: Prometheus' text format (:mod:`flowlift.tracing.metrics`).
 
 Spans are exported by a batch processor in the background (see
@@ -18,7 +19,7 @@ import asyncio
 import contextvars
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
@@ -93,11 +94,12 @@ class Telemetry:
         provider = provider or spans.proxy_tracer_provider(trace_dir)
         return cls(provider, backends, active_runs, owned=owned, residency=residency)
 
-    def request_middleware(self) -> Any:
-        """The aiohttp middleware giving each OpenAI API request its span and feeding the
-        metrics (:func:`flowlift.proxy.telemetry.requests.middleware`)."""
-        return request_tracing.middleware(self.tracer, self.observe_request,
-                                          recording=spans.exports(self.provider))
+    def request_spans(self) -> request_tracing.RequestTracing:
+        """What gives each OpenAI API request its span and feeds the metrics
+        (:class:`flowlift.proxy.telemetry.requests.RequestTracing`, called by the
+        proxy's middleware)."""
+        return request_tracing.RequestTracing(self.tracer, self.observe_request,
+                                              recording=spans.exports(self.provider))
 
     def _queue_depth(self) -> list[tuple[str, str, int]]:
         out = []
@@ -203,8 +205,8 @@ async def metrics_handler(request: web.Request) -> web.Response:
 def setup(app: web.Application, telemetry: Telemetry) -> None:
     """Serve ``telemetry`` on ``app``: ``app[TELEMETRY]``, the ``/metrics`` route, the
     ``x-flowlift-overhead-ms`` header of OpenAI requests' responses, and a flush at
-    shutdown. (Its request middleware is in the app factory's middleware list:
-    :meth:`Telemetry.request_middleware`.)"""
+    shutdown. (Its request spans are begun and ended by the app's middleware:
+    :meth:`Telemetry.request_spans`.)"""
     app[TELEMETRY] = telemetry
     app.router.add_get("/metrics", metrics_handler)
     app.on_response_prepare.append(request_tracing.overhead_header)

@@ -1,8 +1,8 @@
 """One span per OpenAI API request (``chat {model}``, ``text_completion {model}``...).
 
-:func:`trace_requests` (an aiohttp middleware) starts the span when the request
-arrives -- a child of the caller's W3C ``traceparent`` -- makes it the current span (so
-:func:`flowlift.tracing.spans.inject` sends the proxy's own span upstream), and ends it
+:class:`RequestTracing` (called by the proxy's middleware) starts the span when the
+request arrives -- a child of the caller's W3C ``traceparent`` -- makes it the current
+span (the proxy's own span is the upstream's parent), and ends it
 when the handler is done: for a stream that is when the stream was exhausted, cut short
 or abandoned by the client, since the handler returns only then (cases T1, T2). What the
 answer held is noted as it passes (:class:`RequestTrace`: the model, the engine's chunks
@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import orjson
 from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -47,8 +48,7 @@ from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from flowlift.local_engine.base import Engine, GenerationChunk, Usage
-from flowlift.proxy.dispatch.sse_bytes import blocks, data_of, finished, has_data
-from flowlift.proxy.http import Handler
+from flowlift.proxy.dispatch.sse_bytes import block_at, data_of, finished, has_data
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.tenants import tenant_of
 from flowlift.tracing import genai
@@ -67,6 +67,15 @@ CHARS_PER_TOKEN = 4
 text with OpenAI-style BPE vocabularies averages about 4 characters a token)."""
 _MAY_HOLD = re.compile(rb'"usage":\s*\{|"finish_reason":\s*"|"status":\s*"(?:incomplete|failed)"'
                        rb'|"type":\s*"error"')
+"""What may hold what the span and the metrics need: a usage, a finish reason, a
+failed or incomplete status, an error."""
+_MARKS = (b'"usage"', b'"status"', b'"type"')
+"""Where a match of :data:`_MAY_HOLD` but a finish reason starts (what the metrics need
+of a stream whose span records nothing): found with ``bytes.find``, each checked with
+the pattern there (a pattern searched through a write tries every quote in it)."""
+_MARKS_RECORDING = (*_MARKS, b'"finish_reason"')
+_HELD_MAX = 16
+"""Stream events kept for the span before they are read on the stream's path."""
 
 
 def _ns(t: float) -> int:
@@ -86,38 +95,75 @@ def _safe(what: str) -> Iterator[None]:
         _failed(what, exc)
 
 
+def _matches(events: bytes, marks: tuple[bytes, ...]) -> list[int]:
+    """Where :data:`_MAY_HOLD` matches in ``events`` at one of ``marks``, in order."""
+    found = []
+    for mark in marks:
+        at = events.find(mark)
+        while at >= 0:
+            if _MAY_HOLD.match(events, at):
+                found.append(at)
+            at = events.find(mark, at + len(mark))
+    found.sort()
+    return found
+
+
 class RequestTrace:
     """What one OpenAI request's span learns while the request runs."""
 
+    # what a request may never set, as class-level defaults (one store less each,
+    # per request); what every request sets or fills is the instance's own
+    waited_s = 0.0  # waiting on an upstream or an engine (see the module doc)
+    ended_at: float | None = None  # the handler returned (or raised)
+    model: str | None = None
+    stream = False
+    engine: Engine | None = None
+    engine_model: str | None = None
+    slot_at: float | None = None
+    routed_at: float | None = None
+    first_at: float | None = None
+    last_at: float | None = None
+    events = 0
+    done = False
+    upstream_usage: dict[str, Any] | None = None
+    upstream_counts: Usage | None = None
+    upstream_status: str | None = None  # a Responses API answer's status
+    upstream_text = 0  # characters of a whole upstream answer's text
+    _answer: dict[str, Any] | None = None  # a whole upstream answer, not read yet
+    _want_model = True  # no event naming the model held yet
+    _prompt: dict[str, Any] | None = None  # the request's body, for prompt_estimate
+    response_model: str | None = None
+    outcome = "unknown"
+    status: int | None = None  # the response's HTTP status, once ended
+    tenant: str | None = None  # whose request (flowlift.proxy.tenants)
+    tokens: tuple[Any, Any] = (None, None)  # its context's, while current (RequestTracing)
+
     def __init__(self, span: trace.Span, operation: str) -> None:
         self.span, self.operation = span, operation
+        self.recording = span.is_recording()  # (a span that goes nowhere takes no attributes)
         self.t0 = time.monotonic()
-        self.waited_s = 0.0  # waiting on an upstream or an engine (see the module doc)
-        self.ended_at: float | None = None  # the handler returned (or raised)
-        self.model: str | None = None
-        self.stream = False
-        self.engine: Engine | None = None
-        self.engine_model: str | None = None
-        self.slot_at: float | None = None
-        self.routed_at: float | None = None
-        self.first_at: float | None = None
-        self.last_at: float | None = None
         self.texts: dict[int, list[str]] = {}
         self.usage: dict[int, Any] = {}
         self.finish: dict[int, str] = {}
-        self.events = 0
-        self.done = False
-        self.upstream_usage: dict[str, Any] | None = None
-        self.upstream_counts: Usage | None = None
-        self.upstream_status: str | None = None  # a Responses API answer's status
-        self.upstream_text = 0  # characters of a whole upstream answer's text
-        self._answer: dict[str, Any] | None = None  # a whole upstream answer, not read yet
-        self.prompt_estimate: int | None = None
-        self.response_model: str | None = None
-        self.outcome = "unknown"
-        self.status: int | None = None  # the response's HTTP status, once ended
+        self._held: list[bytes] = []  # a forwarded stream's events to read, not read yet
         self.ids: dict[str, str] = {}  # the workflow and step it joined
-        self.tenant: str | None = None  # whose request (flowlift.proxy.tenants)
+
+    def inject(self, headers: dict[str, str]) -> None:
+        """Write this request's span into ``headers`` as W3C ``traceparent`` (and
+        ``tracestate`` when it carries one), replacing any the caller sent: the
+        header OpenTelemetry's ``TraceContextTextMapPropagator`` writes for it
+        (``00-{trace_id:032x}-{span_id:016x}-{flags:02x}``, W3C Trace Context
+        section 3.2), formatted here without the current context's and the
+        propagator's lookups. The proxy sends its own span upstream this way when
+        the span records nothing (the tracer's spans go nowhere); a recording span's
+        header is :func:`flowlift.tracing.spans.inject`'s."""
+        ctx = self.span.get_span_context()
+        headers.pop("traceparent", None)
+        headers.pop("tracestate", None)
+        headers["traceparent"] = (f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}"
+                                  f"-{ctx.trace_flags:02x}")
+        if ctx.trace_state:
+            headers["tracestate"] = ctx.trace_state.to_header()
 
     def overhead_s(self, now: float | None = None) -> float:
         """The proxy's own time so far (up to ``now``, ``time.monotonic()`` seconds;
@@ -129,28 +175,41 @@ class RequestTrace:
 
     # -- hooks (called by the handlers; each one never raises) -------------------------
     def request(self, model: str, joined: tuple[str, str | None] | None, stream: bool,
-                prompt_chars: int = 0) -> None:
+                body: dict[str, Any] | None = None) -> None:
         """The request was read: its served ``model``, the workflow and step it
-        ``joined``, whether it streams, and the characters of its prompt (the estimate
-        of its prompt tokens when no usage comes back)."""
-        with _safe("request"):
-            self.model, self.stream = model, stream
-            self.prompt_estimate = -(-prompt_chars // CHARS_PER_TOKEN) if prompt_chars else None
-            self.span.update_name(f"{self.operation} {model}")
-            self.span.set_attributes({genai.REQUEST_MODEL: model, "flowlift.stream": stream})
+        ``joined``, whether it streams, and its ``body`` (its prompt's characters are
+        the estimate of its prompt tokens when no usage comes back: :attr:`prompt_estimate`)."""
+        try:  # (once a request: no context manager object, as _safe would make)
+            self.model, self.stream, self._prompt = model, stream, body
             if joined is not None:
                 self.ids[genai.WORKFLOW_ID] = joined[0]
                 if joined[1] is not None:
                     self.ids[genai.STEP_ID] = joined[1]
-                self.span.set_attributes(self.ids)
+            if self.recording:
+                self.span.update_name(f"{self.operation} {model}")
+                self.span.set_attributes({genai.REQUEST_MODEL: model, "flowlift.stream": stream,
+                                          **self.ids})
+        except Exception as exc:  # tracing must never break a request
+            _failed("request", exc)
+
+    @property
+    def prompt_estimate(self) -> int | None:
+        """Prompt tokens estimated from the characters of the body's ``messages``,
+        ``prompt`` or ``input`` as JSON (None: no body, or no prompt in it); computed
+        when asked (only a request that got no usage back needs it)."""
+        body = self._prompt
+        chars = sum(len(orjson.dumps(body[key])) for key in ("messages", "prompt", "input")
+                    if key in body) if body is not None else 0
+        return -(-chars // CHARS_PER_TOKEN) if chars else None
 
     def slot(self, engine: Engine, model: str, backend: str) -> None:
         with _safe("slot"):
             if self.slot_at is None:
                 self.slot_at, self.engine, self.engine_model = time.monotonic(), engine, model
                 self.response_model = model
-                self.span.set_attributes({genai.PROVIDER: genai.provider_name(engine),
-                                          "flowlift.backend": backend})
+                if self.recording:
+                    self.span.set_attributes({genai.PROVIDER: genai.provider_name(engine),
+                                              "flowlift.backend": backend})
 
     def chunk(self, index: int, chunk: GenerationChunk) -> None:
         try:  # (per chunk: no context manager object, as _safe would make)
@@ -170,47 +229,75 @@ class RequestTrace:
                  waited_s: float = 0.0) -> None:
         """An upstream answered (``doc``: its whole JSON answer, when not streamed;
         ``waited_s``: seconds the attempts waited on upstreams until then)."""
-        with _safe("upstream"):
+        try:  # (once a request: no context manager object, as _safe would make)
             self.routed_at = time.monotonic()
             self.waited_s += waited_s
-            self.span.set_attributes({genai.PROVIDER: "openai", "flowlift.backend": backend})
+            if self.recording:
+                self.span.set_attributes({genai.PROVIDER: "openai",
+                                          "flowlift.backend": backend})
             if doc is not None:
                 self.done = True
                 self._answer = doc  # read when the request ends (_read_answer)
+        except Exception as exc:  # tracing must never break a request
+            _failed("upstream", exc)
 
-    def sse(self, events: bytes) -> None:
-        """Whole events of a forwarded upstream stream. Parsed only where they may hold
-        usage or a finish reason (a byte search first), and the first (the model)."""
-        try:  # (per write: no context manager object, as _safe would make)
-            self._sse(events)
+    def sse(self, events: bytes, done: bool | None = None, plain: bool = False) -> None:
+        """Whole events of a forwarded upstream stream. Only those that may hold usage or
+        a finish reason (a byte search), and the first naming the model, are kept, and
+        read when the request ends (:meth:`_read_answer`), off the stream's path.
+
+        Args:
+            done: whether they hold the end marker, when the caller knows
+                (:func:`~flowlift.proxy.dispatch.sse_bytes.finished`); None: found here.
+            plain: the caller found no ``"usage"``, ``"error"``, ``event:`` or
+                ``[DONE]`` in them (only a status may be left to look for).
+        """
+        try:  # (per write: no context manager object, as _safe would make; no call)
+            if has_data(events):  # (keep-alive comments: no model event)
+                self._sse(events, finished(events) if done is None else done, plain)
         except Exception as exc:  # tracing must never break a request
             _failed("sse", exc)
 
-    def _sse(self, events: bytes) -> None:
-        if not has_data(events):  # keep-alive comments: no model event
-            return
+    def _sse(self, events: bytes, done: bool, plain: bool) -> None:
         now = time.monotonic()
         self.first_at = self.first_at or now
         self.last_at = now
-        first = self.events == 0
         self.events += events.count(b"data:")
-        self.done = self.done or finished(events)
-        if first or _MAY_HOLD.search(events):
-            for block in blocks(events):  # (a write may hold the whole stream)
-                if self.response_model is not None and not _MAY_HOLD.search(block):
-                    continue  # a content delta: nothing to note but the model, once
-                data = data_of(block)
-                chunk = (chunks.parse_event(data)
-                         if data is not None and data.startswith("{") else None)
-                if chunk is not None:
-                    self._note(chunk)
+        self.done = self.done or done
+        held = self._held
+        if self._want_model and (at := events.find(b'"model"')) >= 0:
+            held.append(events[slice(*block_at(events, at))])
+            self._want_model = False
+        marks: tuple[bytes, ...] = _MARKS
+        if self.recording:
+            marks = _MARKS_RECORDING
+        elif plain and b'"status"' not in events:  # (what else may hold a count)
+            return
+        for at in _matches(events, marks):  # (a write may hold the whole stream)
+            block = events[slice(*block_at(events, at))]
+            if not held or held[-1] != block:
+                held.append(block)
+        if len(held) > _HELD_MAX:  # (an upstream that sends usage in every event)
+            self._read_held()
+
+    def _read_held(self) -> None:
+        held, self._held = self._held, []
+        for block in held:
+            data = data_of(block)
+            # (its choices only for a recording span's finish reasons: the metrics
+            # read a stream's model, usage and status, its end from the end marker)
+            chunk = (chunks.parse_event(data, choices=self.recording)
+                     if data is not None and data.startswith("{") else None)
+            if chunk is not None:
+                self._note(chunk)
 
     def _read_answer(self) -> None:
-        """Note what an upstream's whole answer held (its model, usage, finish reasons,
-        text length): once, when the request ends, off the answer's path."""
+        """Note what an upstream's answer held (its model, usage, finish reasons, a whole
+        answer's text length): once, when the request ends, off the answer's path."""
+        self._read_held()
         doc, self._answer = self._answer, None
-        if doc is not None:
-            answer = chunks.parse(doc)
+        if doc is not None:  # its choices: for the span, or to estimate a missing usage
+            answer = chunks.parse(doc, choices=self.recording or not doc.get("usage"))
             self._note(answer)
             self.upstream_text = sum(len(c.text) for c in answer.choices)
 
@@ -346,8 +433,8 @@ def _unexported_span(parent: otel_context.Context | None) -> trace.Span:
     """A span that records nothing, with an id of its own under the caller's trace (a
     new trace without one): the ``traceparent`` sent upstream is what a recorded span's
     would be (the default parent-based sampler's flags)."""
-    up = trace.get_current_span(parent).get_span_context()
-    if up.is_valid:
+    up = None if parent is None else trace.get_current_span(parent).get_span_context()
+    if up is not None and up.is_valid:
         own = SpanContext(up.trace_id, _IDS.generate_span_id(), is_remote=False,
                           trace_flags=up.trace_flags, trace_state=up.trace_state)
     else:
@@ -356,8 +443,11 @@ def _unexported_span(parent: otel_context.Context | None) -> trace.Span:
     return trace.NonRecordingSpan(own)
 
 
-def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = True) -> Any:
-    """The aiohttp middleware that traces OpenAI API requests (see the module doc).
+class RequestTracing:
+    """The span of each OpenAI API request (see the module doc), begun and ended by two
+    plain calls that the proxy's one middleware makes around everything else it does
+    (:func:`flowlift.proxy.middleware.proxy_stack`: no middleware, no coroutine, of
+    its own per request).
 
     Args:
         tracer: the proxy's tracer.
@@ -367,51 +457,57 @@ def middleware(tracer: trace.Tracer, observe: Any = None, *, recording: bool = T
             non-recording span with an id of its own (the ``traceparent`` sent upstream
             is as ever), and the metrics and overhead figures are kept as ever.
     """
-    @web.middleware
-    async def trace_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+
+    def __init__(self, tracer: trace.Tracer, observe: Any = None, *,
+                 recording: bool = True) -> None:
+        self.tracer, self.observe, self.recording = tracer, observe, recording
+
+    def begin(self, request: web.Request) -> RequestTrace | None:
+        """Start ``request``'s span and make it current (None: a request not traced,
+        anything but a POST on :data:`TRACED_PATHS`); :meth:`end` must follow."""
         operation = TRACED_PATHS.get(request.path)
         if operation is None or request.method != "POST":
-            return await handler(request)
+            return None
         parent = extract(request.headers)
-        span = (tracer.start_span(operation, context=parent, kind=SpanKind.SERVER, attributes={
-            genai.OPERATION: operation, "http.route": request.path}) if recording
-            else _unexported_span(parent))
+        span = (self.tracer.start_span(operation, context=parent, kind=SpanKind.SERVER,
+                                       attributes={genai.OPERATION: operation,
+                                                   "http.route": request.path})
+                if self.recording else _unexported_span(parent))
         rt = RequestTrace(span, operation)
         request[TRACE_KEY] = rt
-        token = _current.set(rt)
-        ctx_token = otel_context.attach(trace.set_span_in_context(span))
-        status: int | None = None
-        error: BaseException | None = None
-        try:
-            response = await handler(request)
-            status = response.status
-            return response
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            rt.ended_at = time.monotonic()
-            otel_context.detach(ctx_token)
-            _current.reset(token)
-            transport = request.transport
-            abandoned = (transport is None or transport.is_closing()
-                         or isinstance(error, asyncio.CancelledError))
-            if abandoned:  # case N1: the client left; its upstream work was stopped
-                log.info("request_cancelled_by_client", path=request.path,
-                         model=rt.model, after_ms=round((rt.ended_at - rt.t0) * 1000))
-            rt.tenant = tenant_of(request)  # (set by require_key, inside this middleware)
-            # the span's end and the metrics once the answer is on its way: a plain
-            # answer is written after this returns, and this callback runs after that
-            asyncio.get_running_loop().call_soon(_finish, rt, status, abandoned, error,
-                                                 observe)
-    return trace_requests
+        rt.tokens = (_current.set(rt), otel_context.attach(trace.set_span_in_context(span)))
+        return rt
+
+    def end(self, request: web.Request, rt: RequestTrace, status: int | None,
+            error: BaseException | None) -> None:
+        """The handler is done (``status``: its response's, None when it raised
+        ``error``): restore the context; the span's end and the metrics follow once
+        the answer is on its way (a plain answer is written after the middleware
+        returns, and this callback runs after that)."""
+        rt.ended_at = time.monotonic()
+        current, attached = rt.tokens
+        otel_context.detach(attached)
+        _current.reset(current)
+        transport = request.transport
+        abandoned = (transport is None or transport.is_closing()
+                     or isinstance(error, asyncio.CancelledError))
+        if abandoned:  # case N1: the client left; its upstream work was stopped
+            log.info("request_cancelled_by_client", path=request.path,
+                     model=rt.model, after_ms=round((rt.ended_at - rt.t0) * 1000))
+        rt.tenant = tenant_of(request)  # (the key check ran after begin)
+        asyncio.get_running_loop().call_soon(_finish, rt, status, abandoned, error,
+                                             self.observe)
 
 
 def _finish(rt: RequestTrace, status: int | None, abandoned: bool,
             error: BaseException | None, observe: Any) -> None:
     """End ``rt``'s span and count it in the metrics (never raises)."""
-    with _safe("end"):
+    try:  # (once per request: no context manager objects, as _safe would make)
         rt.end(status, abandoned, error)
+    except Exception as exc:  # tracing must never break a request
+        _failed("end", exc)
     if observe is not None:
-        with _safe("observe"):
+        try:
             observe(rt)
+        except Exception as exc:
+            _failed("observe", exc)

@@ -109,6 +109,9 @@ def workflow_from(headers: Mapping[str, str], body: Any) -> tuple[str, str | Non
             workflow id; ``param`` names the header or field.
     """
     metadata = body.get("metadata") if isinstance(body, dict) else None
+    if (not metadata and isinstance(headers, CIMultiDictProxy | CIMultiDict)
+            and WORKFLOW_HEADER not in headers and STEP_HEADER not in headers):
+        return None  # (most requests: nothing to read, no error to find)
     metadata = metadata if isinstance(metadata, dict) else {}
     workflow = _pick(headers, metadata, WORKFLOW_HEADER, WORKFLOW_FIELD)
     step = _pick(headers, metadata, STEP_HEADER, STEP_FIELD)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from structlog.testing import capture_logs
@@ -171,8 +172,9 @@ async def test_a_url_as_model_or_base_url_in_the_body_calls_nothing_else(guarded
 
 
 def fake_host(client: Any) -> str:
+    """The configured backend's ``host:port`` (the only Host an upstream request may name)."""
     up = client.app[STATE].backends.upstreams["b0"]
-    return up.request("/x", b"", {}).headers["host"]
+    return urlsplit(up.spec.base_url).netloc
 
 
 async def test_schemas_with_remote_refs_fetch_nothing(guarded, canary):

@@ -16,13 +16,12 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import orjson
 
 from flowlift.errors import EngineError, RequestError
 from flowlift.proxy.dispatch.attempts import Opened
 from flowlift.proxy.dispatch.backends import Backend
-from flowlift.proxy.dispatch.upstream import translate
+from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai.chat_completion.serving import (
     ChatChoice,
@@ -106,7 +105,7 @@ async def upstream(opened: Opened) -> ChatChunks:
                 yield doc
             async with asyncio.timeout(idle_s):
                 event = await anext(opened.events, None)  # type: ignore[arg-type]
-    except (TimeoutError, httpx.HTTPError) as exc:
+    except TRANSPORT_ERRORS as exc:
         opened.call.failed("request")
         raise EngineError(str(translate(exc, name, stage="mid-stream"))) from None
     finally:
