@@ -109,7 +109,8 @@ def scenario(scheduling: str, docs: list[Any], n_interactive: int,
     # the machine (the config now loads two Qwen2.5-Coder engines in bfloat16)
     config = ("--config", str(EXAMPLE_CONFIG)) if kind == "example" else ()
     with proxy("--scheduling", scheduling, *extra, *config,
-               name=f"mixed_{scheduling}_{'_'.join(extra[-3:])}", engine=engine) as base:
+               name=re.sub(r"[^\w.=]+", "_", f"mixed_{scheduling}_{'_'.join(extra)}"),
+               engine=engine) as base:
         interactive(base, -1)  # warm-up
         alone = [interactive(base, i) for i in range(8)]
         batch_alone = batch(base, docs, "alone", kind)
@@ -167,8 +168,9 @@ def main() -> int:
     parser.add_argument("--arms", default="priority,preempt,fcfs",
                         help="schedulers to run, comma-separated (fcfs is the reference); "
                              "NAME:N also sets --batch-cap-when-interactive N (or auto), "
-                             "NAME:auto@X also --interactive-slowdown X, NAME/T (last) "
-                             "--max-step-tokens T")
+                             "NAME:auto@X also --interactive-slowdown X, NAME/T "
+                             "--max-step-tokens T, and each +FLAG=V (last) --FLAG V (e.g. "
+                             "preempt:auto@1.5/64+batch-cap=auto+block-size=32)")
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine (0.03 s a token), 4 documents, 2 arrivals 0.1 s "
                              "apart, nothing saved")
@@ -186,7 +188,10 @@ def main() -> int:
     results: dict[str, Any] = {"documents": len(docs), "batch": args.batch,
                                "batch_tokens": args.batch_tokens, "every_s": args.every_s}
     for arm in arms:  # "preempt:2": --scheduling preempt --batch-cap-when-interactive 2
-        head, _, step_tokens = arm.partition("/")  # "preempt:auto/256": --max-step-tokens
+        arm_flags, *more = arm.split("+")  # "+batch-cap=12": --batch-cap 12
+        flags = tuple(x for kv in more for x in (f"--{kv.partition('=')[0]}",
+                                                 kv.partition("=")[2]))
+        head, _, step_tokens = arm_flags.partition("/")  # "preempt:auto/256": --max-step-tokens
         scheduling, _, cap = head.partition(":")
         cap, _, slowdown = cap.partition("@")  # "auto@1.5": --interactive-slowdown 1.5
         results[arm] = scenario(scheduling, docs, args.interactive, args.every_s,
@@ -196,7 +201,8 @@ def main() -> int:
                                        *(("--interactive-slowdown", slowdown)
                                          if slowdown else ()),
                                        *(("--max-step-tokens", step_tokens)
-                                         if step_tokens and not args.smoke else ())))
+                                         if step_tokens and not args.smoke else ()),
+                                       *flags))
     if "fcfs" in results:
         f = results["fcfs"]
         for arm in arms:

@@ -172,6 +172,7 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                         batch_prefill_budget=config.batch_prefill_budget,
                         batch_cap_when_interactive=config.batch_cap_when_interactive,
                         interactive_slowdown=config.interactive_slowdown,
+                        batch_cap=config.batch_cap,
                         config=file_config, transport=transport, max_queue=config.max_queue,
                         prefill_ahead=AheadConfig(
                             enabled=config.prefill_ahead,

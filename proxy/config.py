@@ -137,6 +137,10 @@ class ProxyConfig:
             :mod:`flowlift.proxy.dispatch.batch_cap`).
         interactive_slowdown: with ``"auto"``: the most an interactive step may slow
             down beside batch work (1.3: 30 %).
+        batch_cap: batch slots of each embedded engine at any time, interactive work or
+            not (None: no such cap; ``"auto"``: the plan beside one interactive request);
+            decoding batch requests are then never preempted
+            (:class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`' ``steady``).
         api_keys: keys of the tenant ``default`` (``[server] api_keys_env``), sent as
             ``Authorization: Bearer``; empty, with no ``tenants``: no auth.
         tenants: the ``[tenants.*]`` of the config (:mod:`flowlift.proxy.tenants`).
@@ -173,6 +177,7 @@ class ProxyConfig:
     batch_prefill_budget: int = 1024
     batch_cap_when_interactive: int | Literal["auto"] | None = None
     interactive_slowdown: float = 1.3
+    batch_cap: int | Literal["auto"] | None = None
     api_keys: frozenset[str] = frozenset()
     tenants: tuple[Tenant, ...] = ()
     max_queue: int = 256

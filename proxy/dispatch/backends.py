@@ -85,6 +85,9 @@ class Backends:
             :class:`~flowlift.proxy.dispatch.batch_cap.DynamicCap` at
             ``interactive_slowdown`` (the others half their slots), and every pool a
             learned linger (:class:`~flowlift.proxy.dispatch.batch_cap.LingerModel`).
+        batch_cap: the steady batch cap of each embedded engine's slots (``steady`` of
+            :class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`; ``"auto"``: from
+            the same dynamic plan, on engines that time their steps; None: none).
         config: the parsed config file (upstreams, routes, aliases), or None.
         transport: httpx transport for every upstream (tests); None: the network.
         max_queue: requests waiting per embedded backend before the proxy answers 429.
@@ -103,13 +106,16 @@ class Backends:
                  batch_prefill_budget: int = 1024,
                  batch_cap_when_interactive: int | Literal["auto"] | None = None,
                  interactive_slowdown: float = 1.3, preempt: bool = False,
+                 batch_cap: int | Literal["auto"] | None = None,
                  config: FileConfig | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
                  max_queue: int = 256,
                  prefill_ahead: AheadConfig | None = None,
                  programs: ProgramConfig | None = None) -> None:
         auto = batch_cap_when_interactive == "auto"
-        self._auto_slowdown = interactive_slowdown if auto else None
+        self._auto_slowdown = interactive_slowdown if auto or batch_cap == "auto" else None
+        self._auto_when_interactive = auto
+        self._batch_cap = batch_cap
         self._new_slots = functools.partial(
             PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
             batch_cap_when_interactive=(None if batch_cap_when_interactive == "auto"
@@ -169,14 +175,17 @@ class Backends:
         return backend
 
     def _dynamic(self, engine: Engine, capacity: int) -> dict[str, Any]:
-        """The dynamic plan and learned linger of ``engine``'s slots (none: not auto)."""
+        """The dynamic plan, steady cap and learned linger of ``engine``'s slots (none:
+        neither cap is auto, and no steady cap)."""
+        steady = None if self._batch_cap == "auto" else self._batch_cap
         if self._auto_slowdown is None:
-            return {}
+            return {"steady": steady}
         log = engine.step_log()
         fallback = BatchPlan(max(1, capacity // 2), self._prefill_budget)
+        dynamic = None if log is None else DynamicCap(log, self._auto_slowdown, fallback)
         return {"linger": LingerModel(1.0, time.monotonic),
-                "dynamic": None if log is None else DynamicCap(log, self._auto_slowdown,
-                                                               fallback)}
+                "dynamic": dynamic if self._auto_when_interactive else None,
+                "steady": dynamic if self._batch_cap == "auto" else steady}
 
     def _configure(self, config: FileConfig, transport: httpx.AsyncBaseTransport | None) -> None:
         for name, spec in config.backends.items():

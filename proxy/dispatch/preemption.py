@@ -100,7 +100,8 @@ def _negated(p: Priority) -> tuple[float, float, float]:
 
 
 def victims_beside_interactive(candidates: Sequence[Candidate], plan: BatchPlan,
-                               min_remaining_tokens: int = 4) -> list[Candidate]:
+                               min_remaining_tokens: int = 4,
+                               stop_decoding: bool = True) -> list[Candidate]:
     """The running batch requests to preempt so that what stays fits ``plan``
     (:func:`~flowlift.proxy.dispatch.batch_cap.plan_beside_interactive`).
 
@@ -110,6 +111,11 @@ def victims_beside_interactive(candidates: Sequence[Candidate], plan: BatchPlan,
     ``plan.decode_cap`` requests would stay, the decoding ones in
     :func:`choose_victims`'s order.
 
+    Args:
+        stop_decoding: False: decoding requests are never chosen (under a steady batch
+            cap, ``--batch-cap``, they already fit); a request in prefill is kept only
+            while it fits beside all of them.
+
     Returns:
         The requests to preempt (a request within ``min_remaining_tokens`` of its limit
         is never chosen).
@@ -118,12 +124,15 @@ def victims_beside_interactive(candidates: Sequence[Candidate], plan: BatchPlan,
                         key=lambda c: c.prefill_tokens)
     decoding = [c for c in candidates if not c.in_prefill]
     stop: list[Candidate] = []
+    room = plan.decode_cap - (0 if stop_decoding else len(decoding))
     kept, allowance = 0, plan.prefill_tokens
     for c in prefilling:
-        if c.prefill_tokens <= allowance and kept < plan.decode_cap:
+        if c.prefill_tokens <= allowance and kept < room:
             allowance -= c.prefill_tokens
             kept += 1
         else:
             stop.append(c)
+    if not stop_decoding:
+        return stop
     excess = len(decoding) + kept - plan.decode_cap
     return stop + choose_victims(decoding, excess, min_remaining_tokens)

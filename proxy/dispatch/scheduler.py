@@ -37,6 +37,14 @@ prefill beyond it are preempted first, then decoding ones above the cap
 (:func:`~flowlift.proxy.dispatch.preemption.victims_beside_interactive`). A
 :class:`~flowlift.proxy.dispatch.batch_cap.LingerModel` replaces the fixed linger by the
 time programs were seen to take to send their next interactive step.
+
+A steady cap (``flowlift serve --batch-cap N|auto``) bounds the batch's slots at all
+times, interactive work or not (``auto``: the dynamic plan's decode cap beside one
+interactive request, so an interactive step that arrives finds a batch it may run
+beside). Decoding batch requests are then never preempted: the arrival of interactive
+work changes nothing for them, and there is no churn of preemptions and re-prefills at
+each arrival; only batch requests still in prefill are preempted (with ``preempt``) or
+held back (beyond the plan's prefill allowance) while interactive work is active.
 """
 
 from __future__ import annotations
@@ -142,6 +150,10 @@ class PrioritySlots:
         dynamic: the batch plan beside interactive work from measured step times
             (replaces ``batch_cap_when_interactive``; not with ``fcfs``).
         linger: the learned linger (replaces ``linger_s``; not with ``fcfs``).
+        steady: the steady batch cap: batch slots at any time (a number, or the
+            ``dynamic``-style plan of this :class:`DynamicCap` beside one interactive
+            request); decoding batch requests are then never preempted (not with
+            ``fcfs``; None: no steady cap).
 
     Attributes:
         preemptions: requests asked to stop so far.
@@ -155,7 +167,8 @@ class PrioritySlots:
                  kv_usage: KvUsage | None = None,
                  timer: Callable[[], float] = time.monotonic,
                  dynamic: DynamicCap | None = None,
-                 linger: LingerModel | None = None) -> None:
+                 linger: LingerModel | None = None,
+                 steady: int | DynamicCap | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
@@ -166,6 +179,7 @@ class PrioritySlots:
         self.linger_s = linger_s
         self.dynamic = None if fcfs else dynamic
         self.linger = None if fcfs else linger
+        self.steady = None if fcfs else steady
         self._interactive_until = 0.0
         self._linger_timer: asyncio.TimerHandle | None = None  # at most one at a time
         self.prefill_budget = batch_prefill_budget
@@ -213,14 +227,27 @@ class PrioritySlots:
         return self.dynamic.plan(self.in_use - self.batch_in_use,
                                  self.capacity - self.reserved)
 
+    def steady_cap(self) -> int:
+        """Batch slots at any time: the steady cap now (all but the reserved ones when
+        there is none)."""
+        slots = self.capacity - self.reserved
+        if isinstance(self.steady, DynamicCap):
+            return max(1, self.steady.plan(1, slots).decode_cap)  # the batch still moves
+        return slots if self.steady is None else min(self.steady, slots)
+
     def plan_snapshot(self) -> dict[str, object] | None:
-        """The dynamic plan's state and the linger now (None: a fixed cap and linger)."""
-        if self.dynamic is None and self.linger is None:
+        """The dynamic plan's state, the steady cap and the linger now (None: fixed caps
+        and linger, no steady cap)."""
+        if self.dynamic is None and self.linger is None and self.steady is None:
             return None
         out: dict[str, object] = {"linger_s": round(self.linger.linger_s(), 3)
                                   if self.linger is not None else self.linger_s}
         if self.dynamic is not None:
             out.update(self.dynamic.snapshot(self.capacity - self.reserved))
+        elif isinstance(self.steady, DynamicCap):
+            out.update(self.steady.snapshot(self.capacity - self.reserved))
+        if self.steady is not None:
+            out["steady_cap"] = self.steady_cap()
         return out
 
     def _can_take(self, p: Priority, tokens: int = 0) -> bool:
@@ -232,6 +259,8 @@ class PrioritySlots:
                 and self.batch_prefill + tokens > self.prefill_budget):
             return False
         limit = self.capacity - self.reserved
+        if self.steady is not None:
+            limit = self.steady_cap()
         if not self.fcfs and self.interactive_active():
             plan = self.batch_plan()
             limit = min(limit, plan.decode_cap)
@@ -476,14 +505,18 @@ class PrioritySlots:
 
     def _victims(self, candidates: list[Candidate], blocked: bool) -> list[Candidate]:
         """Whom to preempt now: down to the fixed cap (requests still in prefill are
-        left alone), or to the dynamic plan; ``blocked``: at least one more, to free
-        a slot for the interactive request that finds none."""
+        left alone), or to the dynamic plan; under a steady cap, no decoding request
+        (only those in prefill beyond the dynamic plan); ``blocked``: at least one more,
+        to free a slot for the interactive request that finds none."""
         stopping = len(self._preempting)
         need = self.in_use - stopping - self.capacity + 1 if blocked else 0
         if self.dynamic is None:
-            excess = max(self.batch_in_use - stopping - self.batch_cap, need)
-            return choose_victims([c for c in candidates if not c.in_prefill], excess)
-        victims = victims_beside_interactive(candidates, self.batch_plan())
+            over = (0 if self.steady is not None
+                    else self.batch_in_use - stopping - self.batch_cap)
+            return choose_victims([c for c in candidates if not c.in_prefill],
+                                  max(over, need))
+        victims = victims_beside_interactive(candidates, self.batch_plan(),
+                                             stop_decoding=self.steady is None)
         if len(victims) < need:
             chosen = {id(v) for v in victims}
             victims += choose_victims([c for c in candidates if id(c) not in chosen],

@@ -111,9 +111,10 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
                                                 speculative_max_batch=args.speculative_max_batch,
                                                 block_size=args.block_size,
                                                 max_num_batched_tokens=args.max_step_tokens,
-                                                step_timings=getattr(
-                                                    args, "batch_cap_when_interactive",
-                                                    None) == "auto"))
+                                                step_timings="auto" in (
+                                                    getattr(args, "batch_cap_when_interactive",
+                                                            None),
+                                                    getattr(args, "batch_cap", None))))
         for config in configs:
             _add(sized, config.served_model_name, VLLMEngine(config),
                  config.estimated_memory_mb())
@@ -154,6 +155,7 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "scheduling": args.scheduling, "batch_prefill_budget": args.batch_prefill_budget,
              "batch_cap_when_interactive": args.batch_cap_when_interactive,
              "interactive_slowdown": args.interactive_slowdown,
+             "batch_cap": args.batch_cap,
              "max_queue": args.max_queue, "max_sessions": args.max_sessions,
              "session_ttl_s": args.session_ttl_s, "max_runs": args.max_runs,
              "lease_ttl_s": args.lease_ttl_s, "prefill_ahead": args.prefill_ahead,
@@ -452,15 +454,20 @@ _positive_int = _whole(1)
 _count = _whole(0)
 
 
-def _batch_cap(text: str) -> int | str:
-    """``--batch-cap-when-interactive``: ``auto`` or a whole number >= 0."""
+def _batch_cap(text: str, least: int = 0) -> int | str:
+    """``--batch-cap-when-interactive``: ``auto`` or a whole number >= ``least``."""
     if text == "auto":
         return text
     try:
-        return _count(text)
+        return (_positive_int if least else _count)(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"must be 'auto' or a whole number of at least 0, not {text!r}") from None
+            f"must be 'auto' or a whole number of at least {least}, not {text!r}") from None
+
+
+def _steady_cap(text: str) -> int | str:
+    """``--batch-cap``: ``auto`` or a whole number >= 1 (the batch must move)."""
+    return _batch_cap(text, least=1)
 
 
 def _slowdown(text: str) -> float:
@@ -614,9 +621,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "interactive steps within --interactive-slowdown of their time "
                             "alone, from the engine's measured step times, with no batch "
                             "prefill beside them unless it fits too")
+    serve.add_argument("--batch-cap", type=_steady_cap, default=None, metavar="N|auto",
+                       help="engine slots batch work may hold at any time, interactive work "
+                            "or not (default: all but one); auto: as many as keep one "
+                            "interactive step beside them within --interactive-slowdown, "
+                            "from the engine's measured step times. Decoding batch requests "
+                            "are then never preempted (with --scheduling preempt, only "
+                            "those still in prefill are)")
     serve.add_argument("--interactive-slowdown", type=_slowdown, default=None, metavar="X",
-                       help="with --batch-cap-when-interactive auto: how much slower batch "
-                            "work may make an interactive step (default 1.3)")
+                       help="with --batch-cap-when-interactive auto or --batch-cap auto: how "
+                            "much slower batch work may make an interactive step "
+                            "(default 1.3)")
     serve.add_argument("--no-prefill-ahead", dest="prefill_ahead", action="store_const",
                        const=False, default=None,
                        help="do not prefill the known start of the step that reads a tool's "
