@@ -66,11 +66,13 @@ async def test_a_detached_run_outlives_the_sweep_a_normal_one_does_not(detached)
     await asyncio.sleep(0.05)
     if not detached:
         await asyncio.wait([run.task])
+        await registry.io.flush()  # (the store trails the run by its last writes)
         assert store.load(run.run_id).status == "cancelled"
         return
     assert not run.finished and run.trace.steps["t"].status == "waiting_tool"
     run.deliver_tool_result("t", "found")
     await asyncio.wait_for(asyncio.wait([run.task]), 5)
+    await registry.io.flush()  # (the store trails the run by its last writes)
     assert store.load(run.run_id).status == "succeeded"
     assert run.outputs["t"] == "found"
 
@@ -86,6 +88,7 @@ async def test_a_resumed_detached_run_runs_on_without_its_client(detached):
     await registry.sweep()
     await registry.sweep()
     await asyncio.wait_for(asyncio.wait([run.task]), 5)
+    await registry.io.flush()  # (the store trails the run by its last writes)
     assert store.load("wf-old").status == ("succeeded" if detached else "cancelled")
     assert bool(engine.requests) is detached
 

@@ -46,7 +46,8 @@ async def served(aiohttp_client):
     client = await aiohttp_client(app)
     await app[STATE].ready.wait()
     oa = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="k", max_retries=0)
-    return client, oa, engine
+    yield client, oa, engine
+    await oa.close()
 
 
 async def test_create_then_continue_with_previous_response_id_sends_only_the_delta(served):

@@ -179,3 +179,72 @@ async def test_a_stalled_call_is_said_and_callers_with_a_bound_get_a_503() -> No
     assert ran == [] and worker.behind() is None  # the late call never ran
     assert await worker.call(lambda: 7, within_s=1.0) == 7
     worker.close()
+
+
+async def test_a_busy_store_that_keeps_finishing_calls_is_waited_on_not_refused() -> None:
+    """A bounded call behind many quick calls (a burst of new runs on a busy machine)
+    waits past ``within_s`` while the store keeps finishing calls; found by the 1,000-run
+    burst of ``tests/reliability/test_load.py``, which got 503s from a store keeping up."""
+    worker = StoreWorker()
+    for _ in range(40):
+        worker.submit(time.sleep, 0.01)  # 0.4 s of work ahead, each call finishing
+    t0 = time.monotonic()
+    assert await worker.call(lambda: "created", within_s=0.1) == "created"
+    assert time.monotonic() - t0 > 0.3  # waited well past within_s, and got its answer
+    worker.close()
+
+
+async def test_a_busy_store_is_refused_past_its_patience() -> None:
+    """Past MOVING_PATIENCE times ``within_s`` a moving store answers 503 too, and the
+    call, not started, never runs."""
+    import pytest
+
+    from flowlift.errors import StoreUnavailable
+    from flowlift.proxy.workflows.store_worker import MOVING_PATIENCE
+
+    worker, ran = StoreWorker(), []
+    for _ in range(200):
+        worker.submit(time.sleep, 0.01)  # 2 s of work ahead
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="calls behind"):
+        await worker.call(ran.append, "late", within_s=0.05)
+    assert MOVING_PATIENCE * 0.05 <= time.monotonic() - t0 < 1.5
+    await worker.flush()
+    assert ran == []
+    worker.close()
+
+
+async def test_an_urgent_call_runs_before_the_ordinary_calls_waiting() -> None:
+    """A run's create and the readiness probe go ahead of the events queued before them;
+    ordinary calls keep their order."""
+    import threading
+
+    worker, order = StoreWorker(), []
+    gate = threading.Event()
+    worker.submit(gate.wait, 5.0)  # holds the worker while the rest queue
+    for i in range(3):
+        worker.submit(order.append, f"event {i}")
+    urgent = asyncio.ensure_future(worker.call(order.append, "create", urgent=True))
+    await asyncio.sleep(0.05)
+    gate.set()
+    await urgent
+    await worker.flush()
+    assert order == ["create", "event 0", "event 1", "event 2"]
+    worker.close()
+
+
+async def test_a_caller_that_goes_away_leaves_no_call_behind() -> None:
+    """A client gone before its call started (its task cancelled): the call never runs."""
+    import threading
+
+    worker, ran = StoreWorker(), []
+    gate = threading.Event()
+    worker.submit(gate.wait, 5.0)
+    waiting = asyncio.ensure_future(worker.call(ran.append, "create", within_s=3.0))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    await asyncio.sleep(0.01)
+    gate.set()
+    await worker.flush()
+    assert ran == [] and worker.backlog == 0
+    worker.close()

@@ -294,7 +294,8 @@ class RunRegistry:
             # (a create that lands after the 503 leaves a run nobody follows: this
             # proxy's heartbeat resumes it parked and the sweep cancels it)
             epoch = await self.io.call(self._create, key, graph.to_wire(), tenant,
-                                       graph.id is not None, within_s=ANSWER_WITHIN_S)
+                                       graph.id is not None, within_s=ANSWER_WITHIN_S,
+                                       urgent=True)  # (ahead of other runs' events)
         finally:
             self._starting.discard(key)
         run = Run(graph, backends, run_plan, costs, run_id=run_id, key=key,
