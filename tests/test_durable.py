@@ -108,4 +108,5 @@ async def test_resumed_run_is_parked_until_its_client_returns():
     await registry.sweep()  # notes it is detached
     await registry.sweep()  # past the (zero) timeout: cancelled
     await asyncio.wait([run.task])
+    await registry.io.flush()  # (the store trails the run by its last writes)
     assert store.load("wf-old").status == "cancelled"
