@@ -174,6 +174,9 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="fake engine (0.03 s a token), 4 documents, 2 arrivals 0.1 s "
                              "apart, nothing saved")
+    parser.add_argument("--out", default=None,
+                        help="results name in bench/results (default mixed_load_BATCH; a "
+                             "second run under the default name replaces the first)")
     args = parser.parse_args()
     extra: tuple[str, ...] = ()
     if args.smoke:
@@ -211,7 +214,7 @@ def main() -> int:
                 f["interactive_loaded_s"]["p50"] / r["interactive_loaded_s"]["p50"], 2)
             r["batch_throughput_mixed_over_fcfs"] = round(
                 r["batch_mixed"]["steps_per_s"] / f["batch_mixed"]["steps_per_s"], 2)
-    save(f"mixed_load_{args.batch}", results, smoke=args.smoke)
+    save(args.out or f"mixed_load_{args.batch}", results, smoke=args.smoke)
     return 0
 
 
