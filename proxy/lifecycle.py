@@ -90,8 +90,7 @@ async def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
     if unavailable:
         return unavailable
     try:  # (off the loop, and never waiting behind a stalled call for long)
-        problem = await state.runs.io.call(state.runs.store.problem, within_s=2.0,
-                                           urgent=True)
+        problem = await state.runs.io.call(state.runs.store.problem, within_s=2.0)
     except StoreUnavailable as exc:
         return exc.message
     if problem:

@@ -214,25 +214,6 @@ async def test_a_busy_store_is_refused_past_its_patience() -> None:
     worker.close()
 
 
-async def test_an_urgent_call_runs_before_the_ordinary_calls_waiting() -> None:
-    """A run's create and the readiness probe go ahead of the events queued before them;
-    ordinary calls keep their order."""
-    import threading
-
-    worker, order = StoreWorker(), []
-    gate = threading.Event()
-    worker.submit(gate.wait, 5.0)  # holds the worker while the rest queue
-    for i in range(3):
-        worker.submit(order.append, f"event {i}")
-    urgent = asyncio.ensure_future(worker.call(order.append, "create", urgent=True))
-    await asyncio.sleep(0.05)
-    gate.set()
-    await urgent
-    await worker.flush()
-    assert order == ["create", "event 0", "event 1", "event 2"]
-    worker.close()
-
-
 async def test_a_caller_that_goes_away_leaves_no_call_behind() -> None:
     """A client gone before its call started (its task cancelled): the call never runs."""
     import threading

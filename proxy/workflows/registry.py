@@ -294,8 +294,7 @@ class RunRegistry:
             # (a create that lands after the 503 leaves a run nobody follows: this
             # proxy's heartbeat resumes it parked and the sweep cancels it)
             epoch = await self.io.call(self._create, key, graph.to_wire(), tenant,
-                                       graph.id is not None, within_s=ANSWER_WITHIN_S,
-                                       urgent=True)  # (ahead of other runs' events)
+                                       graph.id is not None, within_s=ANSWER_WITHIN_S)
         finally:
             self._starting.discard(key)
         run = Run(graph, backends, run_plan, costs, run_id=run_id, key=key,
@@ -318,8 +317,8 @@ class RunRegistry:
         """
         if chosen and self.store.exists(key):
             raise _exists(client_run_id(key, tenant))
-        self.store.create(key, wire, tenant)
-        return self.store.claim(key, self.owner, self.lease_ttl_s)
+        self.store.create(key, wire, tenant, owner=self.owner, ttl_s=self.lease_ttl_s)
+        return self.store.claim(key, self.owner, self.lease_ttl_s)  # (ours: its epoch)
 
     def _claim_orphans(self, mine: Collection[str]) -> list[tuple[int, StoredRun]]:
         """On the store's worker: claim the unfinished runs nobody holds (leaving out

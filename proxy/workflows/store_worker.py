@@ -15,13 +15,6 @@ it. An event reaches followers only once its write has returned (committed: see
 :class:`~flowlift.proxy.workflows.events.EventLog`), so "in the database before any
 client hears of it" holds as it did when writes blocked the loop.
 
-**Two lanes.** A call that creates a run, or that only asks whether the database
-answers, is *urgent* (``call(..., urgent=True)``): it runs before every ordinary call
-waiting, in order among the urgent ones, so a new run or a readiness probe does not
-queue behind the events of every run started before it. Creating a run depends on no
-other run's writes (a second create of one id still finds the first: creates keep their
-order), and a run's own events are submitted only after its create returned.
-
 **Bound.** The queue itself takes every call (an event already computed is never
 dropped); admission is bounded instead: while more than ``max_backlog`` calls wait, or
 the call at the head has run for more than ``stall_s`` (a database that restarts, is out
@@ -43,9 +36,8 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from flowlift.errors import StoreUnavailable
 
@@ -54,10 +46,6 @@ T = TypeVar("T")
 MOVING_PATIENCE = 10
 """How many times its ``within_s`` a bounded call waits while the store keeps finishing
 other calls (a busy store) before its caller is answered 503."""
-
-
-_Call = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[object, ...]]
-"""A call waiting: its future, the function and its arguments."""
 
 
 class StoreWorker:
@@ -71,17 +59,13 @@ class StoreWorker:
     def __init__(self, max_backlog: int = 10_000, stall_s: float = 2.0) -> None:
         self.max_backlog = max_backlog
         self.stall_s = stall_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="flowlift-store")
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
-        self._urgent: deque[_Call] = deque()
-        self._ordinary: deque[_Call] = deque()
-        self._closed = False
         self._waiting = 0
-        self._finished = 0  # calls finished so far (how a moving store is told)
+        self._finished = 0  # calls run to their end (how a moving store is told; the
+        # worker alone writes it)
         self._since: float | None = None  # time.monotonic() the running call began
-        self._thread = threading.Thread(target=self._work, name="flowlift-store",
-                                        daemon=True)  # (a call stuck on a vanished
-        self._thread.start()                          # database must not hold the exit)
 
     @property
     def backlog(self) -> int:
@@ -113,28 +97,11 @@ class StoreWorker:
             return fn(*args)
         finally:
             self._since = None
+            self._finished += 1  # (a call that ran: one cancelled unstarted is no progress)
 
-    def _work(self) -> None:
-        """The worker thread: the urgent calls first, each lane in order."""
-        while True:
-            with self._ready:
-                while not self._urgent and not self._ordinary and not self._closed:
-                    self._ready.wait()
-                if not self._urgent and not self._ordinary:
-                    return  # closed and drained
-                future, fn, args = (self._urgent or self._ordinary).popleft()
-            try:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        result = self._timed(fn, *args)
-                    except BaseException as exc:  # (the future carries it to its caller)
-                        future.set_exception(exc)
-                    else:
-                        future.set_result(result)
-            finally:
-                with self._lock:
-                    self._waiting -= 1
-                    self._finished += 1
+    def _done(self, _: object) -> None:
+        with self._lock:
+            self._waiting -= 1
 
     def submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
         """Run ``fn(*args)`` on the worker after every call submitted before.
@@ -144,15 +111,11 @@ class StoreWorker:
         """
         return self._submit(fn, *args)
 
-    def _submit(self, fn: Callable[..., T], *args: object,
-                urgent: bool = False) -> concurrent.futures.Future[T]:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._ready:
-            if self._closed:
-                raise RuntimeError("the run store's worker is closed")
+    def _submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
+        with self._lock:
             self._waiting += 1
-            (self._urgent if urgent else self._ordinary).append((future, fn, args))
-            self._ready.notify()
+        future = self._pool.submit(self._timed, fn, *args)
+        future.add_done_callback(self._done)
         return future
 
     def later(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
@@ -161,11 +124,9 @@ class StoreWorker:
         return asyncio.wrap_future(self.submit(fn, *args))
 
     async def call(self, fn: Callable[..., T], *args: object,
-                   within_s: float | None = None, urgent: bool = False) -> T:
+                   within_s: float | None = None) -> T:
         """``fn(*args)`` on the worker, awaited; ``within_s``: at most that long (a
-        client waits for the answer), else as long as it takes; ``urgent``: ahead of
-        the ordinary calls waiting (a call no earlier write must precede: see the
-        module docstring).
+        client waits for the answer), else as long as it takes.
 
         Raises:
             StoreUnavailable: the store finished no call for ``within_s`` (stalled), or
@@ -174,7 +135,7 @@ class StoreWorker:
                 its end unheard).
             Exception: whatever ``fn`` raised.
         """
-        future = self._submit(fn, *args, urgent=urgent)
+        future = self._submit(fn, *args)
         waited = asyncio.wrap_future(future)
         if within_s is None:
             return await waited
@@ -191,8 +152,7 @@ class StoreWorker:
             moved, finished = self._finished != finished, self._finished
             if not moved or time.monotonic() >= give_up:
                 break
-        future.cancel()  # (not started: never runs; running: ends unheard)
-        waited.cancel()
+        waited.cancel()  # (not started: never runs; running: ends unheard)
         raise StoreUnavailable(
             (f"the run store did not answer within {within_s:g} s (a stalled or "
              "unreachable database); retry shortly") if not moved else
@@ -217,15 +177,4 @@ class StoreWorker:
         """Wait for every call submitted, then stop the thread; ``wait=False``: drop the
         calls not started and leave a running one to end by itself (a call stuck on a
         vanished database must not hold the proxy's exit)."""
-        with self._ready:
-            self._closed = True
-            dropped = [] if wait else [*self._urgent, *self._ordinary]
-            if not wait:
-                self._urgent.clear()
-                self._ordinary.clear()
-                self._waiting -= len(dropped)
-            self._ready.notify()
-        for future, *_ in dropped:
-            future.cancel()
-        if wait and self._thread is not threading.current_thread():
-            self._thread.join()
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
