@@ -522,6 +522,21 @@ def test_leases_of_an_older_schema_get_an_epoch_of_their_own(pg_url: str) -> Non
     store.close()
 
 
+def test_a_new_run_is_never_seen_unowned_by_another_replica(pg_url: str) -> None:
+    """The run's row and its creator's lease land in one transaction: between two
+    statements another replica's heartbeat claimed fresh runs as orphans and ran them
+    (the replica tests below lost 1 run in 5-10 to it)."""
+    store = PostgresRunStore(pg_url)
+    store.create("fresh", {"name": "fresh", "nodes": []}, owner="proxy-a", ttl_s=30)
+    assert "fresh" not in store.orphans("proxy-b")
+    assert store.claim("fresh", "proxy-b", ttl_s=30) is None
+    epoch = store.claim("fresh", "proxy-a", ttl_s=30)
+    assert epoch is not None and epoch >= 1
+    store.create("unowned", {"name": "unowned", "nodes": []})  # (no owner: an orphan)
+    assert "unowned" in store.orphans("proxy-b")
+    store.close()
+
+
 async def test_a_run_is_cancelled_through_a_replica_that_does_not_run_it(
         aiohttp_client, pg_url: str) -> None:
     import asyncio

@@ -154,9 +154,12 @@ class RunStoreProtocol(Protocol):
         """Where the store is: a file, ``":memory:"``, or a URL without its password."""
         ...
 
-    def create(self, run_id: str, graph: dict[str, Any], tenant: str | None = None) -> None:
+    def create(self, run_id: str, graph: dict[str, Any], tenant: str | None = None,
+               owner: str | None = None, ttl_s: float = 0.0) -> None:
         """Store a new run (status ``running``) with its graph's wire form and the tenant
-        that started it (None: the anonymous one).
+        that started it (None: the anonymous one); ``owner``: the proxy that will run it,
+        whose lease of ``ttl_s`` seconds a shared store takes in the same transaction (no
+        other replica ever sees the new run unowned and claims it as an orphan).
 
         Raises:
             Exception: the database's own error when ``run_id`` exists or it fails.
@@ -381,7 +384,9 @@ class SQLiteRunStore:
                                              "?"):
                 self._db.execute(statement, (DEFAULT_TENANT,))
 
-    def create(self, run_id: str, graph: dict[str, Any], tenant: str | None = None) -> None:
+    def create(self, run_id: str, graph: dict[str, Any], tenant: str | None = None,
+               owner: str | None = None, ttl_s: float = 0.0) -> None:
+        """Store a new run (``owner``, ``ttl_s``: unused; one proxy owns the file)."""
         now = time.time()
         self._db.execute("INSERT INTO runs (run_id, graph, status, created_at, updated_at, "
                          "tenant) VALUES (?, ?, 'running', ?, ?, ?)",

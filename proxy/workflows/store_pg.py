@@ -346,25 +346,36 @@ class PostgresRunStore:
             raise EngineError(f"the run store {self.path} has schema version "
                               f"{row and row[0]}, newer than this flowlift's {SCHEMA_VERSION}")
 
-    def create(self, run_id: str, graph: dict[str, Any], tenant: str | None = None) -> None:
-        """Store a new run (see :meth:`RunStoreProtocol.create`). Safe to retry after a
-        failure that may have committed: the row this call wrote (its creation time
-        to the microsecond) counts as written.
+    def create(self, run_id: str, graph: dict[str, Any], tenant: str | None = None,
+               owner: str | None = None, ttl_s: float = 0.0) -> None:
+        """Store a new run (see :meth:`RunStoreProtocol.create`) and, given ``owner``, its
+        lease in the same transaction: between two statements another replica's
+        heartbeat found the run unowned, claimed it as an orphan and ran it, and its
+        creator lost it (``tests/test_shared_store.py``, one run in ten). Safe to retry
+        after a failure that may have committed: the row this call wrote (its creation
+        time to the microsecond) counts as written.
 
         Raises:
             RequestError: another run has the key ``run_id`` (``param: id``).
         """
         row = (run_id, json.dumps(graph), str(graph.get("name") or ""), time.time(), tenant)
-        self._retry("create", functools.partial(self._create, row))
+        self._retry("create", functools.partial(self._create, row, owner, ttl_s))
 
-    def _create(self, row: tuple[str, str, str, float, str | None]) -> None:
+    def _create(self, row: tuple[str, str, str, float, str | None], owner: str | None,
+                ttl_s: float) -> None:
         run_id, text, name, now, tenant = row
         with self._conn() as conn:
-            if conn.execute("INSERT INTO flowlift_runs (run_id, graph, name, status, "
-                            "created_at, updated_at, tenant) VALUES (%s, %s, %s, 'running', "
-                            "%s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
-                            (run_id, text, name, now, now, tenant)).rowcount == 1:
-                return
+            with conn.transaction():
+                if conn.execute("INSERT INTO flowlift_runs (run_id, graph, name, status, "
+                                "created_at, updated_at, tenant) VALUES (%s, %s, %s, "
+                                "'running', %s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
+                                (run_id, text, name, now, now, tenant)).rowcount == 1:
+                    if owner is not None:
+                        conn.execute("INSERT INTO flowlift_leases (run_id, owner, "
+                                     f"expires_at) VALUES (%s, %s, {_NOW} + %s) "
+                                     "ON CONFLICT (run_id) DO NOTHING",
+                                     (run_id, owner, ttl_s))
+                    return
             held = conn.execute("SELECT graph, created_at, tenant FROM flowlift_runs "
                                 "WHERE run_id = %s", (run_id,)).fetchone()
         if held is None or tuple(held) != (text, now, tenant):  # (else: our own, retried)
