@@ -25,15 +25,18 @@ prefixed ``flowlift_``, live in it: every proxy on the database adds to the coun
 increment is atomic), so they learn together; each proxy reads them once at start, and
 the output lengths are a last-writer-wins list (a proxy writes back the lengths it
 holds). Outcome writes are advisory: one that fails is logged, never fails a step. They
-run on a writer thread of their own, in order (the counts in memory are updated at once),
-never on the proxy's event loop: a database that restarts or drops off the network
-delays them, not the proxy; past :data:`MAX_PENDING` waiting writes new ones are dropped
-(and logged) until it catches up.
+run on a writer thread of their own, never on the proxy's event loop (the counts in
+memory are updated at once): a database that restarts or drops off the network delays
+them, not the proxy. What waits is coalesced, one row per (step, model): the increments
+since the last write summed, the newest output lengths, so a burst of a thousand steps
+is a few upserts and a slow database holds at most one pending row per key -- nothing is
+dropped (a write that fails is kept and goes with the next one).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import math
 import sqlite3
@@ -55,8 +58,6 @@ from flowlift.tracing import get_logger
 log = get_logger("flowlift.outcomes")
 
 KEEP_LENGTHS = 200
-MAX_PENDING = 1000
-"""Outcome writes waiting for the database past which new ones are dropped."""
 
 
 class _Dialect(NamedTuple):
@@ -81,8 +82,8 @@ CREATE TABLE IF NOT EXISTS {t}step_output_tokens (step TEXT NOT NULL, model TEXT
 _SQLITE = _Dialect(_SCHEMA, "", "REAL")
 _POSTGRES = _Dialect(_SCHEMA, "flowlift_", "DOUBLE PRECISION")
 _UPSERT = """
-INSERT INTO {t}step_outcomes VALUES (?, ?, 1, ?, ?, ?)
-ON CONFLICT (step, model) DO UPDATE SET items = {t}step_outcomes.items + 1,
+INSERT INTO {t}step_outcomes VALUES (?, ?, ?, ?, ?, ?)
+ON CONFLICT (step, model) DO UPDATE SET items = {t}step_outcomes.items + excluded.items,
     failures = {t}step_outcomes.failures + excluded.failures,
     attempts = {t}step_outcomes.attempts + excluded.attempts,
     updated_at = excluded.updated_at
@@ -156,6 +157,13 @@ class _Database:
             self._sqlite.close()
 
 
+def _plus(counts: OutcomeCounts | None, items: int, failures: int,
+          attempts: int) -> OutcomeCounts:
+    """``counts`` (none: zero) with these added."""
+    old = counts or OutcomeCounts()
+    return OutcomeCounts(old.items + items, old.failures + failures, old.attempts + attempts)
+
+
 def _shown(location: str) -> str:
     """``location`` as messages and logs show it (a URL without its password)."""
     if not is_database_url(location):
@@ -206,7 +214,9 @@ class StepOutcomes:
         self._writer = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="flowlift-outcomes")
         self._lock = threading.Lock()
-        self._pending = 0
+        self._due_counts: dict[tuple[str, str], OutcomeCounts] = {}  # increments unwritten
+        self._due_lengths: set[tuple[str, str]] = set()  # keys whose lengths are unwritten
+        self._flush_queued = False
         self._counts = {(s, m): OutcomeCounts(i, f, a) for s, m, i, f, a in rows}
         self._lengths: dict[tuple[str, str], deque[int]] = {
             (s, m): deque(json.loads(t), maxlen=KEEP_LENGTHS) for s, m, t in lengths}
@@ -214,38 +224,64 @@ class StepOutcomes:
     def record(self, step: str, model: str | None, accepted: bool, attempts: int) -> None:
         """One item of ``step`` ran on ``model``: delivered (``accepted``) or not."""
         key = (step, model or self.default_model)
-        old = self._counts.get(key, OutcomeCounts())
         failed = 0 if accepted else 1
-        self._counts[key] = OutcomeCounts(old.items + 1, old.failures + failed,
-                                          old.attempts + attempts)
-        self._write(_UPSERT, (*key, failed, attempts, time.time()))
+        self._counts[key] = _plus(self._counts.get(key), 1, failed, attempts)
+        with self._lock:
+            self._due_counts[key] = _plus(self._due_counts.get(key), 1, failed, attempts)
+        self._queue_flush()
 
     def record_output(self, step: str, model: str | None, completion_tokens: int) -> None:
         """``step`` delivered an output of ``completion_tokens`` tokens on ``model``."""
         key = (step, model or self.default_model)
         kept = self._lengths.setdefault(key, deque(maxlen=KEEP_LENGTHS))
         kept.append(int(completion_tokens))
-        self._write(_UPSERT_TOKENS, (*key, json.dumps(list(kept)), time.time()))
-
-    def _write(self, statement: str, params: tuple[Any, ...]) -> None:
-        """``statement`` on the writer thread, after the writes before it (dropped when
-        :data:`MAX_PENDING` wait already)."""
         with self._lock:
-            if self._pending >= MAX_PENDING:
-                log.warning("outcome_store_write_dropped", path=self.path,
-                            pending=self._pending)
-                return
-            self._pending += 1
-        self._writer.submit(self._write_now, statement, params)
+            self._due_lengths.add(key)
+        self._queue_flush()
 
-    def _write_now(self, statement: str, params: tuple[Any, ...]) -> None:
-        try:
-            self._db.execute(statement, params)
-        except self._db.errors as exc:  # advisory: a busy database never fails a step
-            log.warning("outcome_store_write_failed", path=self.path, error=str(exc))
-        finally:
-            with self._lock:
-                self._pending -= 1
+    def _queue_flush(self) -> None:
+        """One write of everything due on the writer thread, unless one waits already."""
+        with self._lock:
+            if self._flush_queued:
+                return
+            self._flush_queued = True
+        with contextlib.suppress(RuntimeError):  # (closed: what is due stays unwritten)
+            self._writer.submit(self._flush)
+
+    def _flush(self) -> None:
+        """On the writer thread: every row due, one upsert each; a failure keeps the rows
+        not written for the next flush."""
+        with self._lock:
+            counts, self._due_counts = self._due_counts, {}
+            lengths, self._due_lengths = self._due_lengths, set()
+            self._flush_queued = False
+        now = time.time()
+        writes = ([(_UPSERT, key, (*key, due.items, due.failures, due.attempts, now))
+                   for key, due in counts.items()]
+                  # (tuple() copies the deque in one step under the GIL: no append of
+                  # the loop's lands mid-copy)
+                  + [(_UPSERT_TOKENS, key, (*key, json.dumps(tuple(self._lengths[key])), now))
+                     for key in lengths])
+        for done, (statement, _key, params) in enumerate(writes):
+            try:
+                self._db.execute(statement, params)
+            except self._db.errors as exc:  # advisory: a busy database never fails a step
+                log.warning("outcome_store_write_failed", path=self.path, error=str(exc),
+                            kept=len(writes) - done)
+                self._keep(writes[done:])
+                return
+
+    def _keep(self, unwritten: list[tuple[str, tuple[str, str], tuple[Any, ...]]]) -> None:
+        """Put rows a failed flush did not write back among those due (increments added
+        to any recorded since; lengths are read anew when written)."""
+        with self._lock:
+            for statement, key, params in unwritten:
+                if statement is _UPSERT:
+                    items, failures, attempts = params[2:5]
+                    self._due_counts[key] = _plus(self._due_counts.get(key), items,
+                                                  failures, attempts)
+                else:
+                    self._due_lengths.add(key)
 
     def lengths(self, step: str, model: str | None) -> OutputLengths | None:
         """The output lengths ``step`` had on ``model`` (tokens), or None when never seen."""
@@ -264,9 +300,9 @@ class StepOutcomes:
         return dict(self._counts)
 
     def close(self, grace_s: float = 5.0) -> None:
-        """Let the waiting writes land (for up to ``grace_s``; the rest are dropped), then
+        """Write what is due (waiting up to ``grace_s``; past it, it is not written), then
         close the database."""
-        flushed = self._writer.submit(lambda: None)
+        flushed = self._writer.submit(self._flush)
         concurrent.futures.wait([flushed], timeout=grace_s)
         self._writer.shutdown(wait=False, cancel_futures=True)
         self._db.close()
