@@ -18,14 +18,11 @@ from flowlift.proxy.dispatch.batch_cap import BatchPlan, DynamicCap, plan_beside
 from flowlift.proxy.dispatch.preemption import Candidate, victims_beside_interactive
 from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
 from flowlift.testing import FakeEngine
+from tests.test_batch_cap import candidates  # (batch requests: running, some in prefill)
 
 BATCH = Priority.of("batch")
 INTERACTIVE = Priority.of("interactive")
 
-candidates = st.lists(st.builds(
-    Candidate, key=st.uuids(), priority=st.just(BATCH),
-    generated_tokens=st.integers(0, 200), max_tokens=st.just(256),
-    in_prefill=st.booleans(), prefill_tokens=st.integers(0, 600)), max_size=16)
 
 
 @given(cands=candidates, cap=st.integers(0, 16), tokens=st.integers(0, 2048))
