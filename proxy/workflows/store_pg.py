@@ -351,7 +351,7 @@ class PostgresRunStore:
         """Store a new run (see :meth:`RunStoreProtocol.create`) and, given ``owner``, its
         lease in the same transaction: between two statements another replica's
         heartbeat found the run unowned, claimed it as an orphan and ran it, and its
-        creator lost it (``tests/test_shared_store.py``, one run in ten). Safe to retry
+        creator lost it (two runs of ``tests/test_shared_store.py`` in ten failed from it). Safe to retry
         after a failure that may have committed: the row this call wrote (its creation
         time to the microsecond) counts as written.
 
