@@ -351,9 +351,9 @@ class PostgresRunStore:
         """Store a new run (see :meth:`RunStoreProtocol.create`) and, given ``owner``, its
         lease in the same transaction: between two statements another replica's
         heartbeat found the run unowned, claimed it as an orphan and ran it, and its
-        creator lost it (two runs of ``tests/test_shared_store.py`` in ten failed from it). Safe to retry
-        after a failure that may have committed: the row this call wrote (its creation
-        time to the microsecond) counts as written.
+        creator lost it (two runs of ``tests/test_shared_store.py`` in ten failed from
+        it). Safe to retry after a failure that may have committed: the row this call
+        wrote (its creation time to the microsecond) counts as written.
 
         Raises:
             RequestError: another run has the key ``run_id`` (``param: id``).
