@@ -158,16 +158,23 @@ class GenerationRequest:
     tool_choice: Literal["auto", "required"] = "auto"
     expected_output_tokens: int | None = None
     resume_token_ids: tuple[int, ...] = ()
+    parallel_tool_calls: bool = True
+    """With ``tools``: more than one call per answer allowed (OpenAI's
+    ``parallel_tool_calls``)."""
 
 
-def require_plain(request: GenerationRequest) -> None:
+def require_plain(request: GenerationRequest, *, native_tools: bool = False) -> None:
     """For engines that do not take tools themselves (the embedded ones: the proxy's
-    dispatcher turns tools into constrained JSON before they get the request).
+    dispatcher turns tools into constrained JSON before they get the request), or take
+    them only in the model's own format (``native_tools``: the request may carry tools,
+    calls and results).
 
     Raises:
         RequestError: the request offers ``tools`` or carries tool calls or results
             (``param="tools"``).
     """
+    if native_tools:
+        return
     if request.tools or any(m.tool_calls or m.tool_call_id is not None
                             for m in request.messages):
         raise RequestError("this engine takes no tools, tool calls or tool results: send "
@@ -248,6 +255,10 @@ class Capabilities:
     raw_prompt: bool = False
     resume: bool = False
     """Chunks carry ``token_ids`` and requests may carry ``resume_token_ids``."""
+    native_tools: bool = False
+    """The engine takes ``tools`` in the model's own tool-call format (its chat
+    template and vLLM's parser for its family, :mod:`flowlift.local_engine.native_tools`):
+    an answer's calls come on its last chunk (``tool_calls``), as an upstream's do."""
 
 
 class Engine(abc.ABC):

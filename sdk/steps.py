@@ -133,8 +133,10 @@ class Step(Generic[P]):
                  retries: int = 0, min_confidence: float | None = None,
                  tools: Sequence[Tool[Any, Any] | ProxyTool] = (), max_turns: int = 10,
                  tool_errors: Literal["return", "raise"] = "return",
-                 tool_choice: Literal["auto", "required"] = "auto") -> None:
+                 tool_choice: Literal["auto", "required"] = "auto",
+                 on_max_turns: Literal["answer", "raise"] | None = None) -> None:
         self.fn = fn
+        self.on_max_turns = on_max_turns
         self.model = model
         self.cascade = cascade
         self.retries = retries
@@ -186,6 +188,7 @@ class Step(Generic[P]):
                        cascade=self.cascade, min_confidence=self.min_confidence,
                        tools=self.tool_specs, max_turns=self.max_turns,
                        tool_errors=self.tool_errors, tool_choice=self.tool_choice,
+                       on_max_turns=self.on_max_turns if self.tool_specs else None,
                        **(cond.node_fields() if cond else {}))
         if self._tools:
             wf.agent_tools[node.id] = self._tools
@@ -278,7 +281,8 @@ def step(*, model: str | Sequence[str] | None = None, output: Any = None,
          tools: Sequence[Tool[Any, Any] | ProxyTool] = (), max_turns: int = 10,
          tool_errors: Literal["return", "raise"] = "return",
          max_tokens_ceiling: int | None = None,
-         tool_choice: Literal["auto", "required"] = "auto"
+         tool_choice: Literal["auto", "required"] = "auto",
+         on_max_turns: Literal["answer", "raise"] | None = None,
          ) -> Callable[[Callable[P, Any]], Step[P]]: ...
 
 
@@ -290,7 +294,8 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
          tools: Sequence[Tool[Any, Any] | ProxyTool] = (),
          max_turns: int = 10, tool_errors: Literal["return", "raise"] = "return",
          max_tokens_ceiling: int | None = None,
-         tool_choice: Literal["auto", "required"] = "auto") -> Any:
+         tool_choice: Literal["auto", "required"] = "auto",
+         on_max_turns: Literal["answer", "raise"] | None = None) -> Any:
     """Mark a function that returns a prompt as an LLM step.
 
     Args:
@@ -316,9 +321,12 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
             calls; that answer is the step's output, checked against ``output``. A call
             of an unknown tool or with arguments that do not fit the function's
             signature gets the error as its result and the loop goes on.
-        max_turns: model turns an agent step may take (1 to 200); a turn that still
-            calls tools at the limit fails the step (``StepFailed`` naming the turns
-            and the last tool asked for).
+        max_turns: model turns an agent step may take (1 to 200); see ``on_max_turns``.
+        on_max_turns: what the last allowed turn does: ``"answer"``: it is asked for the
+            answer with the tools off (the trace marks the step ``max_turns_reached``);
+            ``"raise"``: it may still call tools, and then the step fails
+            (``StepFailed`` naming the turns and the last tool asked for). Default:
+            ``"raise"`` with ``tool_choice="required"``, else ``"answer"``.
         tool_errors: a tool that raises: ``"return"`` its error text to the model, or
             ``"raise"``: fail the step naming the tool and its error.
         max_tokens_ceiling: tokens: how far a retry may raise ``max_tokens`` after an
@@ -364,11 +372,16 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
         raise UserError(f"bad sampling parameters: {exc}", param="params") from None
 
     _check_agent(max_turns, tool_errors, tool_choice, bool(tools))
+    if on_max_turns not in (None, "answer", "raise"):
+        raise UserError(f"on_max_turns={on_max_turns!r}: must be \"answer\" (the last turn "
+                        "answers with the tools off) or \"raise\" (the step fails)",
+                        param="on_max_turns")
 
     def wrap(f: Callable[P, Any]) -> Step[P]:
         return Step(f, model=model, spec=spec, params=params, name=name, cascade=cascade,
                     retries=retries, min_confidence=min_confidence, tools=tools,
-                    max_turns=max_turns, tool_errors=tool_errors, tool_choice=tool_choice)
+                    max_turns=max_turns, tool_errors=tool_errors, tool_choice=tool_choice,
+                    on_max_turns=on_max_turns)
 
     return wrap(fn) if fn is not None else wrap
 

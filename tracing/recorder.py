@@ -113,6 +113,7 @@ class StepTrace:
     cached_tokens: int = 0
     error: str | None = None
     same_as: str | None = None  # an identical call whose output this step reused
+    max_turns_reached: bool = False  # an agent step answered on its last turn, tools off
     attempts: list[AttemptTrace] = field(default_factory=list)
     tool_calls: list[ToolCallTrace] = field(default_factory=list)
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from flowlift.errors import FlowliftError
 from flowlift.local_engine.base import GenerationRequest, SamplingOptions
 from flowlift.proxy.dispatch.scheduler import CLASS_RANK, Priority, PrioritySlots
-from flowlift.proxy.dispatch.tool_turns import ToolTurn
+from flowlift.proxy.dispatch.tool_turns import ToolTurn, native
 from flowlift.tracing import get_logger
 
 if TYPE_CHECKING:
@@ -134,7 +134,9 @@ class PrefillAhead:
             self.counts[f"skipped_{reason}"] += 1
             log.debug("prefill_ahead_skipped", request_id=request.request_id, reason=reason)
             return False
-        plain = ToolTurn(request).request if request.tools else request
+        # the prompt the turn itself will have: tools in the model's format, or constrained
+        plain = (ToolTurn(request).request if request.tools and not native(engine, request)
+                 else request)
         plain = dataclasses.replace(plain, model=local.model, priority=AHEAD_PRIORITY,
                                     request_id=f"{request.request_id}:ahead",
                                     sampling=SamplingOptions(max_tokens=1))

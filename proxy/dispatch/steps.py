@@ -27,7 +27,7 @@ from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.resumable import ResumableGeneration
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Priority, Slot
-from flowlift.proxy.dispatch.tool_turns import ToolTurn
+from flowlift.proxy.dispatch.tool_turns import tool_generate
 from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine, open_chat
 
 
@@ -116,15 +116,13 @@ class StepDispatcher:
             # began to await while it queued was promoted: runs.Run.mark_awaited)
             engine_priority = (request.priority if self.backends.fcfs
                                else slot.priority.engine_priority())
-            turn = ToolTurn(request) if request.tools else None
-            plain = request if turn is None else turn.request
-            stream = backend.engine.generate(dataclasses.replace(
-                plain, model=target.model, priority=engine_priority))
+            stream = tool_generate(backend.engine, dataclasses.replace(
+                request, model=target.model, priority=engine_priority))
             async with contextlib.aclosing(stream) as chunks:
                 async for chunk in chunks:
-                    if chunk.text:
+                    if chunk.text or chunk.finish_reason:
                         slot.prefilled()
-                    yield chunk if turn is None else turn.read(chunk)
+                    yield chunk
 
     async def _upstream(self, opened: Opened, route: Route, request: GenerationRequest,
                         ) -> AsyncGenerator[GenerationChunk, None]:

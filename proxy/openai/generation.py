@@ -32,6 +32,7 @@ from flowlift.local_engine.base import (
 )
 from flowlift.proxy.dispatch.backends import Backend
 from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.tool_turns import tool_generate
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.tracing import get_logger
 
@@ -162,7 +163,7 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
                     timing.started = time.monotonic()
                 if traced is not None:
                     traced.slot(backend.engine, request.model, backend.name)
-                stream = backend.engine.generate(request)
+                stream = tool_generate(backend.engine, request)
                 try:
                     async for chunk in stream:
                         if traced is not None:

@@ -11,8 +11,15 @@ same prefix (only the new messages are prefilled), at interactive continuation
 priority. The loop ends when the model answers without calls: that answer is the
 step's output, checked by its contract as usual
 (:func:`~flowlift.proxy.workflows.cascade.run_step` wraps the whole loop). It fails
-with :class:`~flowlift.errors.StepFailed` when ``max_turns`` turns still called tools,
-or, with ``tool_errors="raise"``, when a tool raised.
+with :class:`~flowlift.errors.StepFailed` when ``max_turns`` turns still called tools
+(``on_max_turns="raise"``), or, with ``tool_errors="raise"``, when a tool raised.
+
+A loop that finishes (issue 34): with ``on_max_turns="answer"`` (the default unless
+``tool_choice="required"``) the last allowed turn is asked for the answer with the
+tools off (:data:`ANSWER_NOW`), and the step's trace shows ``max_turns_reached``. An
+answer that is only a fragment of JSON or markup (``{``,
+:func:`~flowlift.proxy.openai.chat_completion.content_calls.fragment`) is not taken for
+the answer: the turn is tried once more with the reason, then the step fails.
 
 Proxy tools (a :class:`~flowlift.graph.ToolSpec` with ``server``,
 :mod:`flowlift.proxy.tools`): a valid call runs on the proxy (``proxy_tools``) instead
@@ -47,6 +54,7 @@ from flowlift.errors import StepFailed, ToolError
 from flowlift.graph import LLMNode, ToolSpec, render_value
 from flowlift.local_engine.base import ChatMessage, ToolCall
 from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.openai.chat_completion.content_calls import fragment
 from flowlift.proxy.tools.early import call_key
 from flowlift.proxy.tools.outcome import ToolOutcome
 from flowlift.proxy.workflows.ahead import next_turn_prefix
@@ -54,6 +62,11 @@ from flowlift.proxy.workflows.cascade import Generated
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.events import Event
 from flowlift.tracing import AttemptTrace, RunTrace, ToolCallTrace
+
+ANSWER_NOW = ("This is your last turn: the tools are off. Answer the question now, in "
+              "words, from what you found so far.")
+"""The last allowed turn's instruction (``on_max_turns="answer"``)."""
+NOT_AN_ANSWER = "Answer the question in words, or call one of the tools."
 
 _TOOL_JSON = re.compile(r'\s*\{\s*"tool_calls"')
 """The start of the constrained JSON of a turn that calls tools (the embedded engine's
@@ -76,6 +89,7 @@ class Turn(Protocol):
                  logprobs: bool, priority: Priority | None,
                  max_tokens: int | None = None,
                  on_call: Callable[[ToolCall], None] | None = None,
+                 tools: bool = True,
                  ) -> Awaitable[Generated]: ...
 
 
@@ -177,20 +191,30 @@ class AgentLoop:
         """
         convo = list(messages)
         last_tool = ""
-        for k in range(1, self.node.max_turns + 1):
+        retried = False  # a fragment answer gets one more try, with the reason
+        k = 0
+        while k < self.node.max_turns:
+            k += 1
             self.turns += 1
-            priority = self._continuation() if k > 1 else None
-            try:
-                out = self._replay(model) or await self._turn(
-                    model, convo, logprobs=logprobs, priority=priority,
-                    max_tokens=max_tokens, on_call=self._start_early)
-            except BaseException:
-                self._drop_early()
-                raise
-            out.trace.turn = self.turns
+            final = k == self.node.max_turns and self.node.answers_at_max_turns
+            out = await self._one(model, [*convo, ChatMessage("user", ANSWER_NOW)]
+                                  if final else convo, logprobs=logprobs,
+                                  max_tokens=max_tokens, tools=not final, first=k == 1)
             if not out.tool_calls:
                 self._drop_early()
                 self._check_not_cut(out)
+                why = fragment(out.text)
+                if why is not None and not retried:
+                    retried, k = True, k - 1  # the retry takes the same turn's place
+                    out.trace.outcome = "fragment"
+                    convo = [*convo, ChatMessage("assistant", out.text),
+                             ChatMessage("user", f"That was not an answer: {why}. "
+                                         f"{ANSWER_NOW if final else NOT_AN_ANSWER}")]
+                    continue
+                if why is not None:
+                    raise StepFailed(self.node.id, f"agent step {self.node.id!r}: turn "
+                                     f"{self.turns}'s answer is no answer ({why}), twice")
+                self.trace.step(self.node.id).max_turns_reached = final
                 return out
             out.trace.outcome = "tool_calls"
             calls = out.tool_calls
@@ -211,8 +235,22 @@ class AgentLoop:
                        for c, text in zip(calls, results, strict=True))]
         raise StepFailed(self.node.id, f"agent step {self.node.id!r}: no answer after "
                          f"{self.node.max_turns} turns "
-                         f"(max_turns={self.node.max_turns}): every turn called tools; the "
-                         f"last tool asked for was {last_tool!r}")
+                         f"(max_turns={self.node.max_turns}, on_max_turns=\"raise\"): every "
+                         f"turn called tools; the last tool asked for was {last_tool!r}")
+
+    async def _one(self, model: str | None, convo: Sequence[ChatMessage], *, logprobs: bool,
+                   max_tokens: int | None, tools: bool, first: bool) -> Generated:
+        """One turn: replayed from the log, or generated (``tools``: offered)."""
+        priority = None if first else self._continuation()
+        try:
+            out = self._replay(model) or await self._turn(
+                model, convo, logprobs=logprobs, priority=priority,
+                max_tokens=max_tokens, on_call=self._start_early, tools=tools)
+        except BaseException:
+            self._drop_early()
+            raise
+        out.trace.turn = self.turns
+        return out
 
     def _check_not_cut(self, out: Generated) -> None:
         """A turn cut off at ``max_tokens`` inside its tool-call JSON is no answer.

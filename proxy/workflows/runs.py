@@ -648,7 +648,8 @@ class Run:
                        messages: Sequence[ChatMessage], *, logprobs: bool,
                        priority: Priority | None = None,
                        max_tokens: int | None = None,
-                       on_call: Callable[[ToolCall], None] | None = None) -> Generated:
+                       on_call: Callable[[ToolCall], None] | None = None,
+                       tools: bool = True) -> Generated:
         """One generation of ``node`` on model ``want``, where its route sends it
         (:class:`~flowlift.proxy.dispatch.steps.StepDispatcher`), at ``priority`` (default:
         the step's own); every try (an agent step's turn) is an :class:`AttemptTrace` in
@@ -663,6 +664,8 @@ class Run:
         priority = priority or self._priority(node.id)
         request = self._request(node, model, messages, number, logprobs=logprobs,
                                 priority=priority, max_tokens=max_tokens)
+        if not tools:  # an agent step's last turn: asked for the answer
+            request = dataclasses.replace(request, tools=())
         books = AttemptBooks(self.trace, node.id, number, want or model)
         tokens = int(self.plan.uncached_tokens.get(node.id, 0)) if self.plan else 0
         try:

@@ -104,7 +104,11 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
         for model in [args.model, *extra]:
             print(f"flowlift: preparing model {model or 'SmolLM2-135M-Instruct (default)'} ...",
                   file=sys.stderr, flush=True)
+            tool_format, tool_parser = (getattr(args, "tool_formats", None) or {}).get(
+                model or "", (None, None))
             configs.append(VLLMConfig.for_model(model, dtype=args.dtype,
+                                                tool_format=tool_format,
+                                                tool_parser=tool_parser,
                                                 max_model_len=args.max_model_len,
                                                 max_num_seqs=args.max_concurrency,
                                                 speculative_ngram=args.speculative_ngram,
@@ -192,6 +196,7 @@ def _serve(args: argparse.Namespace) -> int:
     if file_config is not None:  # its keys never reach the log
         configure_logging(args.log_level, secrets=file_config.secrets())
         add_config_models(args, file_config.embedded_models())
+        args.tool_formats = file_config.tool_formats()
     if args.engine is None:
         wants_local = file_config is None or not file_config.backends or any(
             isinstance(b, EmbeddedSpec) for b in file_config.backends.values())

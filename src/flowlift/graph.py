@@ -243,8 +243,13 @@ class LLMNode(_Conditional):
     results back into the conversation) until the model answers without calls
     (:mod:`flowlift.proxy.workflows.agent`)."""
     max_turns: int = Field(default=10, ge=1, le=200)
-    """Model turns an agent step may take; a turn that still calls tools at the limit
-    fails the step."""
+    """Model turns an agent step may take (see ``on_max_turns``)."""
+    on_max_turns: Literal["answer", "raise"] | None = None
+    """What the last allowed turn does: ``answer``: it is asked for the answer with the
+    tools off, and that answer is the step's output (the step's trace shows
+    ``max_turns_reached``); ``raise``: it may still call tools, and then the step fails
+    with ``StepFailed``. None: ``raise`` with ``tool_choice="required"`` (a loop that must
+    call tools), else ``answer``."""
     tool_errors: Literal["return", "raise"] = "return"
     """A tool that raises: its error text goes back to the model (``return``), or the
     step fails (``raise``)."""
@@ -266,10 +271,18 @@ class LLMNode(_Conditional):
             raise ValueError('tool_choice "required" needs tools')
         return self
 
+    @property
+    def answers_at_max_turns(self) -> bool:
+        """``on_max_turns`` resolved: True when the last turn is asked for the answer."""
+        if self.on_max_turns is None:
+            return self.tool_choice != "required"
+        return self.on_max_turns == "answer"
+
     @model_serializer(mode="wrap")
     def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
         return _drop(handler(self), {"retries": 0, "cascade": None, "min_confidence": None,
                                      "tools": None, "max_turns": 10,
+                                     "on_max_turns": None,
                                      "tool_errors": "return", "tool_choice": "auto",
                                      **_CONDITIONAL_DEFAULTS})
 

@@ -350,7 +350,9 @@ class FakeEngine(Engine):
         resumed pieces as prompt tokens and only the words it adds as completion."""
         if request.model not in self._models:
             raise EngineError(f"fake engine does not serve {request.model!r}")
-        require_plain(request)  # like the embedded engine: tools arrive as constrained JSON
+        # like the embedded engine: tools arrive as constrained JSON, or in the model's
+        # own format where it takes them (flowlift.testing_native)
+        require_plain(request, native_tools=self.capabilities.native_tools)
         self.requests.append(request)
         if self.fail_with is not None and not self.fail_after_chunks:
             raise self.fail_with
@@ -461,7 +463,7 @@ class FakeEngine(Engine):
         """
         if request.model not in self._models:
             raise EngineError(f"fake engine does not serve {request.model!r}")
-        require_plain(request)
+        require_plain(request, native_tools=self.capabilities.native_tools)
         text = self.prompt_text(request)
         cut = text.find(upto)
         if cut < 0:

@@ -25,6 +25,7 @@ ones are reported in the stream as an ``{"error": ...}`` event, without ``[DONE]
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from typing import Any
@@ -38,20 +39,23 @@ from flowlift.local_engine.base import (
     GenerationRequest,
     OutputConstraint,
     TokenLogprob,
+    ToolCall,
     Usage,
 )
 from flowlift.proxy.dispatch.backends import Backend
 from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.http import parse_model
-from flowlift.proxy.openai.chat_completion.tool_output import ToolOutputDecoder, tool_calls_text
+from flowlift.proxy.openai.chat_completion.tool_output import tool_calls_text
 from flowlift.proxy.openai.chat_completion.tools import (
     Message,
     Tool,
     ToolChoice,
     ToolPlan,
     check_schema,
+    conversation,
     engine_messages,
     plan_tools,
+    tool_defs,
 )
 from flowlift.proxy.openai.completion.serving import completions
 from flowlift.proxy.openai.generation import (
@@ -167,7 +171,6 @@ class ChatChoice:
 
     def __init__(self, index: int, plan: ToolPlan | None, logprobs: bool) -> None:
         self.index = index
-        self.decoder = ToolOutputDecoder(plan) if plan is not None else None
         self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
         self.content: str | None = ""
         self.tool_calls: list[dict[str, Any]] | None = None
@@ -187,26 +190,27 @@ class ChatChoice:
         """The stream's choice entries for ``chunk`` (none, a content delta, tool call
         deltas, the finish)."""
         self.usage = chunk.usage or self.usage
-        text = self.decoder.feed(chunk.text) if self.decoder else chunk.text
+        text = chunk.text
         lp = chat_logprobs(chunk.logprobs) if chunk.logprobs and self.logprobs is not None \
             else None
         self.content = (self.content or "") + text
         self.logprobs = None if self.logprobs is None else [*self.logprobs, *(lp or ())]
         out = [self._delta({"content": text}, lp)] if text or lp else []
         if chunk.finish_reason:
-            out.extend(self._finish(chunk.finish_reason))
+            out.extend(self._finish(chunk.finish_reason, chunk.tool_calls))
         return out
 
-    def _finish(self, reason: str) -> list[dict[str, Any]]:
+    def _finish(self, reason: str, calls: tuple[ToolCall, ...] | None,
+                ) -> list[dict[str, Any]]:
+        """The calls (each whole in one ``delta.tool_calls`` entry, as OpenAI streams a
+        call whose arguments are ready) and the finish entry."""
         out = []
-        if self.decoder is not None:
-            answer = self.decoder.result(reason)
-            reason, self.tool_calls = answer.finish_reason, answer.tool_calls
-            self.content = answer.content
-            if answer.unsent:
-                out.append(self._delta({"content": answer.unsent}))
-            for j, call in enumerate(answer.tool_calls or ()):
-                out.append(self._delta({"tool_calls": [{"index": j, **call}]}))
+        if calls:
+            self.tool_calls = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in calls]
+            self.content = self.content or None
+            out = [self._delta({"tool_calls": [{"index": j, **call}]})
+                   for j, call in enumerate(self.tool_calls)]
         self.finish = reason
         return [*out, self._delta({}, finish=reason)]
 
@@ -235,7 +239,7 @@ def prepare(body: ChatCompletionRequest, request_id: str, model: str, backend: B
     """
     reject_unsupported(body, _UNSUPPORTED)
     plan, k = body.tool_plan(), body.logprobs_k()
-    schema = plan.schema() if plan is not None else body.response_schema()
+    schema = body.response_schema()
     if k is not None and not backend.engine.capabilities.logprobs:
         raise RequestError("this engine does not report logprobs; leave `logprobs` out",
                            param="logprobs")
@@ -244,6 +248,10 @@ def prepare(body: ChatCompletionRequest, request_id: str, model: str, backend: B
         sampling=body.sampling(body.max_completion_tokens or body.max_tokens, k),
         constraint=None if schema is None else OutputConstraint(json_schema=schema),
         session_id=session_id)
+    if plan is not None:  # tool_generate offers them in the model's format
+        gen = dataclasses.replace(
+            gen, messages=conversation(body.messages), tools=tool_defs(plan.tools),
+            tool_choice=plan.mode, parallel_tool_calls=plan.parallel)
     return gen, [ChatChoice(i, plan, k is not None) for i in range(body.n or 1)], plan
 
 

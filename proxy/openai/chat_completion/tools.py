@@ -30,7 +30,8 @@ import jsonschema
 from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flowlift.local_engine.base import ChatMessage
+from flowlift.local_engine.base import ChatMessage, ToolDef
+from flowlift.local_engine.base import ToolCall as EngineCall
 
 
 class TextPart(BaseModel):
@@ -221,6 +222,24 @@ def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bo
         return ToolPlan(tuple(named), "required", parallel is not False)
     return ToolPlan(tuple(tools), "required" if choice == "required" else "auto",
                     parallel is not False, content_schema or {"type": "string"})
+
+
+def conversation(messages: list[Message]) -> list[ChatMessage]:
+    """The conversation as engine messages that keep their tool calls and results
+    (``developer`` becomes ``system``): what a turn with tools is built from, in either
+    tool format (:func:`flowlift.proxy.dispatch.tool_turns.tool_generate`)."""
+    return [ChatMessage("system" if m.role == "developer" else m.role, m.text(),
+                        tool_calls=tuple(EngineCall(c.id, c.function.name,
+                                                    c.function.arguments)
+                                         for c in m.tool_calls or ()),
+                        tool_call_id=m.tool_call_id) for m in messages]
+
+
+def tool_defs(tools: tuple[Tool, ...]) -> tuple[ToolDef, ...]:
+    """The engine's definitions of OpenAI ``tools``."""
+    return tuple(ToolDef(t.function.name, t.function.description or "",
+                         t.function.parameters or {"type": "object", "properties": {}})
+                 for t in tools)
 
 
 def engine_messages(messages: list[Message], plan: ToolPlan | None) -> list[ChatMessage]:
