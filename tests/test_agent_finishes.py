@@ -41,12 +41,17 @@ def record(wf, step_id: str) -> dict:
     return next(r for r in wf.trace if r.get("step_id") == step_id)
 
 
+def offered(request: GenerationRequest) -> bool:
+    """The tools were offered (the constrained protocol's schema)."""
+    return request.constraint is not None and "tool_calls" in json.dumps(
+        request.constraint.json_schema)
+
+
 def searching_until_tools_are_off(seen: list[GenerationRequest]):
     """A model that calls ``search`` whenever it may (constrained JSON)."""
     def respond(request: GenerationRequest) -> str:
         seen.append(request)
-        if request.constraint is not None and "tool_calls" in json.dumps(
-                request.constraint.json_schema):
+        if offered(request):
             return tool_calls_text(("search", {"query": f"q{len(seen)}"}))
         return "The csv module."
     return respond
@@ -60,7 +65,7 @@ async def test_the_last_turn_answers_with_the_tools_off(client, engine):
     assert out.value == "The csv module."
     assert len(seen) == 3
     last = seen[-1]
-    assert not last.tools and last.constraint is None
+    assert not offered(last) and last.constraint is None
     assert last.messages[-1].content == ANSWER_NOW
     # the earlier calls and results reach an engine that takes no tools as text
     assert "hits for q1" in " ".join(m.content for m in last.messages)
@@ -75,7 +80,7 @@ async def test_on_max_turns_raise_fails_as_before(client, engine):
     with pytest.raises(WorkflowFailed):
         async with workflow("agent", base_url=base_url(client)) as wf:
             out = strict_agent("q")
-    assert all(r.tools for r in seen) and len(seen) == 2
+    assert all(offered(r) for r in seen) and len(seen) == 2
     assert "max_turns=2" in str(wf.failures.get("strict_agent_1"))
     del out
 
@@ -129,11 +134,12 @@ async def test_native_format_agent_answers_on_its_last_turn(aiohttp_client):
 
 
 def test_on_max_turns_on_the_wire_and_checked():
-    node = LLMNode(id="a", messages=[], tools=[{"name": "t"}], on_max_turns="raise")
+    msgs = [{"role": "user", "content": [{"text": "q"}]}]
+    node = LLMNode(id="a", messages=msgs, tools=[{"name": "t"}], on_max_turns="raise")
     assert node.model_dump()["on_max_turns"] == "raise"
-    assert "on_max_turns" not in LLMNode(id="b", messages=[]).model_dump()
-    assert LLMNode(id="c", messages=[], tools=[{"name": "t"}]).answers_at_max_turns
-    assert not LLMNode(id="d", messages=[], tools=[{"name": "t"}],
+    assert "on_max_turns" not in LLMNode(id="b", messages=msgs).model_dump()
+    assert LLMNode(id="c", messages=msgs, tools=[{"name": "t"}]).answers_at_max_turns
+    assert not LLMNode(id="d", messages=msgs, tools=[{"name": "t"}],
                        tool_choice="required").answers_at_max_turns
     with pytest.raises(UserError):
         step(tools=[search], on_max_turns="maybe")

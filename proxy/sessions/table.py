@@ -25,7 +25,8 @@ from cachetools import TTLCache
 
 from flowlift.proxy.tenants import tenant_of
 
-__all__ = ["SESSIONS", "Session", "SessionTable", "Turn", "observe", "program_of"]
+__all__ = ["SESSIONS", "Session", "SessionTable", "Turn", "observe", "program_of",
+           "tenant_program"]
 
 Timer = Callable[[], float]
 OnOutput = Callable[[str, "dict[str, Any] | None"], None]
@@ -194,8 +195,11 @@ def program_of(request: web.Request) -> str | None:
     tenant; None: neither header (the request is its own program at level 0)."""
     program = (request.headers.get("x-flowlift-workflow")
                or request.headers.get("x-flowlift-session"))
-    if not program:
-        return None
+    return tenant_program(request, program) if program else None
+
+
+def tenant_program(request: web.Request, program: str) -> str:
+    """``program`` kept apart per tenant (``<tenant>/<program>`` for a named tenant)."""
     tenant = tenant_of(request)
     return program if tenant is None else f"{tenant}/{program}"
 

@@ -750,7 +750,8 @@ class Run:
             return
         local = self.backends.local_of(model)
         if local is not None:  # the next turn is known to come: keep this run's KV
-            local.backend.slots.programs.keep(self.run_id)
+            # (under the program key its calls are scheduled by: the tenant's run key)
+            local.backend.slots.programs.keep(self.key)
         self._aheads += 1
         request = ahead_request(node, model, messages,
                                 f"{self.key}:{node.id}:{self._aheads}", self.key)

@@ -29,7 +29,7 @@ from aiohttp_sse import EventSourceResponse, sse_response
 
 from flowlift.errors import FlowliftError, RequestError, UpstreamError
 from flowlift.proxy.dispatch.attempts import Opened, open_answer
-from flowlift.proxy.dispatch.backends import Backends, Local
+from flowlift.proxy.dispatch.backends import Backend, Backends, Local
 from flowlift.proxy.dispatch.forward import demand_of, upstream_error_response
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.upstream import forwarded_headers
@@ -47,6 +47,7 @@ from flowlift.proxy.openai.responses.translation import (
     item_json,
     without_replayed,
 )
+from flowlift.proxy.sessions.table import tenant_program
 from flowlift.proxy.state import STATE
 from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.workflows.inferred import workflow_from
@@ -136,7 +137,7 @@ async def create(request: web.Request, data: dict[str, Any], route: Route
         return upstream_error_response(exc)
     headers = {"X-Flowlift-Workflow": workflow}
     return await _answer(request, opened, chat, builder, conversation, req.stream is True,
-                         done, headers)
+                         done, headers, tenant_program(request, workflow))
 
 
 def _upstream_body(chat: dict[str, Any], stream_usage: bool, model: str) -> dict[str, Any]:
@@ -149,13 +150,17 @@ def _upstream_body(chat: dict[str, Any], stream_usage: bool, model: str) -> dict
 async def _answer(request: web.Request, opened: Opened | Local, chat: dict[str, Any],
                   builder: ResponseBuilder, conversation: str, stream: bool,
                   done: Callable[[dict[str, Any], str | None], Awaitable[None]],
-                  headers: dict[str, str]) -> web.StreamResponse:
-    """Run the turn on what the route opened; the response or its event stream."""
+                  headers: dict[str, str], program: str) -> web.StreamResponse:
+    """Run the turn on what the route opened; the response or its event stream. On the
+    embedded engine the turn is a call of ``program`` (the conversation, or the
+    workflow it joined): scheduled with its other turns, and its KV kept while the
+    function calls it asked for are out (the next turn is known to come)."""
     timing = Timing()
     if isinstance(opened, Local):
         backend, name = opened.backend, opened.backend.name
         source: contextlib.AbstractAsyncContextManager[sources.ChatChunks] = \
-            sources.embedded(chat, opened.model, backend, conversation, timing)
+            sources.embedded(chat, opened.model, backend, conversation, timing, program)
+        done = _keeping(done, backend, program)
         backend.admitted += 1  # as forward does: no burst slips through
     else:
         backend, name = None, opened.upstream.name
@@ -176,6 +181,17 @@ async def _answer(request: web.Request, opened: Opened | Local, chat: dict[str, 
     if isinstance(opened, Local):
         headers["Server-Timing"] = timing.server_timing()
     return web.json_response(response, headers=headers)
+
+
+def _keeping(done: Callable[[dict[str, Any], str | None], Awaitable[None]],
+             backend: Backend, program: str,
+             ) -> Callable[[dict[str, Any], str | None], Awaitable[None]]:
+    """``done`` that also sets the program's keep mark when the turn called functions."""
+    async def finish(response: dict[str, Any], name: str | None) -> None:
+        if any(item.get("type") == "function_call" for item in response.get("output", ())):
+            backend.slots.programs.keep(program)
+        await done(response, name)
+    return finish
 
 
 async def _send(resp: EventSourceResponse, event: Event) -> None:

@@ -21,6 +21,7 @@ import orjson
 from flowlift.errors import EngineError, RequestError
 from flowlift.proxy.dispatch.attempts import Opened
 from flowlift.proxy.dispatch.backends import Backend
+from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai.chat_completion.serving import (
@@ -50,9 +51,10 @@ def _in_responses_terms(exc: RequestError) -> None:
 
 @contextlib.asynccontextmanager
 async def embedded(chat: dict[str, Any], model: str, backend: Backend, session: str | None,
-                   timing: Timing) -> AsyncIterator[ChatChunks]:
+                   timing: Timing, program: str | None = None) -> AsyncIterator[ChatChunks]:
     """The chat chunks of ``chat`` (a chat completions body) on the embedded ``backend``;
-    ``session`` is the engine's session id (the conversation: prefix-cache locality).
+    ``session`` is the engine's session id (the conversation: prefix-cache locality);
+    ``program`` the program its slot is scheduled in (:mod:`flowlift.proxy.dispatch.programs`).
 
     Raises:
         RequestError: a bad or unsupported field (``param`` in the Responses names).
@@ -63,7 +65,8 @@ async def embedded(chat: dict[str, Any], model: str, backend: Backend, session: 
         body = parse_model(ChatCompletionRequest, chat, "responses request")
         gen, choices, plan = prepare(body, f"resp-{secrets.token_hex(12)}", model, backend,
                                      session)
-        async with started(backend, [gen], timing) as chunks:
+        async with started(backend, [gen], timing,
+                           Priority.of("interactive", program=program)) as chunks:
             yield _chat_chunks(chunks, choices[0])
     except RequestError as exc:
         if plan is not None and exc.param == "response_format":
