@@ -36,9 +36,14 @@ Outside a workflow a call runs eagerly (one step in a workflow of its own) and a
 with the real text. ``langchain-core`` is an optional dependency: ``flowlift`` imports
 without it; this module needs it (``pip install flowlift[frameworks]``).
 
-Not supported: tools (``bind_tools``; a flowlift agent step, ``@step(tools=[...])``,
-loops tool calls on the proxy) and per-call options (``.bind(max_tokens=...)``: set
-them as fields).
+Tools (``bind_tools``, what LangGraph's ``create_react_agent`` and ``ToolNode`` graphs
+use): a call with tools is a real chat completion on the proxy
+(:mod:`flowlift.sdk.langchain_tools`): it answers with the model's ``tool_calls`` (or
+its text) at once, in the model's tool-call format; inside a workflow it carries the
+run's id as ``X-Flowlift-Workflow``, so its turns join the run's program.
+``with_structured_output(schema)`` is a step whose contract is ``schema`` (constrained
+decoding), parsed into it. Per-call options (``.bind(max_tokens=...)``) are refused:
+set them as fields.
 
 Errors:
     UserError: a message role or content part a step cannot carry (images, tool calls),
@@ -64,15 +69,25 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.runnables import Runnable
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
+from flowlift.credentials import bearer_headers, default_api_key
 from flowlift.errors import UserError
 from flowlift.graph import Params, Ref, Text
 from flowlift.sdk.contracts import output_spec
+from flowlift.sdk.langchain_tools import (
+    bound_tools,
+    chat_body,
+    post_async,
+    post_sync,
+    structured_parser,
+    tool_answer,
+)
 from flowlift.sdk.markers import split_prompt
 from flowlift.sdk.steps import Step
 from flowlift.sdk.variables import SemanticVariable
-from flowlift.sdk.workflow import Workflow, current_workflow
+from flowlift.sdk.workflow import Workflow, current_workflow, default_base_url
 
 _ROLES: dict[type[BaseMessage], str] = {SystemMessage: "system", HumanMessage: "user",
                                         AIMessage: "assistant", ToolMessage: "user"}
@@ -144,6 +159,10 @@ class FlowliftChat(BaseChatModel):
     seed: int | None = None
     output: Any = None
     step_name: str = "chat"
+    base_url: str | None = None
+    """The proxy of calls with tools made outside a workflow (default
+    ``$FLOWLIFT_BASE_URL``); inside one, the workflow's."""
+    api_key: str | None = None
     _steps: dict[tuple[str, tuple[str, ...]], Step[...]] = PrivateAttr(default_factory=dict)
 
     @property
@@ -189,9 +208,52 @@ class FlowliftChat(BaseChatModel):
         _no_call_options(kwargs)
         return _step_name(run_manager, self.step_name), current_workflow()
 
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None,
+                   **kwargs: Any) -> Runnable[Any, BaseMessage]:
+        """This model with ``tools`` (LangChain tools, functions, pydantic models or
+        OpenAI tool dicts) offered on each call; ``tool_choice``: ``"auto"``,
+        ``"any"``/``"required"``/True (a call is required), ``"none"``, or a tool's
+        name.
+
+        Raises:
+            UserError: other options.
+        """
+        return self.bind(**bound_tools(tools, tool_choice), **kwargs)
+
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False,
+                               **kwargs: Any) -> Runnable[Any, Any]:
+        """A runnable that answers with ``schema`` (a pydantic model, a JSON Schema
+        dict, ``Literal[...]``): a step whose contract is ``schema`` (constrained
+        decoding; outside a workflow it runs at once, inside one the value is awaited).
+
+        Raises:
+            UserError: ``include_raw`` or other options (not supported).
+        """
+        if include_raw or kwargs:
+            raise UserError("FlowliftChat.with_structured_output takes only the schema "
+                            "(include_raw and method options are not supported)",
+                            param="with_structured_output")
+        typed = self.model_copy(update={"output": schema})
+        typed._steps = {}
+        return typed | structured_parser(schema)
+
+    def _call_tools(self, messages: list[BaseMessage], kwargs: Mapping[str, Any],
+                    ) -> tuple[str, dict[str, Any], dict[str, str]]:
+        wf = current_workflow()
+        url = (wf.base_url if wf is not None else self.base_url or default_base_url())
+        body = chat_body(self, messages, kwargs)
+        headers = {**bearer_headers(self.api_key or (wf._api_key if wf else None)
+                                    or default_api_key())}
+        if wf is not None:  # the run's turns with tools are one program (a session)
+            headers["X-Flowlift-Session"] = wf.run_id or f"{wf.name}-{wf.nonce}"
+        return f"{url.rstrip('/')}/v1/chat/completions", body, headers
+
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None,
                   **kwargs: Any) -> ChatResult:
+        if "tools" in kwargs:
+            url, body, headers = self._call_tools(messages, {**kwargs, "stop": stop})
+            return tool_answer(post_sync(url, body, headers))
         name, wf = self._begin(kwargs, run_manager)
         if wf is not None:
             return self._record(wf, messages, stop, name)
@@ -202,6 +264,9 @@ class FlowliftChat(BaseChatModel):
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None,
                          **kwargs: Any) -> ChatResult:
+        if "tools" in kwargs:
+            url, body, headers = self._call_tools(messages, {**kwargs, "stop": stop})
+            return tool_answer(await post_async(url, body, headers))
         name, wf = self._begin(kwargs, run_manager)
         if wf is not None:
             return self._record(wf, messages, stop, name)
