@@ -77,7 +77,7 @@ class Answer(BaseModel):
 
 
 async def test_with_structured_output_is_a_step_with_the_schema_as_contract(proxy, monkeypatch):
-    base_url, engine, seen = proxy
+    base_url, _engine, seen = proxy
     monkeypatch.setenv("FLOWLIFT_BASE_URL", base_url)
     out = await FlowliftChat(model="qwen").with_structured_output(Answer).ainvoke(
         "Which module reads CSV files?")

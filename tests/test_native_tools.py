@@ -161,7 +161,7 @@ def search(query: str) -> str:
 
 @step(tools=[search], max_turns=3)
 def research(question: str):
-    return MESSAGES[:1] + [{"role": "user", "content": question}]
+    return [*MESSAGES[:1], {"role": "user", "content": question}]
 
 
 async def test_an_agent_step_makes_the_same_first_call_as_a_chat_completion(proxy):

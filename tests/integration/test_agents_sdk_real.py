@@ -1,0 +1,63 @@
+"""An OpenAI Agents SDK agent with two function tools on the real embedded engine
+(issue 34, item 4): the SDK drives ``/v1/responses`` turn by turn (its default model,
+``OpenAIResponsesModel``), the proxy's engine answers with function calls, the SDK runs
+the tools and sends their outputs back, and the run ends with the agent's answer. The
+default model (SmolLM2-135M) is too small to choose tools well: the first turn is
+``tool_choice="required"`` (the SDK resets it to ``auto`` after a call), so the test
+pins the plumbing (calls made and valid, results back, an answer), not the model's
+judgement."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+CALLED: list[tuple[str, str]] = []
+
+
+def test_an_agents_sdk_agent_with_two_function_tools_answers(real_proxy: dict[str, Any]):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    @function_tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        CALLED.append(("weather", city))
+        return f"sunny, 21 C in {city}"
+
+    @function_tool
+    def local_time(city: str) -> str:
+        """The local time in a city."""
+        CALLED.append(("local_time", city))
+        return f"12:00 in {city}"
+
+    async def run() -> Any:
+        set_tracing_disabled(True)
+        client = AsyncOpenAI(base_url=f"{real_proxy['base_url']}/v1", api_key="k",
+                             max_retries=0, timeout=300)
+        agent = Agent(name="Travel", instructions="Answer with the tools' results.",
+                      tools=[weather, local_time],
+                      model=OpenAIResponsesModel(model=real_proxy["model"],
+                                                 openai_client=client),
+                      model_settings=ModelSettings(temperature=0.0, max_tokens=48,
+                                                   tool_choice="required"))
+        return await Runner.run(agent, "What is the weather in Paris?", max_turns=6)
+
+    result = asyncio.run(run())
+    assert CALLED and all(name in ("weather", "local_time") for name, _ in CALLED)
+    assert all(city for _, city in CALLED)  # the arguments fit the schema
+    calls = [i for i in result.new_items if type(i).__name__ == "ToolCallItem"]
+    outputs = [i for i in result.new_items if type(i).__name__ == "ToolCallOutputItem"]
+    assert len(calls) == len(outputs) == len(CALLED)
+    assert isinstance(result.final_output, str)
