@@ -60,7 +60,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
     BaseMessage,
@@ -209,7 +209,7 @@ class FlowliftChat(BaseChatModel):
         return _step_name(run_manager, self.step_name), current_workflow()
 
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None,
-                   **kwargs: Any) -> Runnable[Any, BaseMessage]:
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """This model with ``tools`` (LangChain tools, functions, pydantic models or
         OpenAI tool dicts) offered on each call; ``tool_choice``: ``"auto"``,
         ``"any"``/``"required"``/True (a call is required), ``"none"``, or a tool's

@@ -165,7 +165,7 @@ async def test_max_turns_fails_the_step_naming_it_the_turns_and_the_last_tool(cl
              tool_calls_text(("calculator", {"expression": "1"}),
                              ("search", {"query": "b"})))
 
-    @step(tools=[search, calculator], max_turns=2)
+    @step(tools=[search, calculator], max_turns=2, on_max_turns="raise")
     def short(q):
         return q
 

@@ -267,7 +267,8 @@ async def test_hung_dead_and_huge_tools_become_error_results_and_the_server_reco
 
     @step(tools=[proxy_tool("mcp.hang"), proxy_tool("mcp.die"), proxy_tool("mcp.big"),
                  proxy_tool("mcp.add"), proxy_tool("mcp.boom"), proxy_tool("atlas.huge"),
-                 proxy_tool("atlas.slow_sync")], max_turns=3)
+                 proxy_tool("atlas.slow_sync")], max_turns=3,
+          on_max_turns="raise")
     def rough(q):
         return q
 

@@ -52,9 +52,9 @@ import jsonschema
 
 from flowlift.errors import StepFailed, ToolError
 from flowlift.graph import LLMNode, ToolSpec, render_value
-from flowlift.local_engine.base import ChatMessage, ToolCall
+from flowlift.local_engine.base import ChatMessage, ToolCall, ToolDef
 from flowlift.proxy.dispatch.scheduler import Priority
-from flowlift.proxy.openai.chat_completion.content_calls import fragment
+from flowlift.proxy.openai.chat_completion.content_calls import fragment, recognise
 from flowlift.proxy.tools.early import call_key
 from flowlift.proxy.tools.outcome import ToolOutcome
 from flowlift.proxy.workflows.ahead import next_turn_prefix
@@ -203,7 +203,7 @@ class AgentLoop:
             if not out.tool_calls:
                 self._drop_early()
                 self._check_not_cut(out)
-                why = fragment(out.text)
+                why = fragment(out.text) or self._written_call(out.text)
                 if why is not None and not retried:
                     retried, k = True, k - 1  # the retry takes the same turn's place
                     out.trace.outcome = "fragment"
@@ -211,6 +211,11 @@ class AgentLoop:
                              ChatMessage("user", f"That was not an answer: {why}. "
                                          f"{ANSWER_NOW if final else NOT_AN_ANSWER}")]
                     continue
+                if why is not None and final:
+                    raise StepFailed(self.node.id, f"agent step {self.node.id!r}: no answer "
+                                     f"after {self.node.max_turns} turns (max_turns="
+                                     f"{self.node.max_turns}): the last turn, asked for the "
+                                     f"answer with the tools off, twice gave none ({why})")
                 if why is not None:
                     raise StepFailed(self.node.id, f"agent step {self.node.id!r}: turn "
                                      f"{self.turns}'s answer is no answer ({why}), twice")
@@ -237,6 +242,16 @@ class AgentLoop:
                          f"{self.node.max_turns} turns "
                          f"(max_turns={self.node.max_turns}, on_max_turns=\"raise\"): every "
                          f"turn called tools; the last tool asked for was {last_tool!r}")
+
+    def _written_call(self, text: str) -> str | None:
+        """Why an answer that is a call of one of the step's tools written as JSON (a
+        turn with the tools off, or a format that left it in the content) is no
+        answer; None otherwise."""
+        found = recognise(text, [ToolDef(t.name, t.description, t.parameters)
+                                 for t in self.tools])
+        if found.kind != "calls":
+            return None
+        return f"the answer is a call of {found.calls[0].name} written as JSON"
 
     async def _one(self, model: str | None, convo: Sequence[ChatMessage], *, logprobs: bool,
                    max_tokens: int | None, tools: bool, first: bool) -> Generated:

@@ -160,7 +160,8 @@ def recognise(text: str, tools: Sequence[ToolDef], *, parallel: bool = True,
 
 def fragment(text: str) -> str | None:
     """Why ``text`` is no answer (only markup or punctuation: ``{``, ``:[``, an
-    unfinished ``<tool_call>`` or a code fence left open), or None when it may be one.
+    unfinished ``<tool_call>`` or a code fence left open; the constrained protocol's
+    ``{"tool_calls": [...]}`` written as the answer), or None when it may be one.
     Empty text is not judged here (a step may allow an empty answer)."""
     stripped = text.strip()
     if not stripped:
@@ -173,4 +174,8 @@ def fragment(text: str) -> str | None:
         return "the answer leaves a code fence open"
     if stripped[0] in "{[" and _json_values(stripped) is None:
         return f"the answer {stripped[:40]!r} is a piece of JSON that does not end"
+    values = _json_values(stripped) if stripped[0] in "{[" else None
+    if values and len(values) == 1 and isinstance(values[0], dict) \
+            and isinstance(values[0].get("tool_calls"), list):
+        return "the answer is a tool call in JSON, not an answer"
     return None
