@@ -175,7 +175,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                "base_url": args.base_url, "variants": {}}
     for name in args.variants:
         started = time.perf_counter()
-        rows = await run_variant(name, args.base_url, args.model, questions)
+        try:
+            rows = await run_variant(name, args.base_url, args.model, questions)
+        except Exception as exc:  # reported, and the next variant runs
+            print(f"{args.label} {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+            results["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
         wall = time.perf_counter() - started
         results["variants"][name] = {**summary(rows), "wall_s": round(wall, 1),
                                      "rows": [asdict(r) for r in rows]}
@@ -185,7 +190,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
               f"{s['valid_calls']}/{s['calls']} valid; answered at max_turns "
               f"{s['answered_at_max_turns']}; failed {s['failed']}; {wall:.0f} s",
               flush=True)
+        save(results)
     return results
+
+
+def save(results: dict[str, Any]) -> None:
+    """Write the results so far (each variant as it ends)."""
+    out = Path(__file__).resolve().parent / "results" / f"agents_format.{results['label']}.json"
+    out.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,10 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="run")
     parser.add_argument("--limit", type=int, default=None)
     args = parser.parse_args(argv)
-    results = asyncio.run(main_async(args))
-    out = Path(__file__).resolve().parent / "results" / f"agents_format.{args.label}.json"
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out}")
+    asyncio.run(main_async(args))
+    print(f"wrote bench/results/agents_format.{args.label}.json")
     return 0
 
 

@@ -203,3 +203,30 @@ def test_recognise_and_fragment():
     for good in ("csv", "The answer is csv.", '{"module": "csv"}', ""):
         assert fragment(good) is None, good
 
+
+
+def test_tool_format_from_the_config_file_to_the_engine(engine_configs, tmp_path):
+    from flowlift import cli
+    from flowlift.errors import ConfigError
+    from flowlift.local_engine.models import default_tool_format
+    from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
+    from flowlift.proxy.config import parse_config
+
+    config = parse_config({"backends": {"big": {
+        "kind": "embedded", "model": "Qwen2.5-Coder-1.5B-Instruct",
+        "tool_format": "constrained"}}})
+    assert config.tool_formats() == {"Qwen2.5-Coder-1.5B-Instruct": ("constrained", None)}
+    args = cli.build_parser().parse_args(["serve", "--model", "Qwen2.5-Coder-1.5B-Instruct"])
+    args.tool_formats = config.tool_formats()
+    cli._engines(args)
+    assert engine_configs[-1].tool_format == "constrained"
+    assert default_tool_format("Qwen2.5-Coder-0.5B-Instruct") == ("native", "hermes")
+    assert default_tool_format("SmolLM2-135M-Instruct") == ("constrained", None)
+    native = VLLMEngine(VLLMConfig(model=str(tmp_path), served_model_name="m",
+                                   tool_format="native", tool_parser="hermes"))
+    assert native.capabilities.native_tools
+    assert not VLLMEngine(VLLMConfig(model=str(tmp_path),
+                                     served_model_name="m")).capabilities.native_tools
+    with pytest.raises(ConfigError, match="tool_parser"):
+        VLLMEngine(VLLMConfig(model=str(tmp_path), served_model_name="m",
+                              tool_format="native"))
