@@ -5,6 +5,7 @@ calls are out."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -80,3 +81,31 @@ async def test_responses_turns_join_their_conversations_program(client, engine):
     assert second["output"][-1]["content"][0]["text"] == "done"
     assert book._table[conversation].calls == 2  # the same program
     assert book.keeping() == 0  # the next turn came: the mark ended
+
+
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items()
+                                                 if k != "type"}}]
+
+
+async def test_a_session_tagged_chat_completion_prefills_its_next_turn(client, engine):
+    engine.responder = lambda request: (
+        "done" if "Result of shell" in engine.prompt_text(request)
+        else tool_calls_text(("shell", {"command": "ls"})))
+    messages = [{"role": "user", "content": "look around " * 40}]
+    headers = {"X-Flowlift-Session": "s-ahead"}
+    first = await (await client.post("/v1/chat/completions", headers=headers, json={
+        "model": "fake-model", "messages": messages, "tools": CHAT_TOOLS})).json()
+    call = first["choices"][0]["message"]["tool_calls"][0]
+    for _ in range(100):
+        if engine.prefilled:
+            break
+        await asyncio.sleep(0.01)
+    (_, prefix), = engine.prefills  # the next turn, as far as it is known
+    assert "look around" in prefix and '"shell"' in prefix
+    second = await (await client.post("/v1/chat/completions", headers=headers, json={
+        "model": "fake-model", "tools": CHAT_TOOLS, "messages": [
+            *messages, first["choices"][0]["message"],
+            {"role": "tool", "tool_call_id": call["id"], "content": "ok"}]})).json()
+    assert second["choices"][0]["message"]["content"] == "done"
+    assert engine.prompt_text(engine.requests[-1]).startswith(prefix)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prefix.split()) - 1

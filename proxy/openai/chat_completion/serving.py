@@ -72,6 +72,8 @@ from flowlift.proxy.openai.generation import (
     usage_json,
 )
 from flowlift.proxy.sessions.table import observe, program_of
+from flowlift.proxy.state import STATE
+from flowlift.proxy.workflows.ahead import HOLE, next_turn_prefix
 
 __all__ = ["ChatCompletionRequest", "chat_completions", "completions", "embeddings"]
 
@@ -223,6 +225,11 @@ class ChatChoice:
         return {"index": self.index, "message": message, "logprobs": lp,
                 "finish_reason": self.finish or "stop"}
 
+    def calls(self) -> tuple[ToolCall, ...]:
+        """The answer's tool calls, as the engine's :class:`ToolCall` values."""
+        return tuple(ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+                     for c in self.tool_calls or ())
+
     def output_text(self) -> str:
         """What ``on_output`` gets: the content, or the tool calls' JSON text."""
         return tool_calls_text(self.tool_calls) if self.tool_calls else self.content or ""
@@ -253,6 +260,15 @@ def prepare(body: ChatCompletionRequest, request_id: str, model: str, backend: B
             gen, messages=conversation(body.messages), tools=tool_defs(plan.tools),
             tool_choice=plan.mode, parallel_tool_calls=plan.parallel)
     return gen, [ChatChoice(i, plan, k is not None) for i in range(body.n or 1)], plan
+
+
+def next_turn_request(gen: GenerationRequest, content: str,
+                      calls: tuple[ToolCall, ...]) -> GenerationRequest:
+    """A session's next turn as far as it is known while ``calls`` are out: ``gen``'s
+    conversation, this answer, and the first call's result as the hole
+    (:func:`flowlift.proxy.workflows.ahead.next_turn_prefix`), for a prefill-ahead."""
+    return dataclasses.replace(gen, request_id=f"{gen.request_id}:next",
+                               messages=next_turn_prefix(gen.messages, content, calls))
 
 
 async def chat_completions(request: web.Request, data: Any, model: str, backend: Backend, *,
@@ -286,8 +302,12 @@ async def chat_completions(request: web.Request, data: Any, model: str, backend:
     def done() -> dict[str, Any]:
         usage = usage_json(total_usage([c.usage for c in choices]))
         notify(on_output, choices[0].output_text(), usage)
-        if choices[0].tool_calls:  # a session's tool is out: its next turn is likely
+        if choices[0].tool_calls and program is not None:
+            # a session's tool is out: its next turn is likely; keep its KV and prefill
+            # what is known of that turn (the conversation and these calls)
             backend.slots.programs.keep(program)
+            request.app[STATE].backends.ahead.issue(
+                next_turn_request(gen, choices[0].content or "", choices[0].calls()), HOLE)
         return usage
 
     timing = Timing()
