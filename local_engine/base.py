@@ -232,7 +232,7 @@ class GenerationChunk:
     ready_calls: tuple[ToolCall, ...] | None = None
     """Before the last chunk of an answer to a request with ``tools``: calls whose JSON
     became complete with this chunk, while the answer still streams (an agent step
-    starts its proxy tools on them: :mod:`flowlift.proxy.tools.early`). A head start
+    starts its proxy tools on them: :mod:`flowlift.proxy.wire.early_calls`). A head start
     only: ``tool_calls`` on the last chunk is the answer."""
 
 

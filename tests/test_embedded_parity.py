@@ -27,8 +27,8 @@ from flowlift.proxy.dispatch.backends import Backend
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
 from flowlift.proxy.http import openai_errors
 from flowlift.proxy.openai.chat_completion import serving as embedded
-from flowlift.proxy.openai.chat_completion.tool_output import ToolOutputDecoder
-from flowlift.proxy.openai.chat_completion.tools import ToolPlan
+from flowlift.proxy.wire.tool_calls import ToolPlan
+from flowlift.proxy.wire.tool_output import ToolOutputDecoder
 from flowlift.testing import FakeEngine, parse_sse
 
 MODEL = "fake-model"

@@ -33,9 +33,9 @@ from flowlift.proxy.dispatch.health import Call, Evidence
 from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
-from flowlift.proxy.dispatch.sse_bytes import complete_prefix, has_data
 from flowlift.proxy.dispatch.upstream import Upstream, error_from
 from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, Answer, as_httpx, translate
+from flowlift.proxy.wire.sse_bytes import complete_prefix, has_data
 from flowlift.tracing import get_logger
 
 if TYPE_CHECKING:

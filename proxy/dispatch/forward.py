@@ -29,7 +29,12 @@ from flowlift.proxy.dispatch.flex import tier_fields
 from flowlift.proxy.dispatch.hints import StepHints, hint_fields
 from flowlift.proxy.dispatch.latency import Demand
 from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.sse_bytes import (
+from flowlift.proxy.dispatch.upstream import Upstream, error_message, forwarded_headers
+from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
+from flowlift.proxy.telemetry import requests as request_tracing
+from flowlift.proxy.wire import chunks
+from flowlift.proxy.wire.messages import render_message
+from flowlift.proxy.wire.sse_bytes import (
     complete_prefix,
     data_fields,
     finished,
@@ -37,11 +42,6 @@ from flowlift.proxy.dispatch.sse_bytes import (
     has_error,
     without_usage,
 )
-from flowlift.proxy.dispatch.upstream import Upstream, error_message, forwarded_headers
-from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
-from flowlift.proxy.openai import chunks
-from flowlift.proxy.telemetry import requests as request_tracing
-from flowlift.proxy.workflows.inferred import render_message
 from flowlift.tracing import get_logger
 from flowlift.tracing.spans import inject
 

@@ -39,7 +39,7 @@ from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
 from flowlift.proxy.dispatch.upstream import Upstream, unretryable
 from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
-from flowlift.proxy.openai import chunks
+from flowlift.proxy.wire import chunks
 from flowlift.tracing.spans import inject
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
 def _read_event(data: str, backend: str
                 ) -> tuple[chunks.ChunkChoice | None, Usage | None, str | None]:
     """(choice 0, usage) of one chat.completion.chunk (read by
-    :func:`flowlift.proxy.openai.chunks.parse_event`).
+    :func:`flowlift.proxy.wire.chunks.parse_event`).
 
     Raises:
         EngineError: an in-band error event, or an event that is not a JSON object.
