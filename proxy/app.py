@@ -36,16 +36,16 @@ from flowlift.proxy.openai.responses.store import ResponseStore
 from flowlift.proxy.sessions import api as sessions_api
 from flowlift.proxy.sessions.table import SessionTable
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.store.location import open_store
+from flowlift.proxy.store.outcomes import StepOutcomes
 from flowlift.proxy.telemetry import observer as telemetry
 from flowlift.proxy.tenants import Tenants
 from flowlift.proxy.tools import ToolServers
 from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
-from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import compile_options
 from flowlift.proxy.workflows.registry import RunRegistry
-from flowlift.proxy.workflows.store import open_store
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -33,10 +33,10 @@ from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.state import STATE
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.workflows.open_runs import Growth, grown, stable_plan, stored_graph
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.runs import Run
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.testing import FakeEngine, free_port, parse_sse, running_proxy
 
 

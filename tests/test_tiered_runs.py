@@ -331,8 +331,8 @@ async def test_the_run_listing_shows_progress_deadline_and_spend_so_far(
 
 
 def test_a_stored_run_is_listed_with_its_appended_steps_and_spend() -> None:
+    from flowlift.proxy.store.base import StoredRun
     from flowlift.proxy.workflows.progress import stored_listing
-    from flowlift.proxy.workflows.store import StoredRun
     events = [(1, "run.started", {}),
               (2, "nodes.appended", {"nodes": [{"id": "x"}, {"id": "y"}]}),
               (3, "step.cost", {"step_id": "a", "asked": "batch", "served": "batch",
