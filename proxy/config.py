@@ -107,10 +107,11 @@ from pydantic import (
 )
 
 from flowlift.errors import ConfigError
-from flowlift.proxy.dispatch.routing import Strategy
 from flowlift.proxy.tenants import DEFAULT_TENANT, TENANT_NAME, Tenant
 
 EMBEDDED = "embedded"
+Strategy = Literal["predicted-latency", "least-loaded", "round-robin"]
+"""How a route chooses among its replicas (:mod:`flowlift.proxy.dispatch.routing`)."""
 TOOL_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """A ``[tools.<name>]`` server's name (what ``flowlift.proxy_tool("name.tool")`` says)."""
 

@@ -37,10 +37,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
-from typing import Literal
 
-Strategy = Literal["predicted-latency", "least-loaded", "round-robin"]
-"""How a route chooses among its replicas (see the module doc)."""
+from flowlift.proxy.config import Strategy
+
 STRATEGIES: tuple[Strategy, ...] = ("predicted-latency", "least-loaded", "round-robin")
 
 
