@@ -186,9 +186,13 @@ def test_pyproject_ships_every_subpackage() -> None:
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
+    """Write ``files`` (path -> text) under ``tmp_path``, each folder a package (an empty
+    ``__init__.py`` unless given), and discover them."""
     for rel, text in files.items():
         path = tmp_path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
+        for folder in path.relative_to(tmp_path).parents[:-1]:
+            (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+            (tmp_path / folder / "__init__.py").touch()
         path.write_text(text, encoding="utf-8")
     return discover({PROXY: tmp_path / "proxy", "flowlift.sdk": tmp_path / "sdk",
                      "flowlift.tracing": tmp_path / "tracing"})
@@ -196,10 +200,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
 
 def test_a_planted_upward_import_is_reported(tmp_path: Path) -> None:
     modules = _tree(tmp_path, {
-        "proxy/__init__.py": "",
-        "proxy/wire/__init__.py": "",
         "proxy/wire/chunks.py": "from flowlift.proxy.dispatch import forward\n",
-        "proxy/dispatch/__init__.py": "",
         "proxy/dispatch/forward.py": "from flowlift.proxy.wire import chunks\n",
     })
     assert breaks(modules) == [
@@ -209,17 +210,13 @@ def test_a_planted_upward_import_is_reported(tmp_path: Path) -> None:
 
 def test_imports_in_functions_type_checking_and_relative_ones_count(tmp_path: Path) -> None:
     modules = _tree(tmp_path, {
-        "proxy/__init__.py": "",
-        "proxy/store/__init__.py": "",
         "proxy/store/sqlite.py": ("from typing import TYPE_CHECKING\n"
                                   "if TYPE_CHECKING:\n"
                                   "    from flowlift.proxy.workflows.runs import Run\n"
                                   "def f():\n"
                                   "    from ..openai import routes\n"),
-        "proxy/workflows/__init__.py": "",
         "proxy/workflows/runs.py": "from . import api\nfrom flowlift.proxy.store import sqlite\n",
         "proxy/workflows/api.py": "",
-        "proxy/openai/__init__.py": "",
         "proxy/openai/routes.py": "",
     })
     assert breaks(modules) == [
@@ -235,7 +232,6 @@ def test_imports_in_functions_type_checking_and_relative_ones_count(tmp_path: Pa
 
 def test_the_sdk_and_tracing_never_import_the_proxy(tmp_path: Path) -> None:
     modules = _tree(tmp_path, {
-        "proxy/__init__.py": "",
         "proxy/state.py": "",
         "sdk/__init__.py": "import flowlift.proxy.state\n",
         "tracing/__init__.py": "def f():\n    from flowlift.sdk import step\n",
@@ -249,7 +245,6 @@ def test_the_sdk_and_tracing_never_import_the_proxy(tmp_path: Path) -> None:
 
 
 def test_a_forgotten_subpackage_is_found(tmp_path: Path) -> None:
-    modules = _tree(tmp_path, {"proxy/__init__.py": "", "proxy/wire/__init__.py": "",
-                               "proxy/wire/deep/__init__.py": "", "proxy/wire/deep/x.py": ""})
+    modules = _tree(tmp_path, {"proxy/wire/deep/x.py": ""})
     assert unlisted(modules, {PROXY, "flowlift.proxy.wire"}) == ["flowlift.proxy.wire.deep"]
     assert unlisted(modules, {PROXY, "flowlift.proxy.wire", "flowlift.proxy.wire.deep"}) == []
