@@ -1,4 +1,4 @@
-"""The dynamic batch plan beside interactive work (flowlift.proxy.dispatch.batch_cap).
+"""The dynamic batch plan beside interactive work (flowlift.proxy.dispatch.slots.batch_cap).
 
 The model fit, the plan, the linger and the choice of victims are pure functions of
 measured numbers (property tests); the slots honour the plan on the fake engine (no
@@ -23,7 +23,7 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.local_engine.step_log import EngineStep, StepLog
-from flowlift.proxy.dispatch.batch_cap import (
+from flowlift.proxy.dispatch.slots.batch_cap import (
     BatchPlan,
     DynamicCap,
     LingerModel,
@@ -32,9 +32,9 @@ from flowlift.proxy.dispatch.batch_cap import (
     linger_from,
     plan_beside_interactive,
 )
-from flowlift.proxy.dispatch.preemption import Candidate, victims_beside_interactive
-from flowlift.proxy.dispatch.resumable import ResumableGeneration
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.slots.preemption import Candidate, victims_beside_interactive
+from flowlift.proxy.dispatch.slots.resumable import ResumableGeneration
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
 from flowlift.testing import FakeEngine
 
 BATCH = Priority.of("batch")

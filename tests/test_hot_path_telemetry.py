@@ -12,7 +12,7 @@ import pytest
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from flowlift.proxy.dispatch import forward
+from flowlift.proxy.dispatch.upstream import forward
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.proxy.telemetry.requests import RequestTrace
 from flowlift.proxy.wire import sse_bytes

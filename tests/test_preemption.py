@@ -23,9 +23,9 @@ from flowlift.local_engine.continuation import (
     merge_usage,
     not_resumable,
 )
-from flowlift.proxy.dispatch.preemption import Candidate, choose_victims
-from flowlift.proxy.dispatch.resumable import ResumableGeneration
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.slots.preemption import Candidate, choose_victims
+from flowlift.proxy.dispatch.slots.resumable import ResumableGeneration
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
 from flowlift.testing import FakeEngine
 
 BATCH = Priority.of("batch", remaining_ms=1_000)

@@ -11,8 +11,8 @@ import asyncio
 import pytest
 
 from flowlift import StepFailed, WorkflowFailed, step, tool, workflow
-from flowlift.proxy.dispatch.programs import ProgramBook, ProgramConfig, las_level
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.slots.programs import ProgramBook, ProgramConfig, las_level
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
 from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, tool_calls_text
 

@@ -9,7 +9,8 @@ import pytest
 from flowlift.compiler import CompileOptions, compile_graph
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.settings import DispatchSettings
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
 from flowlift.proxy.workflows.runs import Run
 from flowlift.testing import FakeEngine
 
@@ -115,7 +116,7 @@ async def test_identical_calls_reach_the_engine_once():
 
 async def test_critical_path_first_under_contention():
     engine = FakeEngine(["m"], delay_s=0.01)
-    backends = Backends({"m": engine}, max_concurrency=1)
+    backends = Backends({"m": engine}, DispatchSettings(max_concurrency=1))
     chain = [{"kind": "llm", "id": f"c{i}", "messages": [{"role": "user", "content": [
         {"text": f"step {i} "}, *([{"ref": f"c{i - 1}"}] if i else [])]}]} for i in range(4)]
     leaves = [{"kind": "llm", "id": f"leaf{i}", "messages": [

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flowlift.local_engine.step_log import StepLog
-from flowlift.proxy.dispatch.batch_cap import BatchPlan, DynamicCap, plan_beside_interactive
-from flowlift.proxy.dispatch.preemption import Candidate, victims_beside_interactive
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.slots.batch_cap import BatchPlan, DynamicCap, plan_beside_interactive
+from flowlift.proxy.dispatch.slots.preemption import Candidate, victims_beside_interactive
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
 from flowlift.testing import FakeEngine
 from tests.test_batch_cap import candidates  # (batch requests: running, some in prefill)
 

@@ -15,8 +15,8 @@ from flowlift.local_engine.base import ChatMessage, GenerationRequest
 from flowlift.proxy import create_app
 from flowlift.proxy.config import parse_config
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.batch import BatchLine, pack
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.batch.api import BatchLine, pack
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.state import STATE
 from flowlift.proxy.workflows.tiering import TieredDispatcher
 from flowlift.testing import MALFORMED, FakeBatchAPI, LineError, parse_sse

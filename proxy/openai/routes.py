@@ -1,9 +1,10 @@
 """The OpenAI-compatible API: ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``, ``/v1/responses`` and ``GET /v1/models``.
 
-Each request goes to its model's :class:`~flowlift.proxy.dispatch.routing.Route`: the embedded
+Each request goes to its model's :class:`~flowlift.proxy.dispatch.routing.routing.Route`:
+the embedded
 engine (:mod:`flowlift.proxy.openai.chat_completion.serving`) or upstream providers
-(:mod:`flowlift.proxy.dispatch.forward`). Shapes follow OpenAI's published API description
+(:mod:`flowlift.proxy.dispatch.upstream.forward`). Shapes follow OpenAI's published API description
 (``shared/specs/openai-openapi.yaml``).
 
 A request that names a workflow (``X-Flowlift-Workflow`` / ``X-Flowlift-Step`` headers
@@ -26,7 +27,7 @@ from aiohttp import web
 
 from flowlift.errors import ModelNotFound, RequestError
 from flowlift.proxy.dispatch.backends import Local
-from flowlift.proxy.dispatch.forward import OnOutput, forward
+from flowlift.proxy.dispatch.upstream.forward import OnOutput, forward
 from flowlift.proxy.http import json_object, read_body
 from flowlift.proxy.openai.chat_completion import serving as embedded
 from flowlift.proxy.openai.responses import serving as responses_serving

@@ -46,7 +46,7 @@ import jsonschema
 from flowlift.errors import StepFailed, ToolError
 from flowlift.graph import LLMNode, ToolSpec, render_value
 from flowlift.local_engine.base import ChatMessage, ToolCall
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.store.events import Event
 from flowlift.proxy.tools.outcome import ToolOutcome
 from flowlift.proxy.wire.early_calls import call_key

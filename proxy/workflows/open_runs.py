@@ -43,7 +43,7 @@ from flowlift.dataflow import validate
 from flowlift.errors import GraphError, RequestError, RunClosed
 from flowlift.graph import Graph, Node
 from flowlift.incremental import GrowingPlan
-from flowlift.proxy.dispatch.scheduler import CLASS_RANK, Priority
+from flowlift.proxy.dispatch.slots.scheduler import CLASS_RANK, Priority
 from flowlift.proxy.store.base import StoredRun
 from flowlift.proxy.store.events import Event
 

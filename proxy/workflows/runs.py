@@ -59,7 +59,7 @@ from flowlift.local_engine.base import (
     ToolDef,
 )
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
 from flowlift.proxy.store.base import StoredRun
 from flowlift.proxy.store.events import EventLog, Written
@@ -739,7 +739,7 @@ class Run:
     def _prefill_ahead(self, node: LLMNode, want: str | None,
                        messages: Sequence[ChatMessage]) -> None:
         """Prefill ``messages`` (ending in :data:`~.ahead.HOLE`) of ``node`` on ``want``
-        ahead of its request (:class:`~flowlift.proxy.dispatch.prefill_ahead.PrefillAhead`
+        ahead of its request (:class:`~flowlift.proxy.dispatch.slots.prefill_ahead.PrefillAhead`
         decides whether the engine has room)."""
         try:
             model, _ = self.backends.resolve(want)

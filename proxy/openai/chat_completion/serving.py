@@ -41,7 +41,7 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.proxy.dispatch.backends import Backend
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai.completion.serving import completions
 from flowlift.proxy.openai.generation import (

@@ -31,14 +31,14 @@ from flowlift.local_engine.base import (
     ToolCall,
     Usage,
 )
-from flowlift.proxy.dispatch.attempts import Admit, Opened, open_answer
-from flowlift.proxy.dispatch.flex import tier_fields
-from flowlift.proxy.dispatch.hints import StepHints, hint_fields
-from flowlift.proxy.dispatch.latency import Demand
-from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.scheduler import Slot
-from flowlift.proxy.dispatch.upstream import Upstream, unretryable
-from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
+from flowlift.proxy.dispatch.batch.flex import tier_fields
+from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields
+from flowlift.proxy.dispatch.routing.latency import Demand
+from flowlift.proxy.dispatch.routing.routing import Route
+from flowlift.proxy.dispatch.slots.scheduler import Slot
+from flowlift.proxy.dispatch.upstream.attempts import Admit, Opened, open_answer
+from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, translate
+from flowlift.proxy.dispatch.upstream.provider import Upstream, unretryable
 from flowlift.proxy.wire import chunks
 from flowlift.tracing.spans import inject
 

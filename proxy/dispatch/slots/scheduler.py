@@ -22,20 +22,20 @@ budget of prompt tokens still being prefilled (``batch_prefill_budget``): a burs
 long batch prompts otherwise fills every engine step with prefill for seconds, and an
 interactive step's first token waits behind it. With ``preempt`` on, running batch
 requests above that cap are preempted when interactive work is granted a slot (chosen by
-:func:`~flowlift.proxy.dispatch.preemption.choose_victims`); they give their slots back
+:func:`~flowlift.proxy.dispatch.slots.preemption.choose_victims`); they give their slots back
 and wait again, ahead of batch work not yet started, to resume as continuations
-(:mod:`flowlift.proxy.dispatch.resumable`). Without it, running requests are never
+(:mod:`flowlift.proxy.dispatch.slots.resumable`). Without it, running requests are never
 preempted.
 
-With a :class:`~flowlift.proxy.dispatch.batch_cap.DynamicCap` (``flowlift serve
+With a :class:`~flowlift.proxy.dispatch.slots.batch_cap.DynamicCap` (``flowlift serve
 --batch-cap-when-interactive auto``) the cap is not a fixed number but a plan made from
 the engine's measured step times for the interactive requests running now: how many
 batch requests may decode beside them and how many batch prompt tokens may be prefilled
 beside them (on a CPU: none), so their steps stay within a slowdown bound. New batch
 work waits while it does not fit the plan; with ``preempt`` on, batch requests still in
 prefill beyond it are preempted first, then decoding ones above the cap
-(:func:`~flowlift.proxy.dispatch.preemption.victims_beside_interactive`). A
-:class:`~flowlift.proxy.dispatch.batch_cap.LingerModel` replaces the fixed linger by the
+(:func:`~flowlift.proxy.dispatch.slots.preemption.victims_beside_interactive`). A
+:class:`~flowlift.proxy.dispatch.slots.batch_cap.LingerModel` replaces the fixed linger by the
 time programs were seen to take to send their next interactive step.
 
 A steady cap (``flowlift serve --batch-cap N|auto``) bounds the batch's slots at all
@@ -59,14 +59,14 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from flowlift.proxy.dispatch.batch_cap import BatchPlan, DynamicCap, LingerModel
-from flowlift.proxy.dispatch.preemption import (
+from flowlift.proxy.dispatch.slots.batch_cap import BatchPlan, DynamicCap, LingerModel
+from flowlift.proxy.dispatch.slots.preemption import (
     Candidate,
     Preemptible,
     choose_victims,
     victims_beside_interactive,
 )
-from flowlift.proxy.dispatch.programs import ProgramBook, ProgramConfig
+from flowlift.proxy.dispatch.slots.programs import ProgramBook, ProgramConfig
 
 KvUsage = Callable[[], "float | None"]
 
@@ -401,7 +401,7 @@ class PrioritySlots:
             if best.priority.interactive:
                 self._preempt_batch()
 
-    # -- program-level scheduling (flowlift.proxy.dispatch.programs) ---------------------
+    # -- program-level scheduling (flowlift.proxy.dispatch.slots.programs) ---------------------
     def _aged(self) -> _Waiter | None:
         """The first waiter (lowest class, then arrival) that has waited ``max_wait_s``,
         when its class is not behind the heap's best; None: none has."""

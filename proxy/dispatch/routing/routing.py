@@ -12,7 +12,7 @@ replica can answer). Among available replicas:
 * otherwise, by the route's ``strategy``:
 
   - ``"predicted-latency"`` (the default): the replica with the smallest predicted
-    completion time for this request (:mod:`flowlift.proxy.dispatch.latency`, after
+    completion time for this request (:mod:`flowlift.proxy.dispatch.routing.latency`, after
     llm-d's predicted-latency scorer); a replica with too few recent answers to predict
     counts as fast as the best predicted one and wins the tie, so it gets explored, one
     request at a time (while one is in flight there, the replica is left out).
