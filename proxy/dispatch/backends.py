@@ -34,6 +34,7 @@ from flowlift.proxy.dispatch.routing.latency import Demand, Features, LatencyBoo
 from flowlift.proxy.dispatch.routing.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.settings import DispatchSettings
 from flowlift.proxy.dispatch.slots.batch_cap import BatchPlan, DynamicCap, LingerModel
+from flowlift.proxy.dispatch.slots.policy import SlotPolicy
 from flowlift.proxy.dispatch.slots.prefill_ahead import PrefillAhead
 from flowlift.proxy.dispatch.slots.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.upstream.engine import UpstreamEngine
@@ -92,12 +93,11 @@ class Backends:
                                if auto or settings.batch_cap == "auto" else None)
         self._auto_when_interactive = auto
         self._batch_cap = settings.batch_cap
-        self._new_slots = functools.partial(
-            PrioritySlots, fcfs=settings.fcfs,
-            batch_prefill_budget=settings.batch_prefill_budget,
+        self._new_slots = functools.partial(PrioritySlots, policy=SlotPolicy(
+            fcfs=settings.fcfs, batch_prefill_budget=settings.batch_prefill_budget,
             batch_cap_when_interactive=(None if settings.batch_cap_when_interactive == "auto"
                                         else settings.batch_cap_when_interactive),
-            preempt=settings.preempt, programs=settings.programs)
+            preempt=settings.preempt, programs=settings.programs))
         self._max_concurrency = settings.max_concurrency
         self._prefill_budget = settings.batch_prefill_budget
         self._per_engine: dict[int, Backend] = {}

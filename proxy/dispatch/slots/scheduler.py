@@ -60,6 +60,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from flowlift.proxy.dispatch.slots.batch_cap import BatchPlan, DynamicCap, LingerModel
+from flowlift.proxy.dispatch.slots.policy import SlotPolicy
 from flowlift.proxy.dispatch.slots.preemption import (
     Candidate,
     Preemptible,
@@ -130,20 +131,8 @@ class PrioritySlots:
 
     Args:
         capacity: requests in flight on the backend.
-        reserved_interactive: slots batch work may never take (at most capacity - 1).
-        batch_cap_when_interactive: batch slots while interactive work is active
-            (default: half the capacity).
-        linger_s: how long interactive work counts as active after its last release.
-        batch_prefill_budget: prompt tokens of batch work that may be in prefill at once
-            (a single larger prompt still goes alone).
-        fcfs: ignore priorities and reserve nothing: first come, first served (the
-            baseline the benchmarks compare against).
-        preempt: when interactive work is granted a slot, preempt running batch requests
-            (those registered with :meth:`register`) down to the batch cap (not with
-            ``fcfs``).
-        programs: program-level scheduling (least attained service per program,
-            starvation bound, keeping a waiting session's KV; :mod:`.programs`); None:
-            the defaults (on); off with ``fcfs``.
+        policy: how the slots are granted (:class:`~.policy.SlotPolicy`; None: its
+            defaults).
         kv_usage: the engine's KV-cache share in use (0 to 1, None: unknown), read
             when a new program's request would start while a session's KV is kept.
         timer: the clock of attained service and waits (seconds); tests inject one.
@@ -160,10 +149,7 @@ class PrioritySlots:
         programs: the :class:`~.programs.ProgramBook` of this engine.
     """
 
-    def __init__(self, capacity: int, reserved_interactive: int = 1, fcfs: bool = False,
-                 batch_cap_when_interactive: int | None = None,
-                 linger_s: float = 1.0, batch_prefill_budget: int = 1024,
-                 preempt: bool = False, programs: ProgramConfig | None = None,
+    def __init__(self, capacity: int, policy: SlotPolicy | None = None, *,
                  kv_usage: KvUsage | None = None,
                  timer: Callable[[], float] = time.monotonic,
                  dynamic: DynamicCap | None = None,
@@ -171,6 +157,11 @@ class PrioritySlots:
                  steady: int | DynamicCap | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
+        policy = policy or SlotPolicy()
+        fcfs, reserved_interactive = policy.fcfs, policy.reserved_interactive
+        batch_cap_when_interactive = policy.batch_cap_when_interactive
+        linger_s, batch_prefill_budget = policy.linger_s, policy.batch_prefill_budget
+        preempt, programs = policy.preempt, policy.programs
         self.capacity = capacity
         self.fcfs = fcfs
         self.reserved = 0 if fcfs else min(max(reserved_interactive, 0), capacity - 1)
