@@ -27,6 +27,7 @@ from aiohttp import web
 
 from flowlift.errors import ModelNotFound, RequestError
 from flowlift.proxy.dispatch.backends import Local
+from flowlift.proxy.dispatch.local import choose_local, serve_local
 from flowlift.proxy.dispatch.upstream.forward import OnOutput, forward
 from flowlift.proxy.http import json_object, read_body
 from flowlift.proxy.openai.chat_completion import serving as embedded
@@ -91,6 +92,9 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
         kwargs: dict[str, Any] = {} if on_output is None else {"on_output": on_output}
         return await handler(request, data, target.model, target.backend, **kwargs)
 
+    target = choose_local(state.backends, route, affinity) if handler is not None else None
+    if target is not None:  # decided once: local requests never enter the forwarder
+        return await serve_local(target, local)
     return await forward(request, backends=state.backends, route=route, path=path,
                          raw=raw, data=data, affinity=affinity,
                          embedded=local if handler is not None else None,

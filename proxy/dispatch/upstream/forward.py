@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -26,6 +26,7 @@ from aiohttp import web
 from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.batch.flex import tier_fields
+from flowlift.proxy.dispatch.local import EmbeddedCall, serve_local
 from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields
 from flowlift.proxy.dispatch.routing.latency import Demand
 from flowlift.proxy.dispatch.routing.routing import Route
@@ -48,7 +49,6 @@ from flowlift.tracing.spans import inject
 
 log = get_logger("flowlift.proxy.dispatch.upstream.forward")
 OnOutput = Callable[[str, dict[str, Any] | None], None]
-EmbeddedCall = Callable[[Local], Awaitable[web.StreamResponse]]
 
 
 USAGE_PATHS = frozenset({"/chat/completions", "/completions"})
@@ -138,12 +138,7 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
         if embedded is None:
             raise RequestError(f"{path} is not served by the embedded engine; configure an "
                                f"upstream backend for model {route.model!r}", param="model")
-        backend = opened.backend
-        backend.admitted += 1  # no await since the route chose it: no burst slips through
-        try:
-            return await embedded(opened)
-        finally:
-            backend.admitted -= 1
+        return await serve_local(opened, embedded)
     if traced is not None:
         traced.upstream(opened.upstream.name, opened.doc, opened.waited_s)
     try:
