@@ -12,7 +12,7 @@ import pytest
 
 from flowlift import WorkflowFailed, step, tool, workflow
 from flowlift.proxy import ProxyConfig, create_app
-from flowlift.proxy.dispatch.programs import ProgramBook
+from flowlift.proxy.dispatch.slots.programs import ProgramBook
 from flowlift.proxy.state import STATE
 from flowlift.proxy.tenants import Tenant
 from flowlift.testing import FakeEngine, tool_calls_text

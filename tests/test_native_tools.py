@@ -15,8 +15,8 @@ import pytest
 from flowlift import step, tool, workflow
 from flowlift.local_engine.base import ToolDef
 from flowlift.proxy import create_app
-from flowlift.proxy.openai.chat_completion.content_calls import fragment, recognise
 from flowlift.proxy.state import STATE
+from flowlift.proxy.wire.content_calls import fragment, recognise
 from flowlift.sdk.agents import tool_spec
 from flowlift.testing_native import QwenStyleFakeEngine
 

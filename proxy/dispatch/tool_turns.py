@@ -5,19 +5,19 @@
 ``"native"`` and the request leaves the choice to the model, the tools go to the engine
 as they are (its chat template renders them, vLLM's parser reads the calls:
 :mod:`flowlift.local_engine.native_tools`), and :class:`NativeTurn` checks the content
-for calls written as JSON (:mod:`flowlift.proxy.openai.chat_completion.content_calls`).
+for calls written as JSON (:mod:`flowlift.proxy.wire.content_calls`).
 Otherwise, and when a native answer is refused, the turn is constrained:
 
 A :class:`~flowlift.local_engine.base.GenerationRequest` with ``tools`` (an agent step's
 turn) becomes what the drop-in ``/v1/chat/completions`` path sends for an OpenAI request
-with ``tools`` (:mod:`flowlift.proxy.openai.chat_completion.tools`): the tool definitions
+with ``tools`` (:mod:`flowlift.proxy.wire.tool_calls`): the tool definitions
 in the system message, the conversation's calls and results as plain text, and the
 output constrained to ``{"tool_calls": [...]}`` or ``{"content": <answer>}``. The
 answer is read back with the same
-:class:`~flowlift.proxy.openai.chat_completion.tool_output.ToolOutputDecoder`: content
+:class:`~flowlift.proxy.wire.tool_output.ToolOutputDecoder`: content
 streams as it is decoded; the calls come whole on the last chunk (``tool_calls``), and
 each one also as soon as its JSON is complete (``ready_calls``,
-:mod:`flowlift.proxy.tools.early`).
+:mod:`flowlift.proxy.wire.early_calls`).
 
 The final answer's content keeps the request's own constraint: a JSON Schema stays its
 schema, a label set becomes an ``enum``, a regex a string ``pattern``. Logprobs are not
@@ -41,9 +41,9 @@ from flowlift.local_engine.base import (
     ToolCall,
     Usage,
 )
-from flowlift.proxy.openai.chat_completion.content_calls import hold_from, recognise
-from flowlift.proxy.openai.chat_completion.tool_output import ToolOutputDecoder
-from flowlift.proxy.openai.chat_completion.tools import (
+from flowlift.proxy.wire.content_calls import hold_from, recognise
+from flowlift.proxy.wire.early_calls import EarlyCalls
+from flowlift.proxy.wire.tool_calls import (
     FunctionCall,
     FunctionDef,
     Message,
@@ -51,8 +51,8 @@ from flowlift.proxy.openai.chat_completion.tools import (
     ToolPlan,
     engine_messages,
 )
-from flowlift.proxy.openai.chat_completion.tools import ToolCall as HistoryCall
-from flowlift.proxy.tools.early import EarlyCalls
+from flowlift.proxy.wire.tool_calls import ToolCall as HistoryCall
+from flowlift.proxy.wire.tool_output import ToolOutputDecoder
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.proxy.dispatch.tool_turns")
@@ -130,8 +130,8 @@ def native(engine: Engine, request: GenerationRequest) -> bool:
 class NativeTurn:
     """One turn in the model's own tool-call format, read by the engine
     (:mod:`flowlift.local_engine.native_tools`), with a check of the content above it:
-    content that may be a call written as JSON (:func:`~.content_calls.hold_from`) is
-    held back until the answer ends, then :func:`~.content_calls.recognise` takes it as
+    content that may be a call written as JSON (:func:`~flowlift.proxy.wire.content_calls.hold_from`) is
+    held back until the answer ends, then :func:`~flowlift.proxy.wire.content_calls.recognise` takes it as
     the call, passes it on as the answer, or refuses it (:attr:`refused`: the caller
     runs the turn again constrained)."""
 

@@ -18,7 +18,7 @@ A loop that finishes (issue 34): with ``on_max_turns="answer"`` (the default unl
 ``tool_choice="required"``) the last allowed turn is asked for the answer with the
 tools off (:data:`ANSWER_NOW`), and the step's trace shows ``max_turns_reached``. An
 answer that is only a fragment of JSON or markup (``{``,
-:func:`~flowlift.proxy.openai.chat_completion.content_calls.fragment`) is not taken for
+:func:`~flowlift.proxy.wire.content_calls.fragment`) is not taken for
 the answer: the turn is tried once more with the reason, then the step fails.
 
 Proxy tools (a :class:`~flowlift.graph.ToolSpec` with ``server``,
@@ -53,14 +53,14 @@ import jsonschema
 from flowlift.errors import StepFailed, ToolError
 from flowlift.graph import LLMNode, ToolSpec, render_value
 from flowlift.local_engine.base import ChatMessage, ToolCall, ToolDef
-from flowlift.proxy.dispatch.scheduler import Priority
-from flowlift.proxy.openai.chat_completion.content_calls import fragment, recognise
-from flowlift.proxy.tools.early import call_key
+from flowlift.proxy.dispatch.slots.scheduler import Priority
+from flowlift.proxy.store.events import Event
 from flowlift.proxy.tools.outcome import ToolOutcome
+from flowlift.proxy.wire.content_calls import fragment, recognise
+from flowlift.proxy.wire.early_calls import call_key
 from flowlift.proxy.workflows.ahead import next_turn_prefix
 from flowlift.proxy.workflows.cascade import Generated
 from flowlift.proxy.workflows.deadline import DeadlineClock
-from flowlift.proxy.workflows.events import Event
 from flowlift.tracing import AttemptTrace, RunTrace, ToolCallTrace
 
 ANSWER_NOW = ("This is your last turn: the tools are off. Answer the question now, in "
@@ -70,7 +70,7 @@ NOT_AN_ANSWER = "Answer the question in words, or call one of the tools."
 
 _TOOL_JSON = re.compile(r'\s*\{\s*"tool_calls"')
 """The start of the constrained JSON of a turn that calls tools (the embedded engine's
-tool-call format, :mod:`flowlift.proxy.openai.chat_completion.tools`)."""
+tool-call format, :mod:`flowlift.proxy.wire.tool_calls`)."""
 
 
 class ToolRaised(ToolError):

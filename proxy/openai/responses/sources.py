@@ -19,10 +19,10 @@ from typing import Any
 import orjson
 
 from flowlift.errors import EngineError, RequestError
-from flowlift.proxy.dispatch.attempts import Opened
 from flowlift.proxy.dispatch.backends import Backend
-from flowlift.proxy.dispatch.scheduler import Priority
-from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
+from flowlift.proxy.dispatch.slots.scheduler import Priority
+from flowlift.proxy.dispatch.upstream.attempts import Opened
+from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, translate
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai.chat_completion.serving import (
     ChatChoice,
@@ -54,7 +54,7 @@ async def embedded(chat: dict[str, Any], model: str, backend: Backend, session: 
                    timing: Timing, program: str | None = None) -> AsyncIterator[ChatChunks]:
     """The chat chunks of ``chat`` (a chat completions body) on the embedded ``backend``;
     ``session`` is the engine's session id (the conversation: prefix-cache locality);
-    ``program`` the program its slot is scheduled in (:mod:`flowlift.proxy.dispatch.programs`).
+    ``program`` the program its slot is scheduled in (:mod:`flowlift.proxy.dispatch.slots.programs`).
 
     Raises:
         RequestError: a bad or unsupported field (``param`` in the Responses names).
