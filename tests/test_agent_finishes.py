@@ -143,3 +143,20 @@ def test_on_max_turns_on_the_wire_and_checked():
                        tool_choice="required").answers_at_max_turns
     with pytest.raises(UserError):
         step(tools=[search], on_max_turns="maybe")
+
+
+async def test_an_empty_answer_after_tool_results_is_tried_again(client, engine):
+    answers = [tool_calls_text(("search", {"query": "csv"})), json.dumps({"content": ""}),
+               json.dumps({"content": "The csv module."})]
+    seen: list[GenerationRequest] = []
+
+    def respond(request):
+        seen.append(request)
+        return answers.pop(0)
+    engine.responder = respond
+    async with workflow("agent", base_url=base_url(client)) as wf:
+        out = agent("q")
+    assert out.value == "The csv module."
+    assert "the answer is empty" in seen[-1].messages[-1].content
+    assert [a["outcome"] for a in record(wf, "agent_1")["attempts"]] == [
+        "tool_calls", "fragment", "ok"]

@@ -198,7 +198,8 @@ def test_recognise_and_fragment():
     assert recognise('{"name": "search", "arguments": {"q": 1}}', tools).kind == "refused"
     assert recognise("The csv module.", tools).kind == "answer"
     for bad in ("{", ":[", "```json\n{", '<tool_call>\n{"name"', '{"content": "cut',
-                '{"tool_calls": [{"name": "search", "arguments": {}}]}'):
+                '{"tool_calls": [{"name": "search", "arguments": {}}]}',
+                "<tool_response> error: no module </tool_response>"):
         assert fragment(bad), bad
     for good in ("csv", "The answer is csv.", '{"module": "csv"}', ""):
         assert fragment(good) is None, good

@@ -168,7 +168,7 @@ def fragment(text: str) -> str | None:
         return None
     if _MARKUP_ONLY.fullmatch(stripped):
         return f"the answer {stripped[:40]!r} is only punctuation or markup"
-    if stripped.startswith(("<tool_call>", "<|")):
+    if stripped.startswith(("<tool_call>", "<tool_response>", "<|")):
         return f"the answer {stripped[:40]!r} is tool-call markup, not an answer"
     if stripped.count("```") % 2:
         return "the answer leaves a code fence open"

@@ -203,7 +203,8 @@ class AgentLoop:
             if not out.tool_calls:
                 self._drop_early()
                 self._check_not_cut(out)
-                why = fragment(out.text) or self._written_call(out.text)
+                why = (fragment(out.text) or self._written_call(out.text)
+                       or self._empty(out, k > 1))
                 if why is not None and not retried:
                     retried, k = True, k - 1  # the retry takes the same turn's place
                     out.trace.outcome = "fragment"
@@ -242,6 +243,13 @@ class AgentLoop:
                          f"{self.node.max_turns} turns "
                          f"(max_turns={self.node.max_turns}, on_max_turns=\"raise\"): every "
                          f"turn called tools; the last tool asked for was {last_tool!r}")
+
+    def _empty(self, out: Generated, after_tools: bool) -> str | None:
+        """An empty text answer after tool results (a step without a contract) is no
+        answer: the model stopped without writing one."""
+        if out.text.strip() or not after_tools or self.node.contract is not None:
+            return None
+        return "the answer is empty"
 
     def _written_call(self, text: str) -> str | None:
         """Why an answer that is a call of one of the step's tools written as JSON (a
