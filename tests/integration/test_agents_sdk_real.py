@@ -50,7 +50,7 @@ def test_an_agents_sdk_agent_with_two_function_tools_answers(real_proxy: dict[st
                       tools=[weather, local_time],
                       model=OpenAIResponsesModel(model=real_proxy["model"],
                                                  openai_client=client),
-                      model_settings=ModelSettings(temperature=0.0, max_tokens=48,
+                      model_settings=ModelSettings(temperature=0.0, max_tokens=256,
                                                    tool_choice="required"))
         return await Runner.run(agent, "What is the weather in Paris?", max_turns=6)
 
