@@ -130,10 +130,11 @@ def native(engine: Engine, request: GenerationRequest) -> bool:
 class NativeTurn:
     """One turn in the model's own tool-call format, read by the engine
     (:mod:`flowlift.local_engine.native_tools`), with a check of the content above it:
-    content that may be a call written as JSON (:func:`~flowlift.proxy.wire.content_calls.hold_from`) is
-    held back until the answer ends, then :func:`~flowlift.proxy.wire.content_calls.recognise` takes it as
-    the call, passes it on as the answer, or refuses it (:attr:`refused`: the caller
-    runs the turn again constrained)."""
+    content that may be a call written as JSON
+    (:func:`~flowlift.proxy.wire.content_calls.hold_from`) is held back until the answer
+    ends, then :func:`~flowlift.proxy.wire.content_calls.recognise` takes it as the call,
+    passes it on as the answer, or refuses it (:attr:`refused`: the caller runs the turn
+    again constrained)."""
 
     def __init__(self, request: GenerationRequest) -> None:
         self.request = request

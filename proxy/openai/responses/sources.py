@@ -54,7 +54,8 @@ async def embedded(chat: dict[str, Any], model: str, backend: Backend, session: 
                    timing: Timing, program: str | None = None) -> AsyncIterator[ChatChunks]:
     """The chat chunks of ``chat`` (a chat completions body) on the embedded ``backend``;
     ``session`` is the engine's session id (the conversation: prefix-cache locality);
-    ``program`` the program its slot is scheduled in (:mod:`flowlift.proxy.dispatch.slots.programs`).
+    ``program`` the program its slot is scheduled in
+    (:mod:`flowlift.proxy.dispatch.slots.programs`).
 
     Raises:
         RequestError: a bad or unsupported field (``param`` in the Responses names).
