@@ -79,6 +79,8 @@ from flowlift.sdk.contracts import output_spec
 from flowlift.sdk.langchain_tools import (
     bound_tools,
     chat_body,
+    default_model,
+    default_model_async,
     post_async,
     post_sync,
     structured_parser,
@@ -92,6 +94,7 @@ from flowlift.sdk.workflow import Workflow, current_workflow, default_base_url
 _ROLES: dict[type[BaseMessage], str] = {SystemMessage: "system", HumanMessage: "user",
                                         AIMessage: "assistant", ToolMessage: "user"}
 _NAME = re.compile(r"[^A-Za-z0-9_-]+")
+_CHAT = "/v1/chat/completions"
 MIN_RELINK_CHARS = 20  # as the proxy's inferred workflows (``inferred.MIN_OUTPUT_CHARS``)
 
 
@@ -246,13 +249,15 @@ class FlowliftChat(BaseChatModel):
                                     or default_api_key())}
         if wf is not None:  # the run's turns with tools are one program (a session)
             headers["X-Flowlift-Session"] = wf.run_id or f"{wf.name}-{wf.nonce}"
-        return f"{url.rstrip('/')}/v1/chat/completions", body, headers
+        return f"{url.rstrip('/')}{_CHAT}", body, headers
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None,
                   **kwargs: Any) -> ChatResult:
         if "tools" in kwargs:
             url, body, headers = self._call_tools(messages, {**kwargs, "stop": stop})
+            if self.model is None:
+                body["model"] = default_model(url.removesuffix(_CHAT), headers)
             return tool_answer(post_sync(url, body, headers))
         name, wf = self._begin(kwargs, run_manager)
         if wf is not None:
@@ -266,6 +271,8 @@ class FlowliftChat(BaseChatModel):
                          **kwargs: Any) -> ChatResult:
         if "tools" in kwargs:
             url, body, headers = self._call_tools(messages, {**kwargs, "stop": stop})
+            if self.model is None:
+                body["model"] = await default_model_async(url.removesuffix(_CHAT), headers)
             return tool_answer(await post_async(url, body, headers))
         name, wf = self._begin(kwargs, run_manager)
         if wf is not None:

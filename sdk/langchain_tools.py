@@ -65,8 +65,6 @@ def chat_body(llm: FlowliftChat, messages: Sequence[BaseMessage],
         "model": llm.model or "default", "messages": convert_to_openai_messages(
             list(messages)), "tools": options["tools"], "temperature": llm.temperature,
         "top_p": llm.top_p, "max_tokens": llm.max_tokens}
-    if llm.model is None:
-        body.pop("model")
     if options.get("tool_choice") is not None:
         body["tool_choice"] = options["tool_choice"]
     if options.get("stop"):
@@ -74,6 +72,39 @@ def chat_body(llm: FlowliftChat, messages: Sequence[BaseMessage],
     if llm.seed is not None:
         body["seed"] = llm.seed
     return body
+
+
+def _first_model(listed: Mapping[str, Any]) -> str:
+    models = [m.get("id") for m in listed.get("data", ()) if m.get("id")]
+    if not models:
+        raise UserError("the proxy serves no model: give FlowliftChat(model=...)",
+                        param="model")
+    return str(models[0])
+
+
+def default_model(base_url: str, headers: dict[str, str]) -> str:
+    """The proxy's first served model (``GET /v1/models``): the model of a call with
+    tools when ``FlowliftChat.model`` is None (a step would take the proxy's default).
+
+    Raises:
+        UserError: the proxy serves none; UpstreamError, ProxyUnavailable: as
+            :func:`post_sync`.
+    """
+    try:
+        return _first_model(_checked(httpx.get(f"{base_url}/v1/models", headers=headers,
+                                               timeout=30)))
+    except httpx.TransportError as exc:
+        raise ProxyUnavailable(base_url, str(exc)) from exc
+
+
+async def default_model_async(base_url: str, headers: dict[str, str]) -> str:
+    """:func:`default_model` without blocking the event loop."""
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return _first_model(_checked(await client.get(f"{base_url}/v1/models",
+                                                          headers=headers)))
+    except httpx.TransportError as exc:
+        raise ProxyUnavailable(base_url, str(exc)) from exc
 
 
 def _checked(resp: httpx.Response) -> dict[str, Any]:

@@ -95,3 +95,10 @@ def test_bind_tools_options_and_unsupported_ones():
         "type": "function", "function": {"name": "search"}}
     with pytest.raises(UserError):
         llm.with_structured_output(Answer, include_raw=True)
+
+
+async def test_a_call_with_tools_and_no_model_takes_the_proxys_first(proxy):
+    base_url, _, seen = proxy
+    message = await FlowliftChat(base_url=base_url).bind_tools([search]).ainvoke("csv?")
+    assert message.tool_calls[0]["name"] == "search"
+    assert seen[-1].model == "qwen"
