@@ -51,6 +51,7 @@ def test_an_agents_sdk_agent_with_two_function_tools_answers(real_proxy: dict[st
                       model=OpenAIResponsesModel(model=real_proxy["model"],
                                                  openai_client=client),
                       model_settings=ModelSettings(temperature=0.0, max_tokens=256,
+                                                   parallel_tool_calls=False,
                                                    tool_choice="required"))
         return await Runner.run(agent, "What is the weather in Paris?", max_turns=6)
 
