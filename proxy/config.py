@@ -335,6 +335,8 @@ class ToolServerSpec(_Strict):
     default (``HOME``, ``PATH``, ...; never the proxy's own environment and secrets)."""
     callables: list[Annotated[str, Field(pattern=CALLABLE_PATH)]] | None = Field(
         default=None, min_length=1)
+    headers: dict[str, str] = Field(default_factory=dict)
+    """HTTP headers sent to a ``url`` server with every request (e.g. ``Authorization``)."""
     allow: list[str] | None = None
     """The server's tools graphs may name (None: all it lists)."""
     timeout_s: float = Field(default=30.0, gt=0)
@@ -370,6 +372,8 @@ class ToolServerSpec(_Strict):
                              f"(module:function), not {' and '.join(given) or 'none'}")
         if self.env and self.command is None:
             raise ValueError("env is for a command (stdio) server only")
+        if self.headers and self.url is None:
+            raise ValueError("headers are for a url (Streamable HTTP) server only")
         return self
 
 

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mcp import Client
+from mcp.client._transport import Transport, TransportStreams
 from mcp.client.stdio import StdioServerParameters, get_default_environment
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
 
 from flowlift.proxy.config import ToolServerSpec
 from flowlift.proxy.tools.outcome import ServerTool, ToolOutcome
@@ -39,7 +43,7 @@ class ServerUnreachable(Exception):
 class _Connection:
     """One open ``mcp.Client``, owned by its own task until :meth:`close`."""
 
-    def __init__(self, target: StdioServerParameters | str) -> None:
+    def __init__(self, target: Target) -> None:
         self._target = target
         self._ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
         self._stop = asyncio.Event()
@@ -48,7 +52,8 @@ class _Connection:
 
     async def _own(self) -> None:
         try:
-            async with Client(self._target) as client:
+            target = self._target() if callable(self._target) else self._target
+            async with Client(target) as client:
                 self._ready.set_result(client)
                 await self._stop.wait()
         except BaseException as exc:
@@ -78,8 +83,25 @@ class _Connection:
             self._task.cancel()
 
 
-def _target(spec: ToolServerSpec) -> StdioServerParameters | str:
+Target = StdioServerParameters | str | Callable[[], Transport]
+"""What ``mcp.Client`` connects to; a callable makes a fresh transport per connection."""
+
+
+@contextlib.asynccontextmanager
+async def _http_with_headers(url: str, headers: dict[str, str]
+                             ) -> AsyncIterator[TransportStreams]:
+    """Streamable HTTP to ``url`` with ``headers`` on every request (the ``mcp``
+    client's HTTP client, its default timeouts, closed with the transport)."""
+    async with create_mcp_http_client(headers=headers) as http, \
+            streamable_http_client(url, http_client=http) as streams:
+        yield streams
+
+
+def _target(spec: ToolServerSpec) -> Target:
     if spec.url is not None:
+        if spec.headers:
+            url, headers = spec.url, dict(spec.headers)
+            return lambda: _http_with_headers(url, headers)
         return spec.url
     assert spec.command is not None  # the spec has exactly one kind
     # not the proxy's environment (its secrets): mcp's minimal one (HOME, PATH, ...)
@@ -136,8 +158,10 @@ class McpServer:
                 while True:
                     page = await client.list_tools(cursor=cursor)
                     for t in page.tools:
+                        notes = (t.annotations.model_dump(by_alias=True, exclude_none=True)
+                                 if t.annotations is not None else None)
                         listing[t.name] = ServerTool(t.name, t.description or "",
-                                                     dict(t.input_schema))
+                                                     dict(t.input_schema), notes)
                     cursor = page.next_cursor
                     if not cursor:
                         break
