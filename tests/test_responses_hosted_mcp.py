@@ -1,0 +1,169 @@
+"""Hosted MCP tools in the Responses API (issue 34 item 3): ``tools: [{"type": "mcp",
+...}]`` by ``server_url`` (a configured server's, over Streamable HTTP: the real test
+server tests/tools_mcp_server.py) or by the label of a ``[tools.*]`` server; the proxy
+runs the loop, the response holds ``mcp_list_tools`` and ``mcp_call`` items and the
+stream emits their events in the spec's order; the Agents SDK's ``HostedMCPTool``;
+tenants, URLs the config does not allow, ``require_approval``. FakeEngine plays the
+model from a script."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agents import Agent, HostedMCPTool, OpenAIResponsesModel, Runner, set_tracing_disabled
+from agents.items import MCPListToolsItem, ToolCallItem
+from openai import AsyncOpenAI
+
+from flowlift.local_engine.base import GenerationRequest
+from flowlift.proxy import ProxyConfig, create_app
+from flowlift.proxy.config import parse_config
+from flowlift.proxy.state import STATE
+from flowlift.proxy.tenants import Tenant
+from flowlift.testing import FakeEngine, free_port, tool_calls_text
+from tests.openapi_spec import validate, validate_event
+
+SERVER = str(Path(__file__).with_name("tools_mcp_server.py"))
+
+
+@pytest.fixture(scope="module")
+def mcp_url():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, SERVER, "http", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.kill()
+    proc.wait()
+
+
+def adder(request: GenerationRequest) -> str:
+    """Calls ``add`` until a result came back, then answers from it."""
+    last = request.messages[-1]
+    if last.role == "user" and "40+2" in last.content:
+        return tool_calls_text(("add", {"a": 40, "b": 2}))
+    if last.role == "tool" or "42" in last.content:
+        return json.dumps({"content": "40 + 2 is 42."}) if request.constraint else "40 + 2 is 42."
+    return "no tools needed"
+
+
+async def proxy(aiohttp_client, tools: dict[str, Any], tenants: tuple[Tenant, ...] = ()):
+    engine = FakeEngine(["fake-model"], responder=adder)
+    app = create_app({"fake-model": engine}, ProxyConfig(tenants=tenants),
+                     file_config=parse_config({"tools": tools}))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    return client, engine
+
+
+def mcp_tool(**fields: Any) -> dict[str, Any]:
+    return {"type": "mcp", "server_label": "calc", "require_approval": "never", **fields}
+
+
+async def test_a_hosted_mcp_turn_lists_calls_and_answers(aiohttp_client, mcp_url):
+    client, engine = await proxy(aiohttp_client, {"calc": {"url": mcp_url}})
+    body = {"model": "fake-model", "input": "What is 40+2?",
+            "tools": [mcp_tool(server_url=mcp_url, allowed_tools=["add", "big"])]}
+    resp = await client.post("/v1/responses", json=body)
+    assert resp.status == 200, await resp.text()
+    out = await resp.json()
+    validate(out, "Response")
+    kinds = [o["type"] for o in out["output"]]
+    assert kinds == ["mcp_list_tools", "mcp_call", "message"]
+    listing, call, answer = out["output"]
+    assert sorted(t["name"] for t in listing["tools"]) == ["add", "big"]  # allowed_tools
+    assert listing["server_label"] == "calc" and listing["tools"][0]["input_schema"]
+    assert (call["name"], json.loads(call["arguments"]), call["output"], call["status"]) == (
+        "add", {"a": 40, "b": 2}, "42", "completed")
+    assert answer["content"][0]["text"] == "40 + 2 is 42."
+    assert len(engine.requests) == 2  # the proxy ran the loop: call, then the answer
+    assert out["usage"]["output_tokens"] > 0 and "headers" not in out["tools"][0]
+    # the next turn continues the conversation, the call and its result in it
+    nxt = await client.post("/v1/responses", json={
+        "model": "fake-model", "previous_response_id": out["id"], "input": "thanks"})
+    assert nxt.status == 200, await nxt.text()
+    prompt = "\n".join(m.content for m in engine.requests[-1].messages)
+    assert "42" in prompt and "thanks" in prompt
+
+
+async def test_the_stream_emits_the_mcp_events_in_the_spec_s_order(aiohttp_client, mcp_url):
+    client, _ = await proxy(aiohttp_client, {"calc": {"url": mcp_url}})
+    resp = await client.post("/v1/responses", json={
+        "model": "fake-model", "input": "What is 40+2?", "stream": True,
+        "tools": [mcp_tool()]})  # by its label: the configured server
+    events = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+              if line.startswith("data: ")]
+    for event in events:
+        validate_event(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    want = ["response.created", "response.in_progress",
+            "response.output_item.added", "response.mcp_list_tools.in_progress",
+            "response.mcp_list_tools.completed", "response.output_item.done",
+            "response.output_item.added", "response.mcp_call_arguments.delta",
+            "response.mcp_call_arguments.done", "response.mcp_call.in_progress",
+            "response.mcp_call.completed", "response.output_item.done",
+            "response.output_item.added", "response.content_part.added",
+            "response.output_text.delta"]
+    squeezed = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+    assert squeezed[:len(want)] == want, squeezed
+    assert squeezed[-4:] == ["response.output_text.done", "response.content_part.done",
+                             "response.output_item.done", "response.completed"]
+    final = events[-1]["response"]
+    call = final["output"][1]
+    ids = {e.get("item_id") for e in events if e["type"].startswith("response.mcp_call")}
+    assert ids == {call["id"]} and call["output"] == "42"
+
+
+async def test_urls_servers_and_approvals_the_proxy_does_not_allow_are_refused(
+        aiohttp_client, mcp_url):
+    acme = Tenant("acme", frozenset({"sk-acme"}), tools=frozenset({"other"}))
+    client, engine = await proxy(aiohttp_client, {"calc": {"url": mcp_url}}, (acme,))
+    headers = {"Authorization": "Bearer sk-acme"}
+    cases = [
+        (mcp_tool(server_url="http://169.254.169.254/mcp"), 403, "tools[0].server_url"),
+        (mcp_tool(), 403, "tools[0]"),  # the tenant's key does not reach `calc`
+        (mcp_tool(server_label="nope"), 400, "tools[0].server_label"),
+        ({**mcp_tool(), "require_approval": "always"}, 400, "tools[0].require_approval"),
+        ({k: v for k, v in mcp_tool().items() if k != "require_approval"}, 400,
+         "tools[0].require_approval"),  # its default is "always"
+        (mcp_tool(connector_id="connector_gmail"), 400, "tools[0].connector_id")]
+    for tool, status, param in cases:
+        resp = await client.post("/v1/responses", headers=headers, json={
+            "model": "fake-model", "input": "What is 40+2?", "tools": [tool]})
+        body = await resp.json()
+        validate(body, "ErrorResponse")
+        assert resp.status == status and body["error"]["param"] == param, body
+    assert engine.requests == []
+
+
+async def test_the_agents_sdk_hosted_mcp_tool_runs_against_the_proxy(aiohttp_client,
+                                                                      mcp_url):
+    client, engine = await proxy(aiohttp_client, {"calc": {"url": mcp_url}})
+    set_tracing_disabled(True)
+    oa = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="k", max_retries=0)
+    agent: Agent[Any] = Agent(
+        name="Calc", instructions="Use the calculator.",
+        model=OpenAIResponsesModel(model="fake-model", openai_client=oa),
+        tools=[HostedMCPTool(tool_config={"type": "mcp", "server_label": "calc",
+                                          "server_url": mcp_url,
+                                          "require_approval": "never"})])
+    result = await Runner.run(agent, "What is 40+2?")
+    await oa.close()
+    assert result.final_output == "40 + 2 is 42."
+    assert any(isinstance(i, MCPListToolsItem) for i in result.new_items)
+    (call,) = [i for i in result.new_items if isinstance(i, ToolCallItem)]
+    assert call.raw_item.type == "mcp_call" and call.raw_item.output == "42"
+    assert len(result.raw_responses) == 1 and len(engine.requests) == 2
