@@ -9,11 +9,6 @@ model from a script."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,25 +23,14 @@ from flowlift.proxy.state import STATE
 from flowlift.proxy.tenants import Tenant
 from flowlift.testing import FakeEngine, free_port, tool_calls_text
 from tests.openapi_spec import validate, validate_event
-
-SERVER = str(Path(__file__).with_name("tools_mcp_server.py"))
+from tests.tools_mcp_server import serving_http
 
 
 @pytest.fixture(scope="module")
 def mcp_url():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, SERVER, "http", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}/mcp"
-    proc.kill()
-    proc.wait()
+    with serving_http(port):
+        yield f"http://127.0.0.1:{port}/mcp"
 
 
 def adder(request: GenerationRequest) -> str:

@@ -6,8 +6,13 @@ FastMCP's successor): ``python tests/tools_mcp_server.py`` serves stdio,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 
 from mcp.server.mcpserver import MCPServer
 
@@ -49,6 +54,31 @@ def die() -> str:
 def boom() -> str:
     """Raise."""
     raise ValueError("the tool broke")
+
+
+def wait_for_port(port: int, timeout_s: float = 30.0) -> None:
+    """Return once 127.0.0.1:``port`` takes connections (or ``timeout_s`` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def serving_http(port: int, script: str = __file__) -> Iterator[subprocess.Popen[bytes]]:
+    """``script`` (this server, by default) serving Streamable HTTP on 127.0.0.1:``port``
+    (``/mcp``) in a process of its own, killed on exit."""
+    proc = subprocess.Popen([sys.executable, script, "http", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 if __name__ == "__main__":
