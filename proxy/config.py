@@ -337,6 +337,15 @@ class ToolServerSpec(_Strict):
         default=None, min_length=1)
     headers: dict[str, str] = Field(default_factory=dict)
     """HTTP headers sent to a ``url`` server with every request (e.g. ``Authorization``)."""
+    mode: Literal["auto", "legacy"] = "auto"
+    """How an MCP connection starts: ``auto`` probes the server's protocol and falls
+    back to the ``initialize`` handshake; ``legacy`` always uses the handshake (and a
+    Streamable HTTP session: servers before MCP 2026-07-28)."""
+    early: Literal["annotated", "always", "never"] = "annotated"
+    """Which calls may start while the model's turn still streams: ``annotated`` those
+    of tools the server declares ``readOnlyHint`` or ``idempotentHint`` (MCP tool
+    annotations), ``always`` every call, ``never`` none (a call then starts when the
+    turn ended)."""
     allow: list[str] | None = None
     """The server's tools graphs may name (None: all it lists)."""
     timeout_s: float = Field(default=30.0, gt=0)

@@ -151,3 +151,19 @@ async def test_the_agents_sdk_hosted_mcp_tool_runs_against_the_proxy(aiohttp_cli
     (call,) = [i for i in result.new_items if isinstance(i, ToolCallItem)]
     assert call.raw_item.type == "mcp_call" and call.raw_item.output == "42"
     assert len(result.raw_responses) == 1 and len(engine.requests) == 2
+
+
+async def test_a_model_that_keeps_calling_is_asked_for_the_answer_at_max_tool_calls(
+        aiohttp_client, mcp_url):
+    client, engine = await proxy(aiohttp_client, {"calc": {"url": mcp_url}})
+    engine.responder = lambda r: (tool_calls_text(("add", {"a": 1, "b": 1}))
+                                  if r.constraint is not None else "I give up: 2.")
+    resp = await client.post("/v1/responses", json={
+        "model": "fake-model", "input": "count", "max_tool_calls": 2,
+        "tools": [mcp_tool()]})
+    out = await resp.json()
+    validate(out, "Response")
+    assert [o["type"] for o in out["output"]] == [
+        "mcp_list_tools", "mcp_call", "mcp_call", "message"]
+    assert out["output"][-1]["content"][0]["text"] == "I give up: 2."
+    assert len(engine.requests) == 3 and engine.requests[-1].constraint is None  # tools off

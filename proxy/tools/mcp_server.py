@@ -25,8 +25,11 @@ from mcp.client._transport import Transport, TransportStreams
 from mcp.client.stdio import StdioServerParameters, get_default_environment
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared.exceptions import MCPError
+from mcp_types.jsonrpc import CONNECTION_CLOSED, INVALID_REQUEST, REQUEST_TIMEOUT
 
 from flowlift.proxy.config import ToolServerSpec
+from flowlift.proxy.tools.mcp_content import outcome_of
 from flowlift.proxy.tools.outcome import ServerTool, ToolOutcome
 
 _BELOW_THE_TOOL = (Exception,)
@@ -43,8 +46,8 @@ class ServerUnreachable(Exception):
 class _Connection:
     """One open ``mcp.Client``, owned by its own task until :meth:`close`."""
 
-    def __init__(self, target: Target) -> None:
-        self._target = target
+    def __init__(self, target: Target, mode: str = "auto") -> None:
+        self._target, self._mode = target, mode
         self._ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
         self._stop = asyncio.Event()
         self.dead = False
@@ -53,7 +56,7 @@ class _Connection:
     async def _own(self) -> None:
         try:
             target = self._target() if callable(self._target) else self._target
-            async with Client(target) as client:
+            async with Client(target, mode=self._mode) as client:  # type: ignore[arg-type]
                 self._ready.set_result(client)
                 await self._stop.wait()
         except BaseException as exc:
@@ -109,13 +112,23 @@ def _target(spec: ToolServerSpec) -> Target:
                                  env={**get_default_environment(), **spec.env})
 
 
-def _text(result: Any) -> str:
-    """A ``CallToolResult``'s content as the text the model reads."""
-    parts = []
-    for item in result.content:
-        text = getattr(item, "text", None)
-        parts.append(text if isinstance(text, str) else f"[{item.type} content]")
-    return "\n".join(parts)
+def _session_gone(exc: Exception) -> bool:
+    """Whether ``exc`` says the server no longer knows this connection's Streamable HTTP
+    session (it expired, or the server restarted: HTTP 404 on a request that carries
+    ``Mcp-Session-Id``, MCP specification "Session Management"): the request did not
+    run, and a new session (``initialize``) may send it again."""
+    return (isinstance(exc, MCPError) and exc.code == INVALID_REQUEST
+            and "session" in exc.error.message.lower())
+
+
+def _answered(exc: Exception) -> bool:
+    """Whether ``exc`` is the server's answer to this one call (a JSON-RPC error
+    response, or a result that fails the tool's declared ``outputSchema``, which the
+    ``mcp`` client checks): the connection it came on is as good as before."""
+    if isinstance(exc, MCPError):
+        return exc.code not in (CONNECTION_CLOSED, REQUEST_TIMEOUT) and not _session_gone(exc)
+    return isinstance(exc, RuntimeError) and (
+        "structured content" in str(exc) or str(exc).startswith("Invalid schema for tool"))
 
 
 class McpServer:
@@ -138,7 +151,7 @@ class McpServer:
             if self._conn is None or self._conn.dead:
                 if self._conn is not None:
                     await self._conn.close()
-                self._conn, self._listing = _Connection(self._target), None
+                self._conn, self._listing = _Connection(self._target, self.spec.mode), None
             conn = self._conn
         return await conn.client(self.spec.connect_timeout_s)
 
@@ -173,21 +186,33 @@ class McpServer:
         return listing
 
     async def call(self, name: str, args: dict[str, Any]) -> ToolOutcome:
-        try:
-            client = await self._client()
-            result = await client.call_tool(name, args)
-        except ServerUnreachable as exc:
-            return ToolOutcome(error=f"MCP server {self.name!r} is unreachable: {exc}")
-        except _BELOW_THE_TOOL as exc:
-            await self._dead()
-            return ToolOutcome(error=f"MCP server {self.name!r} failed during the call "
-                                     f"({type(exc).__name__}: {exc})")
-        text = _text(result)
-        if result.is_error:
-            return ToolOutcome(error=text or f"tool {name!r} reported an error")
-        return ToolOutcome(text)
+        """Run tool ``name`` (see :class:`~flowlift.proxy.tools.outcome.ToolServer`).
+
+        A JSON-RPC error or a result failing the tool's output schema is this call's
+        error, and the shared connection stays open for the other calls; a session the
+        server no longer knows (404) is opened again and the call sent once more (it
+        did not run); any other failure closes the connection (the next call opens a
+        new one)."""
+        for attempt in (1, 2):
+            try:
+                client = await self._client()
+                result = await client.call_tool(name, args)
+            except ServerUnreachable as exc:
+                return ToolOutcome(error=f"MCP server {self.name!r} is unreachable: {exc}")
+            except _BELOW_THE_TOOL as exc:
+                if _answered(exc):
+                    return ToolOutcome(error=f"MCP server {self.name!r} answered the call "
+                                             f"with an error: {_described(exc)}")
+                await self._dead()
+                if attempt == 1 and _session_gone(exc):
+                    continue
+                return ToolOutcome(error=f"MCP server {self.name!r} failed during the call "
+                                         f"({type(exc).__name__}: {exc})")
+            break
+        return outcome_of(result, name)
 
     async def _dead(self) -> None:
+        """Close the connection (the next call opens a new one)."""
         async with self._lock:
             conn, self._conn, self._listing = self._conn, None, None
         if conn is not None:
@@ -195,3 +220,9 @@ class McpServer:
 
     async def aclose(self) -> None:
         await self._dead()
+
+
+def _described(exc: Exception) -> str:
+    if isinstance(exc, MCPError):
+        return f"JSON-RPC error {exc.code}: {exc.error.message}"
+    return str(exc)
