@@ -76,7 +76,8 @@ def config(**tools: dict) -> dict:
         "mcp": {"command": [sys.executable, SERVER], "timeout_s": 5},
         "atlas": {"callables": ["tests.tools_callables:lookup",
                                 "tests.tools_callables:slow_sync",
-                                "tests.tools_callables:huge"], "timeout_s": 1},
+                                "tests.tools_callables:huge"], "timeout_s": 1,
+                  "early": "always"},  # (callables declare no MCP annotations)
         **tools}}
 
 

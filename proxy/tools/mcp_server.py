@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 from mcp import Client
 from mcp.client._transport import Transport, TransportStreams
@@ -46,7 +46,7 @@ class ServerUnreachable(Exception):
 class _Connection:
     """One open ``mcp.Client``, owned by its own task until :meth:`close`."""
 
-    def __init__(self, target: Target, mode: str = "auto") -> None:
+    def __init__(self, target: Target, mode: Literal["auto", "legacy"] = "auto") -> None:
         self._target, self._mode = target, mode
         self._ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
         self._stop = asyncio.Event()
@@ -56,7 +56,7 @@ class _Connection:
     async def _own(self) -> None:
         try:
             target = self._target() if callable(self._target) else self._target
-            async with Client(target, mode=self._mode) as client:  # type: ignore[arg-type]
+            async with Client(target, mode=self._mode) as client:
                 self._ready.set_result(client)
                 await self._stop.wait()
         except BaseException as exc:
