@@ -167,3 +167,26 @@ async def test_a_model_that_keeps_calling_is_asked_for_the_answer_at_max_tool_ca
         "mcp_list_tools", "mcp_call", "mcp_call", "message"]
     assert out["output"][-1]["content"][0]["text"] == "I give up: 2."
     assert len(engine.requests) == 3 and engine.requests[-1].constraint is None  # tools off
+
+
+async def test_a_turn_cut_inside_its_calls_runs_none_and_the_conversation_goes_on(
+        aiohttp_client, mcp_url):
+    client, engine = await proxy(aiohttp_client, {"calc": {"url": mcp_url}})
+    engine.responder = lambda r: (tool_calls_text(("add", {"a": 1, "b": 1}),
+                                                  ("add", {"a": 2, "b": 2}))
+                                  if r.messages[-1].content == "sums" else "fine")
+    resp = await client.post("/v1/responses", json={
+        "model": "fake-model", "input": "sums", "max_output_tokens": 9,
+        "tools": [mcp_tool()]})  # cut inside the second call
+    out = await resp.json()
+    validate(out, "Response")
+    assert out["status"] == "incomplete"
+    assert out["incomplete_details"] == {"reason": "max_output_tokens"}
+    (call,) = [o for o in out["output"] if o["type"] == "mcp_call"]
+    assert call["status"] == "failed" and call["output"] is None
+    assert call["error"]["content"].startswith("not run")  # the first was not run alone
+    assert len(engine.requests) == 1
+    nxt = await client.post("/v1/responses", json={
+        "model": "fake-model", "previous_response_id": out["id"], "input": "go on",
+        "tools": [mcp_tool()]})
+    assert nxt.status == 200, await nxt.text()  # no call of the proxy's left unanswered

@@ -31,6 +31,7 @@ from flowlift.proxy.openai.responses.translation import add_usage, responses_usa
 
 Event = dict[str, Any]
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+NOT_RUN = "not run: the response ended before the call could run"
 
 
 class ResponseBuilder:
@@ -227,7 +228,7 @@ class ResponseBuilder:
         for item in list(self.pending):  # MCP calls the loop did not run: not run
             out += self.mcp_finished(item, None, {
                 "type": "mcp_tool_execution_error",
-                "content": "not run: the response ended before the call could run"})
+                "content": NOT_RUN})
         return [*out, self._event(f"response.{status}", response=self.response(status))]
 
     def failed(self, message: str) -> Event:

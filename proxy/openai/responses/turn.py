@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.upstream import forwarded_headers
 from flowlift.proxy.openai.generation import Timing
 from flowlift.proxy.openai.responses import sources
-from flowlift.proxy.openai.responses.events import Event, ResponseBuilder
+from flowlift.proxy.openai.responses.events import NOT_RUN, Event, ResponseBuilder
 from flowlift.proxy.openai.responses.hosted import Hosted
 from flowlift.proxy.openai.responses.pairing import drop_oldest
 from flowlift.proxy.openai.responses.translation import assistant_message
@@ -101,7 +101,9 @@ class Opener:
             traced = request_tracing.current()
             if traced is not None:
                 traced.upstream(opened.upstream.name)
-            chunks = sources.upstream(opened)
+            release = _once(opened.release)
+            chunks = sources.upstream(opened, release)
+            stack.push_async_callback(release)  # (a generation never read: still released)
             stack.push_async_callback(chunks.aclose)  # type: ignore[attr-defined]
             return Generation(chunks, opened.upstream.name, False, stack)
         backend = opened.backend
@@ -114,6 +116,18 @@ class Opener:
             await stack.aclose()
             raise
         return Generation(chunks, backend.name, True, stack)
+
+
+def _once(release: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """``release``, run on the first call only."""
+    done = False
+
+    async def once() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            await release()
+    return once
 
 
 def _unadmit(backend: Backend) -> None:
@@ -190,6 +204,8 @@ class Loop:
             message = assistant_message(items)
             self.produced.append(message)
             if not pending or builder.finish not in (None, "stop", "tool_calls"):
+                self.produced += [{"role": "tool", "tool_call_id": i["call_id"],  # cut off:
+                                   "content": f"error: {NOT_RUN}"} for i in pending]
                 return
             for event in builder.mcp_started():
                 yield event
