@@ -28,8 +28,8 @@ from aiohttp_sse import EventSourceResponse, sse_response
 
 from flowlift.errors import FlowliftError, RequestError, UpstreamError
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.forward import upstream_error_response
-from flowlift.proxy.dispatch.routing import Route
+from flowlift.proxy.dispatch.routing.routing import Route
+from flowlift.proxy.dispatch.upstream.forward import upstream_error_response
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai.generation import Timing
 from flowlift.proxy.openai.responses import hosted as hosted_tools

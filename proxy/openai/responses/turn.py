@@ -34,11 +34,11 @@ import orjson
 from aiohttp import web
 
 from flowlift.errors import ContextLengthExceeded, UpstreamError
-from flowlift.proxy.dispatch.attempts import open_answer
 from flowlift.proxy.dispatch.backends import Backend, Local
-from flowlift.proxy.dispatch.forward import demand_of
-from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.upstream import forwarded_headers
+from flowlift.proxy.dispatch.routing.routing import Route
+from flowlift.proxy.dispatch.upstream.attempts import open_answer
+from flowlift.proxy.dispatch.upstream.forward import demand_of
+from flowlift.proxy.dispatch.upstream.provider import forwarded_headers
 from flowlift.proxy.openai.generation import Timing
 from flowlift.proxy.openai.responses import sources
 from flowlift.proxy.openai.responses.events import NOT_RUN, Event, ResponseBuilder
