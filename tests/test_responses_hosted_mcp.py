@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import pytest
 from agents import Agent, HostedMCPTool, OpenAIResponsesModel, Runner, set_tracing_disabled
 from agents.items import MCPListToolsItem, ToolCallItem
@@ -190,3 +191,47 @@ async def test_a_turn_cut_inside_its_calls_runs_none_and_the_conversation_goes_o
         "model": "fake-model", "previous_response_id": out["id"], "input": "go on",
         "tools": [mcp_tool()]})
     assert nxt.status == 200, await nxt.text()  # no call of the proxy's left unanswered
+
+
+async def test_the_loop_runs_on_a_chat_upstream_and_adds_up_its_usage(aiohttp_client,
+                                                                       mcp_url):
+    sent: list[dict[str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        data = json.loads(request.content)
+        sent.append(data)
+        head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        if data["messages"][-1]["role"] == "tool":
+            delta: dict[str, Any] = {"content": f"It is {data['messages'][-1]['content']}."}
+            finish = "stop"
+        else:
+            delta = {"tool_calls": [{"index": 0, "id": "call_u", "type": "function",
+                                     "function": {"name": "add",
+                                                  "arguments": '{"a": 40, "b": 2}'}}]}
+            finish = "tool_calls"
+        docs = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+                {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
+                {**head, "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 4,
+                                                  "total_tokens": 14}}]
+        body = b"".join(f"data: {json.dumps(d)}\n\n".encode() for d in docs)
+        return httpx.Response(200, content=body + b"data: [DONE]\n\n",
+                              headers={"content-type": "text/event-stream"})
+
+    app = create_app({"fake-model": FakeEngine(["fake-model"])}, file_config=parse_config({
+        "backends": {"up": {"kind": "openai", "base_url": "http://up.test/v1",
+                            "responses_api": "chat"}},
+        "models": {"up-model": {"backends": ["up"]}},
+        "tools": {"calc": {"url": mcp_url}}}), transport=httpx.MockTransport(answer))
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    resp = await client.post("/v1/responses", json={
+        "model": "up-model", "input": "40+2?", "stream": True, "tools": [mcp_tool()]})
+    events = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+              if line.startswith("data: ")]
+    final = events[-1]["response"]
+    assert final["status"] == "completed"
+    assert [o["type"] for o in final["output"]] == ["mcp_list_tools", "mcp_call", "message"]
+    assert final["output"][-1]["content"][0]["text"] == "It is 42."
+    assert final["usage"]["input_tokens"] == 20 and final["usage"]["output_tokens"] == 8
+    assert sent[0]["tools"][0]["function"]["name"] == "add"
+    assert sent[1]["messages"][-2]["tool_calls"][0]["id"] == "call_u"  # the call, replayed
