@@ -1,4 +1,4 @@
-"""The fake Batch API (flowlift.testing_batch) and the batch backend's client
+"""The fake Batch API (flowlift.testing.batch) and the batch backend's client
 (flowlift.proxy.dispatch.batch): packing, submission, polling, every per-line outcome."""
 
 from __future__ import annotations

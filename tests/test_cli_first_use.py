@@ -13,7 +13,7 @@ import pytest
 
 from flowlift import __version__
 from flowlift.cli import build_parser, main
-from flowlift.cli_init import write_starter
+from flowlift.cli.init import write_starter
 from flowlift.testing import free_port
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 import flowlift
 from flowlift import WorkflowFailed, step, tool, workflow
 from flowlift.cli import main
-from flowlift.cli_runs import show_text
+from flowlift.cli.runs import show_text
 from flowlift.costs import CostTracker
 from flowlift.errors import SemanticVariableError
 from flowlift.graph import Graph

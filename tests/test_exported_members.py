@@ -10,7 +10,7 @@ import types
 import pytest
 
 PACKAGES = ["flowlift", "flowlift.sdk", "flowlift.proxy", "flowlift.local_engine",
-            "flowlift.tracing"]
+            "flowlift.tracing", "flowlift.cli", "flowlift.testing"]
 EXPORTED_DUNDERS = {"__version__"}
 
 

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from flowlift import cli, step, tool, workflow
+from flowlift.cli import run as cli_run
 from flowlift.costs import CostTracker
 from flowlift.errors import EngineError
 from flowlift.graph import Graph
@@ -444,8 +445,8 @@ def test_config_file_that_is_not_utf8_is_one_message(tmp_path, capsys):
 
 
 def test_run_checks_its_config_before_starting_a_proxy(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_get", lambda url: None)  # no proxy answers
-    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
+    monkeypatch.setattr(cli_run, "_get", lambda url: None)  # no proxy answers
+    monkeypatch.setattr(cli_run.subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
     bad = tmp_path / "bad.toml"
     bad.write_bytes(b"\xff\xfe")
     rc = cli.main(["run", "--config", str(bad), "--log-dir", str(tmp_path), "script.py"])
@@ -466,9 +467,9 @@ class FinishedScript:
 
 
 def test_run_says_a_running_proxy_ignores_its_engine_flags(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_get", lambda url: object())  # a proxy answers
-    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: FinishedScript())
-    monkeypatch.setattr(cli, "_say_runs", lambda *a: None)
+    monkeypatch.setattr(cli_run, "_get", lambda url: object())  # a proxy answers
+    monkeypatch.setattr(cli_run.subprocess, "Popen", lambda *a, **k: FinishedScript())
+    monkeypatch.setattr(cli_run, "_say_runs", lambda *a: None)
     assert cli.main(["run", "--config", "x.toml", "--engine", "fake", "script.py"]) == 0
     err = capsys.readouterr().err
     assert "already answers" in err and "--config --engine do not apply" in err

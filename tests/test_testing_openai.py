@@ -1,4 +1,4 @@
-"""flowlift.testing_openai: the fake OpenAI provider (chat for standard and flex, the
+"""flowlift.testing.openai: the fake OpenAI provider (chat for standard and flex, the
 Batch API) that the one-command tiers demo runs as a process."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from flowlift.testing import parse_sse
-from flowlift.testing_openai import build, constrained_responder
+from flowlift.testing.openai import build, constrained_responder
 
 
 def test_answers_follow_the_constraints_the_proxy_sends_upstream() -> None:

@@ -300,7 +300,7 @@ async def test_a_step_with_hours_of_slack_waits_in_the_engines_idle_class(
 async def test_the_run_listing_shows_progress_deadline_and_spend_so_far(
         aiohttp_client: Any, aiohttp_server: Any, capsys: Any) -> None:
     from flowlift.cli import main
-    from flowlift.cli_runs import runs_row
+    from flowlift.cli.runs import runs_row
     api = FakeBatchAPI(turnaround=lambda rng: 60.0, time_scale=100.0)  # 0.6 s a stage
     client = await proxy(aiohttp_client, aiohttp_server, api, standard_answer())
     base = str(client.make_url("")).rstrip("/")

@@ -2,7 +2,7 @@
 
 Asks the proxy for ``GET /v1/workflows/{run_id}`` (its trace and compiler report) and
 prints :func:`flowlift.tracing.waterfall.waterfall`; when no proxy answers, reads the run
-from the state database (``--state-db``, see :mod:`flowlift.cli_runs`; no compiler report
+from the state database (``--state-db``, see :mod:`flowlift.cli.runs`; no compiler report
 then, so no planned critical path). Colours only on a terminal
 (``--color auto``, the default; ``NO_COLOR`` set turns them off), so the output can be
 piped or captured as plain text.
@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 
-from flowlift.cli_runs import CommandFailed, fetch_run
+from flowlift.cli.runs import CommandFailed, fetch_run
 from flowlift.credentials import add_api_key_argument
 from flowlift.tracing.timeline import report_deps
 from flowlift.tracing.waterfall import waterfall

@@ -1,11 +1,11 @@
 """A fake OpenAI provider with both tiers, runnable as a process: the synchronous chat API
-(standard and flex) and the Batch API (:class:`~flowlift.testing_batch.FakeBatchAPI`),
+(standard and flex) and the Batch API (:class:`~flowlift.testing.batch.FakeBatchAPI`),
 answering from the request's own constraints, with time-scaled batch turnaround.
 
 It is what ``examples/stdlib_docs/tiered.py`` (the one-command detached demo) points a
 proxy's ``openai`` and ``openai-batch`` backends at::
 
-    python -m flowlift.testing_openai --port 8471 --time-scale 600
+    python -m flowlift.testing.openai --port 8471 --time-scale 600
 
 serves, on ``http://127.0.0.1:8471/v1``:
 
@@ -14,17 +14,17 @@ serves, on ``http://127.0.0.1:8471/v1``:
                                 ``service_tier`` is ``"flex"`` when asked, else
                                 ``"default"``
     GET  /v1/models             the models seen so far (none at start)
-    the Batch API routes        files, batches, cancel (:mod:`flowlift.testing_batch`)
+    the Batch API routes        files, batches, cancel (:mod:`flowlift.testing.batch`)
 
 Answers (:func:`constrained_responder`): a ``response_format`` JSON Schema gets a small
-instance of it (:func:`flowlift.testing.example_for_schema`); a label set, which the
+instance of it (:func:`flowlift.testing.engine.example_for_schema`); a label set, which the
 proxy sends upstream as the instruction "Answer with exactly one of: a, b. Nothing
 else." (:func:`flowlift.proxy.dispatch.upstream_engine.chat_body`), gets one of the
 labels, picked by a CRC-32 of the last message (deterministic, and not always the
 first); a regex instruction gets a short match; anything else ``"echo: "`` and the last
 message, cut to ``max_tokens`` words. Tokens are counted in whitespace-separated words.
 
-Batch turnaround is drawn from :func:`~flowlift.testing_batch.lognormal_turnaround`
+Batch turnaround is drawn from :func:`~flowlift.testing.batch.lognormal_turnaround`
 (default: OpenRouter's published median 7 minutes, 90% within an hour) and compressed by
 ``--time-scale`` (simulated seconds per real second): at 600 a 7-minute batch finishes in
 0.7 s. The batch's ``created_at``/``completed_at`` are in simulated seconds, so a proxy
@@ -44,12 +44,12 @@ from typing import Any
 
 from aiohttp import web
 
-from flowlift.testing import cut, example_for_pattern, example_for_schema
-from flowlift.testing_batch import (
+from flowlift.testing.batch import (
     BatchAnswer,
     FakeBatchAPI,
     lognormal_turnaround,
 )
+from flowlift.testing.engine import cut, example_for_pattern, example_for_schema
 
 _LABELS = re.compile(r"^Answer with exactly one of: (.*)\. Nothing else\.$", re.S)
 _REGEX = re.compile(r"^Answer with text that matches the regular expression (.*) as a "
@@ -68,7 +68,7 @@ def constrained_responder(body: dict[str, Any]) -> BatchAnswer:
 
     Raises:
         ValueError: a ``response_format`` schema no instance can be built for
-            (:func:`~flowlift.testing.example_for_schema`).
+            (:func:`~flowlift.testing.engine.example_for_schema`).
     """
     messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
     last = _text(messages[-1]) if messages else ""
@@ -185,8 +185,8 @@ def build(*, time_scale: float = 600.0, seed: int = 0, median_s: float = 420.0,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m flowlift.testing_openai``: serve the fake until interrupted."""
-    p = argparse.ArgumentParser(prog="python -m flowlift.testing_openai",
+    """``python -m flowlift.testing.openai``: serve the fake until interrupted."""
+    p = argparse.ArgumentParser(prog="python -m flowlift.testing.openai",
                                 description="a fake OpenAI provider: chat (standard, flex) "
                                             "and the Batch API, time-scaled")
     p.add_argument("--host", default="127.0.0.1")

@@ -5,12 +5,15 @@ serves; ``--prepare`` downloads and converts models now."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from flowlift.credentials import CLI_HINT, bearer_headers, cli_key
+from flowlift.cli.common import _get, _name
+from flowlift.credentials import CLI_HINT, add_api_key_argument, bearer_headers, cli_key
+from flowlift.sdk.workflow import DEFAULT_BASE_URL
 
 
 def _model_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
@@ -112,8 +115,6 @@ def cmd_models(args: argparse.Namespace) -> int:
     print("configured models:")
     for name, source, state in rows:
         print(f"  {name:<{width}}  {source}; {state}")
-    from flowlift.cli import _get
-
     base = args.base_url.rstrip("/")
     ready = _get(f"{base}/readyz")
     listed = _get(f"{base}/v1/models", bearer_headers(cli_key(args)))
@@ -139,3 +140,26 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"  /v1/models answered {listed.status_code}"
               + (f" ({CLI_HINT})" if listed.status_code == 401 else ""))
     return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``models`` subcommand."""
+    models = sub.add_parser("models", help="configured models, their source and state")
+    models.add_argument("--model", default=None, help="a model name, local checkpoint folder "
+                        "or hub id to describe too")
+    models.add_argument("--extra-model", action="append", default=[], metavar="NAME_OR_DIR",
+                        type=_name,
+                        help="another embedded model to describe (as `serve --extra-model`)")
+    models.add_argument("--dtype", default=None, help="dtype of the converted copies "
+                        "(default: each model's own: float32 for SmolLM2-135M-Instruct, "
+                        "bfloat16 for the Qwen2.5-Coder pair)")
+    models.add_argument("--prepare", nargs="*", default=None, metavar="NAME",
+                        help="download and convert these models now (none named: those "
+                             "of --model, --extra-model and --config's embedded backends)")
+    models.add_argument("--config", default=os.environ.get("FLOWLIFT_CONFIG"),
+                        help="TOML file of upstream providers and model routes")
+    models.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL",
+                                                              DEFAULT_BASE_URL),
+                        help="also ask this proxy what it serves")
+    add_api_key_argument(models)
+    models.set_defaults(func=cmd_models)

@@ -1,21 +1,7 @@
-"""Public test doubles (like ``structlog.testing``): use them in your own tests.
-
-:class:`FakeEngine` implements :class:`flowlift.local_engine.base.Engine` without a
-model: deterministic outputs (:func:`default_responder`: the first label, a minimal JSON
-instance, a short regex match, or ``"echo: "`` and the prompt), streamed in chunks,
-honouring structured-output constraints, raw prompts, ``stop`` strings and
-``max_tokens`` (counted in whitespace-separated words: :func:`cut`), with deterministic
-logprobs and a simulated prefix cache so cached-token accounting can be tested. Its
-``responder`` scripts the answers; for a model that calls tools (an agent step) it
-returns :func:`tool_calls_text`.
-
-:func:`capture_spans` records flowlift's OpenTelemetry spans in memory while it is
-active (like ``structlog.testing.capture_logs``); ``CapturedSpans.named("chat m")``,
-``.children(span)`` and ``.spans`` read them.
-
-:class:`FakeBatchAPI` (from :mod:`flowlift.testing_batch`) fakes the OpenAI Batch API:
-files, batches, time-scaled turnaround, partial failures, expiry, malformed lines.
-"""
+"""The fake engine and what tests read its answers with: :class:`FakeEngine` (a model-free
+:class:`flowlift.local_engine.base.Engine`), its responders and schema examples, SSE
+parsing, and a proxy started in a subprocess (:func:`running_proxy`). Re-exported by
+:mod:`flowlift.testing`."""
 
 from __future__ import annotations
 
@@ -51,14 +37,6 @@ from flowlift.local_engine.base import (
     Usage,
     require_plain,
 )
-from flowlift.testing_batch import MALFORMED as MALFORMED  # re-exported
-from flowlift.testing_batch import FakeBatchAPI as FakeBatchAPI
-from flowlift.testing_batch import LineError as LineError
-from flowlift.testing_batch import echo_responder as echo_responder
-from flowlift.testing_batch import fixed_turnaround as fixed_turnaround
-from flowlift.testing_batch import lognormal_turnaround as lognormal_turnaround
-from flowlift.tracing.spans import CapturedSpans as CapturedSpans  # re-exported
-from flowlift.tracing.spans import capture_spans as capture_spans
 
 Responder = Callable[[GenerationRequest], str]
 
