@@ -1,13 +1,16 @@
-"""``flowlift compile GRAPH.json``: the compiler's report (``--json`` for machines); asks
-the proxy when one answers (measured costs, real tokenizer), else compiles locally."""
+"""``flowlift compile GRAPH.json | WORKFLOW.py | --run RUN_ID``: the compiler's report
+(``--json`` for machines); asks the proxy when one answers (measured costs, real
+tokenizer), else compiles locally. Where the graph comes from: :mod:`flowlift.cli.sources`
+(a script is recorded without running a step)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -17,23 +20,48 @@ from flowlift.sdk.workflow import DEFAULT_BASE_URL
 if TYPE_CHECKING:
     from flowlift.compiler import CompileOptions
     from flowlift.graph import Graph
+    from flowlift.report import CompileReport
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    import json
+    """``flowlift compile``: each graph's report on stdout (one JSON document, or a list
+    of them for a script that opened several workflows, with ``--json``)."""
+    from flowlift.cli.runs import CommandFailed
+    from flowlift.cli.sources import graph_documents
 
+    try:
+        docs = graph_documents(args)
+    except CommandFailed as exc:
+        print(f"flowlift compile: {exc.message}", file=sys.stderr)
+        return exc.status
+    reports = []
+    for doc in docs:
+        report = _report(args, doc)
+        if report is None:
+            return 1
+        reports.append(report)
+    if args.json:
+        print(reports[0].model_dump_json(indent=2) if len(reports) == 1 else json.dumps(
+            [r.model_dump(mode="json") for r in reports], indent=2, ensure_ascii=False))
+        return 0
+    from flowlift.report import format_report
+
+    for doc, report in zip(docs, reports, strict=True):
+        if len(docs) > 1:
+            print(f"== workflow {doc.get('name')!r} ==")
+        print(format_report(report))
+    return 0
+
+
+def _report(args: argparse.Namespace, doc: dict[str, Any]) -> CompileReport | None:
+    """The compiler's report of one graph document: the proxy's (unless ``--local``),
+    else compiled here; None after printing why it failed."""
     from flowlift.compiler import compile_graph
     from flowlift.dataflow import validate
     from flowlift.errors import GraphError
     from flowlift.graph import Graph
-    from flowlift.report import CompileReport, format_report
+    from flowlift.report import CompileReport
 
-    try:
-        doc = json.loads(Path(args.graph).read_text())
-    except (OSError, ValueError) as exc:
-        print(f"flowlift compile: cannot read {args.graph}: {exc}", file=sys.stderr)
-        return 2
-    report = None
     if not args.local:
         try:
             r = httpx.post(f"{args.base_url.rstrip('/')}/v1/workflows:compile", json=doc,
@@ -41,6 +69,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         except httpx.HTTPError:
             print(f"flowlift compile: no proxy at {args.base_url}; compiling locally with "
                   "default cost figures and an approximate tokenizer", file=sys.stderr)
+            args.local = True  # said once: the next graph compiles here too
         else:
             if r.status_code != 200:
                 err = r.json().get("error", {})
@@ -49,20 +78,17 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 if r.status_code == 401:
                     print(f"flowlift compile: {CLI_HINT}, or compile with --local",
                           file=sys.stderr)
-                return 1
-            report = CompileReport.model_validate(r.json())
-    if report is None:
-        try:
-            graph = Graph.model_validate(doc)
-            validate(graph)
-            opts = _local_compile_options(args)
-        except (GraphError, ValueError) as exc:
-            print(f"flowlift compile: {exc}", file=sys.stderr)
-            return 1
-        _warn_unused_prices(graph, args.price, opts.default_model)
-        report = compile_graph(graph, opts).report
-    print(report.model_dump_json(indent=2) if args.json else format_report(report))
-    return 0
+                return None
+            return CompileReport.model_validate(r.json())
+    try:
+        graph = Graph.model_validate(doc)
+        validate(graph)
+        opts = _local_compile_options(args)
+    except (GraphError, ValueError) as exc:
+        print(f"flowlift compile: {exc}", file=sys.stderr)
+        return None
+    _warn_unused_prices(graph, args.price, opts.default_model)
+    return compile_graph(graph, opts).report
 
 
 def _warn_unused_prices(graph: Graph, prices: list[str], default_model: str) -> None:
@@ -124,8 +150,18 @@ def _price(text: str) -> str:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``compile`` subcommand."""
-    comp = sub.add_parser("compile", help="the compiler's report for a graph (JSON file)")
-    comp.add_argument("graph", help="a graph document (see `workflow(..., submit=False)`)")
+    comp = sub.add_parser("compile", help="the compiler's report for a graph (a JSON file, "
+                          "a workflow script, or a run's)")
+    comp.add_argument("graph", nargs="?", default=None, metavar="GRAPH.json|SCRIPT.py",
+                      help="a graph document (see `workflow(..., submit=False)`), or a "
+                           "Python script that uses `workflow(...)`: it runs with every "
+                           "workflow only recorded (no step runs, no tool is called) until "
+                           "it reads a step's value, and the graphs it recorded are compiled")
+    comp.add_argument("script_args", nargs="*", metavar="-- ARG",
+                      help="after `--`: arguments for the script (its sys.argv[1:])")
+    comp.add_argument("--run", default=None, metavar="RUN_ID",
+                      help="compile this run's recorded graph instead (from the proxy at "
+                           "--base-url, else from --state-db)")
     comp.add_argument("--json", action="store_true", help="print the report as JSON")
     comp.add_argument("--base-url", default=os.environ.get("FLOWLIFT_BASE_URL",
                                                             DEFAULT_BASE_URL),
@@ -138,6 +174,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                            "a proxy uses its config's price_per_1k_tokens)")
     comp.add_argument("--state-db", default=None,
                       help="local compiles: the state database whose learned failure "
-                           "rates feed cascade estimates (default "
-                           "$FLOWLIFT_CACHE_DIR/state.sqlite when it exists)")
+                           "rates feed cascade estimates, and where --run reads a run when "
+                           "no proxy answers (default $FLOWLIFT_CACHE_DIR/state.sqlite "
+                           "when it exists)")
     comp.set_defaults(func=cmd_compile)
