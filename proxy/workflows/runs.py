@@ -56,7 +56,6 @@ from flowlift.proxy.dispatch.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
 from flowlift.proxy.tenants import RunKey
 from flowlift.proxy.workflows.agent import AgentLoop, ProxyTools, ToolRaised
-from flowlift.proxy.workflows.ahead import HOLE, ahead_request, consumers, known_prefix
 from flowlift.proxy.workflows.books import AttemptBooks
 from flowlift.proxy.workflows.cascade import Attempt, Generated, run_step
 from flowlift.proxy.workflows.conditions import (
@@ -76,6 +75,7 @@ from flowlift.proxy.workflows.groups import resolve as resolve_group
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth, stable_plan
 from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.workflows.prefills import RunPrefills
 from flowlift.proxy.workflows.replay import STEP_ENDS, restore_trace
 from flowlift.proxy.workflows.requests import StepRequests
 from flowlift.proxy.workflows.store import StoredRun
@@ -127,10 +127,10 @@ class Run:
         self.costs = costs
         self.clock = DeadlineClock(graph.deadline_s) if graph.deadline_s is not None else None
         self.warmup = PrefixWarmup(fcfs=backends.fcfs)
-        self._aheads = 0  # prefill-aheads asked for (numbers their request ids)
         self.run_id = run_id or graph.id or f"wf-{secrets.token_hex(8)}"
         self.key = key or RunKey(self.run_id)
         self.requests = StepRequests(self.key, fcfs=backends.fcfs)
+        self.prefills = RunPrefills(backends, self.key, self.run_id)
         self.log = EventLog(None if sink is None else functools.partial(sink, self.key),
                             restored.events if restored else ())
         self.resumed = restored is not None
@@ -590,7 +590,7 @@ class Run:
                                 continuation=lambda: self._priority(node.id, "interactive"),
                                 emit=self.log.emit, history=self.log.history(),
                                 waiting=self._tool_results, clock=self.clock,
-                                ahead=functools.partial(self._prefill_ahead, node),
+                                ahead=functools.partial(self.prefills.ahead, node),
                                 proxy_tools=self.proxy_tools)
         value, model = await run_step(node, messages, attempt, record)
         self.trace.step(node.id).model = self.backends.canonical(model)
@@ -688,35 +688,6 @@ class Run:
                            prefill_ms=at.first_token_ms - at.started_ms,
                            decode_ms=at.finished_ms - at.first_token_ms)
 
-    def _prefill_next(self, tool_id: str) -> None:
-        """While tool ``tool_id`` is out: prefill the known start of each model step that
-        reads its output (:mod:`flowlift.proxy.workflows.ahead`)."""
-        skip = self.plan.merged_into if self.plan else {}
-        readers = (self._nodes[r] for r in self._readers.get(tool_id, ()))
-        for step in consumers(readers, self._nodes, skip):
-            if self._ended(step.id):
-                continue
-            messages = known_prefix(step.messages, self.outputs)
-            if messages is not None:
-                self._prefill_ahead(step, step.models()[0], messages)
-
-    def _prefill_ahead(self, node: LLMNode, want: str | None,
-                       messages: Sequence[ChatMessage]) -> None:
-        """Prefill ``messages`` (ending in :data:`~.ahead.HOLE`) of ``node`` on ``want``
-        ahead of its request (:class:`~flowlift.proxy.dispatch.prefill_ahead.PrefillAhead`
-        decides whether the engine has room)."""
-        try:
-            model, _ = self.backends.resolve(want)
-        except FlowliftError:
-            return
-        local = self.backends.local_of(model)
-        if local is not None:  # the next turn is known to come: keep this run's KV
-            local.backend.slots.programs.keep(self.run_id)
-        self._aheads += 1
-        request = ahead_request(node, model, messages,
-                                f"{self.key}:{node.id}:{self._aheads}", self.key)
-        self.backends.ahead.issue(request, HOLE)
-
     async def _tool(self, node: ToolNode) -> Any:
         def arg(a: Any) -> Any:
             if isinstance(a, Ref):
@@ -733,7 +704,8 @@ class Run:
         self._emit(("tool.wanted", {
             "step_id": node.id, "name": node.name, "args": [arg(a) for a in node.args],
             "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}))
-        self._prefill_next(node.id)
+        self.prefills.after_tool((self._nodes[r] for r in self._readers.get(node.id, ())),
+                                 self._nodes, self.plan, self.outputs, self._ended)
         if self.clock is None:
             return await fut
         async with self.clock.paused():  # the app has the ball: the deadline clock stops
