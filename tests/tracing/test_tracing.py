@@ -21,7 +21,7 @@ from flowlift.testing import FakeEngine, capture_spans
 from flowlift.tracing import AttemptTrace, RunTrace
 from flowlift.tracing.run_spans import RunSpans
 from flowlift.tracing.spans import JsonLinesSpanExporter, _otlp_exporter, proxy_tracer_provider
-from tests.test_sdk_end_to_end import alookup, pipeline
+from tests.sdk.test_sdk_end_to_end import alookup, pipeline
 from tests.upstream_fake import FakeUpstream, chat_json, chunk, sse_bytes, upstream_only_proxy
 
 CALLER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -114,7 +114,7 @@ async def test_sdk_and_proxy_spans_join_one_trace_with_the_stage_split(traced, c
 
 async def test_sync_sdk_tool_spans_in_worker_threads_join_the_workflow_span(traced,
                                                                             captured):
-    from tests.test_sdk_end_to_end import lookup
+    from tests.sdk.test_sdk_end_to_end import lookup
 
     client, _ = traced
     base = str(client.make_url("")).rstrip("/")

@@ -2,7 +2,7 @@
 served before its request metrics were kept in plain Python structures (issue 28 item 5):
 the golden files in ``tests/data`` were written by this module's :func:`traffic` through
 prometheus_client's own ``Counter`` and ``Histogram`` objects (flowlift 5bed833,
-``python tests/test_metrics_exposition.py --write``). Same names, help, types, labels,
+``python tests/proxy/test_metrics_exposition.py --write``). Same names, help, types, labels,
 children in the same order, buckets, ``_sum``, ``_count``, and ``_created`` (each
 child's creation time, from a fake clock; none with created series disabled)."""
 
@@ -21,7 +21,7 @@ from flowlift.tracing import AttemptTrace
 from flowlift.tracing.metrics import Metrics
 from flowlift.tracing.recorder import RunTrace, StepTrace
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 GOLDEN = {True: DATA / "metrics_exposition.txt",
           False: DATA / "metrics_exposition.no_created.txt"}
 PRICES = {"m-a": 0.5, "m-c": 2.0}

@@ -18,7 +18,7 @@ from flowlift.errors import ConfigError, EngineError
 from flowlift.local_engine import models, packaged
 from flowlift.local_engine.packaged import PackagedModel
 
-EXAMPLE_CONFIG = Path(__file__).parents[1] / "examples" / "stdlib_docs" / "flowlift.toml"
+EXAMPLE_CONFIG = Path(__file__).parents[2] / "examples" / "stdlib_docs" / "flowlift.toml"
 CHUNKS = [b"GGUF" + bytes(range(256)) * 3, b"second chunk " * 50, b"tail"]
 
 

@@ -13,7 +13,7 @@ from flowlift import step, workflow
 from flowlift.compiler import compile_graph
 from flowlift.graph import Graph, Params
 from flowlift.testing import FakeEngine, cut
-from tests.test_contract_retries import llm, proxy, run
+from tests.sdk.test_contract_retries import llm, proxy, run
 
 LIST = {"type": "object", "properties": {"items": {"type": "array",
                                                    "items": {"type": "integer"}}},

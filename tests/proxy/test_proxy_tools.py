@@ -34,7 +34,7 @@ from flowlift.testing import FakeEngine, capture_spans, free_port, tool_calls_te
 from flowlift.tracing.timeline import segments
 from tests import tools_callables
 
-SERVER = str(Path(__file__).with_name("tools_mcp_server.py"))
+SERVER = str(Path(__file__).parents[1] / "tools_mcp_server.py")
 APP_CALLS: list[str] = []
 
 

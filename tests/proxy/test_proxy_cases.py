@@ -411,7 +411,7 @@ async def test_embeddings_pass_through_and_the_embedded_engine_says_it_cannot(pr
     assert await resp.json() == vectors and fake.received[0].path == "/v1/embeddings"
     local = await client.post("/v1/embeddings", json={"model": "fake-model", "input": "hi"})
     assert local.status == 400 and (await local.json())["error"]["param"] == "model"
-    # the embedded engine now serves the Responses API itself (tests/test_responses_api.py)
+    # the embedded engine now serves the Responses API itself (tests/proxy/test_responses_api.py)
     responses = await client.post("/v1/responses", json={"model": "fake-model", "input": "hi"})
     assert responses.status == 200 and (await responses.json())["object"] == "response"
 

@@ -18,7 +18,7 @@ from flowlift.proxy.dispatch.batch_cap import BatchPlan, DynamicCap, plan_beside
 from flowlift.proxy.dispatch.preemption import Candidate, victims_beside_interactive
 from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
 from flowlift.testing import FakeEngine
-from tests.test_batch_cap import candidates  # (batch requests: running, some in prefill)
+from tests.proxy.test_batch_cap import candidates  # (batch requests: running, some in prefill)
 
 BATCH = Priority.of("batch")
 INTERACTIVE = Priority.of("interactive")

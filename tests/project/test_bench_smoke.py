@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SMOKED = ["agent_session.py", "append_cost.py", "batch_pipeline.py", "cascade.py",
           "chain_rtt.py", "residency.py", "make_batch_graph.py", "mixed_load.py",

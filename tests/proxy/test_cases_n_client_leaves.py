@@ -1,7 +1,7 @@
 """Regression tests for cases N1 and N2 of ``shared/cases``: work ends with its client.
 A client that leaves (before the first byte, mid-body, or by cancelling its run) closes
 the upstream connection within ~200 ms and aborts the engine request once; nothing that
-depended on it starts. (The other N cases: ``tests/test_cases_n.py``.)"""
+depended on it starts. (The other N cases: ``tests/proxy/test_cases_n.py``.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from flowlift.proxy import create_app
 from flowlift.proxy.config import parse_config
 from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, parse_sse
-from tests.test_cases_n import MESSAGES, _step, stream_answer
+from tests.proxy.test_cases_n import MESSAGES, _step, stream_answer
 from tests.upstream_fake import FakeUpstream, chat_json, chunk, sse_bytes
 
 

@@ -22,7 +22,7 @@ from flowlift.proxy.state import STATE
 from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.report import format_report
 from flowlift.testing import FakeEngine
-from tests.test_contract_retries import run as run_graph
+from tests.sdk.test_contract_retries import run as run_graph
 from tests.upstream_fake import FakeUpstream, chunk, sse_bytes
 
 LABELS = ["spam", "ham"]

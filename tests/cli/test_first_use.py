@@ -56,7 +56,7 @@ def test_the_model_cache_is_the_users_not_the_working_directorys(monkeypatch, tm
 
 
 def test_the_demo_and_the_tests_keep_the_checkouts_cache():
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     for script in ("demo.sh", "test.sh"):
         text = (root / "scripts" / script).read_text()
         assert 'FLOWLIFT_CACHE_DIR="${FLOWLIFT_CACHE_DIR:-$PWD/.cache/flowlift}"' in text

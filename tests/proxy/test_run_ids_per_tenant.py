@@ -18,7 +18,7 @@ from flowlift.proxy.state import STATE
 from flowlift.proxy.tenants import DEFAULT_TENANT, client_run_id, run_key
 from flowlift.proxy.workflows.store import SQLiteRunStore, open_store
 from flowlift.testing import FakeEngine, parse_sse
-from tests.test_tenants import ACME, GLOBEX, TWO, _llm, auth
+from tests.proxy.test_tenants import ACME, GLOBEX, TWO, _llm, auth
 
 
 def test_run_keys_prefix_named_tenants_only_and_invert() -> None:

@@ -34,7 +34,7 @@ from flowlift.cli import build_parser
 from flowlift.proxy.config import UpstreamSpec, parse_config
 from flowlift.proxy.state import STATE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = [ROOT / "Dockerfile", ROOT / "Dockerfile.gpu"]
 KUBE = ROOT / "deploy" / "kubernetes"
 MANIFESTS = sorted(KUBE.glob("*.yaml"))

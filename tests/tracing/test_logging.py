@@ -14,7 +14,7 @@ from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, capture_spans
 from flowlift.tracing import configure_logging, get_logger
 from flowlift.tracing.logging import REDACTED, RedactSecrets
-from tests.test_tracing import run_span
+from tests.tracing.test_tracing import run_span
 from tests.upstream_fake import FakeUpstream, chat_json
 
 UPSTREAM_KEY, PROXY_KEY = "sk-upstream-0123456789", "sk-proxy-abcdefgh"

@@ -6,7 +6,7 @@ Without the run's lookahead (its queued steps pinned: ``ResidencyManager.lookahe
 unset, or ``choose_evictions`` ignoring ``pinned``) the chain test swaps models between
 the steps of a same-model chain; without the in-flight leases the two-stage test fails.
 
-Each model is a stricter tests/test_residency_dispatch.py ``LoadedOnly`` fake: it checks
+Each model is a stricter tests/proxy/test_residency_dispatch.py ``LoadedOnly`` fake: it checks
 the budget at every load and fails a generation that finds its model unloaded at any
 chunk (not just at the start), so a count of 2 cannot come from unloading a model under
 its running requests."""
@@ -23,7 +23,7 @@ from flowlift.proxy import create_app
 from flowlift.proxy.config import ProxyConfig
 from flowlift.proxy.state import STATE
 from flowlift.testing import parse_sse
-from tests.test_residency_dispatch import SIZE_MB, LoadedOnly
+from tests.proxy.test_residency_dispatch import SIZE_MB, LoadedOnly
 
 
 class LoadedThroughout(LoadedOnly):
