@@ -15,7 +15,7 @@ Against a proxy started with the config (from the repository root)::
     flowlift run --config examples/agents/hosted_mcp.toml examples/agents/hosted_mcp_responses.py
 
 or with no model, on an in-process proxy whose FakeEngine plays the model from a script
-(deterministic; what tests/test_example_hosted_mcp.py runs)::
+(deterministic; what tests/project/test_example_hosted_mcp.py runs)::
 
     python examples/agents/hosted_mcp_responses.py --scripted
 """
