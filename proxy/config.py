@@ -336,6 +336,17 @@ class ToolServerSpec(_Strict):
     default (``HOME``, ``PATH``, ...; never the proxy's own environment and secrets)."""
     callables: list[Annotated[str, Field(pattern=CALLABLE_PATH)]] | None = Field(
         default=None, min_length=1)
+    headers: dict[str, str] = Field(default_factory=dict)
+    """HTTP headers sent to a ``url`` server with every request (e.g. ``Authorization``)."""
+    mode: Literal["auto", "legacy"] = "auto"
+    """How an MCP connection starts: ``auto`` probes the server's protocol and falls
+    back to the ``initialize`` handshake; ``legacy`` always uses the handshake (and a
+    Streamable HTTP session: servers before MCP 2026-07-28)."""
+    early: Literal["annotated", "always", "never"] = "annotated"
+    """Which calls may start while the model's turn still streams: ``annotated`` those
+    of tools the server declares ``readOnlyHint`` or ``idempotentHint`` (MCP tool
+    annotations), ``always`` every call, ``never`` none (a call then starts when the
+    turn ended)."""
     allow: list[str] | None = None
     """The server's tools graphs may name (None: all it lists)."""
     timeout_s: float = Field(default=30.0, gt=0)
@@ -371,6 +382,8 @@ class ToolServerSpec(_Strict):
                              f"(module:function), not {' and '.join(given) or 'none'}")
         if self.env and self.command is None:
             raise ValueError("env is for a command (stdio) server only")
+        if self.headers and self.url is None:
+            raise ValueError("headers are for a url (Streamable HTTP) server only")
         return self
 
 

@@ -7,8 +7,6 @@ and an in-process proxy; the kill -9 test is tests/reliability/test_proxy_tools_
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, capture_spans, free_port, tool_calls_text
 from flowlift.tracing.timeline import segments
 from tests import tools_callables
+from tests.tools_mcp_server import serving_http
 
 SERVER = str(Path(__file__).parents[1] / "tools_mcp_server.py")
 APP_CALLS: list[str] = []
@@ -77,7 +76,8 @@ def config(**tools: dict) -> dict:
         "mcp": {"command": [sys.executable, SERVER], "timeout_s": 5},
         "atlas": {"callables": ["tests.tools_callables:lookup",
                                 "tests.tools_callables:slow_sync",
-                                "tests.tools_callables:huge"], "timeout_s": 1},
+                                "tests.tools_callables:huge"], "timeout_s": 1,
+                  "early": "always"},  # (callables declare no MCP annotations)
         **tools}}
 
 
@@ -142,18 +142,8 @@ def http_mcp(http_mcp_proc):
 @pytest.fixture
 def http_mcp_proc():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, SERVER, "http", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}/mcp", proc
-    proc.kill()
-    proc.wait()
+    with serving_http(port) as proc:
+        yield f"http://127.0.0.1:{port}/mcp", proc
 
 
 async def test_streamable_http_mcp_server(aiohttp_client, http_mcp):
