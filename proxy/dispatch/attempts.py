@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -45,6 +45,9 @@ log = get_logger("flowlift.proxy.dispatch.attempts")
 _BACKOFF = wait_random_exponential(multiplier=0.25, max=8.0)
 _REQUESTS = itertools.count()
 BodyFor = Callable[[Upstream], bytes]
+HeadersFor = Callable[[Upstream], Mapping[str, str]]
+"""The headers one upstream gets besides the request's own (its ``pass_headers``, the
+hints it opted in to)."""
 Admit = Callable[[], Awaitable[Slot]]
 """Waits for a slot of the route's upstream pool and returns it, granted, before each
 upstream attempt (workflow steps wait there in priority order); None: no pool
@@ -251,8 +254,8 @@ async def _first_bytes(upstream: Upstream, call: Call,
 
 async def open_answer(backends: Backends, route: Route, *, path: str, body_for: BodyFor,
                       headers: dict[str, str], stream: Stream, affinity: str | None = None,
-                      admit: Admit | None = None, demand: Demand | None = None
-                      ) -> Opened | Local:
+                      admit: Admit | None = None, demand: Demand | None = None,
+                      headers_for: HeadersFor | None = None) -> Opened | Local:
     """Try the route's backends until one answers.
 
     Args:
@@ -266,6 +269,7 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
             opened answer holds it until released.
         demand: the request's prompt and output length, for the route's
             ``"predicted-latency"`` replica choice (None: only ``affinity`` is known).
+        headers_for: each upstream's own headers beside ``headers`` (None: none).
 
     Returns:
         The opened answer, or :class:`~flowlift.proxy.dispatch.backends.Local` when the
@@ -276,7 +280,7 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
         UpstreamError: every attempt failed (the last one's error).
     """
     attempts = _Attempts(backends, route, path, body_for, headers, stream,
-                         demand or Demand(affinity=affinity), admit)
+                         demand or Demand(affinity=affinity), admit, headers_for)
     try:  # the common case, without the retry machinery's overhead
         target = attempts.choose()
         return await attempts.send(target, 1) if isinstance(target, Upstream) else target
@@ -305,9 +309,10 @@ class _Attempts:
 
     def __init__(self, backends: Backends, route: Route, path: str, body_for: BodyFor,
                  headers: dict[str, str], stream: Stream, demand: Demand,
-                 admit: Admit | None) -> None:
+                 admit: Admit | None, headers_for: HeadersFor | None = None) -> None:
         self.backends, self.route, self.path = backends, route, path
         self.body_for, self.headers, self.stream = body_for, headers, stream
+        self.headers_for = headers_for
         self.demand, self.admit = demand, admit
         self.tried: set[str] = set()
         self.key = next(_REQUESTS)  # the request's id in its backends' health
@@ -362,10 +367,13 @@ class _Attempts:
                 timing = Timing(self.backends.latency, self.route.model, self.demand,
                                 self.backends.features(upstream.name, self.demand),
                                 time.monotonic())
+            headers = self.headers
+            if self.headers_for is not None:
+                headers = {**headers, **self.headers_for(upstream)}
             call = upstream.health.call(self.key)
             try:
                 opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
-                                        self.headers, stream=self.stream,
+                                        headers, stream=self.stream,
                                         budget_s=self.route.total_timeout_s
                                         - (time.monotonic() - self.t0), waited=self.waited)
             except BaseException as exc:  # cancelled too (its run or its client went away):

@@ -29,6 +29,7 @@ from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamS
 from flowlift.proxy.dispatch.batch import BatchClient
 from flowlift.proxy.dispatch.batch_cap import BatchPlan, DynamicCap, LingerModel
 from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
+from flowlift.proxy.dispatch.fleet_hints import ProgramSteps
 from flowlift.proxy.dispatch.hints import SessionBook
 from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.prefill_ahead import AheadConfig, PrefillAhead
@@ -136,6 +137,9 @@ class Backends:
         self.max_queue = max_queue  # merged by flowlift.proxy.config.settings (flag > file)
         self.upstreams: dict[str, Upstream] = {}
         self.sessions = SessionBook()  # SGLang sessions opened for runs (dispatch.hints)
+        self.steps = ProgramSteps()  # each program's requests, counted (vllm-router hints)
+        # how long a program whose tool is out keeps its KV (the routers' retention hint)
+        self.keep_ttl_s = (programs or ProgramConfig()).keep_ttl_s
         self.batch_pools: dict[str, BatchPool] = {}  # openai-batch backend -> its pool
         self.batch_journal = JournalRouter()  # their lines' records, routed to the runs
         self.turnarounds = default_book()  # per tier, learned from finished batches

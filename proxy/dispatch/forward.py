@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -26,7 +26,7 @@ from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.flex import tier_fields
-from flowlift.proxy.dispatch.hints import StepHints, hint_fields
+from flowlift.proxy.dispatch.hints import StepHints, hint_fields, hint_headers
 from flowlift.proxy.dispatch.latency import Demand
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.sse_bytes import (
@@ -37,7 +37,12 @@ from flowlift.proxy.dispatch.sse_bytes import (
     has_error,
     without_usage,
 )
-from flowlift.proxy.dispatch.upstream import Upstream, error_message, forwarded_headers
+from flowlift.proxy.dispatch.upstream import (
+    Upstream,
+    client_headers,
+    error_message,
+    forwarded_headers,
+)
 from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
 from flowlift.proxy.openai import chunks
 from flowlift.proxy.telemetry import requests as request_tracing
@@ -76,13 +81,13 @@ def _usage_asked(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
 
 def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str,
               extra: dict[str, Any] | None = None, path: str = "",
-              session: str | None = None) -> bytes:
+              hints: StepHints | None = None, session_open: bool = False) -> bytes:
     target = upstream.upstream_model(model)
     # a flex or priority backend's service_tier (generation endpoints only)
     tier = tier_fields(upstream.spec, data) if path in TIERED_PATHS else {}
-    if session is not None:  # the SGLang session open on this backend (dispatch.hints)
-        tier = {**tier, **hint_fields(upstream.spec, StepHints(None, session), data,
-                                      session_open=True)}
+    if hints is not None and upstream.spec.hints:  # the opted-in hints (dispatch.hints)
+        tier = {**tier, **hint_fields(upstream.spec, hints, data,
+                                      session_open=session_open)}
     if tier:
         extra = {**(extra or {}), **tier}
     if target == model and extra is None:
@@ -119,18 +124,21 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
         inject(headers)  # is the upstream's parent
     extra = _usage_asked(path, data)
     sessions = backends.sessions
+    hints = None
     if affinity is not None and path in USAGE_PATHS:  # generations: SGLang sessions
         await sessions.open((backends.upstreams[n] for n in route.backends
                              if n in backends.upstreams), affinity)
+        hints = _session_hints(backends, route, affinity)
     try:
         opened = await open_answer(
             backends, route, path=path, headers=headers,
             body_for=lambda up: _body_for(
                 up, raw, data, route.model, extra if up.spec.stream_usage else None, path,
-                affinity if sessions.is_open(up.name, affinity) else None),
+                hints, sessions.is_open(up.name, affinity)),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity,
             # (what only a choice that predicts reads: open_answer knows the affinity)
-            demand=demand_of(raw, data, affinity) if route.predicts else None)
+            demand=demand_of(raw, data, affinity) if route.predicts else None,
+            headers_for=lambda up: _upstream_headers(up, request.headers, hints))
     except UpstreamError as exc:
         return upstream_error_response(exc)
     if isinstance(opened, Local):
@@ -153,6 +161,25 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
                              and opened.upstream.spec.stream_usage)
     finally:
         await opened.release()
+
+
+def _session_hints(backends: Backends, route: Route, session: str) -> StepHints | None:
+    """A drop-in generation's hints: its session (the program) and its ordinal there,
+    when a backend of the route opts in to any hint (None: none does)."""
+    if not any(backends.upstreams[n].spec.hints for n in route.backends
+               if n in backends.upstreams):
+        return None
+    return StepHints(None, session, step=backends.steps.next(session))
+
+
+def _upstream_headers(up: Upstream, client: Mapping[str, str],
+                      hints: StepHints | None) -> dict[str, str]:
+    """What ``up`` gets besides the trace context: the client headers its
+    ``pass_headers`` allow, and its opted-in hints' headers (those win)."""
+    out = client_headers(up.spec, client)
+    if hints is not None:
+        out.update(hint_headers(up.spec, hints))
+    return out
 
 
 def upstream_error_response(exc: UpstreamError) -> web.Response:

@@ -33,7 +33,7 @@ from flowlift.local_engine.base import (
 )
 from flowlift.proxy.dispatch.attempts import Admit, Opened, open_answer
 from flowlift.proxy.dispatch.flex import tier_fields
-from flowlift.proxy.dispatch.hints import StepHints, hint_fields
+from flowlift.proxy.dispatch.hints import StepHints, hint_fields, hint_headers
 from flowlift.proxy.dispatch.latency import Demand
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
@@ -173,12 +173,20 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
         granted.append(slot)
         return slot
 
+    steps: list[int] = []  # this request's ordinal in its program, counted once
+
+    def step_hints() -> StepHints:
+        slot = granted[-1].priority if granted and not backends.fcfs else None
+        if not steps and request.session_id is not None:
+            steps.append(backends.steps.next(request.session_id))
+        return StepHints.of(request, None if slot is None else slot.engine_priority()
+                            ).routed(slot, step=steps[0] if steps else None,
+                                     kv_retention_ttl_s=backends.keep_ttl_s)
+
     def hints(up: Upstream) -> dict[str, Any]:
         if not up.spec.hints:  # the common case: nothing to compute
             return {}
-        priority = (granted[-1].priority.engine_priority()
-                    if granted and not backends.fcfs else None)
-        return hint_fields(up.spec, StepHints.of(request, priority), body,
+        return hint_fields(up.spec, step_hints(), body,
                            session_open=backends.sessions.is_open(up.name,
                                                                   request.session_id))
 
@@ -191,7 +199,8 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
         return await open_answer(
             backends, route, path="/chat/completions", body_for=body_for,
             headers=headers, stream="events", affinity=request.session_id,
-            admit=None if admit is None else admitted, demand=demand_of(request))
+            admit=None if admit is None else admitted, demand=demand_of(request),
+            headers_for=lambda up: hint_headers(up.spec, step_hints()))
     except UpstreamError as exc:
         raise unretryable(exc, route.model) or EngineError(
             f"model {route.model!r}: {exc.message}") from None
