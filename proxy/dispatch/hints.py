@@ -23,6 +23,10 @@ config opts in (``hints = [...]`` on an ``openai`` backend; none by default).
   turn's prefix is this turn's conversation plus its answer, which Dynamo prefills on
   the worker once this turn ends).
 
+The routers in front of a fleet (vllm-router, llm-d, Dynamo's session headers, SGLang's
+gateway, vLLM's ``session_id``) have adapters of their own in :mod:`.fleet_hints`, merged
+here (:func:`hint_fields`, :func:`hint_headers`).
+
 A field the request already holds is never overridden (a client's own ``priority`` or
 ``nvext.agent_hints`` key wins). :func:`hint_fields` is pure; :class:`SessionBook` does
 the session I/O. Sources: vLLM ``vllm/entrypoints/openai/protocol.py``

@@ -200,7 +200,8 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
             backends, route, path="/chat/completions", body_for=body_for,
             headers=headers, stream="events", affinity=request.session_id,
             admit=None if admit is None else admitted, demand=demand_of(request),
-            headers_for=lambda up: hint_headers(up.spec, step_hints()))
+            headers_for=lambda up: hint_headers(up.spec, step_hints()) if up.spec.hints
+            else {})
     except UpstreamError as exc:
         raise unretryable(exc, route.model) or EngineError(
             f"model {route.model!r}: {exc.message}") from None
