@@ -11,6 +11,7 @@ backoff ("full jitter", Brooker 2015) -- tenacity does the waiting and the stop 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -30,7 +31,7 @@ from tenacity import (
 
 from flowlift.errors import Overloaded, UpstreamError
 from flowlift.proxy.dispatch.health import Call, Evidence
-from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
+from flowlift.proxy.dispatch.latency import CacheReport, Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
 from flowlift.proxy.dispatch.sse_bytes import complete_prefix, has_data
@@ -78,14 +79,22 @@ class Timing:
     started: float
     first_at: float = 0.0
 
-    def done(self, name: str, output_tokens: int | None, *, streamed: bool) -> None:
+    def done(self, name: str, output_tokens: int | None, *, streamed: bool,
+             cache: CacheReport | None = None) -> None:
         """The attempt on replica ``name`` succeeded now with ``output_tokens`` (None:
-        unknown); ``streamed``: False for a whole answer (its TTFT is not measured)."""
+        unknown); ``streamed``: False for a whole answer (its TTFT is not measured);
+        ``cache``: what the replica reported of its prompt cache (the TTFT model learns
+        the uncached tokens it reported, not the ones expected)."""
         now = time.monotonic()
-        self.book.observe(name, self.model, self.features, ttft_s=self.first_at
+        features = self.features
+        if cache is not None:
+            features = dataclasses.replace(
+                features, cached_tokens=round(features.prompt_tokens * cache.hit))
+        self.book.observe(name, self.model, features, ttft_s=self.first_at
                           - self.started, total_s=now - self.started,
                           output_tokens=output_tokens, now=now, streamed=streamed)
-        self.book.sent(name, self.demand.affinity, self.demand.prompt_tokens)
+        self.book.sent(name, self.demand.affinity, self.demand.prompt_tokens,
+                       expected_cached=self.features.cached_tokens, report=cache)
 
 
 @dataclass(slots=True)
@@ -106,13 +115,16 @@ class Opened:
     slot: Slot | None = None  # the pool slot it holds (see Admit)
     timing: Timing | None = None  # for the replica's latency model
     waited_s: float = 0.0  # seconds its request waited on upstreams until now (see Waited)
+    cache: CacheReport | None = None  # what the replica reported of the prompt's cache
 
     def succeeded(self, output_tokens: int | None = None) -> None:
         """The answer went through whole (``output_tokens``: its length, if known): the
-        backend's circuit closes and its latency model learns the answer's times."""
+        backend's circuit closes and its latency model learns the answer's times (and
+        its prefix cache from :attr:`cache`, when the reader of the answer set it)."""
         self.call.succeeded()
         if self.timing is not None:
-            self.timing.done(self.upstream.name, output_tokens, streamed=self.body is None)
+            self.timing.done(self.upstream.name, output_tokens, streamed=self.body is None,
+                             cache=self.cache)
 
     async def release(self) -> None:
         """Close the upstream answer, count the request out of the backend and give
@@ -385,6 +397,8 @@ class _Attempts:
                     if timing is not None and evidence in ("down", "silent"):  # its fault
                         now = time.monotonic()
                         self.backends.latency.failed(upstream.name, now - timing.started, now)
+                    if evidence == "down" and call.status is None:  # no answer at all:
+                        self.backends.latency.forget(upstream.name)  # a restart, cache gone
                     log.info("upstream_attempt_failed", backend=upstream.name,
                              status=exc.status, retryable=exc.retryable, attempt=number,
                              evidence=evidence)

@@ -27,7 +27,7 @@ from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.flex import tier_fields
 from flowlift.proxy.dispatch.hints import StepHints, hint_fields, hint_headers
-from flowlift.proxy.dispatch.latency import Demand
+from flowlift.proxy.dispatch.latency import CacheReport, Demand
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.sse_bytes import (
     complete_prefix,
@@ -241,6 +241,8 @@ def demand_of(raw: bytes, data: dict[str, Any], affinity: str | None) -> Demand:
 def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
     usage = (opened.doc or {}).get("usage")
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if opened.timing is not None:  # (a replica choice that predicts: its cache belief)
+        opened.cache = CacheReport.of(usage)
     opened.succeeded(tokens if isinstance(tokens, int) else None)
     body = opened.body or b""
     if on_output is not None and opened.doc is not None:
@@ -405,6 +407,8 @@ async def _end(opened: Opened, passing: _Passing, failure: str | None,
     elif not passing.done:
         await _cut_short(passing.resp, opened, failure)
     else:  # the events less the end marker and the finish: about the output tokens
+        if opened.timing is not None and passing.collect is not None:
+            opened.cache = CacheReport.of(passing.collect.usage)
         opened.succeeded(max(passing.events - 2, 1))
         if passing.collect is not None and on_output is not None:
             on_output("".join(passing.collect.parts), passing.collect.usage)

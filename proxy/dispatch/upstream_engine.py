@@ -34,7 +34,7 @@ from flowlift.local_engine.base import (
 from flowlift.proxy.dispatch.attempts import Admit, Opened, open_answer
 from flowlift.proxy.dispatch.flex import tier_fields
 from flowlift.proxy.dispatch.hints import StepHints, hint_fields, hint_headers
-from flowlift.proxy.dispatch.latency import Demand
+from flowlift.proxy.dispatch.latency import CacheReport, Demand
 from flowlift.proxy.dispatch.routing import Route
 from flowlift.proxy.dispatch.scheduler import Slot
 from flowlift.proxy.dispatch.upstream import Upstream, unretryable
@@ -101,9 +101,10 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
 
 
 def _read_event(data: str, backend: str
-                ) -> tuple[chunks.ChunkChoice | None, Usage | None, str | None]:
-    """(choice 0, usage) of one chat.completion.chunk (read by
-    :func:`flowlift.proxy.openai.chunks.parse_event`).
+                ) -> tuple[chunks.ChunkChoice | None, Usage | None, str | None,
+                           CacheReport | None]:
+    """(choice 0, usage, service tier, the cache report in the usage) of one
+    chat.completion.chunk (read by :func:`flowlift.proxy.openai.chunks.parse_event`).
 
     Raises:
         EngineError: an in-band error event, or an event that is not a JSON object.
@@ -113,7 +114,9 @@ def _read_event(data: str, backend: str
         raise EngineError(f"backend {backend!r} sent a stream event that is not JSON")
     if chunk.error is not None:
         raise EngineError(f"backend {backend!r}: {chunk.error or 'an error without a message'}")
-    return chunk.choice(0), chunk.usage, chunk.service_tier
+    usage = chunk.usage_json
+    return (chunk.choice(0), chunk.usage, chunk.service_tier,
+            None if usage is None else CacheReport.of(dict(usage)))
 
 
 def idempotency_key(request: GenerationRequest) -> str | None:
@@ -298,8 +301,10 @@ class UpstreamEngine(Engine):
         idle_s = opened.upstream.spec.idle_timeout_s
         event = opened.first
         while event is not None and event.data != "[DONE]":
-            choice, usage_now, tier_now = _read_event(event.data, opened.upstream.name)
+            choice, usage_now, tier_now, cache = _read_event(event.data,
+                                                             opened.upstream.name)
             usage = usage_now or usage
+            opened.cache = cache or opened.cache
             tier = tier_now or tier
             if choice is not None:
                 finish = choice.finish_reason or finish
