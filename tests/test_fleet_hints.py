@@ -123,8 +123,7 @@ def test_no_adapter_writes_anything_unless_opted_in():
             "kv_retention_ttl_seconds": 10.0}, separators=(",", ":"))}}),
     ("llm-d", {"x-session-id": "run-1", "x-llm-d-inference-fairness-id": "run-1",
                "x-llm-d-inference-objective": "interactive"}, {}),
-    ("dynamo-session", {"x-dynamo-session-id": "run-1"},
-     {"nvext": {"session_control": {"session_id": "run-1"}}}),
+    ("dynamo-session", {"x-dynamo-session-id": "run-1"}, {}),
     ("sglang-routing-key", {"x-smg-routing-key": "run-1"}, {}),
     ("sglang-priority", {}, {"priority": 5000}),  # higher first: flowlift's order negated
 ])
@@ -134,23 +133,19 @@ def test_each_adapter_writes_exactly_its_router_fields(adapter, headers, fields)
 
 
 def test_the_clients_own_fields_win():
-    body = {"session_id": "mine", "priority": 1, "vllm_xargs": {"agentic_context": "{}"},
-            "nvext": {"session_control": {"session_id": "mine"}}}
-    every = spec("vllm-session", "vllm-router-program", "dynamo-session", "sglang-priority")
+    body = {"session_id": "mine", "priority": 1, "vllm_xargs": {"agentic_context": "{}"}}
+    every = spec("vllm-session", "vllm-router-program", "sglang-priority")
     assert hint_fields(every, FULL, body) == {}
-    merged = hint_fields(every, FULL, {"vllm_xargs": {"kv_transfer": "x"}, "nvext": {
-        "greed_sampling": True}})
+    merged = hint_fields(every, FULL, {"vllm_xargs": {"kv_transfer": "x"}})
     assert merged["vllm_xargs"]["kv_transfer"] == "x" and "agentic_context" in merged[
         "vllm_xargs"]
-    assert merged["nvext"] == {"greed_sampling": True,
-                               "session_control": {"session_id": "run-1"}}
 
 
-def test_dynamo_agent_hints_and_session_control_share_nvext():
-    both = hint_fields(spec("dynamo", "dynamo-session"), FULL, {})
-    assert both["nvext"] == {"agent_hints": {"priority": 5000, "osl": 30,
-                                             "speculative_prefill": True},
-                             "session_control": {"session_id": "run-1"}}
+def test_dynamo_agent_hints_and_the_session_header_go_together():
+    both = spec("dynamo", "dynamo-session")
+    assert hint_fields(both, FULL, {}) == {"nvext": {"agent_hints": {
+        "priority": 5000, "osl": 30, "speculative_prefill": True}}}
+    assert hint_headers(both, FULL) == {"x-dynamo-session-id": "run-1"}
 
 
 def test_the_sglang_priority_sign_is_higher_first_and_bounded():
@@ -222,8 +217,7 @@ async def test_the_exact_request_each_adapter_sends_for_a_step():
                                   "x-llm-d-inference-objective": "interactive"},
                                  {**BASE, "model": "m-llm-d"})
         assert only("dynamo-session") == ({"x-dynamo-session-id": "run-1"}, {
-            **BASE, "model": "m-dynamo-session",
-            "nvext": {"session_control": {"session_id": "run-1"}}})
+            **BASE, "model": "m-dynamo-session"})
         assert only("sglang-routing-key") == ({"x-smg-routing-key": "run-1"}, {
             **BASE, "model": "m-sglang-routing-key"})
         assert only("sglang-priority") == ({}, {**BASE, "model": "m-sglang-priority",
@@ -257,8 +251,8 @@ async def test_a_drop_in_session_reaches_each_router_as_its_session(aiohttp_clie
     # a drop-in request has no class: no objective header, the session still goes
     assert [h for h, _ in sent["llm-d"]] == [{"x-session-id": "sess-9",
                                               "x-llm-d-inference-fairness-id": "sess-9"}] * 2
-    assert [b["nvext"] for _, b in sent["dynamo-session"]] == [
-        {"session_control": {"session_id": "sess-9"}}] * 2
+    assert [h for h, _ in sent["dynamo-session"]] == [{"x-dynamo-session-id": "sess-9"}] * 2
+    assert all("nvext" not in b for _, b in sent["dynamo-session"])
     assert [h for h, _ in sent["sglang-routing-key"]] == [{"x-smg-routing-key": "sess-9"}] * 2
     assert ["priority" in b for _, b in sent["sglang-priority"]] == [False, False]  # no order
     assert all(h == {} and set(b) == {"model", "messages"} for h, b in sent["plain"])

@@ -23,10 +23,10 @@ release it was checked against.
   ``x-llm-d-inference-fairness-id`` (the program: flow control's fairness is per
   session) and ``x-llm-d-inference-objective`` (the workflow class, naming an
   ``InferenceObjective`` whose priority the operator sets).
-* ``"dynamo-session"``: ``X-Dynamo-Session-ID`` and ``nvext.session_control``
-  (``{"session_id": ...}``, no ``action``: sticky routing without opening a streaming
-  session on the worker; Dynamo ``lib/llm/src/protocols/openai/nvext.rs``
-  ``SessionControl``).
+* ``"dynamo-session"``: the ``X-Dynamo-Session-ID`` header, which Dynamo's frontend
+  routes by (``--router-session-affinity-ttl-secs``). Not ``nvext.session_control``:
+  Dynamo 1.6.1's frontend refuses it (``unknown field `session_control```, a 400; it is
+  in later sources, ``lib/llm/src/protocols/openai/nvext.rs``).
 * ``"sglang-routing-key"``: SGLang Model Gateway's ``X-SMG-Routing-Key`` (its
   ``consistent_hashing`` and ``manual`` policies; the gateway forwards the header).
 * ``"sglang-priority"``: SGLang's ``priority`` body field on *its* scale: higher first
@@ -171,7 +171,7 @@ def fleet_headers(spec: UpstreamSpec, hints: StepHints) -> dict[str, str]:
 def fleet_fields(spec: UpstreamSpec, hints: StepHints, body: Mapping[str, Any]
                  ) -> dict[str, Any]:
     """The top-level body fields ``spec``'s opted-in router hints add to ``body``
-    (``vllm_xargs`` and ``nvext`` merged with the body's own; fields already there win).
+    (``vllm_xargs`` merged with the body's own; fields already there win).
     """
     opted = spec.hints
     out: dict[str, Any] = {}
@@ -186,10 +186,6 @@ def fleet_fields(spec: UpstreamSpec, hints: StepHints, body: Mapping[str, Any]
                         orjson.dumps(agentic_context(hints, session)).decode())
         if xargs is not None:
             out["vllm_xargs"] = xargs
-    if "dynamo-session" in opted and session:
-        nvext = _merged(body, "nvext", "session_control", {"session_id": session})
-        if nvext is not None:
-            out["nvext"] = nvext
     return out
 
 

@@ -97,7 +97,7 @@ def hint_fields(spec: UpstreamSpec, hints: StepHints, body: Mapping[str, Any], *
         theirs = nvext.get("agent_hints")
         nvext["agent_hints"] = {**agent, **(theirs if isinstance(theirs, Mapping) else {})}
         out["nvext"] = nvext
-    out.update(fleet_fields(spec, hints, {**body, **out}))  # (nvext merged again)
+    out.update(fleet_fields(spec, hints, {**body, **out}))
     return out
 
 
