@@ -138,7 +138,8 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
             stream="bytes" if data.get("stream") is True else False, affinity=affinity,
             # (what only a choice that predicts reads: open_answer knows the affinity)
             demand=demand_of(raw, data, affinity) if route.predicts else None,
-            headers_for=lambda up: _upstream_headers(up, request.headers, hints))
+            headers_for=(None if hints is None and not _passes_headers(backends, route)
+                         else lambda up: _upstream_headers(up, request.headers, hints)))
     except UpstreamError as exc:
         return upstream_error_response(exc)
     if isinstance(opened, Local):
@@ -170,6 +171,12 @@ def _session_hints(backends: Backends, route: Route, session: str) -> StepHints 
                if n in backends.upstreams):
         return None
     return StepHints(None, session, step=backends.steps.next(session))
+
+
+def _passes_headers(backends: Backends, route: Route) -> bool:
+    """Whether an upstream of ``route`` lets client headers through (``pass_headers``)."""
+    return any(backends.upstreams[n].spec.pass_headers for n in route.backends
+               if n in backends.upstreams)
 
 
 def _upstream_headers(up: Upstream, client: Mapping[str, str],
