@@ -23,6 +23,8 @@ from flowlift.proxy.dispatch.latency import (
     LatencyBook,
 )
 from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
+from flowlift.proxy.state import STATE
+from tests.upstream_fake import FakeUpstream, chunk, sse_bytes, upstream_only_proxy
 
 SESSION = Demand(prompt_tokens=2000, affinity="run-1")
 
@@ -132,3 +134,28 @@ async def test_a_steps_answer_reports_its_cache_to_the_replica_choice():
         assert book.replicas[name].ttft.weight > 0
     finally:
         await backends.aclose()
+
+
+async def test_a_forwarded_streams_usage_reports_its_cache(aiohttp_client, aiohttp_server):
+    """Drop-in streams: the usage event the proxy passes on (or strips) is read for the
+    replica choice too."""
+    usage = {"prompt_tokens": 1000, "completion_tokens": 1, "total_tokens": 1001,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    stream = FakeUpstream.stream(sse_bytes(chunk({"role": "assistant", "content": "ok"}),
+                                           chunk(finish="stop"),
+                                           {**chunk(), "choices": [], "usage": usage}))
+    fakes = [FakeUpstream([stream]) for _ in range(2)]
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, *fakes)
+    book = client.app[STATE].backends.latency
+    for turn in range(2):
+        resp = await client.post("/v1/chat/completions", json={
+            "model": "up", "stream": True,
+            "messages": [{"role": "user", "content": "x" * 4000}]},
+            headers={"X-Flowlift-Session": "run-1"})
+        assert resp.status == 200
+        await resp.read()
+        if turn == 0:
+            [name] = [n for n, r in book.replicas.items() if r.prefixes]
+            book.sent(name, "run-2", 900)  # another session believed cached there
+    # the second turn expected the first's prompt there, and the replica reported none
+    assert "run-2" not in book.replicas[name].prefixes

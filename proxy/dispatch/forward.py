@@ -293,9 +293,11 @@ class _Passing:
     for ``on_output``."""
 
     def __init__(self, resp: web.StreamResponse, on_output: OnOutput | None,
-                 strip_usage: bool) -> None:
+                 strip_usage: bool, *, read_cache: bool = False) -> None:
         self.resp, self.strip_usage = resp, strip_usage
         self.collect = _Collect() if on_output is not None else None
+        self.read_cache = read_cache  # the replica choice learns the reported cache
+        self.cache: CacheReport | None = None
         self.traced = request_tracing.current()
         self.done = False  # the end marker came
         self.events = 0  # events passed on (about one output token each)
@@ -317,7 +319,18 @@ class _Passing:
         self.errored = self.errored or ((error or named) and has_error(events))
         if self.collect is not None:
             self.collect.add(events)
+        if usage and self.read_cache:
+            self.cache = _reported_cache(events) or self.cache
         return without_usage(events) if usage and self.strip_usage else events
+
+
+def _reported_cache(events: bytes) -> CacheReport | None:
+    """The prefix-cache report in the usage of whole ``events``, if one holds it."""
+    for data in data_fields(events):
+        chunk = chunks.parse_event(data) if '"usage"' in data else None
+        if chunk is not None and chunk.usage_json is not None:
+            return CacheReport.of(dict(chunk.usage_json))
+    return None
 
 
 async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | None,
@@ -337,7 +350,7 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache",
                                        "X-Flowlift-Backend": upstream.name})
-    passing = _Passing(resp, on_output, strip_usage)
+    passing = _Passing(resp, on_output, strip_usage, read_cache=opened.timing is not None)
     traced, clock = passing.traced, time.monotonic
     buffer = opened.tail
     failure: str | None = None
@@ -414,8 +427,7 @@ async def _end(opened: Opened, passing: _Passing, failure: str | None,
     elif not passing.done:
         await _cut_short(passing.resp, opened, failure)
     else:  # the events less the end marker and the finish: about the output tokens
-        if opened.timing is not None and passing.collect is not None:
-            opened.cache = CacheReport.of(passing.collect.usage)
+        opened.cache = passing.cache
         opened.succeeded(max(passing.events - 2, 1))
         if passing.collect is not None and on_output is not None:
             on_output("".join(passing.collect.parts), passing.collect.usage)
