@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,7 +99,7 @@ def vllm_server(port: int, model_dir: Path, name: str) -> contextlib.AbstractCon
     args = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", "4096", "--enforce-eager", "--dtype", "float32",
-            "--enable-prompt-tokens-details", "--disable-log-requests"]
+            "--enable-prompt-tokens-details"]
     return started(args, name, f"http://127.0.0.1:{port}/health", 600, env)
 
 
@@ -179,6 +180,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
+    # a SIGTERM (a timeout) unwinds the stack, so every server started is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.smoke:
         args.sessions, args.turns, args.rounds, args.think_s = 3, 2, 1, 0.0
     from flowlift.local_engine.models import ensure_default_model
