@@ -16,8 +16,9 @@ release it was checked against.
   flowlift's order negated), ``deadline_seconds``, ``expected_output_length``,
   ``kv_retention_ttl_seconds`` and ``expected_resume`` on an agent turn whose next turn
   comes back. Sent as a JSON *string*: the router decodes one
-  (``canonical_context``), and vLLM's own ``vllm_xargs`` takes flat values only (a
-  nested object is a 400 from a vLLM that gets the body), plus ``x-session-id``.
+  (``canonical_context``), and vLLM 0.32's own ``vllm_xargs`` is typed for flat values
+  only (``dict[str, str | int | float | list]``: a nested object would not validate in
+  the vLLM behind the router), plus ``x-session-id``.
 * ``"llm-d"``: llm-d's inference scheduler headers: ``x-session-id`` (its
   ``session-id-producer`` with ``headerName: x-session-id``),
   ``x-llm-d-inference-fairness-id`` (the program: flow control's fairness is per
@@ -33,7 +34,9 @@ release it was checked against.
   (``schedule_low_priority_values_first`` is off by default), so flowlift's order
   negated and bounded to an i32 (``vllm-priority`` writes it unchanged: lower first).
 
-A field or header the request already holds is never overridden.
+A body field the request already holds is never overridden; a hint's header replaces a
+client header of the same name let through by ``pass_headers`` (the proxy's session is
+the affinity key).
 """
 
 from __future__ import annotations
