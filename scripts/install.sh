@@ -96,6 +96,22 @@ if [[ $want_test == 1 && "$(cat .venv-checkov/.version 2>/dev/null)" != "$CHECKO
   echo "$CHECKOV_VERSION" > .venv-checkov/.version
 fi
 
+# NVIDIA Dynamo's frontend and mocker workers (tests/proxy/test_router_dynamo.py) in a venv of
+# their own: ai-dynamo-runtime pins pydantic<=2.13.5, below flowlift's. --no-deps, then
+# requirements/dynamo.txt: ai-dynamo's aisimulate dependency downloads from outside the
+# package registries and is not needed to start the frontend and the mocker.
+DYNAMO_VERSION=1.6.1
+if [[ $want_test == 1 && "$(uname -s)" == Linux \
+      && "$(cat .venv-dynamo/.version 2>/dev/null)" != "$DYNAMO_VERSION" ]]; then
+  echo "flowlift install: ai-dynamo $DYNAMO_VERSION into .venv-dynamo"
+  "$PYTHON" -m venv .venv-dynamo
+  .venv-dynamo/bin/python -m pip --disable-pip-version-check -qq install --no-deps \
+    "ai-dynamo==$DYNAMO_VERSION" "ai-dynamo-runtime==$DYNAMO_VERSION"
+  .venv-dynamo/bin/python -m pip --disable-pip-version-check -qq install \
+    -r requirements/dynamo.txt
+  echo "$DYNAMO_VERSION" > .venv-dynamo/.version
+fi
+
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   flavour=cuda
 else

@@ -11,4 +11,5 @@ export FLOWLIFT_REQUIRE_ENGINE=1
 export FLOWLIFT_CACHE_DIR="${FLOWLIFT_CACHE_DIR:-$PWD/.cache/flowlift}"
 export FLOWLIFT_REQUIRE_CHROMIUM=1  # the page tests (tests/proxy/test_ui_chromium.py) must run
 export FLOWLIFT_REQUIRE_POSTGRES=1  # the Postgres run store's tests (tests/pg.py) must run
+export FLOWLIFT_REQUIRE_ROUTERS=1  # the tests in front of real routers (tests/routers.py) must run
 exec .venv/bin/python -m pytest "$@"

@@ -254,7 +254,7 @@ def _flowlift_sidecars() -> list[tuple[str, dict, dict]]:
 
 def test_sidecars_bind_loopback_probe_by_exec_and_outlive_the_grace_period():
     sidecars = _flowlift_sidecars()  # the gateway is no sidecar: it serves the cluster
-    assert len(sidecars) == 2
+    assert len(sidecars) == 3
     entry = _json_list(dict(_instructions(ROOT / "Dockerfile"))["ENTRYPOINT"])
     for name, pod, c in sidecars:
         assert c["restartPolicy"] == "Always", name  # a native sidecar
@@ -280,7 +280,7 @@ def test_config_maps_are_configs_the_proxy_accepts(monkeypatch):
     monkeypatch.setenv("FLOWLIFT_API_KEYS", "k")
     configs = {d["metadata"]["name"]: d["data"]["flowlift.toml"] for _, d in _docs()
                if d["kind"] == "ConfigMap"}
-    assert len(configs) == 3
+    assert len(configs) == 4
     parsed = {name: parse_config(tomllib.loads(text), source=name)
               for name, text in configs.items()}
     # the pool configs name each replica of the engine StatefulSet by its stable DNS name
@@ -338,3 +338,33 @@ def test_the_gateway_runs_replicas_on_one_database_behind_a_service():
     assert pg_env["POSTGRES_USER"] == pg_env["POSTGRES_DB"] == "flowlift"
     assert postgres["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"][
         "storage"]
+
+
+def test_the_router_sidecar_hands_vllm_router_its_session_and_program(monkeypatch):
+    """sidecar-router.yaml: flowlift sidecars send to one vllm-router Service, which
+    routes among the engine pool's replicas by session with program scheduling on
+    (docs/distributed.md; the router itself is tested in tests/proxy/test_router_vllm.py)."""
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    text = _doc("ConfigMap", "flowlift-router-config")["data"]["flowlift.toml"]
+    config = parse_config(tomllib.loads(text), source="flowlift-router-config")
+    [fleet] = [b for b in config.backends.values() if isinstance(b, UpstreamSpec)]
+    assert fleet.hints == ["vllm-session", "vllm-router-program"]
+    router = _doc("Deployment", "vllm-router")
+    service = _doc("Service", "vllm-router")
+    meta = router["metadata"]
+    assert fleet.base_url == (f"http://{service['metadata']['name']}.{meta['namespace']}"
+                              f".svc:{service['spec']['ports'][0]['port']}/v1")
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert {"--policy=consistent_hash", "--enable-program-scheduling"} <= set(args)
+    workers = args[args.index("--worker-urls") + 1:]
+    sts = _doc("StatefulSet", "flowlift-engine")
+    assert workers == [f"http://{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}"
+                       f".{sts['metadata']['namespace']}.svc:8000"
+                       for i in range(sts["spec"]["replicas"])]
+    # the router reaches the engines (their policy admits flowlift.dev/proxy) and only
+    # the router-client pods reach the router
+    assert router["spec"]["template"]["metadata"]["labels"]["flowlift.dev/proxy"] == "true"
+    allowed = _doc("NetworkPolicy", "vllm-router")["spec"]["ingress"][0]["from"][0][
+        "podSelector"]["matchLabels"]
+    app = _doc("Deployment", "my-router-app")["spec"]["template"]["metadata"]["labels"]
+    assert allowed.items() <= app.items()
