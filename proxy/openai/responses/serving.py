@@ -48,6 +48,7 @@ from flowlift.proxy.openai.responses.translation import (
     without_replayed,
 )
 from flowlift.proxy.state import STATE
+from flowlift.proxy.telemetry.requests import RequestTrace
 from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.workflows.inferred import workflow_from
 
@@ -82,9 +83,10 @@ def _head(req: ResponsesRequest, rid: str, model: str) -> dict[str, Any]:
             "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled"}
 
 
-async def create(request: web.Request, data: dict[str, Any], route: Route
-                 ) -> web.StreamResponse:
-    """Answer one ``POST /v1/responses`` (``data``: the parsed body) on ``route``.
+async def create(request: web.Request, data: dict[str, Any], route: Route,
+                 traced: RequestTrace | None = None) -> web.StreamResponse:
+    """Answer one ``POST /v1/responses`` (``data``: the parsed body) on ``route``
+    (``traced``: the request's trace, from its route; None: untraced).
 
     Raises:
         RequestError: a malformed or unsupported field or input item (400, ``param``).
@@ -136,7 +138,7 @@ async def create(request: web.Request, data: dict[str, Any], route: Route
         return upstream_error_response(exc)
     headers = {"X-Flowlift-Workflow": workflow}
     return await _answer(request, opened, chat, builder, conversation, req.stream is True,
-                         done, headers)
+                         done, headers, traced)
 
 
 def _upstream_body(chat: dict[str, Any], stream_usage: bool, model: str) -> dict[str, Any]:
@@ -149,9 +151,10 @@ def _upstream_body(chat: dict[str, Any], stream_usage: bool, model: str) -> dict
 async def _answer(request: web.Request, opened: Opened | Local, chat: dict[str, Any],
                   builder: ResponseBuilder, conversation: str, stream: bool,
                   done: Callable[[dict[str, Any], str | None], Awaitable[None]],
-                  headers: dict[str, str]) -> web.StreamResponse:
+                  headers: dict[str, str], traced: RequestTrace | None = None
+                  ) -> web.StreamResponse:
     """Run the turn on what the route opened; the response or its event stream."""
-    timing = Timing()
+    timing = Timing(traced=traced)
     if isinstance(opened, Local):
         backend, name = opened.backend, opened.backend.name
         source: contextlib.AbstractAsyncContextManager[sources.ChatChunks] = \
