@@ -18,6 +18,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Mapping
+from types import EllipsisType
 from typing import Any
 
 import orjson
@@ -39,6 +40,7 @@ from flowlift.proxy.dispatch.upstream.provider import (
     forwarded_headers,
 )
 from flowlift.proxy.telemetry import requests as request_tracing
+from flowlift.proxy.telemetry.requests import RequestTrace
 from flowlift.proxy.wire import chunks
 from flowlift.proxy.wire.messages import render_message
 from flowlift.proxy.wire.sse_bytes import (
@@ -99,7 +101,8 @@ def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str,
 async def forward(request: web.Request, *, backends: Backends, route: Route, path: str,
                   raw: bytes, data: dict[str, Any], affinity: str | None = None,
                   embedded: EmbeddedCall | None = None,
-                  on_output: OnOutput | None = None) -> web.StreamResponse:
+                  on_output: OnOutput | None = None,
+                  traced: RequestTrace | None = None) -> web.StreamResponse:
     """Answer ``request`` from the route's backends (see :func:`open_answer`).
 
     Args:
@@ -111,6 +114,8 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
             backend's slots); None when the endpoint has no embedded implementation.
         on_output: called once with the first choice's text and the usage when a whole
             answer went through (inferred workflows use it).
+        traced: the request's trace, handed down from its route (None: untraced): its
+            span is the upstream's parent, and it notes the answer as it passes.
 
     Raises:
         Overloaded: no backend can take the request now (429/503 with ``Retry-After``).
@@ -118,7 +123,6 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
     """
     deadline = asyncio.get_running_loop().time() + route.total_timeout_s
     headers = forwarded_headers(request.headers)
-    traced = request_tracing.current()
     if traced is not None and not traced.recording:  # (no OpenTelemetry calls for it)
         traced.inject(headers)  # the proxy's own span (a child of the caller's)
     else:
@@ -155,7 +159,7 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
             return _plain(opened, on_output)
         return await _stream(request, opened, on_output, deadline,
                              strip_usage=extra is not None
-                             and opened.upstream.spec.stream_usage)
+                             and opened.upstream.spec.stream_usage, traced=traced)
     finally:
         await opened.release()
 
@@ -289,12 +293,14 @@ class _Passing:
     for ``on_output``."""
 
     def __init__(self, resp: web.StreamResponse, on_output: OnOutput | None,
-                 strip_usage: bool, *, read_cache: bool = False) -> None:
+                 strip_usage: bool, traced: RequestTrace | EllipsisType | None = ...,
+                 *, read_cache: bool = False) -> None:
         self.resp, self.strip_usage = resp, strip_usage
         self.collect = _Collect() if on_output is not None else None
         self.read_cache = read_cache  # the replica choice learns the reported cache
         self.cache: CacheReport | None = None
-        self.traced = request_tracing.current()
+        # the trace forward was handed (``...``, used on its own: the context's)
+        self.traced = request_tracing.current() if traced is ... else traced
         self.done = False  # the end marker came
         self.events = 0  # events passed on (about one output token each)
         self.errored = False  # the upstream sent its own error event
@@ -330,7 +336,8 @@ def _reported_cache(events: bytes) -> CacheReport | None:
 
 
 async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | None,
-                  deadline: float, *, strip_usage: bool = False) -> web.StreamResponse:
+                  deadline: float, *, strip_usage: bool = False,
+                  traced: RequestTrace | None = None) -> web.StreamResponse:
     """Forward the stream as it arrives, whole events per write (:mod:`.sse_bytes`).
 
     The idle timeout restarts only when a whole model event arrives (bytes dribbling
@@ -346,7 +353,8 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache",
                                        "X-Flowlift-Backend": upstream.name})
-    passing = _Passing(resp, on_output, strip_usage, read_cache=opened.timing is not None)
+    passing = _Passing(resp, on_output, strip_usage, traced,
+                       read_cache=opened.timing is not None)
     traced, clock = passing.traced, time.monotonic
     buffer = opened.tail
     failure: str | None = None

@@ -52,7 +52,7 @@ from flowlift.proxy.openai.responses.translation import (
 )
 from flowlift.proxy.openai.responses.turn import Generation, Loop, Opener, open_first
 from flowlift.proxy.state import STATE
-from flowlift.proxy.telemetry import requests as request_tracing
+from flowlift.proxy.telemetry.requests import RequestTrace
 from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.workflows.inferred import workflow_from
 
@@ -92,9 +92,11 @@ def _head(req: ResponsesRequest, rid: str, model: str) -> dict[str, Any]:
             **({"max_tool_calls": req.max_tool_calls} if req.max_tool_calls else {})}
 
 
-async def create(request: web.Request, data: dict[str, Any], route: Route
+async def create(request: web.Request, data: dict[str, Any], route: Route,
+                 traced: RequestTrace | None = None
                  ) -> web.StreamResponse:
-    """Answer one ``POST /v1/responses`` (``data``: the parsed body) on ``route``.
+    """Answer one ``POST /v1/responses`` (``data``: the parsed body) on ``route``
+    (``traced``: the request's trace, read once at its route; None: untraced).
 
     Raises:
         RequestError: a malformed, unknown or unsupported field or input item, a
@@ -126,7 +128,7 @@ async def create(request: web.Request, data: dict[str, Any], route: Route
     hosted = await hosted_tools.resolve(mcp, state.tools, state.tenants.by_name(tenant),
                                         {t["function"]["name"] for t in tools})
     try:
-        return await _serve(request, req, data, route, _Turn(
+        return await _serve(request, req, data, route, traced, _Turn(
             rid, previous.conversation if previous else rid, history, new, items,
             1 + (previous.number if previous else 0), tools + hosted.chat_tools()), hosted)
     finally:
@@ -145,14 +147,14 @@ class _Turn:
 
 
 async def _serve(request: web.Request, req: ResponsesRequest, data: dict[str, Any],
-                 route: Route, turn: _Turn, hosted: hosted_tools.Hosted
+                 route: Route, traced: RequestTrace | None, turn: _Turn,
+                 hosted: hosted_tools.Hosted
                  ) -> web.StreamResponse:
     state, store, tenant = request.app[STATE], request.app[RESPONSES], tenant_of(request)
     joined = workflow_from(request.headers, data)
     workflow = joined[0] if joined else turn.conversation
     structlog.contextvars.bind_contextvars(workflow_id=workflow, response_id=turn.rid)
-    traced = request_tracing.current()
-    started_at, timing = time.time(), Timing()
+    started_at, timing = time.time(), Timing(traced=traced)
     builder = ResponseBuilder(_head(req, turn.rid, route.model), hosted.labels())
 
     def build(messages: list[dict[str, Any]]) -> dict[str, Any]:

@@ -46,7 +46,6 @@ from flowlift.proxy.openai.responses.hosted import Hosted
 from flowlift.proxy.openai.responses.pairing import drop_oldest
 from flowlift.proxy.openai.responses.translation import assistant_message
 from flowlift.proxy.state import STATE
-from flowlift.proxy.telemetry import requests as request_tracing
 
 MAX_ROUNDS = 16
 """Generations of one turn at most (hosted-MCP loop); the last one may not call tools."""
@@ -98,7 +97,7 @@ class Opener:
             affinity=self.conversation, demand=demand_of(raw, chat, self.conversation))
         stack = contextlib.AsyncExitStack()
         if not isinstance(opened, Local):
-            traced = request_tracing.current()
+            traced = self.timing.traced
             if traced is not None:
                 traced.upstream(opened.upstream.name)
             release = _once(opened.release)
