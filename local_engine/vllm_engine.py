@@ -104,6 +104,16 @@ class VLLMConfig:
             through a stat logger of our own: :mod:`flowlift.local_engine.step_log`);
             what the dynamic batch cap fits its step-time model to (``flowlift serve
             --batch-cap-when-interactive auto`` turns it on; off, vLLM keeps no stats).
+        gpu_memory_utilization: the share of the GPU's memory this engine may take
+            (vLLM's ``gpu_memory_utilization``; None: vLLM's default, which takes most of
+            the GPU); :mod:`flowlift.local_engine.gpu_memory` plans it per engine.
+        enable_sleep_mode: vLLM's sleep mode (CUDA only): :meth:`VLLMEngine.sleep` /
+            :meth:`VLLMEngine.wake_up` swap the model out and back without a reload.
+        multiproc_method: ``"spawn"``: start vLLM's engine core with multiprocessing's
+            spawn method (``VLLM_WORKER_MULTIPROC_METHOD``); None: vLLM's choice.
+        planned_kv_tokens: the KV-cache tokens the memory plan gave this engine; once
+            the engine reports what it allocated, :attr:`VLLMEngine.memory_check`
+            compares the two (None: no plan, no check).
     """
 
     model: str
@@ -123,6 +133,10 @@ class VLLMConfig:
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
     step_timings: bool = False
+    gpu_memory_utilization: float | None = None
+    enable_sleep_mode: bool = False
+    multiproc_method: Literal["spawn"] | None = None
+    planned_kv_tokens: int | None = None
 
     @classmethod
     def for_model(cls, name_or_path: str | None = None, **overrides: Any) -> VLLMConfig:
@@ -142,7 +156,11 @@ class VLLMConfig:
 
 
 def set_env_defaults(config: VLLMConfig) -> None:
-    """Set vLLM's environment defaults for CPU, leaving values already set alone."""
+    """Set vLLM's environment defaults for CPU, leaving values already set alone; with
+    ``config.multiproc_method``, set ``VLLM_WORKER_MULTIPROC_METHOD`` to it whatever it
+    was (a forked engine core would inherit the proxy's threads' sockets)."""
+    if config.multiproc_method is not None:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = config.multiproc_method
     root = cache_dir()
     for key, value in {
         "HF_HUB_OFFLINE": "1",
@@ -579,6 +597,9 @@ def engine_kwargs(cfg: VLLMConfig) -> dict[str, Any]:
         scheduling_policy=cfg.scheduling_policy, seed=cfg.seed, disable_log_stats=True,
         speculative_config=speculative_config(cfg),
         **({"block_size": cfg.block_size} if cfg.block_size else {}),
+        **({"gpu_memory_utilization": cfg.gpu_memory_utilization}
+           if cfg.gpu_memory_utilization is not None else {}),
+        **({"enable_sleep_mode": True} if cfg.enable_sleep_mode else {}),
         **({"max_num_batched_tokens": step} if step else {}))
 
 
