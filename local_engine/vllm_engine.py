@@ -36,7 +36,7 @@ from flowlift.errors import (
     ModelNotFound,
     RequestError,
 )
-from flowlift.local_engine import prefill
+from flowlift.local_engine import gpu_memory, prefill
 from flowlift.local_engine.base import (
     Capabilities,
     Engine,
@@ -47,8 +47,10 @@ from flowlift.local_engine.base import (
     require_plain,
 )
 from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
+from flowlift.local_engine.gpu_memory import KvCheck
 from flowlift.local_engine.models import cache_dir, default_dtype, resolve_model
 from flowlift.local_engine.step_log import StepLog, vllm_stat_logger
+from flowlift.tracing.logging import get_logger
 
 _INSTALL_HINT = "install the engine with `bash scripts/install.sh`"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -245,6 +247,7 @@ class VLLMEngine(Engine):
         """
         self.config = config
         self.load_time_s: float | None = None  # seconds start() took (import + load)
+        self.memory_check: KvCheck | None = None  # the GPU memory plan vs vLLM's figure
         self.steps = StepLog() if config.step_timings else None
         self._build = build or functools.partial(_build_engine, step_log=self.steps)
         self._engine: Any = None
@@ -277,6 +280,7 @@ class VLLMEngine(Engine):
         self._engine = built.pop()
         self._tokenizer = self._engine.get_tokenizer()
         self.load_time_s = time.perf_counter() - started
+        self.memory_check = kv_check(self.config, self._engine)
 
     def step_log(self) -> StepLog | None:
         """The engine's recent iterations (None: ``step_timings`` off)."""
@@ -497,6 +501,24 @@ class VLLMEngine(Engine):
         if self._tokenizer is None or model not in self.model_names:
             return None
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def kv_check(config: VLLMConfig, engine: Any) -> KvCheck | None:
+    """The memory plan's KV tokens (``config.planned_kv_tokens``) against the KV cache
+    the started ``engine`` (an ``AsyncLLM``) reports: ``vllm_config.cache_config``'s
+    ``num_gpu_blocks`` (set from the engine core's memory profiling) x ``block_size``;
+    logged (a warning when vLLM holds less than planned). None without a plan or a
+    figure."""
+    cache = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
+    blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    if not config.planned_kv_tokens or not isinstance(blocks, int) or not isinstance(size, int):
+        return None
+    check = gpu_memory.check_kv(config.planned_kv_tokens, blocks, size)
+    log = get_logger("flowlift.engine")
+    (log.info if check.ok else log.warning)(
+        "gpu_memory_plan", model=config.served_model_name, message=check.message,
+        gpu_memory_utilization=config.gpu_memory_utilization)
+    return check
 
 
 def fail_in_flight(engine: Any) -> None:

@@ -121,7 +121,9 @@ def test_spawn_is_forced_in_the_environment(monkeypatch, tmp_path):
 
 
 def _checkpoint(tmp_path: Path, dtype: str) -> Path:
-    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": dtype}))
+    sizes = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+             "num_hidden_layers": 30, "num_key_value_heads": 3, "vocab_size": 49152}
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": dtype, **sizes}))
     return tmp_path
 
 

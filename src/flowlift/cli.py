@@ -109,7 +109,7 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
         for plan in plan_engines(
                 [args.model, *extra], max_concurrency=args.max_concurrency,
                 dtype=args.dtype, enforce_eager=getattr(args, "enforce_eager", False),
-                on_prepare=preparing,
+                on_prepare=preparing, budget_mb=getattr(args, "memory_budget_mb", None),
                 max_model_len=args.max_model_len, speculative_ngram=args.speculative_ngram,
                 speculative_max_batch=args.speculative_max_batch, block_size=args.block_size,
                 max_num_batched_tokens=args.max_step_tokens,
