@@ -116,6 +116,7 @@ def share_gpu(plans: Sequence[PlannedEngine], platform: PlatformInfo, concurrenc
         counted = need.total if budget is not None else share * platform.total_memory_bytes
         out.append(PlannedEngine(
             dataclasses.replace(plan.config, gpu_memory_utilization=share,
-                                planned_kv_tokens=need.kv_tokens),
+                                planned_kv_tokens=need.kv_tokens,
+                                weights_mb=need.weights / gpu_memory.MiB),
             counted / gpu_memory.MiB))
     return out
