@@ -316,6 +316,9 @@ class VLLMEngine(Engine):
             raise EngineError("the vLLM engine is not started (call `await start()`)")
         if self._engine.errored:
             raise EngineError("the vLLM engine has stopped; restart flowlift")
+        if self.asleep:
+            raise EngineError(f"the engine of {self.config.served_model_name} is asleep "
+                              "(swapped out); wake it up first")
         return self._engine
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
@@ -539,7 +542,9 @@ class VLLMEngine(Engine):
         Raises:
             EngineError: not started, or vLLM failed.
         """
-        engine = self._require_engine()
+        engine = self._engine
+        if engine is None:
+            raise EngineError("the vLLM engine is not started (call `await start()`)")
         try:
             await engine.wake_up()
         except Exception as exc:

@@ -133,3 +133,28 @@ def test_check_against_vllms_figure():
     assert check is not None and check.vllm_tokens == 64000 and not check.ok
     assert kv_check(VLLMConfig(model="/m", served_model_name="m"), engine) is None
     assert kv_check(config, SimpleNamespace()) is None
+
+
+def _serve_args(models: list[str]) -> object:
+    from flowlift import cli
+
+    extra = [a for m in models[1:] for a in ("--extra-model", m)]
+    return cli.build_parser().parse_args(["serve", "--engine", "vllm", "--model", models[0],
+                                          "--max-model-len", "8192", *extra])
+
+
+def test_serve_gives_two_models_shares_that_fit_one_gpu(tmp_path, monkeypatch):
+    from flowlift import cli
+    from flowlift.local_engine import engine_plan
+
+    monkeypatch.setenv("FLOWLIFT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(engine_plan, "detect_platform", lambda: H100)
+    models = [_folder(tmp_path, "llama", LLAMA3_8B), _folder(tmp_path, "llama2", LLAMA3_8B)]
+    engines, _ = cli._engines(_serve_args(models))
+    shares = [e.config.gpu_memory_utilization for e in engines.values()]  # type: ignore[attr-defined]
+    assert len(shares) == 2 and sum(shares) < 0.96  # vLLM's default: 0.92 each
+    small = PlatformInfo("cuda", 40 * GiB, "NVIDIA A100-PCIE-40GB")
+    monkeypatch.setattr(engine_plan, "detect_platform", lambda: small)
+    with pytest.raises(ConfigError) as err:
+        cli._engines(_serve_args(models))
+    assert err.value.param == "--memory-budget-mb"
