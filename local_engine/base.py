@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from flowlift.errors import RequestError
+from flowlift.errors import EngineError, RequestError
 from flowlift.local_engine.step_log import StepLog
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -273,6 +273,27 @@ class Engine(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's processes and memory."""
+
+    def sleep_host_mb(self) -> float:
+        """Host memory (MB) a :meth:`sleep` takes (the weights copied off the GPU); 0:
+        this engine cannot sleep, so leaving the GPU means :meth:`close`."""
+        return 0.0
+
+    async def sleep(self) -> None:
+        """Free the engine's GPU memory, keeping its process (then :meth:`wake_up`).
+
+        Raises:
+            EngineError: the engine cannot sleep (:meth:`sleep_host_mb` is 0).
+        """
+        raise EngineError(f"the engine of {', '.join(self.model_names)} cannot sleep")
+
+    async def wake_up(self) -> None:
+        """Take the GPU memory a :meth:`sleep` gave back.
+
+        Raises:
+            EngineError: the engine cannot sleep.
+        """
+        raise EngineError(f"the engine of {', '.join(self.model_names)} cannot sleep")
 
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
+import inspect
 import os
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -36,7 +36,7 @@ from flowlift.errors import (
     ModelNotFound,
     RequestError,
 )
-from flowlift.local_engine import prefill
+from flowlift.local_engine import gpu_memory, gpu_swap, prefill
 from flowlift.local_engine.base import (
     Capabilities,
     Engine,
@@ -47,8 +47,10 @@ from flowlift.local_engine.base import (
     require_plain,
 )
 from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
+from flowlift.local_engine.gpu_memory import KvCheck
 from flowlift.local_engine.models import cache_dir, default_dtype, resolve_model
 from flowlift.local_engine.step_log import StepLog, vllm_stat_logger
+from flowlift.tracing.logging import get_logger
 
 _INSTALL_HINT = "install the engine with `bash scripts/install.sh`"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -104,6 +106,18 @@ class VLLMConfig:
             through a stat logger of our own: :mod:`flowlift.local_engine.step_log`);
             what the dynamic batch cap fits its step-time model to (``flowlift serve
             --batch-cap-when-interactive auto`` turns it on; off, vLLM keeps no stats).
+        gpu_memory_utilization: the share of the GPU's memory this engine may take
+            (vLLM's ``gpu_memory_utilization``; None: vLLM's default, which takes most of
+            the GPU); :mod:`flowlift.local_engine.gpu_memory` plans it per engine.
+        enable_sleep_mode: vLLM's sleep mode (CUDA only): :meth:`VLLMEngine.sleep` /
+            :meth:`VLLMEngine.wake_up` swap the model out and back without a reload.
+        multiproc_method: ``"spawn"``: start vLLM's engine core with multiprocessing's
+            spawn method (``VLLM_WORKER_MULTIPROC_METHOD``); None: vLLM's choice.
+        planned_kv_tokens: the KV-cache tokens the memory plan gave this engine; once
+            the engine reports what it allocated, :attr:`VLLMEngine.memory_check`
+            compares the two (None: no plan, no check).
+        weights_mb: the weights' size in ``dtype`` (MB): the host memory a sleeping
+            engine holds (None: not known; the engine is then unloaded, never slept).
     """
 
     model: str
@@ -123,6 +137,11 @@ class VLLMConfig:
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
     step_timings: bool = False
+    gpu_memory_utilization: float | None = None
+    enable_sleep_mode: bool = False
+    multiproc_method: Literal["spawn"] | None = None
+    planned_kv_tokens: int | None = None
+    weights_mb: float | None = None
 
     @classmethod
     def for_model(cls, name_or_path: str | None = None, **overrides: Any) -> VLLMConfig:
@@ -142,7 +161,11 @@ class VLLMConfig:
 
 
 def set_env_defaults(config: VLLMConfig) -> None:
-    """Set vLLM's environment defaults for CPU, leaving values already set alone."""
+    """Set vLLM's environment defaults for CPU, leaving values already set alone; with
+    ``config.multiproc_method``, set ``VLLM_WORKER_MULTIPROC_METHOD`` to it whatever it
+    was (a forked engine core would inherit the proxy's threads' sockets)."""
+    if config.multiproc_method is not None:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = config.multiproc_method
     root = cache_dir()
     for key, value in {
         "HF_HUB_OFFLINE": "1",
@@ -219,18 +242,29 @@ class VLLMEngine(Engine):
                                 logprobs=True, raw_prompt=True, resume=True)
 
     def __init__(self, config: VLLMConfig,
-                 build: Callable[[VLLMConfig], Any] | None = None) -> None:
+                 build: Callable[[VLLMConfig], Any] | None = None,
+                 gpu_memory: gpu_swap.GpuMemory | None = None,
+                 memory_wait_s: float = gpu_swap.MEMORY_WAIT_S) -> None:
         """Args:
             config: the engine's settings.
             build: builds the ``AsyncLLM`` for a config (blocking; default: vLLM's,
                 :func:`_build_engine`); tests pass a stand-in.
+            gpu_memory: ``(free, total)`` bytes of the GPU (default: NVML); with
+                ``config.gpu_memory_utilization`` set, :meth:`start` waits up to
+                ``memory_wait_s`` for that share to be free, and retries a failed start
+                while it is not (:mod:`flowlift.local_engine.gpu_swap`).
         """
         self.config = config
         self.load_time_s: float | None = None  # seconds start() took (import + load)
+        self.memory_check: KvCheck | None = None  # the GPU memory plan vs vLLM's figure
         self.steps = StepLog() if config.step_timings else None
         self._build = build or functools.partial(_build_engine, step_log=self.steps)
+        self._gpu_memory = gpu_memory or gpu_swap.nvml_memory
+        self.memory_wait_s = memory_wait_s
         self._engine: Any = None
         self._tokenizer: Any = None
+        self._session_ids = False  # the engine's generate() takes session_id
+        self.asleep = False
         set_env_defaults(config)
 
     @property
@@ -255,10 +289,23 @@ class VLLMEngine(Engine):
         # referenced after the call returned, keeping the engine alive after close().
         built: list[Any] = []  # handed over in a list: no future keeps the engine alive
         build = self._build
-        await asyncio.to_thread(lambda: built.append(build(self.config)))
+        share = self.config.gpu_memory_utilization
+        for attempt in range(gpu_swap.START_RETRIES + 1):
+            if share is not None:  # an engine unloaded just now frees its memory late
+                await gpu_swap.wait_for_memory(share, self._gpu_memory,
+                                               timeout_s=self.memory_wait_s)
+            try:
+                await asyncio.to_thread(lambda: built.append(build(self.config)))
+                break
+            except EngineError:
+                if (share is None or attempt == gpu_swap.START_RETRIES
+                        or not gpu_swap.short_of_memory(share, self._gpu_memory)):
+                    raise
         self._engine = built.pop()
         self._tokenizer = self._engine.get_tokenizer()
         self.load_time_s = time.perf_counter() - started
+        self.memory_check = kv_check(self.config, self._engine)
+        self._session_ids = takes_keyword(self._engine.generate, "session_id")
 
     def step_log(self) -> StepLog | None:
         """The engine's recent iterations (None: ``step_timings`` off)."""
@@ -269,6 +316,9 @@ class VLLMEngine(Engine):
             raise EngineError("the vLLM engine is not started (call `await start()`)")
         if self._engine.errored:
             raise EngineError("the vLLM engine has stopped; restart flowlift")
+        if self.asleep:
+            raise EngineError(f"the engine of {self.config.served_model_name} is asleep "
+                              "(swapped out); wake it up first")
         return self._engine
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
@@ -363,8 +413,10 @@ class VLLMEngine(Engine):
         k = request.sampling.logprobs
         text = (ContinuationText(self._decode, request.resume_token_ids)
                 if request.resume_token_ids else None)
+        session = ({"session_id": request.session_id}
+                   if self._session_ids and request.session_id else {})
         stream = engine.generate({"prompt_token_ids": prompt_ids}, params,
-                                 request.request_id, priority=request.priority)
+                                 request.request_id, priority=request.priority, **session)
         completion = cached = 0
         finished = False
         try:
@@ -446,8 +498,9 @@ class VLLMEngine(Engine):
         return True
 
     async def close(self) -> None:
-        """Shut the engine core process down; safe to call twice. Blocks up to ~6 s:
-        vLLM gives the engine core 5 s to exit after SIGTERM, then kills it.
+        """Shut the engine core process down; safe to call twice. Takes up to ~6 s
+        (vLLM gives the engine core 5 s to exit after SIGTERM, then kills it), in a
+        worker thread: the event loop keeps serving the other models meanwhile.
 
         Requests still streaming fail with :class:`EngineError` (from :meth:`generate`):
         vLLM's shutdown stops the task that feeds their output queues, so without this
@@ -455,13 +508,48 @@ class VLLMEngine(Engine):
         vLLM's ``OutputProcessor.propagate_error`` does when the engine core dies).
         """
         engine, self._engine = self._engine, None
+        self.asleep = False
         if engine is not None:
             fail_in_flight(engine)
-            engine.shutdown()
+            held = [engine]  # handed to the thread in a list: no frame keeps it
             del engine
-            # AsyncLLM sits in reference cycles; collect it now, while modules are
-            # alive, so its __del__ (a second shutdown) does not fail at exit.
-            gc.collect()
+            await asyncio.to_thread(_shut_down, held)
+
+    def sleep_host_mb(self) -> float:
+        """The weights' size (MB) when sleep mode is on (the host memory a sleep takes),
+        else 0."""
+        return (self.config.weights_mb or 0.0) if self.config.enable_sleep_mode else 0.0
+
+    async def sleep(self) -> None:
+        """vLLM's ``sleep(level=1)``: weights to host memory, KV cache dropped, the
+        engine core process kept (the caller makes sure no request is in flight).
+
+        Raises:
+            EngineError: not started, sleep mode off, or vLLM failed.
+        """
+        engine = self._require_engine()
+        if not self.config.enable_sleep_mode:
+            raise EngineError(f"{self.config.served_model_name} runs without sleep mode")
+        try:
+            await engine.sleep(level=1)
+        except Exception as exc:
+            raise translate_error(exc) from exc
+        self.asleep = True
+
+    async def wake_up(self) -> None:
+        """vLLM's ``wake_up()``: the weights back on the GPU, a fresh KV cache.
+
+        Raises:
+            EngineError: not started, or vLLM failed.
+        """
+        engine = self._engine
+        if engine is None:
+            raise EngineError("the vLLM engine is not started (call `await start()`)")
+        try:
+            await engine.wake_up()
+        except Exception as exc:
+            raise translate_error(exc) from exc
+        self.asleep = False
 
     def running(self) -> int | None:
         """Requests vLLM still holds (queued or decoding), or ``None`` before start."""
@@ -479,6 +567,50 @@ class VLLMEngine(Engine):
         if self._tokenizer is None or model not in self.model_names:
             return None
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def kv_check(config: VLLMConfig, engine: Any) -> KvCheck | None:
+    """The memory plan's KV tokens (``config.planned_kv_tokens``) against the KV cache
+    the started ``engine`` (an ``AsyncLLM``) reports: ``vllm_config.cache_config``'s
+    ``num_gpu_blocks`` (set from the engine core's memory profiling) x ``block_size``;
+    logged (a warning when vLLM holds less than planned). None without a plan or a
+    figure."""
+    cache = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
+    blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    if not config.planned_kv_tokens or not isinstance(blocks, int) or not isinstance(size, int):
+        return None
+    check = gpu_memory.check_kv(config.planned_kv_tokens, blocks, size)
+    log = get_logger("flowlift.engine")
+    (log.info if check.ok else log.warning)(
+        "gpu_memory_plan", model=config.served_model_name, message=check.message,
+        gpu_memory_utilization=config.gpu_memory_utilization)
+    return check
+
+
+def _shut_down(held: list[Any]) -> None:
+    """Run vLLM's blocking ``AsyncLLM.shutdown()`` (in a worker thread; it cancels its
+    output handler thread-safely), then make a second shutdown a no-op: ``AsyncLLM``
+    sits in reference cycles and its ``__del__`` shuts down again whenever the garbage
+    collector gets to it, at exit with modules half gone. (Collecting it here instead
+    takes a full ``gc.collect()``, ~1 s with vLLM loaded, holding the GIL: the event
+    loop would stall for it even from a thread.)"""
+    engine = held.pop()
+    engine.shutdown()
+    engine.shutdown = _already_shut_down
+
+
+def _already_shut_down(*_args: Any, **_kwargs: Any) -> None:
+    """What a shut-down ``AsyncLLM``'s ``shutdown`` becomes (see :func:`_shut_down`)."""
+
+
+def takes_keyword(func: Callable[..., Any], name: str) -> bool:
+    """Whether ``func`` accepts the keyword ``name`` (vLLM's ``generate`` takes
+    ``session_id`` in 0.32 and later; a stand-in may not)."""
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def fail_in_flight(engine: Any) -> None:
@@ -579,6 +711,9 @@ def engine_kwargs(cfg: VLLMConfig) -> dict[str, Any]:
         scheduling_policy=cfg.scheduling_policy, seed=cfg.seed, disable_log_stats=True,
         speculative_config=speculative_config(cfg),
         **({"block_size": cfg.block_size} if cfg.block_size else {}),
+        **({"gpu_memory_utilization": cfg.gpu_memory_utilization}
+           if cfg.gpu_memory_utilization is not None else {}),
+        **({"enable_sleep_mode": True} if cfg.enable_sleep_mode else {}),
         **({"max_num_batched_tokens": step} if step else {}))
 
 

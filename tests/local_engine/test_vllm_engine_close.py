@@ -126,8 +126,9 @@ class StandInAsyncLLM:
         self.output_processor.request_states.pop(request_id, None)
 
     def shutdown(self) -> None:
+        # as vLLM's (cancel_task_threadsafe): VLLMEngine.close runs it in a worker thread
         if self.handler is not None:
-            self.handler.cancel()
+            self.handler.get_loop().call_soon_threadsafe(self.handler.cancel)
 
 
 async def _engine(tmp_path: Path) -> tuple[VLLMEngine, StandInAsyncLLM]:

@@ -77,26 +77,26 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
             _add(sized, name, fake([name], delay_s=args.fake_delay_s, **scripted),
                  FAKE_MODEL_MB)
     else:
-        from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
+        from flowlift.local_engine.engine_plan import plan_engines
+        from flowlift.local_engine.vllm_engine import VLLMEngine
 
-        configs = []  # all resolved (converted, downloaded) before any engine sets vLLM's env
-        for model in [args.model, *extra]:
+        def preparing(model: str | None) -> None:
             print(f"flowlift: preparing model {model or 'SmolLM2-135M-Instruct (default)'} ...",
                   file=sys.stderr, flush=True)
-            configs.append(VLLMConfig.for_model(model, dtype=args.dtype,
-                                                max_model_len=args.max_model_len,
-                                                max_num_seqs=args.max_concurrency,
-                                                speculative_ngram=args.speculative_ngram,
-                                                speculative_max_batch=args.speculative_max_batch,
-                                                block_size=args.block_size,
-                                                max_num_batched_tokens=args.max_step_tokens,
-                                                step_timings="auto" in (
-                                                    getattr(args, "batch_cap_when_interactive",
-                                                            None),
-                                                    getattr(args, "batch_cap", None))))
-        for config in configs:
-            _add(sized, config.served_model_name, VLLMEngine(config),
-                 config.estimated_memory_mb())
+
+        # all resolved (converted, downloaded) before any engine sets vLLM's env; on a GPU
+        # each gets its settings and share of the GPU (docs/gpu.md)
+        for plan in plan_engines(
+                [args.model, *extra], max_concurrency=args.max_concurrency,
+                dtype=args.dtype, enforce_eager=getattr(args, "enforce_eager", False),
+                on_prepare=preparing, budget_mb=getattr(args, "memory_budget_mb", None),
+                max_model_len=args.max_model_len, speculative_ngram=args.speculative_ngram,
+                speculative_max_batch=args.speculative_max_batch, block_size=args.block_size,
+                max_num_batched_tokens=args.max_step_tokens,
+                step_timings="auto" in (getattr(args, "batch_cap_when_interactive", None),
+                                        getattr(args, "batch_cap", None))):
+            _add(sized, plan.config.served_model_name, VLLMEngine(plan.config),
+                 plan.memory_mb)
     budget = getattr(args, "memory_budget_mb", None)
     too_big = [f"{name} (~{mb:.0f} MB)" for name, (_, mb) in sized.items()
                if budget is not None and mb > budget]
@@ -226,6 +226,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     engine_opts(serve)
     serve.add_argument("--dtype", default=None, help="engine dtype (default: each model's "
                        "own: float32, bfloat16 for the Qwen2.5-Coder pair)")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="on a GPU: no CUDA graphs (quicker start, slower decoding); "
+                            "the CPU build always runs eager")
     serve.add_argument("--max-model-len", type=_positive_int, default=4096,
                        help="embedded engine context in tokens, prompt plus completion "
                             "(default 4096); longer requests get HTTP 400")
