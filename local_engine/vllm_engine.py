@@ -428,6 +428,12 @@ class VLLMEngine(Engine):
         ``max_tokens``, :func:`flowlift.local_engine.prefill.reserved_fraction`)."""
         return None if self._engine is None else prefill.reserved_fraction(self._engine)
 
+    def kv_capacity_tokens(self) -> int | None:
+        """``num_gpu_blocks * block_size`` of the started engine's cache config (the
+        engine core reports its block count to the front end at start); ``None`` before
+        :meth:`start`."""
+        return None if self._engine is None else prefill.capacity_tokens(self._engine)
+
     async def abort(self, request_id: str) -> None:
         """Stop a running request (its stream then ends with ``finish_reason="abort"``);
         unknown ids are ignored."""

@@ -28,6 +28,7 @@ from flowlift.proxy.config import FileConfig, ProxyConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.prefill_ahead import AheadConfig
 from flowlift.proxy.dispatch.programs import ProgramConfig
+from flowlift.proxy.dispatch.working_set import WorkingSetConfig
 from flowlift.proxy.http import log
 from flowlift.proxy.middleware import proxy_stack
 from flowlift.proxy.openai import routes as openai_api
@@ -58,7 +59,9 @@ async def readyz(request: web.Request) -> web.Response:
     body = {"ready": reason is None, "models": state.backends.models,
             "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason,
             "programs": {b.name: b.slots.programs.snapshot() for b in state.backends.backends
-                         if b.slots.programs.enabled}}
+                         if b.slots.programs.enabled},
+            "working_set": {b.name: b.slots.working.snapshot(b.slots.kv_capacity())
+                            for b in state.backends.backends if b.slots.working.enabled}}
     plans = {b.name: plan for b in state.backends.backends
              if (plan := b.slots.plan_snapshot()) is not None}
     if plans:
@@ -178,7 +181,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
                             enabled=config.prefill_ahead,
                             max_kv_usage=config.prefill_ahead_max_kv_usage),
                         programs=ProgramConfig(enabled=config.program_scheduling,
-                                               max_wait_s=config.program_max_wait_s))
+                                               max_wait_s=config.program_max_wait_s),
+                        working_set=WorkingSetConfig(enabled=config.working_set))
     if not backends.models:
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")

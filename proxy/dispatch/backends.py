@@ -33,6 +33,7 @@ from flowlift.proxy.dispatch.hints import SessionBook
 from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.prefill_ahead import AheadConfig, PrefillAhead
 from flowlift.proxy.dispatch.programs import ProgramConfig
+from flowlift.proxy.dispatch.working_set import WorkingSetConfig
 from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.tier_profiles import default_book
@@ -96,6 +97,8 @@ class Backends:
             defaults of :class:`~.prefill_ahead.AheadConfig`).
         programs: program-level scheduling on every pool (:mod:`.programs`; None: on,
             with the defaults of :class:`~.programs.ProgramConfig`; off with ``fcfs``).
+        working_set: working-set admission on every embedded engine (:mod:`.working_set`;
+            None: on, with its defaults; off with ``fcfs``).
 
     Raises:
         ConfigError: a route names the embedded engine and ``engines`` is empty.
@@ -111,7 +114,8 @@ class Backends:
                  transport: httpx.AsyncBaseTransport | None = None,
                  max_queue: int = 256,
                  prefill_ahead: AheadConfig | None = None,
-                 programs: ProgramConfig | None = None) -> None:
+                 programs: ProgramConfig | None = None,
+                 working_set: WorkingSetConfig | None = None) -> None:
         auto = batch_cap_when_interactive == "auto"
         self._auto_slowdown = interactive_slowdown if auto or batch_cap == "auto" else None
         self._auto_when_interactive = auto
@@ -120,7 +124,7 @@ class Backends:
             PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
             batch_cap_when_interactive=(None if batch_cap_when_interactive == "auto"
                                         else batch_cap_when_interactive),
-            preempt=preempt, programs=programs)
+            preempt=preempt, programs=programs, working_set=working_set)
         self._max_concurrency = max_concurrency
         self._prefill_budget = batch_prefill_budget
         self._per_engine: dict[int, Backend] = {}
@@ -167,6 +171,7 @@ class Backends:
         if backend is None:
             backend = Backend(f"engine-{len(self._per_engine)}", engine,
                               self._new_slots(capacity, kv_usage=engine.kv_cache_usage,
+                                              kv_capacity=engine.kv_capacity_tokens,
                                               **self._dynamic(engine, capacity)),
                               capacity)
             self._per_engine[id(engine)] = backend

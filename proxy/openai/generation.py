@@ -167,6 +167,9 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
                     async for chunk in stream:
                         if traced is not None:
                             traced.chunk(index, chunk)
+                        if chunk.usage is not None:  # the session's KV footprint
+                            backend.slots.observed(priority, chunk.usage.prompt_tokens
+                                                   + chunk.usage.completion_tokens)
                         await queue.put((index, chunk))
                 finally:
                     await stream.aclose()

@@ -162,7 +162,8 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "prefill_ahead_max_kv_usage": args.prefill_ahead_max_kv_usage,
              "append_recompile": args.append_recompile,
              "program_scheduling": args.program_scheduling,
-             "program_max_wait_s": args.program_max_wait_s}
+             "program_max_wait_s": args.program_max_wait_s,
+             "working_set": args.working_set}
     flags = {name: value for name, value in given.items() if value is not None}
     flags["state_path"] = None if args.state_db == ":memory:" else state_db
     return flags
@@ -649,6 +650,10 @@ def build_parser() -> argparse.ArgumentParser:
                        action="store_const", const=False, default=None,
                        help="do not order requests by their agent session's attained "
                             "service (least first) within a class (default: on)")
+    serve.add_argument("--no-working-set", dest="working_set", action="store_const",
+                       const=False, default=None,
+                       help="do not hold new agent sessions back while the KV of the "
+                            "sessions expected back fills the engine's cache (default: on)")
     serve.add_argument("--program-max-wait-s", type=_positive, default=None, metavar="S",
                        help="program scheduling's starvation bound: a request waiting S "
                             "seconds goes first in its class (default 30)")
