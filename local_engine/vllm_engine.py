@@ -47,6 +47,7 @@ from flowlift.local_engine.base import (
     require_plain,
 )
 from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
+from flowlift.local_engine.delta import DeltaPrompts
 from flowlift.local_engine.models import cache_dir, default_dtype, resolve_model
 from flowlift.local_engine.step_log import StepLog, vllm_stat_logger
 
@@ -231,6 +232,7 @@ class VLLMEngine(Engine):
         self._build = build or functools.partial(_build_engine, step_log=self.steps)
         self._engine: Any = None
         self._tokenizer: Any = None
+        self._delta: DeltaPrompts | None = None
         set_env_defaults(config)
 
     @property
@@ -258,6 +260,11 @@ class VLLMEngine(Engine):
         await asyncio.to_thread(lambda: built.append(build(self.config)))
         self._engine = built.pop()
         self._tokenizer = self._engine.get_tokenizer()
+        tok = self._tokenizer
+        self._delta = DeltaPrompts(
+            lambda m, gen: tok.apply_chat_template(m, add_generation_prompt=gen,
+                                                   tokenize=False),
+            lambda t: list(tok.encode(t, add_special_tokens=False)))
         self.load_time_s = time.perf_counter() - started
 
     def step_log(self) -> StepLog | None:
@@ -274,11 +281,16 @@ class VLLMEngine(Engine):
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         """Token ids of the prompt: a raw ``prompt`` tokenized as it is (with the
         tokenizer's special tokens, as vLLM's own completions endpoint does), else the
-        chat-templated ``messages`` with the generation prompt appended."""
+        chat-templated ``messages`` with the generation prompt appended; for a
+        session's turn (``session_id``), its previous turn's ids plus the new messages'
+        (:mod:`flowlift.local_engine.delta`: the same ids, in time linear in the new
+        messages only)."""
         param = "messages"
         if request.prompt is not None:
             param = "prompt"
             ids = list(self._tokenizer.encode(request.prompt))
+        elif request.session_id is not None and self._delta is not None and self._delta.exact:
+            ids = self._session_ids(request)
         else:
             ids = self._tokenizer.encode(self._chat_text(request), add_special_tokens=False)
         if not ids:
@@ -292,6 +304,17 @@ class VLLMEngine(Engine):
         check_completion_fits(len(ids), request.sampling.max_tokens,
                               self.config.max_model_len, param)
         return ids
+
+    def _session_ids(self, request: GenerationRequest) -> list[int]:
+        assert self._delta is not None
+        if not request.messages:
+            raise RequestError("messages must not be empty", param="messages")
+        msgs = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            return self._delta.ids(request.session_id, msgs)
+        except Exception as exc:
+            raise RequestError(f"the chat template rejected the messages: {exc}",
+                               param="messages") from exc
 
     def _chat_text(self, request: GenerationRequest) -> str:
         if not request.messages:

@@ -16,7 +16,7 @@ SMOKED = ["agent_session.py", "append_cost.py", "batch_pipeline.py", "cascade.py
           "chain_rtt.py", "residency.py", "make_batch_graph.py", "mixed_load.py",
           "prefill_ahead.py", "proxy_overhead.py", "proxy_tools.py", "routing.py",
           "speculative.py", "tiers.py", "tracing_overhead.py", "ui_render.py",
-          "browser_compiler.py", "label_probe.py", "agent_load_model.py", "adaptive.py",
+          "browser_compiler.py", "label_probe.py", "agent_load_model.py", "adaptive.py", "delta_turns.py",
           "peers/run.py"]
 
 
