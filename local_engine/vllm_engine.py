@@ -95,6 +95,9 @@ class VLLMConfig:
             build). The prefix cache reuses whole blocks, so a smaller block keeps more of
             a session's previous answer cached (case W5: at most ``block_size - 1``
             tokens of a turn's shared prefix are re-prefilled); 32 works on CPU.
+        kv_cache_blocks: a KV cache of exactly this many blocks (vLLM's
+            ``num_gpu_blocks_override``; ``None``: as many as ``kv_cache_space_gib``
+            holds): a cache smaller than a whole GiB, for benchmarks under KV pressure.
         max_num_batched_tokens: tokens one engine step may compute (``None``: vLLM's
             default, 2048 or more on CPU); a prompt longer than what is left of it is
             prefilled in chunks over several steps (vLLM's chunked prefill). Smaller
@@ -122,6 +125,7 @@ class VLLMConfig:
     speculative_ngram: int | None = None
     speculative_max_batch: int | None = None
     block_size: int | None = None
+    kv_cache_blocks: int | None = None
     max_num_batched_tokens: int | None = None
     step_timings: bool = False
 
@@ -608,6 +612,7 @@ def engine_kwargs(cfg: VLLMConfig) -> dict[str, Any]:
         scheduling_policy=cfg.scheduling_policy, seed=cfg.seed, disable_log_stats=True,
         speculative_config=speculative_config(cfg),
         **({"block_size": cfg.block_size} if cfg.block_size else {}),
+        **({"num_gpu_blocks_override": cfg.kv_cache_blocks} if cfg.kv_cache_blocks else {}),
         **({"max_num_batched_tokens": step} if step else {}))
 
 

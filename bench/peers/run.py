@@ -140,7 +140,8 @@ def p7(bases: dict[str, tuple[str, str]], sessions: int, args: argparse.Namespac
         result["stock_over"] = {
             arm: {"mean": round(stock["mean_s"] / s["mean_s"], 2),
                   "p90": round(stock["p90_s"] / s["p90_s"], 2),
-                  "turns_per_s": round(s["turns_per_s"] / stock["turns_per_s"], 2)}
+                  "turns_per_s": round(s["turns_per_s"] / stock["turns_per_s"], 2)
+            if stock["turns_per_s"] else None}
             for arm, s in result["summary"].items() if arm != "stock"}
     return result
 
@@ -177,6 +178,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the "
                    "converted SmolLM2-135M-Instruct in the cache)")
     p.add_argument("--kv-cache-gib", type=int, default=1)
+    p.add_argument("--kv-cache-blocks", type=int, default=None,
+                   help="a cache of exactly N blocks on both sides (smaller than a GiB)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--arrival-gap-s", type=float, default=0.2)
@@ -213,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     engine = servers.EngineArgs("fake" if args.smoke else model_dir(args.model),
                                 args.kv_cache_gib, args.max_num_seqs,
+                                kv_cache_blocks=args.kv_cache_blocks,
                                 extra_env=tuple(tuple(kv.split("=", 1))  # type: ignore[misc]
                                                 for kv in args.env))
     results: dict[str, Any] = {

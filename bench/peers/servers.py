@@ -36,12 +36,15 @@ class EngineArgs:
         kv_cache_gib: KV cache in GiB (whole numbers: the CPU build's env var is an int).
         max_num_seqs: sequences decoded together (flowlift: ``--max-concurrency``).
         max_model_len: context in tokens.
+        kv_cache_blocks: a cache of exactly this many blocks (vLLM's
+            ``--num-gpu-blocks-override``, flowlift's ``--kv-cache-blocks``).
     """
 
     model_dir: str
     kv_cache_gib: int = 1
     max_num_seqs: int = 16
     max_model_len: int = 4096
+    kv_cache_blocks: int | None = None
     extra_env: tuple[tuple[str, str], ...] = ()
 
     def env(self) -> dict[str, str]:
@@ -58,14 +61,18 @@ def stock_command(args: EngineArgs, port: int, name: str = "default") -> list[st
             "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
             "--enable-prefix-caching", "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs), "--seed", "0",
-            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+            *(("--num-gpu-blocks-override", str(args.kv_cache_blocks))
+              if args.kv_cache_blocks else ())]
 
 
 def flowlift_args(args: EngineArgs, *extra: str) -> list[str]:
     """``flowlift serve`` flags for the same engine (``extra``: the side's own flags)."""
     return ["--model", args.model_dir, "--dtype", "float32",
             "--max-concurrency", str(args.max_num_seqs),
-            "--max-model-len", str(args.max_model_len), *extra]
+            "--max-model-len", str(args.max_model_len),
+            *(("--kv-cache-blocks", str(args.kv_cache_blocks)) if args.kv_cache_blocks
+              else ()), *extra]
 
 
 def vllm_version() -> str:

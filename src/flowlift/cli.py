@@ -110,6 +110,8 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
                                                 speculative_ngram=args.speculative_ngram,
                                                 speculative_max_batch=args.speculative_max_batch,
                                                 block_size=args.block_size,
+                                                kv_cache_blocks=getattr(
+                                                    args, "kv_cache_blocks", None),
                                                 max_num_batched_tokens=args.max_step_tokens,
                                                 step_timings="auto" in (
                                                     getattr(args, "batch_cap_when_interactive",
@@ -677,6 +679,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV-cache block size in tokens (default: vLLM's, 128 on CPU; "
                             "vLLM's CPU build needs a multiple of 32); smaller blocks keep "
                             "more of a session's previous answer cached")
+    serve.add_argument("--kv-cache-blocks", type=_positive_int, default=None, metavar="N",
+                       help="KV cache of exactly N blocks (vLLM's "
+                            "num_gpu_blocks_override; default: as many as the KV-cache "
+                            "space holds)")
     serve.add_argument("--max-step-tokens", type=_positive_int, default=None, metavar="N",
                        help="tokens one engine step may compute (vLLM's "
                             "max_num_batched_tokens; longer prompts are prefilled in "
