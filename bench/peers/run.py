@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.mkdir(parents=True, exist_ok=True)
         bases: dict[str, tuple[str, str]] = {}
         for arm in args.arms:
-            log = logs / f"peers_{arm}.log"
+            log = logs / f"{args.out}_{arm}.log"
             log.unlink(missing_ok=True)
             flags = ARMS[arm]
             if flags is None and not args.smoke:
