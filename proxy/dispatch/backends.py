@@ -33,12 +33,12 @@ from flowlift.proxy.dispatch.hints import SessionBook
 from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.prefill_ahead import AheadConfig, PrefillAhead
 from flowlift.proxy.dispatch.programs import ProgramConfig
-from flowlift.proxy.dispatch.working_set import WorkingSetConfig
 from flowlift.proxy.dispatch.routing import Route, has_untried, pick
 from flowlift.proxy.dispatch.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.tier_profiles import default_book
 from flowlift.proxy.dispatch.upstream import Upstream
 from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
+from flowlift.proxy.dispatch.working_set import WorkingSetConfig
 
 EMBEDDED = "embedded:"
 """Prefix of an embedded backend's name in routes (``embedded:<served model>``)."""
@@ -172,6 +172,7 @@ class Backends:
             backend = Backend(f"engine-{len(self._per_engine)}", engine,
                               self._new_slots(capacity, kv_usage=engine.kv_cache_usage,
                                               kv_capacity=engine.kv_capacity_tokens,
+                                              kv_block=engine.kv_block_tokens,
                                               **self._dynamic(engine, capacity)),
                               capacity)
             self._per_engine[id(engine)] = backend
