@@ -461,6 +461,13 @@ class VLLMEngine(Engine):
         :meth:`start`."""
         return None if self._engine is None else prefill.capacity_tokens(self._engine)
 
+    def kv_block_tokens(self) -> int | None:
+        """The started engine's ``cache_config.block_size`` (None before :meth:`start`)."""
+        if self._engine is None:
+            return None
+        size = self._engine.vllm_config.cache_config.block_size
+        return int(size) if size else None
+
     async def abort(self, request_id: str) -> None:
         """Stop a running request (its stream then ends with ``finish_reason="abort"``);
         unknown ids are ignored."""

@@ -42,7 +42,7 @@ texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_si
 turns = st.lists(st.tuples(texts, texts), min_size=1, max_size=6)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(system=st.one_of(st.none(), texts), first=texts, steps=turns)
 def test_delta_ids_equal_the_full_render_turn_after_turn(tokenizer, system, first, steps):
     delta = prompts(tokenizer)

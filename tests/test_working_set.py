@@ -176,3 +176,13 @@ async def test_the_slot_queue_holds_a_new_session_until_the_working_set_fits():
 async def test_fcfs_turns_working_set_admission_off():
     slots = PrioritySlots(capacity=2, policy=SlotPolicy(fcfs=True), kv_capacity=lambda: 10)
     assert not slots.working.enabled
+
+
+def test_needs_count_whole_blocks_and_one_more():
+    clock = Clock()
+    ws = WorkingSet(WorkingSetConfig(target=1.0), timer=clock)
+    for p in ("a", "b"):
+        session(ws, clock, p, 300)
+    assert ws.members(128) == {"a": 512, "b": 512}  # 3 blocks of 300 tokens, plus one
+    assert ws.admits("b", 1000) and not ws.admits("b", 1000, 128)
+    assert ws.estimate("new", 128) == 512  # a first call like the ones seen

@@ -146,6 +146,7 @@ class Backends:
             backend = Backend(f"engine-{len(self._per_engine)}", engine,
                               self._new_slots(capacity, kv_usage=engine.kv_cache_usage,
                                               kv_capacity=engine.kv_capacity_tokens,
+                                              kv_block=engine.kv_block_tokens,
                                               **self._dynamic(engine, capacity)),
                               capacity)
             self._per_engine[id(engine)] = backend

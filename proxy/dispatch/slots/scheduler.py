@@ -72,6 +72,7 @@ from flowlift.proxy.dispatch.slots.working_set import WorkingSet, WorkingSetConf
 
 KvUsage = Callable[[], "float | None"]
 KvCapacity = Callable[[], "int | None"]
+KvBlock = Callable[[], "int | None"]
 
 CLASS_RANK = {"interactive": 0, "batch": 1, "idle": 2}
 """``idle``: deferrable work of the local tier (:mod:`flowlift.tiers`), after all batch
@@ -139,6 +140,7 @@ class PrioritySlots:
             when a new program's request would start while a session's KV is kept.
         kv_capacity: the engine's KV cache in tokens (None, or returning None:
             unknown, no working-set admission: ``policy.working_set``).
+        kv_block: the engine's KV block size in tokens (None: 1).
         timer: the clock of attained service and waits (seconds); tests inject one.
         dynamic: the batch plan beside interactive work from measured step times
             (replaces ``batch_cap_when_interactive``; not with ``fcfs``).
@@ -160,7 +162,8 @@ class PrioritySlots:
                  dynamic: DynamicCap | None = None,
                  linger: LingerModel | None = None,
                  steady: int | DynamicCap | None = None,
-                 kv_capacity: KvCapacity | None = None) -> None:
+                 kv_capacity: KvCapacity | None = None,
+                 kv_block: KvBlock | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         policy = policy or SlotPolicy()
@@ -199,6 +202,7 @@ class PrioritySlots:
         self.working = WorkingSet(dataclasses.replace(ws, enabled=ws.enabled and not fcfs),
                                   timer)
         self._kv_capacity = kv_capacity
+        self._kv_block = kv_block
         self._arrivals: deque[_Waiter] = deque()  # arrival order, for the wait bound
         self._held: list[_Waiter] = []
         self._hold_timer: asyncio.TimerHandle | None = None
@@ -464,7 +468,9 @@ class PrioritySlots:
     def _outside_working_set(self, w: _Waiter) -> bool:
         """Whether ``w`` waits for the working set to fit (:mod:`.working_set`)."""
         return (not w.future.done() and self.working.enabled
-                and not self.working.admits(w.priority.program, self.kv_capacity()))
+                and not self.working.admits(w.priority.program, self.kv_capacity(),
+                                            None if self._kv_block is None
+                                            else self._kv_block()))
 
     def _holds(self, w: _Waiter, kv: float | None) -> bool:
         """Whether ``w`` stays held: never past ``keep_ttl_s`` from its arrival (new

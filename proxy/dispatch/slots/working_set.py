@@ -108,9 +108,13 @@ class SessionKV:
     waiting: int = 0
     fresh: bool = True
 
-    def need(self) -> int:
-        """Tokens its next call will hold: what it re-reads plus what it adds."""
-        return self.tokens + self.growth
+    def need(self, block: int = 1) -> int:
+        """Tokens its next call will hold: what it re-reads plus what it adds, in whole
+        ``block``-token blocks plus one (the KV cache allocates whole blocks, and the
+        prefix cache keeps only full ones)."""
+        if block <= 1:
+            return self.tokens + self.growth
+        return (-(-(self.tokens + self.growth) // block) + 1) * block
 
 
 class WorkingSet:
@@ -214,34 +218,37 @@ class WorkingSet:
         return (s.running > 0 or s.waiting > 0
                 or (s.away_since is not None and now - s.away_since < horizon))
 
-    def members(self) -> dict[str, int]:
+    def members(self, block: int = 1) -> dict[str, int]:
         """The working set now, oldest admitted first: session -> tokens its next call
-        will hold."""
+        will hold (in whole ``block``-token blocks)."""
         now, horizon = self._timer(), self.horizon_s()
         live = sorted((s.order, p) for p, s in self._sessions.items()
                       if self._live(s, now, horizon))
-        return {p: self._sessions[p].need() for _, p in live}
+        return {p: self._sessions[p].need(block) for _, p in live}
 
     def tokens(self) -> int:
         """The working set's tokens now."""
         return sum(self.members().values())
 
-    def estimate(self, program: str | None) -> int:
+    def estimate(self, program: str | None, block: int = 1) -> int:
         """Tokens a call of ``program`` will hold: its own need when known, else the
         mean first call seen (``new_session_tokens`` before any)."""
         s = None if program is None else self._sessions.get(program)
         if s is not None and (s.tokens or not s.fresh):
-            return s.need()
-        if self._firsts:
-            return round(sum(self._firsts) / len(self._firsts))
-        return self.config.new_session_tokens
+            return s.need(block)
+        first = (round(sum(self._firsts) / len(self._firsts)) if self._firsts
+                 else self.config.new_session_tokens)
+        return SessionKV(tokens=first).need(block)
 
-    def admits(self, program: str | None, capacity_tokens: int | None) -> bool:
+    def admits(self, program: str | None, capacity_tokens: int | None,
+               block: int | None = None) -> bool:
         """Whether a call of ``program`` may start now on a cache of ``capacity_tokens``
-        (None: unknown, every call is admitted)."""
+        (None: unknown, every call is admitted) allocated in ``block``-token blocks
+        (None: 1)."""
         if not self.enabled or capacity_tokens is None or capacity_tokens <= 0:
             return True
-        members = self.members()
+        block = block or 1
+        members = self.members(block)
         ahead = 0
         for p, need in members.items():  # oldest first: those admitted before it
             if p == program:
@@ -249,7 +256,7 @@ class WorkingSet:
             ahead += need
         if not members:
             return True
-        return ahead + self.estimate(program) <= self.config.target * capacity_tokens
+        return ahead + self.estimate(program, block) <= self.config.target * capacity_tokens
 
     def next_change_s(self) -> float | None:
         """Seconds until the next away session leaves the working set (None: none
