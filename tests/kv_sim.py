@@ -20,7 +20,7 @@ import statistics
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from flowlift.proxy.dispatch.working_set import WorkingSet
+from flowlift.proxy.dispatch.slots.working_set import WorkingSet
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from flowlift.proxy import create_app
 from flowlift.proxy.config import parse_config
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.state import STATE
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.workflows.registry import RunRegistry
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.sdk.agents import agent_tools, tool_spec
 from flowlift.testing import FakeEngine, capture_spans, tool_calls_text
 from flowlift.tracing.timeline import segments

@@ -1,5 +1,5 @@
 """The fake Batch API (flowlift.testing_batch) and the batch backend's client
-(flowlift.proxy.dispatch.batch): packing, submission, polling, every per-line outcome."""
+(flowlift.proxy.dispatch.batch.api): packing, submission, polling, every per-line outcome."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from flowlift.errors import ConfigError, UpstreamError
 from flowlift.proxy.config import BatchSpec, parse_config
-from flowlift.proxy.dispatch.batch import (
+from flowlift.proxy.dispatch.batch.api import (
     Advice,
     BatchClient,
     BatchLine,
@@ -261,7 +261,7 @@ async def test_the_pool_packs_lines_ready_together_into_one_file_per_model(
         clock: Clock) -> None:
     import asyncio
 
-    from flowlift.proxy.dispatch.batch_pool import BatchPool
+    from flowlift.proxy.dispatch.batch.pool import BatchPool
     api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 30.0)
     async with _client(api) as (client, _):
         journal = Recorder()
@@ -281,7 +281,7 @@ async def test_a_restart_resumes_polling_and_never_submits_a_line_twice(
         clock: Clock) -> None:
     import asyncio
 
-    from flowlift.proxy.dispatch.batch_pool import BatchPool
+    from flowlift.proxy.dispatch.batch.pool import BatchPool
     api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 30.0)
     async with _client(api) as (client, _):
         dying = BatchPool(client, journal=Recorder(die_on_submit=True))
@@ -312,7 +312,7 @@ async def test_a_restart_resumes_polling_and_never_submits_a_line_twice(
 async def test_a_batch_whose_lines_are_all_abandoned_is_cancelled(clock: Clock) -> None:
     import asyncio
 
-    from flowlift.proxy.dispatch.batch_pool import BatchPool
+    from flowlift.proxy.dispatch.batch.pool import BatchPool
     api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 100.0)
     async with _client(api) as (client, _):
         pool = BatchPool(client)
@@ -348,7 +348,7 @@ async def test_a_line_abandoned_before_its_file_is_sent_is_never_submitted(
         clock: Clock) -> None:
     import asyncio
 
-    from flowlift.proxy.dispatch.batch_pool import BatchPool
+    from flowlift.proxy.dispatch.batch.pool import BatchPool
     api = FakeBatchAPI(clock=clock)
     async with _client(api) as (client, _):
         pool = BatchPool(client, collect_s=0.05)
@@ -365,7 +365,7 @@ async def test_a_line_abandoned_before_its_file_is_sent_is_never_submitted(
 async def test_the_pool_forgets_the_lines_it_answered(clock: Clock) -> None:
     import asyncio
 
-    from flowlift.proxy.dispatch.batch_pool import BatchPool
+    from flowlift.proxy.dispatch.batch.pool import BatchPool
     api = FakeBatchAPI(clock=clock, turnaround=lambda rng: 10.0)
     async with _client(api) as (client, _):
         pool = BatchPool(client, collect_s=0.01)

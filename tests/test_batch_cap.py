@@ -1,4 +1,4 @@
-"""The dynamic batch plan beside interactive work (flowlift.proxy.dispatch.batch_cap).
+"""The dynamic batch plan beside interactive work (flowlift.proxy.dispatch.slots.batch_cap).
 
 The model fit, the plan, the linger and the choice of victims are pure functions of
 measured numbers (property tests); the slots honour the plan on the fake engine (no
@@ -23,7 +23,7 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.local_engine.step_log import EngineStep, StepLog
-from flowlift.proxy.dispatch.batch_cap import (
+from flowlift.proxy.dispatch.slots.batch_cap import (
     BatchPlan,
     DynamicCap,
     LingerModel,
@@ -32,9 +32,10 @@ from flowlift.proxy.dispatch.batch_cap import (
     linger_from,
     plan_beside_interactive,
 )
-from flowlift.proxy.dispatch.preemption import Candidate, victims_beside_interactive
-from flowlift.proxy.dispatch.resumable import ResumableGeneration
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.slots.policy import SlotPolicy
+from flowlift.proxy.dispatch.slots.preemption import Candidate, victims_beside_interactive
+from flowlift.proxy.dispatch.slots.resumable import ResumableGeneration
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
 from flowlift.testing import FakeEngine
 
 BATCH = Priority.of("batch")
@@ -197,7 +198,7 @@ def _cap(plan: BatchPlan) -> DynamicCap:
 
 
 async def test_no_batch_prefill_starts_beside_interactive_work_when_the_plan_has_none():
-    slots = PrioritySlots(capacity=8, reserved_interactive=1, linger_s=0.0,
+    slots = PrioritySlots(capacity=8, policy=SlotPolicy(reserved_interactive=1, linger_s=0.0),
                           dynamic=_cap(BatchPlan(4, 0)))
     a = slots.slot(BATCH, 100)
     await a.acquire()
@@ -213,7 +214,7 @@ async def test_no_batch_prefill_starts_beside_interactive_work_when_the_plan_has
 
 
 async def test_decode_cap_of_the_plan_bounds_batch_slots_beside_interactive_work():
-    slots = PrioritySlots(capacity=8, reserved_interactive=1, linger_s=0.0,
+    slots = PrioritySlots(capacity=8, policy=SlotPolicy(reserved_interactive=1, linger_s=0.0),
                           dynamic=_cap(BatchPlan(2, 1 << 20)))
     i = slots.slot(INTERACTIVE)
     await i.acquire()
@@ -264,7 +265,8 @@ async def _read(run: ResumableGeneration) -> str:
 async def test_batch_requests_in_prefill_are_preempted_first_and_finish_unchanged():
     engine = _SlowPrefill(0.3, responder=lambda r: f"{r.prompt}: one two three four",
                           chunk_chars=4, delay_s=0.005)
-    slots = PrioritySlots(capacity=8, reserved_interactive=1, linger_s=0.0, preempt=True,
+    slots = PrioritySlots(capacity=8,
+                          policy=SlotPolicy(reserved_interactive=1, linger_s=0.0, preempt=True),
                           dynamic=_cap(BatchPlan(4, 0)))
 
     def request(rid: str, prompt: str) -> GenerationRequest:
@@ -288,8 +290,9 @@ async def test_batch_requests_in_prefill_are_preempted_first_and_finish_unchange
 async def test_under_a_fixed_cap_requests_in_prefill_are_never_preempted():
     engine = _SlowPrefill(0.2, responder=lambda r: f"{r.prompt}: one two",
                           chunk_chars=4, delay_s=0.005)
-    slots = PrioritySlots(capacity=8, reserved_interactive=1, linger_s=0.0, preempt=True,
-                          batch_cap_when_interactive=1)
+    slots = PrioritySlots(capacity=8,
+                          policy=SlotPolicy(reserved_interactive=1, linger_s=0.0, preempt=True,
+                                            batch_cap_when_interactive=1))
     runs = [ResumableGeneration(engine, slots, GenerationRequest(
         f"b{i}", "fake-model", prompt=f"doc {i}"), BATCH, 400) for i in range(2)]
     readers = [asyncio.create_task(_read(run)) for run in runs]
@@ -435,7 +438,8 @@ async def test_the_slots_linger_as_long_as_programs_were_seen_to_take():
     import time
 
     linger = LingerModel(10.0, time.monotonic, min_samples=4)
-    slots = PrioritySlots(capacity=4, reserved_interactive=1, linger_s=10.0, linger=linger)
+    slots = PrioritySlots(capacity=4, policy=SlotPolicy(reserved_interactive=1, linger_s=10.0),
+                          linger=linger)
     for k in range(6):  # chains whose next step came at once, then ended
         first = Priority.of("interactive", program=f"run{k}")
         await slots.acquire(first)

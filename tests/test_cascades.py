@@ -19,7 +19,7 @@ from flowlift.graph import Graph, LLMNode
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.config import parse_config
 from flowlift.proxy.state import STATE
-from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.store.outcomes import StepOutcomes
 from flowlift.report import format_report
 from flowlift.testing import FakeEngine
 from tests.test_contract_retries import run as run_graph

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowlift.local_engine.base import TokenLogprob, Usage
-from flowlift.proxy.openai.chunks import Chunk, ChunkChoice, parse, parse_event
+from flowlift.proxy.wire.chunks import Chunk, ChunkChoice, parse, parse_event
 
 
 def test_a_chat_stream_chunk():

@@ -19,8 +19,8 @@ from flowlift.graph import Graph
 from flowlift.predicates import Predicate, PredicateFailed, evaluate
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.state import STATE
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.workflows.registry import RunRegistry
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.testing import FakeEngine
 
 

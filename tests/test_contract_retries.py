@@ -22,8 +22,8 @@ from flowlift.errors import (
 from flowlift.graph import Contract, Graph
 from flowlift.local_engine.base import GenerationRequest, OutputConstraint
 from flowlift.proxy import create_app
-from flowlift.proxy.dispatch.upstream import unretryable
-from flowlift.proxy.dispatch.upstream_engine import chat_body
+from flowlift.proxy.dispatch.upstream.engine import chat_body
+from flowlift.proxy.dispatch.upstream.provider import unretryable
 from flowlift.proxy.state import STATE
 from flowlift.proxy.workflows.contracts import check_output
 from flowlift.testing import FakeEngine, default_responder, parse_sse

@@ -7,6 +7,7 @@ import asyncio
 
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.settings import DispatchSettings
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.proxy.workflows.runs import Run
 from flowlift.testing import FakeEngine
@@ -19,7 +20,7 @@ def llm(node_id, text, *refs):
 
 async def test_w4_queued_past_the_deadline_names_step_and_queue_time():
     engine = FakeEngine(["m"], delay_s=0.1)
-    backends = Backends({"m": engine}, max_concurrency=1)
+    backends = Backends({"m": engine}, DispatchSettings(max_concurrency=1))
     graph = Graph.model_validate({"deadline_s": 0.3, "nodes": [
         llm("busy", "word " * 30), llm("waiting", "other words " * 3)]})
     run = Run(graph, backends)

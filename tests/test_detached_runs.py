@@ -19,10 +19,10 @@ from flowlift.costs import CostTracker
 from flowlift.errors import SemanticVariableError
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.workflows.events import EventLog
+from flowlift.proxy.store.events import EventLog
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.registry import RunRegistry
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.testing import FakeEngine
 
 GONE = "http://127.0.0.1:9"  # nothing answers there

@@ -13,7 +13,7 @@ import pytest
 from flowlift.local_engine.base import GenerationRequest
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.config import parse_config
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, parse_sse
 
@@ -159,7 +159,7 @@ async def test_a_healthy_upstream_replica_takes_the_step_through_the_route_pool(
 
 
 def test_an_upstream_call_is_counted_in_and_out_once_and_records_its_outcome():
-    from flowlift.proxy.dispatch.health import Health
+    from flowlift.proxy.dispatch.upstream.health import Health
 
     health = Health(failures_to_cool=2, cooldown_s=10)
     call = health.call()

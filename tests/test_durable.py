@@ -18,8 +18,8 @@ from flowlift import step, tool, workflow
 from flowlift.costs import CostTracker
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.workflows.registry import RunRegistry
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.testing import FakeEngine, free_port, parse_sse, running_proxy
 
 

@@ -1,4 +1,4 @@
-"""Tool calls complete while a turn streams (proxy/tools/early.py, the embedded
+"""Tool calls complete while a turn streams (proxy/wire/early_calls.py, the embedded
 engine's constrained JSON; ToolCallPieces.ready, an upstream's ``delta.tool_calls``)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flowlift.proxy.openai.chunks import ToolCallPieces
-from flowlift.proxy.tools.early import EarlyCalls, call_key
+from flowlift.proxy.wire.chunks import ToolCallPieces
+from flowlift.proxy.wire.early_calls import EarlyCalls, call_key
 from flowlift.testing import tool_calls_text
 
 ARGS = st.dictionaries(st.text(min_size=1, max_size=8),

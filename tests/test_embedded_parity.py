@@ -24,11 +24,11 @@ from flowlift.errors import EngineError, RequestError
 from flowlift.local_engine.base import Capabilities, GenerationRequest
 from flowlift.local_engine.vllm_engine import token_logprobs
 from flowlift.proxy.dispatch.backends import Backend
-from flowlift.proxy.dispatch.scheduler import PrioritySlots
+from flowlift.proxy.dispatch.slots.scheduler import PrioritySlots
 from flowlift.proxy.http import openai_errors
 from flowlift.proxy.openai.chat_completion import serving as embedded
-from flowlift.proxy.openai.chat_completion.tool_output import ToolOutputDecoder
-from flowlift.proxy.openai.chat_completion.tools import ToolPlan
+from flowlift.proxy.wire.tool_calls import ToolPlan
+from flowlift.proxy.wire.tool_output import ToolOutputDecoder
 from flowlift.testing import FakeEngine, parse_sse
 
 MODEL = "fake-model"

@@ -1,4 +1,4 @@
-"""Hints the engines understand (proxy/dispatch/hints.py): vLLM ``priority``, SGLang
+"""Hints the engines understand (proxy/dispatch/routing/hints.py): vLLM ``priority``, SGLang
 ``session_id`` with its sessions opened and closed, Dynamo ``nvext.agent_hints``; the
 exact request bodies through an ``httpx.MockTransport``, and nothing for a backend that
 did not opt in."""
@@ -20,9 +20,8 @@ from flowlift.local_engine.base import (
 )
 from flowlift.proxy import create_app
 from flowlift.proxy.config import UpstreamSpec, parse_config
-from flowlift.proxy.dispatch.attempts import Opened
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.hints import (
+from flowlift.proxy.dispatch.routing.hints import (
     SESSION_CAPACITY_CHARS,
     SESSION_TIMEOUT_S,
     SessionBook,
@@ -30,8 +29,9 @@ from flowlift.proxy.dispatch.hints import (
     hint_fields,
     server_root,
 )
-from flowlift.proxy.dispatch.scheduler import Priority
-from flowlift.proxy.dispatch.upstream_engine import open_chat
+from flowlift.proxy.dispatch.slots.scheduler import Priority
+from flowlift.proxy.dispatch.upstream.attempts import Opened
+from flowlift.proxy.dispatch.upstream.engine import open_chat
 from flowlift.proxy.state import STATE
 from flowlift.testing import parse_sse
 

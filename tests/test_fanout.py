@@ -17,8 +17,8 @@ from flowlift.costs import CostTracker
 from flowlift.dataflow import validate
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.workflows.registry import RunRegistry
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.testing import FakeEngine
 
 

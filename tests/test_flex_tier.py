@@ -1,4 +1,4 @@
-"""The flex tier (flowlift.proxy.dispatch.flex): service_tier on the wire for flex and
+"""The flex tier (flowlift.proxy.dispatch.batch.flex): service_tier on the wire for flex and
 priority backends, the tier an answer was served at, and what a capacity 429 does."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from flowlift.local_engine.base import ChatMessage, GenerationRequest
 from flowlift.proxy import create_app
 from flowlift.proxy.config import UpstreamSpec, parse_config
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.flex import after_capacity_429, cost, served_tier, tier_fields
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.batch.flex import after_capacity_429, cost, served_tier, tier_fields
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
 from flowlift.proxy.state import STATE
 from flowlift.tiers import TierProfile

@@ -1,9 +1,9 @@
-"""The backend health rule of :mod:`flowlift.proxy.dispatch.health`, on an injected clock:
+"""The backend health rule of :mod:`flowlift.proxy.dispatch.upstream.health`, on an injected clock:
 what counts as evidence against a backend, distinct requests in a row, probes."""
 
 from __future__ import annotations
 
-from flowlift.proxy.dispatch.health import Health
+from flowlift.proxy.dispatch.upstream.health import Health
 
 
 class Clock:

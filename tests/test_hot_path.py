@@ -13,12 +13,12 @@ import json
 import pytest
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from flowlift.proxy.dispatch.forward import IdleTimer
-from flowlift.proxy.dispatch.routing import Route, pick
-from flowlift.proxy.dispatch.sse_bytes import block_at, finished
+from flowlift.proxy.dispatch.routing.routing import Route, pick
+from flowlift.proxy.dispatch.upstream.forward import IdleTimer
 from flowlift.proxy.lifecycle import GC_YOUNG_THRESHOLD, settle_heap
-from flowlift.proxy.openai.chunks import parse
 from flowlift.proxy.telemetry.requests import _HELD_MAX, RequestTrace
+from flowlift.proxy.wire.chunks import parse
+from flowlift.proxy.wire.sse_bytes import block_at, finished
 from tests.upstream_fake import chat_json, chunk
 
 

@@ -12,10 +12,11 @@ import pytest
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from flowlift.proxy.dispatch import forward, sse_bytes
-from flowlift.proxy.dispatch.sse_bytes import finished, has_error, without_usage
+from flowlift.proxy.dispatch.upstream import forward
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.proxy.telemetry.requests import RequestTrace
+from flowlift.proxy.wire import sse_bytes
+from flowlift.proxy.wire.sse_bytes import finished, has_error, without_usage
 from tests.upstream_fake import FakeUpstream, chat_json, chunk, upstream_only_proxy
 
 CHAT = {"model": "up", "messages": [{"role": "user", "content": "hello there"}]}
@@ -248,7 +249,7 @@ async def test_a_request_waiting_on_its_upstream_holds_few_coroutines(
 
 
 def test_a_stream_for_a_span_that_records_nothing_is_read_without_its_choices(monkeypatch):
-    from flowlift.proxy.openai import chunks
+    from flowlift.proxy.wire import chunks
     monkeypatch.setattr(chunks, "_choice", _refuse)
     rt = RequestTrace(NonRecordingSpan(SpanContext(1, 2, False)), "chat")
     rt.request("up", None, True)

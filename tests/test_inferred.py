@@ -13,7 +13,8 @@ from flowlift.compiler import CompileOptions, compile_graph
 from flowlift.dataflow import dependencies, validate
 from flowlift.errors import RequestError
 from flowlift.graph import Graph, Ref, Text
-from flowlift.proxy.workflows.inferred import InferredWorkflows, render_message, workflow_from
+from flowlift.proxy.wire.messages import render_message
+from flowlift.proxy.workflows.inferred import InferredWorkflows, workflow_from
 from flowlift.report import CompileReport
 
 PREAMBLE = ("You are a precise assistant for the Python standard library documentation. "

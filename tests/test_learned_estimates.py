@@ -13,7 +13,7 @@ import pytest
 
 from flowlift import step, workflow
 from flowlift.errors import DeadlineWarning, RequestError
-from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.store.outcomes import StepOutcomes
 from flowlift.testing import running_proxy
 from flowlift.tracing.timeline import (
     measured_critical_path,

@@ -24,9 +24,9 @@ from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.lifecycle import DRAIN
 from flowlift.proxy.state import STATE
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.registry import RunRegistry
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.testing import FakeEngine, free_port, running_proxy
 
 # -- readiness and the drain gate, in process ------------------------------------------

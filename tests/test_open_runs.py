@@ -31,12 +31,13 @@ from flowlift.costs import CostTracker
 from flowlift.errors import RunClosed
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.settings import DispatchSettings
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.state import STATE
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.workflows.open_runs import Growth, grown, stable_plan, stored_graph
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.runs import Run
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.testing import FakeEngine, free_port, parse_sse, running_proxy
 
 
@@ -414,7 +415,7 @@ async def test_an_open_run_left_by_its_client_is_swept():
 # -- scheduling: the awaited step goes first -------------------------------------------
 async def _started_order(workflow_class: str, awaited_with_append: bool) -> list[str]:
     engine = FakeEngine(["m"], delay_s=0.01)
-    backends = Backends({"m": engine}, max_concurrency=1)
+    backends = Backends({"m": engine}, DispatchSettings(max_concurrency=1))
     opts = CompileOptions(default_model="m")
     graph = Graph.model_validate({"class": workflow_class, "open": True, "nodes": [
         _llm("head", "the head step runs first and holds the only slot for a while")]})

@@ -1,4 +1,4 @@
-"""Outcome writes (``proxy/workflows/outcomes.py``): coalesced per (step, model) on the
+"""Outcome writes (``proxy/store/outcomes.py``): coalesced per (step, model) on the
 writer thread, never dropped. Found while fixing the 1,000-run burst: the old writer
 queued one write per step and dropped writes past 1,000 waiting, so a burst on a busy
 machine lost learned counts from the database."""
@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.store.outcomes import StepOutcomes
 
 
 def _hold_writes(outcomes: StepOutcomes) -> tuple[threading.Event, list[str]]:

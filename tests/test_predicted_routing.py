@@ -1,4 +1,4 @@
-"""Routing by predicted latency (proxy/dispatch/latency.py, routing.py): the per-replica
+"""Routing by predicted latency (proxy/dispatch/routing/latency.py, routing.py): the per-replica
 TTFT/TPOT models, the choice they drive, the bound on affinity, and replicas of
 different speeds behind a real proxy (httpx.MockTransport: no upstream sockets)."""
 
@@ -14,8 +14,8 @@ import pytest
 from flowlift.errors import ConfigError
 from flowlift.proxy import create_app
 from flowlift.proxy.config import parse_config
-from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook, Ridge
-from flowlift.proxy.dispatch.routing import Route, affinity_score, pick
+from flowlift.proxy.dispatch.routing.latency import Demand, Features, LatencyBook, Ridge
+from flowlift.proxy.dispatch.routing.routing import Route, affinity_score, pick
 from flowlift.proxy.state import STATE
 
 

@@ -23,9 +23,10 @@ from flowlift.local_engine.continuation import (
     merge_usage,
     not_resumable,
 )
-from flowlift.proxy.dispatch.preemption import Candidate, choose_victims
-from flowlift.proxy.dispatch.resumable import ResumableGeneration
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.slots.policy import SlotPolicy
+from flowlift.proxy.dispatch.slots.preemption import Candidate, choose_victims
+from flowlift.proxy.dispatch.slots.resumable import ResumableGeneration
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
 from flowlift.testing import FakeEngine
 
 BATCH = Priority.of("batch", remaining_ms=1_000)
@@ -123,8 +124,9 @@ async def _alone(request: GenerationRequest) -> list[GenerationChunk]:
 
 async def test_preempted_batch_resumes_with_identical_output_and_usage_counted_once():
     engine = _engine(delay_s=0.005)
-    slots = PrioritySlots(capacity=4, reserved_interactive=1, batch_cap_when_interactive=1,
-                          preempt=True, linger_s=0.05)
+    slots = PrioritySlots(capacity=4,
+                          policy=SlotPolicy(reserved_interactive=1, batch_cap_when_interactive=1,
+                                            preempt=True, linger_s=0.05))
     requests = [GenerationRequest(f"b{i}", "fake-model",
                                   messages=(), prompt=f"document {i}",
                                   sampling=SamplingOptions(max_tokens=None))
@@ -163,8 +165,9 @@ async def test_preempted_batch_resumes_with_identical_output_and_usage_counted_o
 
 async def test_without_preemption_batch_keeps_running():
     engine = _engine(delay_s=0.005)
-    slots = PrioritySlots(capacity=4, reserved_interactive=1, batch_cap_when_interactive=1,
-                          linger_s=0.05)
+    slots = PrioritySlots(capacity=4,
+                          policy=SlotPolicy(reserved_interactive=1, batch_cap_when_interactive=1,
+                                            linger_s=0.05))
     runs = [ResumableGeneration(engine, slots, GenerationRequest(
         f"b{i}", "fake-model", prompt=f"doc {i}", sampling=SamplingOptions(max_tokens=None)),
         BATCH) for i in range(3)]
@@ -179,8 +182,9 @@ async def test_without_preemption_batch_keeps_running():
 
 async def test_closing_a_preempted_stream_while_it_waits_leaks_nothing():
     engine = _engine(delay_s=0.005)
-    slots = PrioritySlots(capacity=3, reserved_interactive=1, batch_cap_when_interactive=1,
-                          preempt=True, linger_s=10.0)
+    slots = PrioritySlots(capacity=3,
+                          policy=SlotPolicy(reserved_interactive=1, batch_cap_when_interactive=1,
+                                            preempt=True, linger_s=10.0))
     runs = [ResumableGeneration(engine, slots, GenerationRequest(
         f"b{i}", "fake-model", prompt=f"doc {i}", sampling=SamplingOptions(max_tokens=None)),
         BATCH) for i in range(2)]

@@ -14,8 +14,8 @@ from flowlift.graph import MessageTemplate, Ref, Text
 from flowlift.local_engine.base import ChatMessage, GenerationRequest, ToolCall
 from flowlift.proxy import create_app
 from flowlift.proxy.config import ProxyConfig
-from flowlift.proxy.dispatch.prefill_ahead import AHEAD_PRIORITY, AheadConfig, skip_reason
-from flowlift.proxy.dispatch.scheduler import PrioritySlots
+from flowlift.proxy.dispatch.slots.prefill_ahead import AHEAD_PRIORITY, AheadConfig, skip_reason
+from flowlift.proxy.dispatch.slots.scheduler import PrioritySlots
 from flowlift.proxy.state import STATE
 from flowlift.proxy.workflows.ahead import HOLE, known_prefix, next_turn_prefix
 from flowlift.testing import FakeEngine, tool_calls_text

@@ -11,8 +11,9 @@ import asyncio
 import pytest
 
 from flowlift import StepFailed, WorkflowFailed, step, tool, workflow
-from flowlift.proxy.dispatch.programs import ProgramBook, ProgramConfig, las_level
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.slots.policy import SlotPolicy
+from flowlift.proxy.dispatch.slots.programs import ProgramBook, ProgramConfig, las_level
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
 from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, tool_calls_text
 
@@ -56,7 +57,7 @@ async def grant_order(slots: PrioritySlots, waiters: list[tuple[str, Priority]]
 
 async def test_least_attained_program_goes_first_even_with_a_shorter_critical_path():
     clock = Clock()
-    slots = PrioritySlots(capacity=1, reserved_interactive=0, timer=clock)
+    slots = PrioritySlots(capacity=1, policy=SlotPolicy(reserved_interactive=0), timer=clock)
     serve(slots, clock, "long-session", 20.0)
     serve(slots, clock, "mid-session", 3.0)
     order = await grant_order(slots, [
@@ -68,8 +69,10 @@ async def test_least_attained_program_goes_first_even_with_a_shorter_critical_pa
 
 async def test_without_program_scheduling_the_critical_path_order_stands():
     clock = Clock()
-    slots = PrioritySlots(capacity=1, reserved_interactive=0, timer=clock,
-                          programs=ProgramConfig(enabled=False))
+    slots = PrioritySlots(capacity=1,
+                          policy=SlotPolicy(reserved_interactive=0,
+                                            programs=ProgramConfig(enabled=False)),
+                          timer=clock)
     serve(slots, clock, "long-session", 20.0)
     order = await grant_order(slots, [
         ("new", Priority.of("interactive", 10, program="new-session")),
@@ -80,7 +83,7 @@ async def test_without_program_scheduling_the_critical_path_order_stands():
 
 async def test_class_order_holds_over_attained_service():
     clock = Clock()
-    slots = PrioritySlots(capacity=1, reserved_interactive=0, timer=clock)
+    slots = PrioritySlots(capacity=1, policy=SlotPolicy(reserved_interactive=0), timer=clock)
     serve(slots, clock, "busy", 500.0)
     order = await grant_order(slots, [
         ("batch-fresh", Priority.of("batch", 9_000, program="fresh")),
@@ -90,8 +93,10 @@ async def test_class_order_holds_over_attained_service():
 
 async def test_inside_one_las_level_critical_path_and_slack_order():
     clock = Clock()
-    slots = PrioritySlots(capacity=1, reserved_interactive=0, timer=clock,
-                          programs=ProgramConfig(quantum_s=10.0))
+    slots = PrioritySlots(capacity=1,
+                          policy=SlotPolicy(reserved_interactive=0,
+                                            programs=ProgramConfig(quantum_s=10.0)),
+                          timer=clock)
     serve(slots, clock, "a", 2.0)  # both below the quantum: level 0
     serve(slots, clock, "b", 6.0)
     order = await grant_order(slots, [
@@ -103,7 +108,7 @@ async def test_inside_one_las_level_critical_path_and_slack_order():
 
 async def test_running_calls_count_toward_attained_service():
     clock = Clock()
-    slots = PrioritySlots(capacity=2, reserved_interactive=0, timer=clock)
+    slots = PrioritySlots(capacity=2, policy=SlotPolicy(reserved_interactive=0), timer=clock)
     p = Priority.of("interactive", program="r")
     await slots.acquire(p)
     clock.now += 4.0
@@ -115,8 +120,10 @@ async def test_running_calls_count_toward_attained_service():
 
 async def test_starvation_bound_a_long_program_goes_first_once_it_waited_max_wait():
     clock = Clock()
-    slots = PrioritySlots(capacity=1, reserved_interactive=0, timer=clock,
-                          programs=ProgramConfig(max_wait_s=5.0))
+    slots = PrioritySlots(capacity=1,
+                          policy=SlotPolicy(reserved_interactive=0,
+                                            programs=ProgramConfig(max_wait_s=5.0)),
+                          timer=clock)
     serve(slots, clock, "long", 50.0)
     order: list[str] = []
     waited: dict[str, float] = {}
@@ -152,7 +159,7 @@ async def test_starvation_bound_a_long_program_goes_first_once_it_waited_max_wai
 
 
 async def test_no_aging_with_fcfs():
-    slots = PrioritySlots(capacity=1, fcfs=True)
+    slots = PrioritySlots(capacity=1, policy=SlotPolicy(fcfs=True))
     assert not slots.programs.enabled and slots.programs.level("x") == 0
 
 
@@ -188,9 +195,10 @@ def test_bad_program_settings_are_rejected():
 async def test_a_new_program_is_held_back_while_a_waiting_sessions_kv_is_kept():
     clock = Clock()
     kv = {"usage": 0.95}
-    slots = PrioritySlots(capacity=4, reserved_interactive=0, timer=clock,
-                          kv_usage=lambda: kv["usage"],
-                          programs=ProgramConfig(keep_ttl_s=30.0, keep_kv_usage=0.8))
+    slots = PrioritySlots(capacity=4,
+                          policy=SlotPolicy(reserved_interactive=0, programs=ProgramConfig(
+                              keep_ttl_s=30.0, keep_kv_usage=0.8)),
+                          timer=clock, kv_usage=lambda: kv["usage"])
     serve(slots, clock, "waiting", 1.0)
     serve(slots, clock, "served", 1.0)
     running = Priority.of("interactive", program="served")
@@ -208,15 +216,18 @@ async def test_a_new_program_is_held_back_while_a_waiting_sessions_kv_is_kept():
 
 
 async def test_nothing_is_held_back_when_the_cache_has_room():
-    slots = PrioritySlots(capacity=4, reserved_interactive=0, kv_usage=lambda: 0.3)
+    slots = PrioritySlots(capacity=4, policy=SlotPolicy(reserved_interactive=0),
+                          kv_usage=lambda: 0.3)
     await slots.acquire(Priority.of("interactive", program="a"))
     slots.programs.keep("b")
     await asyncio.wait_for(slots.acquire(Priority.of("interactive", program="new")), 1)
 
 
 async def test_the_keep_mark_expires_after_its_ttl():
-    slots = PrioritySlots(capacity=4, reserved_interactive=0, kv_usage=lambda: 0.99,
-                          programs=ProgramConfig(keep_ttl_s=0.1))
+    slots = PrioritySlots(capacity=4,
+                          policy=SlotPolicy(reserved_interactive=0,
+                                            programs=ProgramConfig(keep_ttl_s=0.1)),
+                          kv_usage=lambda: 0.99)
     await slots.acquire(Priority.of("interactive", program="a"))
     slots.programs.keep("b")
     fresh = asyncio.create_task(slots.acquire(Priority.of("interactive", program="new")))
@@ -306,8 +317,10 @@ async def test_the_program_table_is_exported_as_metrics(client):
 
 
 async def test_a_held_request_waits_at_most_keep_ttl_however_many_sessions_wait():
-    slots = PrioritySlots(capacity=4, reserved_interactive=0, kv_usage=lambda: 0.99,
-                          programs=ProgramConfig(keep_ttl_s=0.2))
+    slots = PrioritySlots(capacity=4,
+                          policy=SlotPolicy(reserved_interactive=0,
+                                            programs=ProgramConfig(keep_ttl_s=0.2)),
+                          kv_usage=lambda: 0.99)
     await slots.acquire(Priority.of("interactive", program="a"))
     slots.programs.keep("b")
     fresh = asyncio.create_task(slots.acquire(Priority.of("interactive", program="new")))
@@ -318,7 +331,8 @@ async def test_a_held_request_waits_at_most_keep_ttl_however_many_sessions_wait(
 
 
 async def test_the_arrival_queue_stays_bounded_behind_a_long_waiter():
-    slots = PrioritySlots(capacity=2, reserved_interactive=1, batch_cap_when_interactive=1)
+    slots = PrioritySlots(capacity=2,
+                          policy=SlotPolicy(reserved_interactive=1, batch_cap_when_interactive=1))
     await slots.acquire(Priority.of("batch", program="b0"))
     starved = asyncio.create_task(slots.acquire(Priority.of("batch", program="b1")))
     await asyncio.sleep(0)

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from flowlift import step, workflow
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.workflows.replay import trace_records
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.testing import free_port, running_proxy
 from flowlift.tracing import stage_summary
 

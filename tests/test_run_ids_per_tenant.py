@@ -15,8 +15,9 @@ import pytest
 
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.state import STATE
+from flowlift.proxy.store.location import open_store
+from flowlift.proxy.store.sqlite import SQLiteRunStore
 from flowlift.proxy.tenants import DEFAULT_TENANT, client_run_id, run_key
-from flowlift.proxy.workflows.store import SQLiteRunStore, open_store
 from flowlift.testing import FakeEngine, parse_sse
 from tests.test_tenants import ACME, GLOBEX, TWO, _llm, auth
 

@@ -12,10 +12,10 @@ from flowlift.compiler import CompileOptions, compile_graph
 from flowlift.costs import CostTracker
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.workflows.observer import NO_OBSERVER
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.runs import Run
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.testing import FakeEngine
 
 SEEN_BY_TASK: contextvars.ContextVar[str] = contextvars.ContextVar("seen_by_task",

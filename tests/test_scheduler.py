@@ -9,13 +9,16 @@ import pytest
 from flowlift.compiler import CompileOptions, compile_graph
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.settings import DispatchSettings
+from flowlift.proxy.dispatch.slots.policy import SlotPolicy
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
 from flowlift.proxy.workflows.runs import Run
 from flowlift.testing import FakeEngine
 
 
 async def test_interactive_never_waits_behind_batch():
-    slots = PrioritySlots(capacity=3, reserved_interactive=1, batch_cap_when_interactive=2)
+    slots = PrioritySlots(capacity=3,
+                          policy=SlotPolicy(reserved_interactive=1, batch_cap_when_interactive=2))
     batch = Priority.of("batch", remaining_ms=10_000)
     await slots.acquire(batch)
     await slots.acquire(batch)
@@ -47,7 +50,8 @@ async def _grant_order(slots: PrioritySlots, waiters: list[tuple[str, Priority]]
 
 
 async def test_waiters_are_served_by_class_then_remaining_critical_path():
-    order = await _grant_order(PrioritySlots(capacity=1, reserved_interactive=0), [
+    slots = PrioritySlots(capacity=1, policy=SlotPolicy(reserved_interactive=0))
+    order = await _grant_order(slots, [
         ("batch-short", Priority.of("batch", 100)),
         ("batch-long", Priority.of("batch", 9_000)),
         ("interactive-short", Priority.of("interactive", 5)),
@@ -56,7 +60,7 @@ async def test_waiters_are_served_by_class_then_remaining_critical_path():
 
 
 async def test_cancelled_waiter_leaks_no_slot():
-    slots = PrioritySlots(capacity=1, reserved_interactive=0)
+    slots = PrioritySlots(capacity=1, policy=SlotPolicy(reserved_interactive=0))
     p = Priority.of("batch")
     await slots.acquire(p)
     waiter = asyncio.create_task(slots.acquire(p))
@@ -115,7 +119,7 @@ async def test_identical_calls_reach_the_engine_once():
 
 async def test_critical_path_first_under_contention():
     engine = FakeEngine(["m"], delay_s=0.01)
-    backends = Backends({"m": engine}, max_concurrency=1)
+    backends = Backends({"m": engine}, DispatchSettings(max_concurrency=1))
     chain = [{"kind": "llm", "id": f"c{i}", "messages": [{"role": "user", "content": [
         {"text": f"step {i} "}, *([{"ref": f"c{i - 1}"}] if i else [])]}]} for i in range(4)]
     leaves = [{"kind": "llm", "id": f"leaf{i}", "messages": [
@@ -128,15 +132,16 @@ async def test_critical_path_first_under_contention():
 
 
 async def test_fcfs_baseline_ignores_priorities():
-    order = await _grant_order(PrioritySlots(capacity=1, fcfs=True), [
+    order = await _grant_order(PrioritySlots(capacity=1, policy=SlotPolicy(fcfs=True)), [
         ("batch", Priority.of("batch", 1)),
         ("interactive", Priority.of("interactive", 9_000))])
     assert order == ["batch", "interactive"]
 
 
 async def test_batch_admissions_are_capped_while_interactive_work_runs():
-    slots = PrioritySlots(capacity=4, reserved_interactive=1, batch_cap_when_interactive=1,
-                          linger_s=0.05)
+    slots = PrioritySlots(capacity=4,
+                          policy=SlotPolicy(reserved_interactive=1, batch_cap_when_interactive=1,
+                                            linger_s=0.05))
     inter, batch = Priority.of("interactive"), Priority.of("batch")
     await slots.acquire(inter)
     await slots.acquire(batch)
@@ -151,7 +156,7 @@ async def test_batch_admissions_are_capped_while_interactive_work_runs():
 
 
 async def test_batch_prefill_budget_spreads_long_prompts():
-    slots = PrioritySlots(capacity=8, batch_prefill_budget=1000)
+    slots = PrioritySlots(capacity=8, policy=SlotPolicy(batch_prefill_budget=1000))
     batch = Priority.of("batch")
     first = slots.slot(batch, 800)
     await first.__aenter__()

@@ -13,9 +13,10 @@ from flowlift.cli import build_parser, serve_flags
 from flowlift.errors import EngineError, LeaseLost
 from flowlift.proxy import ProxyConfig
 from flowlift.proxy.state import STATE
-from flowlift.proxy.workflows.outcomes import StepOutcomes
-from flowlift.proxy.workflows.store import SQLiteRunStore, open_store
-from flowlift.proxy.workflows.store_pg import PostgresRunStore
+from flowlift.proxy.store.location import open_store
+from flowlift.proxy.store.outcomes import StepOutcomes
+from flowlift.proxy.store.postgres import PostgresRunStore
+from flowlift.proxy.store.sqlite import SQLiteRunStore
 from flowlift.testing import parse_sse
 
 

@@ -15,10 +15,10 @@ import psycopg
 
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.state import STATE
+from flowlift.proxy.store.postgres import PostgresRunStore
+from flowlift.proxy.store.postgres_listen import PgWakeups
+from flowlift.proxy.store.wakeups import Wakeups
 from flowlift.proxy.workflows.registry import TAIL_POLL_S
-from flowlift.proxy.workflows.store_pg import PostgresRunStore
-from flowlift.proxy.workflows.store_pg_listen import PgWakeups
-from flowlift.proxy.workflows.wakeups import Wakeups
 from flowlift.testing import FakeEngine
 from tests.pg import Relay
 

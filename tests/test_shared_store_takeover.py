@@ -14,7 +14,7 @@ from pathlib import Path
 from flowlift import step, tool, workflow
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.state import STATE
-from flowlift.proxy.workflows.store_pg import PostgresRunStore
+from flowlift.proxy.store.postgres import PostgresRunStore
 from flowlift.testing import FakeEngine, running_proxy
 
 RUNS = 50

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowlift.proxy.dispatch.sse_bytes import complete_prefix, data_fields, finished
+from flowlift.proxy.wire.sse_bytes import complete_prefix, data_fields, finished
 
 
 @pytest.mark.parametrize("buffer,expected", [

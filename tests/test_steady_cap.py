@@ -14,9 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flowlift.local_engine.step_log import StepLog
-from flowlift.proxy.dispatch.batch_cap import BatchPlan, DynamicCap, plan_beside_interactive
-from flowlift.proxy.dispatch.preemption import Candidate, victims_beside_interactive
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.slots.batch_cap import BatchPlan, DynamicCap, plan_beside_interactive
+from flowlift.proxy.dispatch.slots.policy import SlotPolicy
+from flowlift.proxy.dispatch.slots.preemption import Candidate, victims_beside_interactive
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
 from flowlift.testing import FakeEngine
 from tests.test_batch_cap import candidates  # (batch requests: running, some in prefill)
 
@@ -50,14 +51,14 @@ def test_requests_in_prefill_go_while_the_decoding_ones_stay():
 
 
 async def test_a_steady_cap_bounds_batch_slots_with_no_interactive_work():
-    slots = PrioritySlots(capacity=8, reserved_interactive=1, steady=2)
+    slots = PrioritySlots(capacity=8, policy=SlotPolicy(reserved_interactive=1), steady=2)
     got = [asyncio.create_task(slots.acquire(BATCH)) for _ in range(4)]
     await asyncio.sleep(0.01)
     assert sum(t.done() for t in got) == 2 and not slots.interactive_active()
     slots.release(BATCH)
     await asyncio.sleep(0.01)
     assert sum(t.done() for t in got) == 3
-    fcfs = PrioritySlots(capacity=8, fcfs=True, steady=2)
+    fcfs = PrioritySlots(capacity=8, policy=SlotPolicy(fcfs=True), steady=2)
     assert fcfs.steady_cap() == 8, "the baseline has no cap"
 
 
@@ -74,7 +75,7 @@ def _log(base: float, per_decode: float) -> StepLog:
 def test_auto_steady_cap_is_the_plan_beside_one_interactive_request(base, per_decode,
                                                                     slowdown, slots):
     cap = DynamicCap(_log(base, per_decode), slowdown, BatchPlan(1, 0))
-    ps = PrioritySlots(capacity=slots + 1, reserved_interactive=1, steady=cap)
+    ps = PrioritySlots(capacity=slots + 1, policy=SlotPolicy(reserved_interactive=1), steady=cap)
     cap.plan(1, slots)  # fits the log
     model = cap.model
     assert model is not None
@@ -99,9 +100,9 @@ class _Running:
 @pytest.mark.parametrize("dynamic", [False, True])
 async def test_interactive_arrival_preempts_no_decoding_request_under_a_steady_cap(dynamic):
     plan = DynamicCap(StepLog(), 1.3, BatchPlan(1, 0)) if dynamic else None
-    kw = {"dynamic": plan} if dynamic else {"batch_cap_when_interactive": 1}
-    slots = PrioritySlots(capacity=8, reserved_interactive=1, preempt=True, linger_s=0.0,
-                          steady=4, **kw)  # type: ignore[arg-type]
+    policy = SlotPolicy(reserved_interactive=1, preempt=True, linger_s=0.0,
+                        batch_cap_when_interactive=None if dynamic else 1)
+    slots = PrioritySlots(capacity=8, policy=policy, steady=4, dynamic=plan)
     running = [_Running(f"d{k}", in_prefill=False) for k in range(3)]
     running.append(_Running("p", in_prefill=True))
     for r in running:
@@ -115,7 +116,8 @@ async def test_interactive_arrival_preempts_no_decoding_request_under_a_steady_c
 
 
 async def test_without_a_steady_cap_the_same_arrival_preempts_decoders():
-    slots = PrioritySlots(capacity=8, reserved_interactive=1, preempt=True, linger_s=0.0,
+    slots = PrioritySlots(capacity=8,
+                          policy=SlotPolicy(reserved_interactive=1, preempt=True, linger_s=0.0),
                           dynamic=DynamicCap(StepLog(), 1.3, BatchPlan(1, 0)))
     running = [_Running(f"d{k}", in_prefill=False) for k in range(3)]
     for r in running:

@@ -11,13 +11,10 @@ from pathlib import Path
 import pytest
 
 from flowlift.errors import EngineError, LeaseLost
-from flowlift.proxy.workflows.store import (
-    RunStoreProtocol,
-    SQLiteRunStore,
-    is_database_url,
-    open_store,
-)
-from flowlift.proxy.workflows.store_pg import PostgresRunStore, redact
+from flowlift.proxy.store.base import RunStoreProtocol
+from flowlift.proxy.store.location import is_database_url, open_store
+from flowlift.proxy.store.postgres import PostgresRunStore, redact
+from flowlift.proxy.store.sqlite import SQLiteRunStore
 
 Opener = Callable[[], RunStoreProtocol]
 
@@ -372,7 +369,7 @@ def test_requests_kept_for_a_runs_owner_come_back_in_order_until_dropped(
 
 
 def test_stored_responses_round_trip_expire_delete_and_stay_bounded(open_db: Opener) -> None:
-    from flowlift.proxy.workflows.store import StoredResponse
+    from flowlift.proxy.store.base import StoredResponse
 
     store, now = open_db(), time.time()
     body = {"response": {"id": "resp_1"}, "messages": [{"role": "user", "content": "hé"}]}

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.state import STATE
-from flowlift.proxy.workflows.events import EventLog
-from flowlift.proxy.workflows.store_worker import StoreWorker
+from flowlift.proxy.store.events import EventLog
+from flowlift.proxy.store.worker import StoreWorker
 from flowlift.testing import FakeEngine, parse_sse
 
 T = TypeVar("T")
@@ -200,7 +200,7 @@ async def test_a_busy_store_is_refused_past_its_patience() -> None:
     import pytest
 
     from flowlift.errors import StoreUnavailable
-    from flowlift.proxy.workflows.store_worker import MOVING_PATIENCE
+    from flowlift.proxy.store.worker import MOVING_PATIENCE
 
     worker, ran = StoreWorker(), []
     for _ in range(200):

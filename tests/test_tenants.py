@@ -19,8 +19,8 @@ from flowlift.proxy import ProxyConfig, create_app
 from flowlift.proxy.config import parse_config
 from flowlift.proxy.lifecycle import DRAIN
 from flowlift.proxy.state import STATE
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.proxy.tenants import DEFAULT_TENANT, Tenant, Tenants, TokenBucket, visible
-from flowlift.proxy.workflows.store import RunStore
 from flowlift.testing import FakeEngine
 from tests.upstream_fake import FakeUpstream, chat_json
 

@@ -1,5 +1,5 @@
 """The compiler report's tier plan (flowlift.compiler + flowlift.tiers) and the tiers a
-model's configured backends offer (flowlift.proxy.dispatch.tier_profiles)."""
+model's configured backends offer (flowlift.proxy.dispatch.batch.tier_profiles)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from flowlift.compiler import CompileOptions, compile_graph
 from flowlift.graph import Graph
 from flowlift.proxy.config import parse_config
-from flowlift.proxy.dispatch.tier_profiles import model_tiers
+from flowlift.proxy.dispatch.batch.tier_profiles import model_tiers
 from flowlift.report import format_report
 from flowlift.tiers import TierProfile, TurnaroundBook
 

@@ -15,8 +15,8 @@ from flowlift.local_engine.base import ChatMessage, GenerationRequest
 from flowlift.proxy import create_app
 from flowlift.proxy.config import parse_config
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.batch import BatchLine, pack
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.batch.api import BatchLine, pack
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.state import STATE
 from flowlift.proxy.workflows.tiering import TieredDispatcher
 from flowlift.testing import MALFORMED, FakeBatchAPI, LineError, parse_sse
@@ -331,8 +331,8 @@ async def test_the_run_listing_shows_progress_deadline_and_spend_so_far(
 
 
 def test_a_stored_run_is_listed_with_its_appended_steps_and_spend() -> None:
+    from flowlift.proxy.store.base import StoredRun
     from flowlift.proxy.workflows.progress import stored_listing
-    from flowlift.proxy.workflows.store import StoredRun
     events = [(1, "run.started", {}),
               (2, "nodes.appended", {"nodes": [{"id": "x"}, {"id": "y"}]}),
               (3, "step.cost", {"step_id": "a", "asked": "batch", "served": "batch",

@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 
 from flowlift.proxy.config import UpstreamSpec
-from flowlift.proxy.dispatch.upstream import Upstream
-from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
+from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, translate
+from flowlift.proxy.dispatch.upstream.provider import Upstream
 from tests.reliability.faults import BlackHole, redirect, refused_url, reset_mid_body
 from tests.upstream_fake import FakeUpstream, chat_json, chunk, sse_bytes
 

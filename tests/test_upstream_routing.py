@@ -13,8 +13,8 @@ import pytest
 from flowlift.errors import ConfigError, RequestError
 from flowlift.proxy import create_app
 from flowlift.proxy.config import load_config, parse_config
-from flowlift.proxy.dispatch.routing import Route, pick
-from flowlift.proxy.dispatch.upstream import Health, forwarded_headers, retry_after_s
+from flowlift.proxy.dispatch.routing.routing import Route, pick
+from flowlift.proxy.dispatch.upstream.provider import Health, forwarded_headers, retry_after_s
 from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine, parse_sse
 from tests.upstream_fake import FakeUpstream, chunk, sse_bytes, upstream_only_proxy
@@ -227,7 +227,7 @@ async def test_an_injected_httpx_transport_sees_the_upstream_request(monkeypatch
     import httpx
 
     from flowlift.proxy.config import UpstreamSpec
-    from flowlift.proxy.dispatch.upstream import Upstream
+    from flowlift.proxy.dispatch.upstream.provider import Upstream
 
     seen = []
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots
-from flowlift.proxy.dispatch.working_set import WorkingSet, WorkingSetConfig
+from flowlift.proxy.dispatch.slots.policy import SlotPolicy
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots
+from flowlift.proxy.dispatch.slots.working_set import WorkingSet, WorkingSetConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kv_sim import Clock, SimSession, simulate
@@ -153,10 +154,9 @@ def test_off_or_without_a_capacity_everything_is_admitted():
 
 async def test_the_slot_queue_holds_a_new_session_until_the_working_set_fits():
     clock = Clock()
-    slots = PrioritySlots(capacity=4, reserved_interactive=0, timer=clock,
-                          kv_capacity=lambda: 1000,
-                          working_set=WorkingSetConfig(target=1.0, min_horizon_s=0.2,
-                                                       max_horizon_s=0.2))
+    policy = SlotPolicy(reserved_interactive=0, working_set=WorkingSetConfig(
+        target=1.0, min_horizon_s=0.2, max_horizon_s=0.2))
+    slots = PrioritySlots(capacity=4, policy=policy, timer=clock, kv_capacity=lambda: 1000)
     old = Priority.of("interactive", program="old")
     await slots.acquire(old)
     slots.observed(old, 900)
@@ -174,7 +174,7 @@ async def test_the_slot_queue_holds_a_new_session_until_the_working_set_fits():
 
 
 async def test_fcfs_turns_working_set_admission_off():
-    slots = PrioritySlots(capacity=2, fcfs=True, kv_capacity=lambda: 10)
+    slots = PrioritySlots(capacity=2, policy=SlotPolicy(fcfs=True), kv_capacity=lambda: 10)
     assert not slots.working.enabled
 
 

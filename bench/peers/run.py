@@ -18,7 +18,7 @@ agent-session workload of :mod:`bench.peers.workload` on each:
 
 Arms (``--arms``): ``stock`` (vLLM's OpenAI server), ``flowlift`` (``flowlift serve``,
 its defaults) and ``flowlift_lru`` (``--no-working-set``: flowlift without the KV
-working-set admission of :mod:`flowlift.proxy.dispatch.working_set`).
+working-set admission of :mod:`flowlift.proxy.dispatch.slots.working_set`).
 
     .venv/bin/python bench/peers/run.py [--p5 6 35] [--p7 16 32] [--kv-cache-gib 1]
     .venv/bin/python bench/peers/run.py --smoke  # seconds: fake engines on both sides

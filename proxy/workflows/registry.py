@@ -11,7 +11,7 @@
   ``detached`` graph's run is not: it runs on without its client).
 * ``heartbeat`` (shared stores: several proxies on one database) renews the leases of
   the runs this proxy executes, stops those another proxy took over, and takes over the
-  runs whose proxy stopped renewing (see :mod:`flowlift.proxy.workflows.store_pg`).
+  runs whose proxy stopped renewing (see :mod:`flowlift.proxy.store.postgres`).
 * Every event a run writes carries its lease's epoch (fencing): once another proxy has
   taken the run over the store refuses the write (:class:`~flowlift.errors.LeaseLost`)
   and the run stops here at once, before any client sees the event.
@@ -26,12 +26,12 @@
   whose app vanished before closing it goes the same way. A ``detached`` graph's run is
   never swept: it is meant to outlive its client.
 * Every store call goes through :attr:`RunRegistry.io`, one worker thread in the order
-  the calls were made (:mod:`~flowlift.proxy.workflows.store_worker`): a slow database
+  the calls were made (:mod:`~flowlift.proxy.store.worker`): a slow database
   delays the runs that wait on it, never the event loop and the other requests. Hence
   the methods that read or write the store are coroutines.
 * Waiting on another proxy (a tail's next event, results and requests posted for the
   runs here, a released run to take over) goes through :attr:`RunRegistry.wakeups`
-  (:mod:`~flowlift.proxy.workflows.wakeups`): woken by the store's ``NOTIFY`` on
+  (:mod:`~flowlift.proxy.store.wakeups`): woken by the store's ``NOTIFY`` on
   PostgreSQL, polled every :data:`TAIL_POLL_S` without it (SQLite, or the channel down).
 * A store that fails (a restarted, exhausted or unreachable database) is waited out:
   its calls retry inside the store, runs keep their events queued in order and go on
@@ -74,23 +74,19 @@ from flowlift.errors import (
 from flowlift.graph import Graph, LLMNode, ToolNode
 from flowlift.local_engine.residency import Lookahead, lookahead
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.store.base import RunStoreProtocol, RunSummary, StoredRun
+from flowlift.proxy.store.events import FINAL, Event
+from flowlift.proxy.store.outcomes import StepOutcomes
+from flowlift.proxy.store.sqlite import SQLiteRunStore
+from flowlift.proxy.store.wakeups import Wakeups
+from flowlift.proxy.store.worker import StoreWorker
 from flowlift.proxy.tenants import client_run_id, run_key, visible
 from flowlift.proxy.workflows import open_runs
 from flowlift.proxy.workflows.agent import ProxyTools
-from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import CLOSED, stored_graph
-from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import plan
 from flowlift.proxy.workflows.runs import Run
-from flowlift.proxy.workflows.store import (
-    RunStoreProtocol,
-    RunSummary,
-    SQLiteRunStore,
-    StoredRun,
-)
-from flowlift.proxy.workflows.store_worker import StoreWorker
-from flowlift.proxy.workflows.wakeups import Wakeups
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")

@@ -59,8 +59,11 @@ from flowlift.local_engine.base import (
     ToolDef,
 )
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
+from flowlift.proxy.store.base import StoredRun
+from flowlift.proxy.store.events import EventLog, Written
+from flowlift.proxy.store.outcomes import StepOutcomes
 from flowlift.proxy.workflows.agent import AgentLoop, ProxyTools, ToolRaised
 from flowlift.proxy.workflows.ahead import HOLE, ahead_request, consumers, known_prefix
 from flowlift.proxy.workflows.books import AttemptBooks
@@ -74,16 +77,13 @@ from flowlift.proxy.workflows.conditions import (
     skip_for_inputs,
 )
 from flowlift.proxy.workflows.deadline import DeadlineClock
-from flowlift.proxy.workflows.events import EventLog, Written
 from flowlift.proxy.workflows.fanout import EXPANDED as MAP_EXPANDED
 from flowlift.proxy.workflows.fanout import check_items, expand, gathered, item_ids
 from flowlift.proxy.workflows.groups import RESOLVED as GROUP_RESOLVED
 from flowlift.proxy.workflows.groups import resolve as resolve_group
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth, stable_plan
-from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.replay import STEP_ENDS, restore_trace
-from flowlift.proxy.workflows.store import StoredRun
 from flowlift.proxy.workflows.tiering import TieredDispatcher, planned_tiers
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
 
@@ -739,7 +739,7 @@ class Run:
     def _prefill_ahead(self, node: LLMNode, want: str | None,
                        messages: Sequence[ChatMessage]) -> None:
         """Prefill ``messages`` (ending in :data:`~.ahead.HOLE`) of ``node`` on ``want``
-        ahead of its request (:class:`~flowlift.proxy.dispatch.prefill_ahead.PrefillAhead`
+        ahead of its request (:class:`~flowlift.proxy.dispatch.slots.prefill_ahead.PrefillAhead`
         decides whether the engine has room)."""
         try:
             model, _ = self.backends.resolve(want)

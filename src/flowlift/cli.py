@@ -420,7 +420,7 @@ def _local_compile_options(args: argparse.Namespace) -> CompileOptions:
     if "://" in str(db) or Path(db).is_file():
         from dataclasses import replace
 
-        from flowlift.proxy.workflows.outcomes import StepOutcomes
+        from flowlift.proxy.store.outcomes import StepOutcomes
 
         opts = replace(opts, outcomes=StepOutcomes(db).counts)
     return opts

@@ -39,7 +39,7 @@ import httpx
 from flowlift.credentials import CLI_HINT, add_api_key_argument, bearer_headers, cli_key
 
 if TYPE_CHECKING:  # imported where used: the CLI's help loads no proxy code
-    from flowlift.proxy.workflows.store import RunStoreProtocol
+    from flowlift.proxy.store.base import RunStoreProtocol
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -103,7 +103,7 @@ def _offline(args: argparse.Namespace) -> RunStoreProtocol:
     given = getattr(args, "state_db", None)
     if given and "://" in given:
         from flowlift.errors import EngineError
-        from flowlift.proxy.workflows.store import open_store
+        from flowlift.proxy.store.location import open_store
 
         print(f"flowlift: no proxy answers at {args.base_url}; reading the database",
               file=sys.stderr)
@@ -117,7 +117,7 @@ def _offline(args: argparse.Namespace) -> RunStoreProtocol:
         where = f" and {path} does not exist" if path else \
             " and no state database was found (give --state-db)"
         raise CommandFailed(f"no proxy answers at {args.base_url}{where}", status=2)
-    from flowlift.proxy.workflows.store import SQLiteRunStore
+    from flowlift.proxy.store.sqlite import SQLiteRunStore
 
     print(f"flowlift: no proxy answers at {args.base_url}; reading {path}", file=sys.stderr)
     return SQLiteRunStore(path)

@@ -180,7 +180,7 @@ def default_responder(request: GenerationRequest) -> str:
 def tool_calls_text(*calls: tuple[str, Mapping[str, Any]]) -> str:
     """What the embedded engine generates to call tools: the constrained JSON of an
     answer that calls ``(name, arguments)`` in order (see
-    :mod:`flowlift.proxy.openai.chat_completion.tools`). A responder returns it to script
+    :mod:`flowlift.proxy.wire.tool_calls`). A responder returns it to script
     a model that calls tools (e.g. an agent step's turn); a plain string is an answer.
     """
     return json.dumps({"tool_calls": [{"name": n, "arguments": dict(a)} for n, a in calls]})

@@ -19,7 +19,7 @@ serves, on ``http://127.0.0.1:8471/v1``:
 Answers (:func:`constrained_responder`): a ``response_format`` JSON Schema gets a small
 instance of it (:func:`flowlift.testing.example_for_schema`); a label set, which the
 proxy sends upstream as the instruction "Answer with exactly one of: a, b. Nothing
-else." (:func:`flowlift.proxy.dispatch.upstream_engine.chat_body`), gets one of the
+else." (:func:`flowlift.proxy.dispatch.upstream.engine.chat_body`), gets one of the
 labels, picked by a CRC-32 of the last message (deterministic, and not always the
 first); a regex instruction gets a short match; anything else ``"echo: "`` and the last
 message, cut to ``max_tokens`` words. Tokens are counted in whitespace-separated words.

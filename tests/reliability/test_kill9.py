@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from flowlift import step, tool, workflow
-from flowlift.proxy.workflows.store import RunStore
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.testing import free_port, running_proxy
 
 RUNS = 8

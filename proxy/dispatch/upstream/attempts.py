@@ -29,19 +29,19 @@ from tenacity import (
 )
 
 from flowlift.errors import Overloaded, UpstreamError
-from flowlift.proxy.dispatch.health import Call, Evidence
-from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
-from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.scheduler import Slot
-from flowlift.proxy.dispatch.sse_bytes import complete_prefix, has_data
-from flowlift.proxy.dispatch.upstream import Upstream, error_from
-from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, Answer, as_httpx, translate
+from flowlift.proxy.dispatch.routing.latency import Demand, Features, LatencyBook
+from flowlift.proxy.dispatch.routing.routing import Route
+from flowlift.proxy.dispatch.slots.scheduler import Slot
+from flowlift.proxy.dispatch.upstream.health import Call, Evidence
+from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, Answer, as_httpx, translate
+from flowlift.proxy.dispatch.upstream.provider import Upstream, error_from
+from flowlift.proxy.wire.sse_bytes import complete_prefix, has_data
 from flowlift.tracing import get_logger
 
 if TYPE_CHECKING:
     from flowlift.proxy.dispatch.backends import Backends, Local
 
-log = get_logger("flowlift.proxy.dispatch.attempts")
+log = get_logger("flowlift.proxy.dispatch.upstream.attempts")
 _BACKOFF = wait_random_exponential(multiplier=0.25, max=8.0)
 _REQUESTS = itertools.count()
 BodyFor = Callable[[Upstream], bytes]
@@ -57,7 +57,7 @@ Stream = Literal[False, "bytes", "events"]
 @dataclass(slots=True)
 class Timing:
     """One attempt's times, for the replica's latency model
-    (:class:`~flowlift.proxy.dispatch.latency.LatencyBook`).
+    (:class:`~flowlift.proxy.dispatch.routing.latency.LatencyBook`).
 
     Attributes:
         book: where the replica's model lives.
@@ -88,7 +88,7 @@ class Timing:
 @dataclass(slots=True)
 class Opened:
     """A successful attempt, not yet delivered. The caller must :meth:`release` it and
-    records its outcome on ``call`` (:class:`~flowlift.proxy.dispatch.upstream.Call`)."""
+    records its outcome on ``call`` (:class:`~flowlift.proxy.dispatch.upstream.provider.Call`)."""
 
     upstream: Upstream
     call: Call
@@ -138,7 +138,7 @@ class Waited:
 
 def _evidence(call: Call, exc: UpstreamError) -> Evidence:
     """What a failed attempt says about its backend (the rule is
-    :mod:`flowlift.proxy.dispatch.health`'s): no HTTP answer is ``"down"`` (a timeout:
+    :mod:`flowlift.proxy.dispatch.upstream.health`'s): no HTTP answer is ``"down"`` (a timeout:
     ``"silent"``), a 5xx ``"down"``, a 429 ``"busy"``; anything after a non-5xx
     answer's headers (a first-token timeout, a stream with no event) or a 4xx is about
     the request."""

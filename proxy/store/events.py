@@ -2,7 +2,7 @@
 
 Every event gets the next sequence number (its SSE ``id``), so a client that lost its
 connection resumes with ``Last-Event-ID`` and misses nothing. An optional ``sink``
-persists each event as it is appended (see :mod:`flowlift.proxy.workflows.store`); a
+persists each event as it is appended (see :mod:`flowlift.proxy.store.sqlite`); a
 sink that writes off the event loop returns the write's future, and followers get the
 event only once that write (and every one before it) has landed -- never an event the
 store may not hold. A write that fails holds back that event and every later one.

@@ -31,15 +31,15 @@ from flowlift.local_engine.base import (
     ToolCall,
     Usage,
 )
-from flowlift.proxy.dispatch.attempts import Admit, Opened, open_answer
-from flowlift.proxy.dispatch.flex import tier_fields
-from flowlift.proxy.dispatch.hints import StepHints, hint_fields
-from flowlift.proxy.dispatch.latency import Demand
-from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.scheduler import Slot
-from flowlift.proxy.dispatch.upstream import Upstream, unretryable
-from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
-from flowlift.proxy.openai import chunks
+from flowlift.proxy.dispatch.batch.flex import tier_fields
+from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields
+from flowlift.proxy.dispatch.routing.latency import Demand
+from flowlift.proxy.dispatch.routing.routing import Route
+from flowlift.proxy.dispatch.slots.scheduler import Slot
+from flowlift.proxy.dispatch.upstream.attempts import Admit, Opened, open_answer
+from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, translate
+from flowlift.proxy.dispatch.upstream.provider import Upstream, unretryable
+from flowlift.proxy.wire import chunks
 from flowlift.tracing.spans import inject
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
 def _read_event(data: str, backend: str
                 ) -> tuple[chunks.ChunkChoice | None, Usage | None, str | None]:
     """(choice 0, usage) of one chat.completion.chunk (read by
-    :func:`flowlift.proxy.openai.chunks.parse_event`).
+    :func:`flowlift.proxy.wire.chunks.parse_event`).
 
     Raises:
         EngineError: an in-band error event, or an event that is not a JSON object.

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 from flowlift.compiler import OutputLengths
 from flowlift.errors import EngineError
 from flowlift.escalation import OutcomeCounts
-from flowlift.proxy.workflows.store import is_database_url
+from flowlift.proxy.store.location import is_database_url
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.outcomes")
@@ -106,7 +106,7 @@ class _Database:
             import psycopg
             from psycopg_pool import ConnectionPool
 
-            from flowlift.proxy.workflows.store_pg import check_reachable, with_defaults
+            from flowlift.proxy.store.postgres import check_reachable, with_defaults
 
             self.errors: tuple[type[Exception], ...] = (psycopg.Error,)  # (pool's too)
             location = with_defaults(location)  # (timeouts: no write waits forever)
@@ -136,7 +136,7 @@ class _Database:
         ``CREATE TABLE IF NOT EXISTS`` (which is not atomic there)."""
         with self._conn() as conn:
             if self._sqlite is None:
-                from flowlift.proxy.workflows.store_pg import SCHEMA_LOCK_KEY
+                from flowlift.proxy.store.postgres import SCHEMA_LOCK_KEY
 
                 with conn.transaction():
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
@@ -168,7 +168,7 @@ def _shown(location: str) -> str:
     """``location`` as messages and logs show it (a URL without its password)."""
     if not is_database_url(location):
         return location
-    from flowlift.proxy.workflows.store_pg import redact
+    from flowlift.proxy.store.postgres import redact
 
     return redact(location)
 

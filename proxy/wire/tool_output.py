@@ -1,5 +1,5 @@
 """The output side of tool calling on the embedded engine: the constrained JSON of a
-choice (see :mod:`flowlift.proxy.openai.chat_completion.tools`) read into OpenAI ``tool_calls`` or
+choice (see :mod:`flowlift.proxy.wire.tool_calls`) read into OpenAI ``tool_calls`` or
 plain content, while it streams.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from flowlift.proxy.openai.chat_completion.tools import ToolPlan
+    from flowlift.proxy.wire.tool_calls import ToolPlan
 
 _CONTENT_KEY = '{"content":"'
 _HIGH_SURROGATES = ("\ud800", "\udbff")

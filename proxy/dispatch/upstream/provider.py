@@ -1,6 +1,6 @@
 """Upstream OpenAI-compatible providers: each with its pooled HTTP client
-(:mod:`flowlift.proxy.dispatch.upstream_http`: aiohttp's, or an injected httpx
-transport), its health and cool-down (:mod:`flowlift.proxy.dispatch.health`'s),
+(:mod:`flowlift.proxy.dispatch.upstream.http`: aiohttp's, or an injected httpx
+transport), its health and cool-down (:mod:`flowlift.proxy.dispatch.upstream.health`'s),
 ``Retry-After`` parsing, and which client headers may travel upstream.
 
 Upstream errors come from the clients only; :func:`~.upstream_http.translate` turns
@@ -27,15 +27,15 @@ from flowlift.errors import (
     UpstreamError,
 )
 from flowlift.proxy.config import UpstreamSpec
-from flowlift.proxy.dispatch.health import Call as Call
-from flowlift.proxy.dispatch.health import Health as Health
-from flowlift.proxy.dispatch.upstream_http import (
+from flowlift.proxy.dispatch.upstream.health import Call as Call
+from flowlift.proxy.dispatch.upstream.health import Health as Health
+from flowlift.proxy.dispatch.upstream.http import (
     AiohttpClient,
     Answer,
     HttpxClient,
     UpstreamClient,
 )
-from flowlift.proxy.dispatch.upstream_http import translate as translate
+from flowlift.proxy.dispatch.upstream.http import translate as translate
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529})
 """Upstream answers another attempt may fix (OpenAI's client retries the same set)."""

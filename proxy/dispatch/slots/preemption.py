@@ -2,18 +2,18 @@
 
 On an engine whose per-token time grows with the batch (any CPU, a saturated GPU),
 capping only *new* batch admissions while interactive work runs
-(:class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`) still leaves every batch
+(:class:`~flowlift.proxy.dispatch.slots.scheduler.PrioritySlots`) still leaves every batch
 request already decoding in the batch: interactive latency stays a multiple of its
 unloaded value. With preemption on (``flowlift serve --scheduling preempt``), the slots
 bring the running batch down to ``batch_cap_when_interactive`` by aborting the requests
 :func:`choose_victims` picks; each resumes later as a continuation from its token ids
-(:mod:`flowlift.local_engine.continuation`, :mod:`flowlift.proxy.dispatch.resumable`).
+(:mod:`flowlift.local_engine.continuation`, :mod:`flowlift.proxy.dispatch.slots.resumable`).
 
 The order (who goes first) follows Autellix (2025: program-level priority; least
 attained service first) and vLLM's own recompute preemption (the newest request goes
 first: it has the least KV to give back and the least to redo):
 
-1. the least urgent: the largest :class:`~flowlift.proxy.dispatch.scheduler.Priority`
+1. the least urgent: the largest :class:`~flowlift.proxy.dispatch.slots.scheduler.Priority`
    (class, then shortest remaining critical path, then most deadline slack);
 2. the least progress (fewest tokens generated: the least to prefill again);
 3. the most tokens still to generate.
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the scheduler imports this module
-    from flowlift.proxy.dispatch.batch_cap import BatchPlan
-    from flowlift.proxy.dispatch.scheduler import Priority
+    from flowlift.proxy.dispatch.slots.batch_cap import BatchPlan
+    from flowlift.proxy.dispatch.slots.scheduler import Priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ def victims_beside_interactive(candidates: Sequence[Candidate], plan: BatchPlan,
                                min_remaining_tokens: int = 4,
                                stop_decoding: bool = True) -> list[Candidate]:
     """The running batch requests to preempt so that what stays fits ``plan``
-    (:func:`~flowlift.proxy.dispatch.batch_cap.plan_beside_interactive`).
+    (:func:`~flowlift.proxy.dispatch.slots.batch_cap.plan_beside_interactive`).
 
     Requests still in prefill go first: their prompt tokens count against
     ``plan.prefill_tokens`` (smallest first is kept) and they have generated nothing

@@ -2,7 +2,7 @@
 
 The embedded engine writes a turn that calls tools as constrained JSON,
 ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}``
-(:mod:`flowlift.proxy.openai.chat_completion.tools`). :class:`EarlyCalls` is fed that
+(:mod:`flowlift.proxy.wire.tool_calls`). :class:`EarlyCalls` is fed that
 text piece by piece and returns each array item as soon as its closing brace arrives,
 so a proxy tool can start before the turn ends. It parses with ijson's push interface
 (``items_coro``: an incremental, event-based JSON parser), never by hand; ijson's pure

@@ -6,7 +6,8 @@ unchanged too: a plain answer as the upstream's bytes, a stream event by event a
 arrives (case S5), re-framed but byte-identical in its data, multibyte characters
 whole however the TCP writes split them (case S4).
 
-Attempts, retries and fallbacks are :mod:`flowlift.proxy.dispatch.attempts`'. Here: the idle
+Attempts, retries and fallbacks are :mod:`flowlift.proxy.dispatch.upstream.attempts`'.
+Here: the idle
 timeout between stream events, and once bytes are out, a failure ends the stream with
 an in-band error event, never with a clean-looking finish of a truncated answer (S6).
 """
@@ -16,20 +17,26 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from flowlift.errors import RequestError, UpstreamError
-from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
-from flowlift.proxy.dispatch.flex import tier_fields
-from flowlift.proxy.dispatch.hints import StepHints, hint_fields
-from flowlift.proxy.dispatch.latency import Demand
-from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.sse_bytes import (
+from flowlift.proxy.dispatch.batch.flex import tier_fields
+from flowlift.proxy.dispatch.local import EmbeddedCall, serve_local
+from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields
+from flowlift.proxy.dispatch.routing.latency import Demand
+from flowlift.proxy.dispatch.routing.routing import Route
+from flowlift.proxy.dispatch.upstream.attempts import Opened, open_answer
+from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, translate
+from flowlift.proxy.dispatch.upstream.provider import Upstream, error_message, forwarded_headers
+from flowlift.proxy.telemetry import requests as request_tracing
+from flowlift.proxy.wire import chunks
+from flowlift.proxy.wire.messages import render_message
+from flowlift.proxy.wire.sse_bytes import (
     complete_prefix,
     data_fields,
     finished,
@@ -37,17 +44,11 @@ from flowlift.proxy.dispatch.sse_bytes import (
     has_error,
     without_usage,
 )
-from flowlift.proxy.dispatch.upstream import Upstream, error_message, forwarded_headers
-from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
-from flowlift.proxy.openai import chunks
-from flowlift.proxy.telemetry import requests as request_tracing
-from flowlift.proxy.workflows.inferred import render_message
 from flowlift.tracing import get_logger
 from flowlift.tracing.spans import inject
 
-log = get_logger("flowlift.proxy.dispatch.forward")
+log = get_logger("flowlift.proxy.dispatch.upstream.forward")
 OnOutput = Callable[[str, dict[str, Any] | None], None]
-EmbeddedCall = Callable[[Local], Awaitable[web.StreamResponse]]
 
 
 USAGE_PATHS = frozenset({"/chat/completions", "/completions"})
@@ -137,12 +138,7 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
         if embedded is None:
             raise RequestError(f"{path} is not served by the embedded engine; configure an "
                                f"upstream backend for model {route.model!r}", param="model")
-        backend = opened.backend
-        backend.admitted += 1  # no await since the route chose it: no burst slips through
-        try:
-            return await embedded(opened)
-        finally:
-            backend.admitted -= 1
+        return await serve_local(opened, embedded)
     if traced is not None:
         traced.upstream(opened.upstream.name, opened.doc, opened.waited_s)
     try:

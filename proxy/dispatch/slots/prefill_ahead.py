@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from flowlift.errors import FlowliftError
 from flowlift.local_engine.base import GenerationRequest, SamplingOptions
-from flowlift.proxy.dispatch.scheduler import CLASS_RANK, Priority, PrioritySlots
+from flowlift.proxy.dispatch.slots.scheduler import CLASS_RANK, Priority, PrioritySlots
 from flowlift.proxy.dispatch.tool_turns import ToolTurn
 from flowlift.tracing import get_logger
 

@@ -2,7 +2,7 @@
 them once, waiting for them, and the journal that makes that durable.
 
 :class:`BatchPool` collects the lines that become ready within ``collect_s`` (one model
-per file, :func:`~flowlift.proxy.dispatch.batch.pack`'s limits), uploads each file and
+per file, :func:`~flowlift.proxy.dispatch.batch.api.pack`'s limits), uploads each file and
 starts its batch, and polls it until it is final. Before a batch is created its file id
 and lines are journaled (``uploaded``), after it is created its id (``submitted``): a
 restarted proxy :meth:`~BatchPool.resume`\\ s the submitted batches (polling, never
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from flowlift.proxy.dispatch.batch import (
+from flowlift.proxy.dispatch.batch.api import (
     BatchClient,
     BatchFile,
     BatchLine,

@@ -19,7 +19,7 @@ kind           written when                               who waits
 This base class has no channel (SQLite: one proxy owns the file; or a listener not
 started): a watch wakes when its poll interval ``poll_s`` passes, as plain polling did,
 or when this proxy itself calls :meth:`Wakeups.notify`. The PostgreSQL store's
-:class:`~flowlift.proxy.workflows.store_pg_listen.PgWakeups` feeds :meth:`notify` from
+:class:`~flowlift.proxy.store.postgres_listen.PgWakeups` feeds :meth:`notify` from
 ``LISTEN``; while it listens the watches fall back to the slower ``fallback_s`` (the
 safety net), and whenever its connection is down they poll every ``poll_s`` again by
 themselves.

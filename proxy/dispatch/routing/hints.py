@@ -7,7 +7,7 @@ config opts in (``hints = [...]`` on an ``openai`` backend; none by default).
   it on the others, older releases refused a non-zero value, and other OpenAI-compatible
   servers may refuse a field they do not know, hence opt-in). The value is flowlift's
   own queue order as one integer
-  (:meth:`~flowlift.proxy.dispatch.scheduler.Priority.engine_priority`: interactive
+  (:meth:`~flowlift.proxy.dispatch.slots.scheduler.Priority.engine_priority`: interactive
   before batch, then the longest remaining critical path), the same number
   the embedded vLLM engine gets.
 * ``"sglang-session"``: the top-level ``session_id`` of SGLang (``GenerateReqInput``),
@@ -46,11 +46,11 @@ from cachetools import TTLCache
 
 from flowlift.local_engine.base import GenerationRequest
 from flowlift.proxy.config import UpstreamSpec
-from flowlift.proxy.dispatch.upstream import Upstream
-from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS
+from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS
+from flowlift.proxy.dispatch.upstream.provider import Upstream
 from flowlift.tracing import get_logger
 
-log = get_logger("flowlift.proxy.dispatch.hints")
+log = get_logger("flowlift.proxy.dispatch.routing.hints")
 
 Hint = Literal["vllm-priority", "sglang-session", "dynamo"]
 """A hint a backend may opt in to (``hints = [...]`` in its config)."""

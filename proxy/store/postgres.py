@@ -1,7 +1,7 @@
 """Durable runs in PostgreSQL: the run store several proxies can share (``--state-db
 postgresql://user@host/db``).
 
-The same event-sourced log as :class:`~flowlift.proxy.workflows.store.SQLiteRunStore`,
+The same event-sourced log as :class:`~flowlift.proxy.store.sqlite.SQLiteRunStore`,
 in tables prefixed ``flowlift_`` (so the database may hold other things)::
 
     flowlift_meta(key PRIMARY KEY, value)            -- ('schema_version', '2')
@@ -56,11 +56,11 @@ advisory lock (two proxies starting together do not race).
 reader sees the write): ``event <run>`` (an event appended), ``posted <run>`` (a tool
 result or request kept), ``released <run>`` (a lease released unfinished), ``claimed
 <run>`` (a lease taken from another owner). Each proxy listens on one connection of its
-own (:mod:`~flowlift.proxy.workflows.store_pg_listen`) and wakes the waiters concerned;
+own (:mod:`~flowlift.proxy.store.postgres_listen`) and wakes the waiters concerned;
 polling stays as the fallback.
 
 Synchronous psycopg 3, as the SQLite store is synchronous; the proxy calls both from
-one worker thread in order (:mod:`~flowlift.proxy.workflows.store_worker`), never from
+one worker thread in order (:mod:`~flowlift.proxy.store.worker`), never from
 its event loop, and a follower gets an event only once its ``append`` returned. Connections
 come from a :class:`psycopg_pool.ConnectionPool` (autocommit), and every write commits
 before it returns (``synchronous_commit`` as the server sets it: on by default, so
@@ -101,18 +101,18 @@ from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential_jitter
 
 from flowlift.errors import EngineError, LeaseLost, RequestError, StoreUnavailable
-from flowlift.proxy.tenants import DEFAULT_TENANT
-from flowlift.proxy.workflows.store import (
+from flowlift.proxy.store.base import (
     SCHEMA_VERSION,
     RunSummary,
     StoredResponse,
     StoredRun,
     per_tenant_keys,
 )
+from flowlift.proxy.tenants import DEFAULT_TENANT
 from flowlift.tracing import get_logger
 
 if TYPE_CHECKING:
-    from flowlift.proxy.workflows.wakeups import Wakeups
+    from flowlift.proxy.store.wakeups import Wakeups
 
 log = get_logger("flowlift.runs")
 P = ParamSpec("P")
@@ -507,8 +507,8 @@ class PostgresRunStore:
 
     def listener(self) -> Wakeups:
         """A ``LISTEN`` on :data:`CHANNEL` of its own connection, ignoring this store's
-        own announcements (:class:`~flowlift.proxy.workflows.store_pg_listen.PgWakeups`)."""
-        from flowlift.proxy.workflows.store_pg_listen import PgWakeups
+        own announcements (:class:`~flowlift.proxy.store.postgres_listen.PgWakeups`)."""
+        from flowlift.proxy.store.postgres_listen import PgWakeups
 
         return PgWakeups(self._conninfo, ignore=self.pids, name=self.path)
 

@@ -8,7 +8,7 @@ The engine has no native tool-call format, so flowlift makes one:
   for ``tool_choice: "required"`` or a named function (``maxItems: 1`` when
   ``parallel_tool_calls`` is false, only that function when one is named), and for
   ``"auto"`` (the default) either that or ``{"content": <the answer>}``;
-* :class:`~flowlift.proxy.openai.chat_completion.tool_output.ToolOutputDecoder` turns the
+* :class:`~flowlift.proxy.wire.tool_output.ToolOutputDecoder` turns the
   constrained JSON into OpenAI ``tool_calls`` (``id: "call_..."``, ``type: "function"``,
   ``function: {name, arguments}`` with ``arguments`` a JSON string) or into plain
   content. Content of an ``"auto"`` answer is decoded while it streams; tool calls are

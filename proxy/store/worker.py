@@ -1,7 +1,7 @@
 """Store calls off the event loop: one worker thread that runs every run-store call in
 the order it was asked.
 
-The stores (:mod:`flowlift.proxy.workflows.store`, ``store_pg``) are synchronous: a
+The stores (:mod:`flowlift.proxy.store.sqlite`, ``store_pg``) are synchronous: a
 SQLite commit or a round trip to PostgreSQL. Called on the proxy's event loop, a slow
 or stalled database stalled every request of the proxy, ``/healthz`` included. The
 registry hands each call to this worker instead and awaits its future, so the loop
@@ -12,14 +12,14 @@ serves everything else meanwhile.
 in the order they were submitted, so a run's events are written in ``seq`` order, a
 lease is released after the run's last event, and a read submitted after a write sees
 it. An event reaches followers only once its write has returned (committed: see
-:class:`~flowlift.proxy.workflows.events.EventLog`), so "in the database before any
+:class:`~flowlift.proxy.store.events.EventLog`), so "in the database before any
 client hears of it" holds as it did when writes blocked the loop.
 
 **Bound.** The queue itself takes every call (an event already computed is never
 dropped); admission is bounded instead: while more than ``max_backlog`` calls wait, or
 the call at the head has run for more than ``stall_s`` (a database that restarts, is out
 of connections or unreachable: the store retries inside the call, see
-:mod:`~flowlift.proxy.workflows.store_pg`), :meth:`behind` says so and new runs are
+:mod:`~flowlift.proxy.store.postgres`), :meth:`behind` says so and new runs are
 refused with a 503 and ``Retry-After`` until the store catches up. A caller that answers
 a client gives its call ``within_s`` (:meth:`call`): a store that finished no call for
 that long (stalled), or one still moving but past :data:`MOVING_PATIENCE` times it,

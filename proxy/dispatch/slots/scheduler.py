@@ -22,20 +22,20 @@ budget of prompt tokens still being prefilled (``batch_prefill_budget``): a burs
 long batch prompts otherwise fills every engine step with prefill for seconds, and an
 interactive step's first token waits behind it. With ``preempt`` on, running batch
 requests above that cap are preempted when interactive work is granted a slot (chosen by
-:func:`~flowlift.proxy.dispatch.preemption.choose_victims`); they give their slots back
+:func:`~flowlift.proxy.dispatch.slots.preemption.choose_victims`); they give their slots back
 and wait again, ahead of batch work not yet started, to resume as continuations
-(:mod:`flowlift.proxy.dispatch.resumable`). Without it, running requests are never
+(:mod:`flowlift.proxy.dispatch.slots.resumable`). Without it, running requests are never
 preempted.
 
-With a :class:`~flowlift.proxy.dispatch.batch_cap.DynamicCap` (``flowlift serve
+With a :class:`~flowlift.proxy.dispatch.slots.batch_cap.DynamicCap` (``flowlift serve
 --batch-cap-when-interactive auto``) the cap is not a fixed number but a plan made from
 the engine's measured step times for the interactive requests running now: how many
 batch requests may decode beside them and how many batch prompt tokens may be prefilled
 beside them (on a CPU: none), so their steps stay within a slowdown bound. New batch
 work waits while it does not fit the plan; with ``preempt`` on, batch requests still in
 prefill beyond it are preempted first, then decoding ones above the cap
-(:func:`~flowlift.proxy.dispatch.preemption.victims_beside_interactive`). A
-:class:`~flowlift.proxy.dispatch.batch_cap.LingerModel` replaces the fixed linger by the
+(:func:`~flowlift.proxy.dispatch.slots.preemption.victims_beside_interactive`). A
+:class:`~flowlift.proxy.dispatch.slots.batch_cap.LingerModel` replaces the fixed linger by the
 time programs were seen to take to send their next interactive step.
 
 A steady cap (``flowlift serve --batch-cap N|auto``) bounds the batch's slots at all
@@ -59,15 +59,16 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from flowlift.proxy.dispatch.batch_cap import BatchPlan, DynamicCap, LingerModel
-from flowlift.proxy.dispatch.preemption import (
+from flowlift.proxy.dispatch.slots.batch_cap import BatchPlan, DynamicCap, LingerModel
+from flowlift.proxy.dispatch.slots.policy import SlotPolicy
+from flowlift.proxy.dispatch.slots.preemption import (
     Candidate,
     Preemptible,
     choose_victims,
     victims_beside_interactive,
 )
-from flowlift.proxy.dispatch.programs import ProgramBook, ProgramConfig
-from flowlift.proxy.dispatch.working_set import WorkingSet, WorkingSetConfig
+from flowlift.proxy.dispatch.slots.programs import ProgramBook, ProgramConfig
+from flowlift.proxy.dispatch.slots.working_set import WorkingSet, WorkingSetConfig
 
 KvUsage = Callable[[], "float | None"]
 KvCapacity = Callable[[], "int | None"]
@@ -133,27 +134,12 @@ class PrioritySlots:
 
     Args:
         capacity: requests in flight on the backend.
-        reserved_interactive: slots batch work may never take (at most capacity - 1).
-        batch_cap_when_interactive: batch slots while interactive work is active
-            (default: half the capacity).
-        linger_s: how long interactive work counts as active after its last release.
-        batch_prefill_budget: prompt tokens of batch work that may be in prefill at once
-            (a single larger prompt still goes alone).
-        fcfs: ignore priorities and reserve nothing: first come, first served (the
-            baseline the benchmarks compare against).
-        preempt: when interactive work is granted a slot, preempt running batch requests
-            (those registered with :meth:`register`) down to the batch cap (not with
-            ``fcfs``).
-        programs: program-level scheduling (least attained service per program,
-            starvation bound, keeping a waiting session's KV; :mod:`.programs`); None:
-            the defaults (on); off with ``fcfs``.
+        policy: how the slots are granted (:class:`~.policy.SlotPolicy`; None: its
+            defaults).
         kv_usage: the engine's KV-cache share in use (0 to 1, None: unknown), read
             when a new program's request would start while a session's KV is kept.
-        working_set: working-set admission (:mod:`.working_set`): a request of a
-            session outside the working set waits while the working set would not fit
-            ``kv_capacity``; None: the defaults (on); off with ``fcfs``.
         kv_capacity: the engine's KV cache in tokens (None, or returning None:
-            unknown, no working-set admission).
+            unknown, no working-set admission: ``policy.working_set``).
         kv_block: the engine's KV block size in tokens (None: 1).
         timer: the clock of attained service and waits (seconds); tests inject one.
         dynamic: the batch plan beside interactive work from measured step times
@@ -170,20 +156,21 @@ class PrioritySlots:
         working: the :class:`~.working_set.WorkingSet` of this engine.
     """
 
-    def __init__(self, capacity: int, reserved_interactive: int = 1, fcfs: bool = False,
-                 batch_cap_when_interactive: int | None = None,
-                 linger_s: float = 1.0, batch_prefill_budget: int = 1024,
-                 preempt: bool = False, programs: ProgramConfig | None = None,
+    def __init__(self, capacity: int, policy: SlotPolicy | None = None, *,
                  kv_usage: KvUsage | None = None,
                  timer: Callable[[], float] = time.monotonic,
                  dynamic: DynamicCap | None = None,
                  linger: LingerModel | None = None,
                  steady: int | DynamicCap | None = None,
-                 working_set: WorkingSetConfig | None = None,
                  kv_capacity: KvCapacity | None = None,
                  kv_block: KvBlock | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
+        policy = policy or SlotPolicy()
+        fcfs, reserved_interactive = policy.fcfs, policy.reserved_interactive
+        batch_cap_when_interactive = policy.batch_cap_when_interactive
+        linger_s, batch_prefill_budget = policy.linger_s, policy.batch_prefill_budget
+        preempt, programs = policy.preempt, policy.programs
         self.capacity = capacity
         self.fcfs = fcfs
         self.reserved = 0 if fcfs else min(max(reserved_interactive, 0), capacity - 1)
@@ -211,7 +198,7 @@ class PrioritySlots:
             config = dataclasses.replace(config, enabled=False)
         self.programs = ProgramBook(config, timer)
         self._kv_usage = kv_usage
-        ws = working_set or WorkingSetConfig()
+        ws = policy.working_set or WorkingSetConfig()
         self.working = WorkingSet(dataclasses.replace(ws, enabled=ws.enabled and not fcfs),
                                   timer)
         self._kv_capacity = kv_capacity
@@ -424,7 +411,7 @@ class PrioritySlots:
             if best.priority.interactive:
                 self._preempt_batch()
 
-    # -- program-level scheduling (flowlift.proxy.dispatch.programs) ---------------------
+    # -- program-level scheduling (flowlift.proxy.dispatch.slots.programs) ---------------------
     def _aged(self) -> _Waiter | None:
         """The first waiter (lowest class, then arrival) that has waited ``max_wait_s``,
         when its class is not behind the heap's best; None: none has."""

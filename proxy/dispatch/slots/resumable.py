@@ -1,12 +1,12 @@
 """One generation on the embedded engine that may be preempted and resumed.
 
 A batch request granted a slot registers with its
-:class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots` as it starts; its candidacy
+:class:`~flowlift.proxy.dispatch.slots.scheduler.PrioritySlots` as it starts; its candidacy
 says whether it is still in prefill. Under a fixed batch cap only requests past their
 first token are preempted (preempting one in prefill wastes what of the prefill is not
 in whole KV blocks); the dynamic plan preempts those in prefill first, since their
 prefill is what slows the interactive steps most. When interactive work
-arrives and the slots choose it (:func:`~flowlift.proxy.dispatch.preemption.choose_victims`),
+arrives and the slots choose it (:func:`~flowlift.proxy.dispatch.slots.preemption.choose_victims`),
 :meth:`ResumableGeneration.preempt` aborts its engine request; its stream ends with
 ``finish_reason="abort"``, it gives its slot back and waits again (ahead of batch work
 not yet started), then continues as a new engine request carrying the token ids it has
@@ -29,8 +29,8 @@ from collections.abc import AsyncGenerator, Callable
 
 from flowlift.local_engine.base import Engine, GenerationChunk, GenerationRequest, Usage
 from flowlift.local_engine.continuation import merge_usage
-from flowlift.proxy.dispatch.preemption import Candidate
-from flowlift.proxy.dispatch.scheduler import Priority, PrioritySlots, Slot
+from flowlift.proxy.dispatch.slots.preemption import Candidate
+from flowlift.proxy.dispatch.slots.scheduler import Priority, PrioritySlots, Slot
 
 
 def _nothing() -> None:

@@ -12,7 +12,7 @@ replica can answer). Among available replicas:
 * otherwise, by the route's ``strategy``:
 
   - ``"predicted-latency"`` (the default): the replica with the smallest predicted
-    completion time for this request (:mod:`flowlift.proxy.dispatch.latency`, after
+    completion time for this request (:mod:`flowlift.proxy.dispatch.routing.latency`, after
     llm-d's predicted-latency scorer); a replica with too few recent answers to predict
     counts as fast as the best predicted one and wins the tie, so it gets explored, one
     request at a time (while one is in flight there, the replica is left out).
@@ -37,10 +37,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
-from typing import Literal
 
-Strategy = Literal["predicted-latency", "least-loaded", "round-robin"]
-"""How a route chooses among its replicas (see the module doc)."""
+from flowlift.proxy.config import Strategy
+
 STRATEGIES: tuple[Strategy, ...] = ("predicted-latency", "least-loaded", "round-robin")
 
 

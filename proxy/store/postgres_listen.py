@@ -1,14 +1,14 @@
 """The PostgreSQL run store's handover channel: one ``LISTEN`` connection per proxy.
 
 Writes that another replica waits on announce themselves with ``pg_notify`` on
-:data:`~flowlift.proxy.workflows.store_pg.CHANNEL`, in the write's own transaction (so
+:data:`~flowlift.proxy.store.postgres.CHANNEL`, in the write's own transaction (so
 the notice is delivered at commit: a woken reader sees the write; see
-:mod:`~flowlift.proxy.workflows.store_pg`). :class:`PgWakeups` holds one connection of
+:mod:`~flowlift.proxy.store.postgres`). :class:`PgWakeups` holds one connection of
 its own on a thread of its own (psycopg's blocking :meth:`psycopg.Connection.notifies`,
 half a second at a time so that :meth:`PgWakeups.close` is heard), never on the event
 loop and never on the store's worker, and hands each notice to the loop
 (``call_soon_threadsafe``), which wakes exactly the watches that want it
-(:class:`~flowlift.proxy.workflows.wakeups.Wakeups`).
+(:class:`~flowlift.proxy.store.wakeups.Wakeups`).
 
 Polling stays as the fallback: while the channel listens, watches poll every
 ``fallback_s`` (a missed notice costs that much at worst); whenever the connection is
@@ -35,8 +35,8 @@ from typing import Any
 import psycopg
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
-from flowlift.proxy.workflows.store_pg import CHANNEL, redact
-from flowlift.proxy.workflows.wakeups import Wakeups
+from flowlift.proxy.store.postgres import CHANNEL, redact
+from flowlift.proxy.store.wakeups import Wakeups
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.runs")
