@@ -29,6 +29,7 @@ from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamS
 from flowlift.proxy.dispatch.batch.api import BatchClient
 from flowlift.proxy.dispatch.batch.pool import BatchPool, JournalRouter
 from flowlift.proxy.dispatch.batch.tier_profiles import default_book
+from flowlift.proxy.dispatch.routing.fleet_hints import ProgramSteps
 from flowlift.proxy.dispatch.routing.hints import SessionBook
 from flowlift.proxy.dispatch.routing.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.routing.routing import Route, has_untried, pick
@@ -36,6 +37,7 @@ from flowlift.proxy.dispatch.settings import DispatchSettings
 from flowlift.proxy.dispatch.slots.batch_cap import BatchPlan, DynamicCap, LingerModel
 from flowlift.proxy.dispatch.slots.policy import SlotPolicy
 from flowlift.proxy.dispatch.slots.prefill_ahead import PrefillAhead
+from flowlift.proxy.dispatch.slots.programs import ProgramConfig
 from flowlift.proxy.dispatch.slots.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.upstream.engine import UpstreamEngine
 from flowlift.proxy.dispatch.upstream.provider import Upstream
@@ -114,6 +116,9 @@ class Backends:
         self.max_queue = settings.max_queue  # merged by config.settings (flag > file)
         self.upstreams: dict[str, Upstream] = {}
         self.sessions = SessionBook()  # SGLang sessions opened for runs (dispatch.hints)
+        self.steps = ProgramSteps()  # each program's requests, counted (vllm-router hints)
+        # how long a program whose tool is out keeps its KV (the routers' retention hint)
+        self.keep_ttl_s = (settings.programs or ProgramConfig()).keep_ttl_s
         self.batch_pools: dict[str, BatchPool] = {}  # openai-batch backend -> its pool
         self.batch_journal = JournalRouter()  # their lines' records, routed to the runs
         self.turnarounds = default_book()  # per tier, learned from finished batches

@@ -241,6 +241,22 @@ class RequestTrace:
         except Exception as exc:  # tracing must never break a request
             _failed("upstream", exc)
 
+    def answered(self, usage: dict[str, Any] | None, finish: str | None) -> None:
+        """The proxy built the whole answer itself from one or more generations (a
+        Responses turn: :mod:`flowlift.proxy.openai.responses`): ``usage`` (chat
+        ``CompletionUsage``, summed over the generations) and the last ``finish``
+        reason are the request's, whichever backend ran them."""
+        with _safe("answered"):
+            self.done = True
+            if finish:
+                self.finish[0] = finish
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                self.upstream_counts = Usage(int(usage.get("prompt_tokens") or 0),
+                                             int(usage.get("completion_tokens") or 0),
+                                             int(cached or 0))
+                self.upstream_usage = dict(usage)
+
     def sse(self, events: bytes, done: bool | None = None, plain: bool = False) -> None:
         """Whole events of a forwarded upstream stream. Only those that may hold usage or
         a finish reason (a byte search), and the first naming the model, are kept, and

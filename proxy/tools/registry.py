@@ -56,6 +56,7 @@ class ToolServers:
         self.specs = dict(specs)
         self.servers = dict(servers) if servers is not None else {
             name: make_server(name, spec) for name, spec in self.specs.items()}
+        self._notes: dict[tuple[str, str], dict[str, Any]] = {}  # MCP tool annotations
 
     def __bool__(self) -> bool:
         return bool(self.servers)
@@ -140,7 +141,22 @@ class ToolServers:
         if name not in offered:
             return (f"tool {name!r} of server {server!r} is not in its allow list "
                     f"([tools.{server}] allow = {allow})")
+        self._notes[server, name] = listing[name].annotations or {}
         return listing[name]
+
+    def starts_early(self, server: str, name: str) -> bool:
+        """Whether a call of ``server``'s tool ``name`` may start while the model's turn
+        still streams (before the turn is known to end well): per the server's
+        ``early`` setting; by default only for a tool its server annotates
+        ``readOnlyHint`` or ``idempotentHint`` (MCP tool annotations, read when a graph
+        named it), since a turn that then fails or is cut off may never have meant it."""
+        spec = self.specs.get(server)
+        if spec is None or spec.early == "never":
+            return False
+        if spec.early == "always":
+            return True
+        notes = self._notes.get((server, name)) or {}
+        return bool(notes.get("readOnlyHint") or notes.get("idempotentHint"))
 
     async def call(self, server: str, name: str, args: dict[str, Any]) -> ToolOutcome:
         """Run ``server``'s tool ``name`` with ``args`` (already checked against its

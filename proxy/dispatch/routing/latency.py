@@ -12,8 +12,13 @@ flowlift keeps the same features, measured where the proxy sees them:
 * ``in_flight``: requests the proxy has in flight on the replica (its queue depth as
   this proxy knows it);
 * ``uncached_ktokens``: the prompt's tokens, in thousands, less those the replica is
-  expected to hold in its prefix cache -- the prompt last sent there under the same
-  affinity key (a workflow run or a session), whose prefix the new prompt extends;
+  expected to hold in its prefix cache -- the prompt last answered there under the same
+  affinity key (a workflow run or a session), whose prefix the new prompt extends,
+  scaled by the replica's *retention*: the share of such expected hits it reported
+  (``usage.prompt_tokens_details.cached_tokens``). What a replica reports is the truth
+  the TTFT model learns from; a replica that reports no hit where a sizeable one was
+  expected, or that refused a connection, lost its cache (a restart) and everything
+  believed cached there is forgotten (:meth:`LatencyBook.sent`, :meth:`LatencyBook.forget`);
 * for the decode, ``in_flight`` alone (TPOT grows with the batch).
 
 Each of TTFT and TPOT is an online ridge regression (a Bayesian linear model's posterior
@@ -51,6 +56,47 @@ class Demand:
     prompt_tokens: int = 0
     max_output_tokens: int | None = None
     affinity: str | None = None
+
+
+RESTART_MIN_TOKENS = 64
+"""Expected cached tokens (estimated) above which a reported zero hit means the replica
+lost its cache: below it, a prefix shorter than a few KV blocks may miss anyway."""
+RETENTION_WEIGHT = 0.2
+"""Weight of the newest report in a replica's retention (a moving average)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReport:
+    """What a replica reported of one answer's prompt (its ``usage``).
+
+    Attributes:
+        prompt_tokens: the prompt's tokens, as the replica counted them.
+        cached_tokens: of those, served from its prefix cache.
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+
+    @classmethod
+    def of(cls, usage: object) -> CacheReport | None:
+        """The report in an OpenAI ``usage`` object (``prompt_tokens`` and
+        ``prompt_tokens_details.cached_tokens``; the Responses API's ``input_*`` names
+        too), or None when it reports no cached tokens (vLLM without
+        ``--enable-prompt-tokens-details``: nothing is known of the cache)."""
+        if not isinstance(usage, dict):
+            return None
+        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        if (not isinstance(cached, int) or not isinstance(prompt, int) or prompt <= 0
+                or isinstance(cached, bool) or cached < 0):
+            return None
+        return cls(prompt, min(cached, prompt))
+
+    @property
+    def hit(self) -> float:
+        """The share of the prompt served from the cache (0 to 1)."""
+        return self.cached_tokens / self.prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +216,9 @@ class ReplicaModel:
         failures, attempts: failed and all attempts, decayed like the regressions.
         fail_s: the mean time a failed attempt took (seconds).
         updated_at: the time of the last observation (seconds, the caller's clock).
-        prefixes: affinity key -> prompt tokens last sent here under it (LRU).
+        prefixes: affinity key -> prompt tokens last answered here under it (LRU).
+        retention: the share of expected prefix-cache hits the replica reported (a
+            moving average; 1 until it reports).
     """
 
     ttft: Ridge = field(default_factory=lambda: Ridge(3))
@@ -180,6 +228,7 @@ class ReplicaModel:
     fail_s: float = 0.0
     updated_at: float = 0.0
     prefixes: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    retention: float = 1.0
 
     def _age(self, now: float, half_life_s: float, keep: float) -> None:
         factor = keep * float(0.5 ** (max(now - self.updated_at, 0.0) / half_life_s))
@@ -226,7 +275,8 @@ class LatencyBook:
         cached = 0
         model = self.replicas.get(name)
         if model is not None and demand.affinity is not None:
-            cached = min(model.prefixes.get(demand.affinity, 0), demand.prompt_tokens)
+            prefix = min(model.prefixes.get(demand.affinity, 0), demand.prompt_tokens)
+            cached = round(prefix * model.retention)
         return Features(in_flight, demand.prompt_tokens, cached)
 
     def expected_output(self, model: str, max_output_tokens: int | None) -> float:
@@ -255,9 +305,26 @@ class LatencyBook:
         fail_rate = model.failures / (model.attempts + 1.0)
         return answer + fail_rate * (model.fail_s + answer)
 
-    def sent(self, name: str, affinity: str | None, prompt_tokens: int) -> None:
+    def sent(self, name: str, affinity: str | None, prompt_tokens: int, *,
+             expected_cached: int = 0, report: CacheReport | None = None) -> None:
         """Replica ``name`` answered a prompt of ``prompt_tokens`` under ``affinity``:
-        that prefix is now expected in its cache."""
+        that prefix is now expected in its cache.
+
+        Args:
+            expected_cached: of ``prompt_tokens``, what was expected cached when it was
+                sent (:attr:`Features.cached_tokens`).
+            report: what the replica reported of the prompt (None: nothing). Where at
+                least :data:`RESTART_MIN_TOKENS` were expected cached, a zero hit
+                forgets every prefix of the replica (it lost its cache), another report
+                moves its retention toward the reported share of the expected hit.
+        """
+        if report is not None and expected_cached >= RESTART_MIN_TOKENS and prompt_tokens:
+            replica = self._model(name)  # (a smaller expected hit: a report within a
+            if report.cached_tokens == 0:  # few KV blocks says little)
+                self.forget(name)
+            else:
+                share = min(report.hit / (expected_cached / prompt_tokens), 1.0)
+                replica.retention += RETENTION_WEIGHT * (share - replica.retention)
         if affinity is None:
             return
         prefixes = self._model(name).prefixes
@@ -265,6 +332,13 @@ class LatencyBook:
         prefixes.move_to_end(affinity)
         while len(prefixes) > self.max_prefixes:
             prefixes.popitem(last=False)
+
+    def forget(self, name: str) -> None:
+        """Replica ``name`` lost its prefix cache (it restarted): nothing is expected
+        cached there any more (its retention is kept: a restart says nothing of it)."""
+        model = self.replicas.get(name)
+        if model is not None:
+            model.prefixes.clear()
 
     def observe(self, name: str, model_name: str, features: Features, *, ttft_s: float,
                 total_s: float, output_tokens: int | None, now: float,
