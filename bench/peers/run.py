@@ -17,8 +17,9 @@ agent-session workload of :mod:`bench.peers.workload` on each:
   share; ratios stock / arm.
 
 Arms (``--arms``): ``stock`` (vLLM's OpenAI server), ``flowlift`` (``flowlift serve``,
-its defaults) and ``flowlift_lru`` (``--no-working-set``: flowlift without the KV
-working-set admission of :mod:`flowlift.proxy.dispatch.slots.working_set`).
+its defaults) and ``flowlift_ws`` (``--working-set``: with the KV working-set admission
+of :mod:`flowlift.proxy.dispatch.slots.working_set`, off by default). The runs in
+bench/RESULTS.md (issue 35) ran ``flowlift`` while the working set was on by default.
 
     .venv/bin/python bench/peers/run.py [--p5 6 35] [--p7 16 32] [--kv-cache-gib 1]
     .venv/bin/python bench/peers/run.py --smoke  # seconds: fake engines on both sides
@@ -47,7 +48,7 @@ from bench.harness import RESULTS, pct, save
 from bench.peers import servers, workload
 
 ARMS: dict[str, tuple[str, ...] | None] = {
-    "stock": None, "flowlift": (), "flowlift_lru": ("--no-working-set",)}
+    "stock": None, "flowlift": (), "flowlift_ws": ("--working-set",)}
 """Arm -> its ``flowlift serve`` flags (None: the stock vLLM server)."""
 
 

@@ -46,7 +46,7 @@ class DispatchSettings:
             on, with the defaults of :class:`~.slots.programs.ProgramConfig`; off with
             ``fcfs``).
         working_set: working-set admission on every embedded engine
-            (:mod:`.slots.working_set`; None: on, with its defaults; off with ``fcfs``).
+            (:mod:`.slots.working_set`; None: off; off with ``fcfs``).
     """
 
     max_concurrency: int = 16

@@ -186,3 +186,13 @@ def test_needs_count_whole_blocks_and_one_more():
     assert ws.members(128) == {"a": 512, "b": 512}  # 3 blocks of 300 tokens, plus one
     assert ws.admits("b", 1000) and not ws.admits("b", 1000, 128)
     assert ws.estimate("new", 128) == 512  # a first call like the ones seen
+
+
+def test_the_server_leaves_it_off_unless_asked():
+    from flowlift.proxy.config import ProxyConfig
+    from flowlift.proxy.dispatch.settings import DispatchSettings
+
+    assert not DispatchSettings.from_config(ProxyConfig()).working_set.enabled
+    on = DispatchSettings.from_config(ProxyConfig(working_set=True))
+    assert on.working_set.enabled
+    assert not PrioritySlots(2).working.enabled

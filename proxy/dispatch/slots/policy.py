@@ -34,7 +34,7 @@ class SlotPolicy:
             the defaults (on); off with ``fcfs``.
         working_set: working-set admission (:mod:`.working_set`): a request of a
             session outside the working set waits while the working set would not fit
-            the engine's KV capacity; None: the defaults (on); off with ``fcfs``.
+            the engine's KV capacity; None: off; off with ``fcfs``.
     """
 
     reserved_interactive: int = 1

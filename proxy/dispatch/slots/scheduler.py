@@ -198,7 +198,7 @@ class PrioritySlots:
             config = dataclasses.replace(config, enabled=False)
         self.programs = ProgramBook(config, timer)
         self._kv_usage = kv_usage
-        ws = policy.working_set or WorkingSetConfig()
+        ws = policy.working_set or WorkingSetConfig(enabled=False)
         self.working = WorkingSet(dataclasses.replace(ws, enabled=ws.enabled and not fcfs),
                                   timer)
         self._kv_capacity = kv_capacity

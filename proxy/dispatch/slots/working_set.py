@@ -59,8 +59,8 @@ Timer = Callable[[], float]
 
 @dataclass(frozen=True, slots=True)
 class WorkingSetConfig:
-    """Settings of working-set admission (``flowlift serve --no-working-set`` turns it
-    off).
+    """Settings of working-set admission (``flowlift serve --working-set`` turns it
+    on in the server; off by default there).
 
     Attributes:
         enabled: False: every call is admitted (vLLM's own LRU alone decides).

@@ -300,10 +300,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        action="store_const", const=False, default=None,
                        help="do not order requests by their agent session's attained "
                             "service (least first) within a class (default: on)")
-    serve.add_argument("--no-working-set", dest="working_set", action="store_const",
-                       const=False, default=None,
-                       help="do not hold new agent sessions back while the KV of the "
-                            "sessions expected back fills the engine's cache (default: on)")
+    serve.add_argument("--working-set", dest="working_set", action="store_const",
+                       const=True, default=None,
+                       help="hold agent sessions back while the KV of the sessions "
+                            "admitted before them fills the engine's cache (default: off; "
+                            "measured not to win yet, see docs/working_set.md)")
     serve.add_argument("--program-max-wait-s", type=_positive, default=None, metavar="S",
                        help="program scheduling's starvation bound: a request waiting S "
                             "seconds goes first in its class (default 30)")
