@@ -357,6 +357,17 @@ class Engine(abc.ABC):
         before they finish, or ``None`` when the engine cannot tell (the default)."""
         return None
 
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the engine's KV cache holds in all (blocks times block size), or
+        ``None`` when the engine cannot tell (the default): what working-set admission
+        (:mod:`flowlift.proxy.dispatch.slots.working_set`) fits sessions into."""
+        return None
+
+    def kv_block_tokens(self) -> int | None:
+        """Tokens per KV-cache block (the unit the cache allocates and the prefix cache
+        keeps), or ``None`` when the engine cannot tell (the default)."""
+        return None
+
     def count_tokens(self, model: str, text: str) -> int | None:
         """Tokens of ``text`` in ``model``'s tokenizer, or ``None`` when unknown."""
         ids = self.tokenize(model, text)

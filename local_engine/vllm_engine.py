@@ -47,6 +47,7 @@ from flowlift.local_engine.base import (
     require_plain,
 )
 from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
+from flowlift.local_engine.delta import DeltaPrompts
 from flowlift.local_engine.gpu_memory import KvCheck
 from flowlift.local_engine.models import cache_dir, default_dtype, resolve_model
 from flowlift.local_engine.step_log import StepLog, vllm_stat_logger
@@ -96,6 +97,9 @@ class VLLMConfig:
             build). The prefix cache reuses whole blocks, so a smaller block keeps more of
             a session's previous answer cached (case W5: at most ``block_size - 1``
             tokens of a turn's shared prefix are re-prefilled); 32 works on CPU.
+        kv_cache_blocks: a KV cache of exactly this many blocks (vLLM's
+            ``num_gpu_blocks_override``; ``None``: as many as ``kv_cache_space_gib``
+            holds): a cache smaller than a whole GiB, for benchmarks under KV pressure.
         max_num_batched_tokens: tokens one engine step may compute (``None``: vLLM's
             default, 2048 or more on CPU); a prompt longer than what is left of it is
             prefilled in chunks over several steps (vLLM's chunked prefill). Smaller
@@ -135,6 +139,7 @@ class VLLMConfig:
     speculative_ngram: int | None = None
     speculative_max_batch: int | None = None
     block_size: int | None = None
+    kv_cache_blocks: int | None = None
     max_num_batched_tokens: int | None = None
     step_timings: bool = False
     gpu_memory_utilization: float | None = None
@@ -263,8 +268,9 @@ class VLLMEngine(Engine):
         self.memory_wait_s = memory_wait_s
         self._engine: Any = None
         self._tokenizer: Any = None
-        self._session_ids = False  # the engine's generate() takes session_id
+        self._takes_session_id = False  # the engine's generate() takes session_id
         self.asleep = False
+        self._delta: DeltaPrompts | None = None
         set_env_defaults(config)
 
     @property
@@ -303,9 +309,14 @@ class VLLMEngine(Engine):
                     raise
         self._engine = built.pop()
         self._tokenizer = self._engine.get_tokenizer()
+        tok = self._tokenizer
+        self._delta = DeltaPrompts(
+            lambda m, gen: tok.apply_chat_template(m, add_generation_prompt=gen,
+                                                   tokenize=False),
+            lambda t: list(tok.encode(t, add_special_tokens=False)))
         self.load_time_s = time.perf_counter() - started
         self.memory_check = kv_check(self.config, self._engine)
-        self._session_ids = takes_keyword(self._engine.generate, "session_id")
+        self._takes_session_id = takes_keyword(self._engine.generate, "session_id")
 
     def step_log(self) -> StepLog | None:
         """The engine's recent iterations (None: ``step_timings`` off)."""
@@ -324,11 +335,16 @@ class VLLMEngine(Engine):
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         """Token ids of the prompt: a raw ``prompt`` tokenized as it is (with the
         tokenizer's special tokens, as vLLM's own completions endpoint does), else the
-        chat-templated ``messages`` with the generation prompt appended."""
+        chat-templated ``messages`` with the generation prompt appended; for a
+        session's turn (``session_id``), its previous turn's ids plus the new messages'
+        (:mod:`flowlift.local_engine.delta`: the same ids, in time linear in the new
+        messages only)."""
         param = "messages"
         if request.prompt is not None:
             param = "prompt"
             ids = list(self._tokenizer.encode(request.prompt))
+        elif request.session_id is not None and self._delta is not None and self._delta.exact:
+            ids = self._session_ids(request)
         else:
             ids = self._tokenizer.encode(self._chat_text(request), add_special_tokens=False)
         if not ids:
@@ -342,6 +358,17 @@ class VLLMEngine(Engine):
         check_completion_fits(len(ids), request.sampling.max_tokens,
                               self.config.max_model_len, param)
         return ids
+
+    def _session_ids(self, request: GenerationRequest) -> list[int]:
+        assert self._delta is not None
+        if not request.messages:
+            raise RequestError("messages must not be empty", param="messages")
+        msgs = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            return self._delta.ids(request.session_id, msgs)
+        except Exception as exc:
+            raise RequestError(f"the chat template rejected the messages: {exc}",
+                               param="messages") from exc
 
     def _chat_text(self, request: GenerationRequest) -> str:
         if not request.messages:
@@ -414,7 +441,7 @@ class VLLMEngine(Engine):
         text = (ContinuationText(self._decode, request.resume_token_ids)
                 if request.resume_token_ids else None)
         session = ({"session_id": request.session_id}
-                   if self._session_ids and request.session_id else {})
+                   if self._takes_session_id and request.session_id else {})
         stream = engine.generate({"prompt_token_ids": prompt_ids}, params,
                                  request.request_id, priority=request.priority, **session)
         completion = cached = 0
@@ -479,6 +506,19 @@ class VLLMEngine(Engine):
         """The share of the KV cache the unfinished requests may take (prompts plus
         ``max_tokens``, :func:`flowlift.local_engine.prefill.reserved_fraction`)."""
         return None if self._engine is None else prefill.reserved_fraction(self._engine)
+
+    def kv_capacity_tokens(self) -> int | None:
+        """``num_gpu_blocks * block_size`` of the started engine's cache config (the
+        engine core reports its block count to the front end at start); ``None`` before
+        :meth:`start`."""
+        return None if self._engine is None else prefill.capacity_tokens(self._engine)
+
+    def kv_block_tokens(self) -> int | None:
+        """The started engine's ``cache_config.block_size`` (None before :meth:`start`)."""
+        if self._engine is None:
+            return None
+        size = self._engine.vllm_config.cache_config.block_size
+        return int(size) if size else None
 
     async def abort(self, request_id: str) -> None:
         """Stop a running request (its stream then ends with ``finish_reason="abort"``);
@@ -714,6 +754,7 @@ def engine_kwargs(cfg: VLLMConfig) -> dict[str, Any]:
         **({"gpu_memory_utilization": cfg.gpu_memory_utilization}
            if cfg.gpu_memory_utilization is not None else {}),
         **({"enable_sleep_mode": True} if cfg.enable_sleep_mode else {}),
+        **({"num_gpu_blocks_override": cfg.kv_cache_blocks} if cfg.kv_cache_blocks else {}),
         **({"max_num_batched_tokens": step} if step else {}))
 
 

@@ -57,7 +57,9 @@ async def readyz(request: web.Request) -> web.Response:
     body = {"ready": reason is None, "models": state.backends.models,
             "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason,
             "programs": {b.name: b.slots.programs.snapshot() for b in state.backends.backends
-                         if b.slots.programs.enabled}}
+                         if b.slots.programs.enabled},
+            "working_set": {b.name: b.slots.working.snapshot(b.slots.kv_capacity())
+                            for b in state.backends.backends if b.slots.working.enabled}}
     plans = {b.name: plan for b in state.backends.backends
              if (plan := b.slots.plan_snapshot()) is not None}
     if plans:

@@ -99,7 +99,8 @@ class Backends:
             fcfs=settings.fcfs, batch_prefill_budget=settings.batch_prefill_budget,
             batch_cap_when_interactive=(None if settings.batch_cap_when_interactive == "auto"
                                         else settings.batch_cap_when_interactive),
-            preempt=settings.preempt, programs=settings.programs))
+            preempt=settings.preempt, programs=settings.programs,
+            working_set=settings.working_set))
         self._max_concurrency = settings.max_concurrency
         self._prefill_budget = settings.batch_prefill_budget
         self._per_engine: dict[int, Backend] = {}
@@ -149,6 +150,8 @@ class Backends:
         if backend is None:
             backend = Backend(f"engine-{len(self._per_engine)}", engine,
                               self._new_slots(capacity, kv_usage=engine.kv_cache_usage,
+                                              kv_capacity=engine.kv_capacity_tokens,
+                                              kv_block=engine.kv_block_tokens,
                                               **self._dynamic(engine, capacity)),
                               capacity)
             self._per_engine[id(engine)] = backend

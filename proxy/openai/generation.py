@@ -169,8 +169,7 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
                 stream = backend.engine.generate(request)
                 try:
                     async for chunk in stream:
-                        if traced is not None:
-                            traced.chunk(index, chunk)
+                        _seen(backend, priority, traced, index, chunk)
                         await queue.put((index, chunk))
                 finally:
                     await stream.aclose()
@@ -198,6 +197,18 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _seen(backend: Backend, priority: Priority, traced: Any, index: int,
+          chunk: GenerationChunk) -> None:
+    """A chunk came: into the request's trace, and a last chunk's usage into its
+    session's KV footprint (working-set admission:
+    :mod:`flowlift.proxy.dispatch.slots.working_set`)."""
+    if traced is not None:
+        traced.chunk(index, chunk)
+    if chunk.usage is not None:
+        backend.slots.observed(priority, chunk.usage.prompt_tokens
+                               + chunk.usage.completion_tokens)
 
 
 async def collect(backend: Backend, requests: Sequence[GenerationRequest],

@@ -92,6 +92,7 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], ResidencyMana
                 on_prepare=preparing, budget_mb=getattr(args, "memory_budget_mb", None),
                 max_model_len=args.max_model_len, speculative_ngram=args.speculative_ngram,
                 speculative_max_batch=args.speculative_max_batch, block_size=args.block_size,
+                kv_cache_blocks=getattr(args, "kv_cache_blocks", None),
                 max_num_batched_tokens=args.max_step_tokens,
                 step_timings="auto" in (getattr(args, "batch_cap_when_interactive", None),
                                         getattr(args, "batch_cap", None))):
@@ -141,7 +142,8 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
              "prefill_ahead_max_kv_usage": args.prefill_ahead_max_kv_usage,
              "append_recompile": args.append_recompile,
              "program_scheduling": args.program_scheduling,
-             "program_max_wait_s": args.program_max_wait_s}
+             "program_max_wait_s": args.program_max_wait_s,
+             "working_set": args.working_set}
     flags = {name: value for name, value in given.items() if value is not None}
     flags["state_path"] = None if args.state_db == ":memory:" else state_db
     return flags
@@ -300,6 +302,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        action="store_const", const=False, default=None,
                        help="do not order requests by their agent session's attained "
                             "service (least first) within a class (default: on)")
+    serve.add_argument("--working-set", dest="working_set", action="store_const",
+                       const=True, default=None,
+                       help="hold agent sessions back while the KV of the sessions "
+                            "admitted before them fills the engine's cache (default: off; "
+                            "measured not to win yet, see docs/working_set.md)")
     serve.add_argument("--program-max-wait-s", type=_positive, default=None, metavar="S",
                        help="program scheduling's starvation bound: a request waiting S "
                             "seconds goes first in its class (default 30)")
@@ -319,6 +326,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                             "demand and unload by the compiler's residency plan (furthest "
                             "next use first; never one a queued step needs). Default: every "
                             "model stays loaded")
+    serve.add_argument("--kv-cache-blocks", type=_positive_int, default=None, metavar="N",
+                       help="KV cache of exactly N blocks (vLLM's "
+                            "num_gpu_blocks_override; default: as many as the KV-cache "
+                            "space holds)")
     serve.add_argument("--block-size", type=_positive_int, default=None,
                        help="KV-cache block size in tokens (default: vLLM's, 128 on CPU; "
                             "vLLM's CPU build needs a multiple of 32); smaller blocks keep "
