@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from flowlift.errors import StoreUnavailable
+from flowlift.proxy.half_close import ProxyRunner
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.runs import Run
@@ -225,8 +226,8 @@ async def serve(app: web.Application, sock: socket.socket, *, grace_s: float = 3
         ``None`` after a signal; the reason when the engines failed to load (the proxy
         then stops instead of answering 503 forever, so a supervisor sees the failure).
     """
-    runner = web.AppRunner(app, shutdown_timeout=cancel_after_s, handle_signals=False,
-                           handler_cancellation=True)
+    runner = ProxyRunner(app, shutdown_timeout=cancel_after_s, handle_signals=False,
+                         handler_cancellation=True)  # answers half-closed requests
     stop, hurry = asyncio.Event(), asyncio.Event()
     state = app[STATE]
 
