@@ -27,7 +27,7 @@ import structlog
 from aiohttp import web
 from aiohttp_sse import EventSourceResponse, sse_response
 
-from flowlift.errors import FlowliftError, RequestError, UpstreamError
+from flowlift.errors import FlowliftError, RequestError, StoreUnavailable, UpstreamError
 from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.forward import demand_of, upstream_error_response
@@ -187,7 +187,9 @@ async def _stream(request: web.Request, builder: ResponseBuilder,
                   headers: dict[str, str]) -> web.StreamResponse:
     """The Responses event stream; a failure after the first event ends it with
     ``response.failed`` (never a clean-looking finish). The turn is stored before its
-    terminal event is sent, so the next turn can name it at once."""
+    terminal event is sent, so the next turn can name it at once; a store that does not
+    answer in time (an outage) ends it with ``response.failed`` coded
+    ``store_unavailable`` within that bound, never a stream left open."""
     async with sse_response(request, sep="\n", headers=headers,
                             allow_all_methods=True) as resp:
         for event in builder.start():
@@ -199,10 +201,15 @@ async def _stream(request: web.Request, builder: ResponseBuilder,
         except FlowliftError as exc:
             await _send(resp, builder.failed(exc.message))
             return resp
-        events = builder.finish_events()
-        await done(events[-1]["response"])
-        for event in events:
+        *closing, terminal = builder.finish_events()
+        for event in closing:
             await _send(resp, event)
+        try:
+            await done(terminal["response"])
+        except StoreUnavailable as exc:
+            await _send(resp, builder.failed(exc.message, code="store_unavailable"))
+            return resp
+        await _send(resp, terminal)
     return resp
 
 
