@@ -70,8 +70,10 @@ class ToolCallTrace:
     model turn that asked; ``wanted_ms``/``finished_ms``: sent to the app / its result
     arrived (equal for a call never sent). ``outcome``: ``running``, ``ok``, ``error``
     (the tool raised), ``invalid`` (unknown tool or arguments that do not fit its
-    schema: the error went back to the model) or ``replayed`` (its result was in the
-    run's log: a resumed run does not ask again); ``error`` holds the reason.
+    schema: the error went back to the model), ``replayed`` (its result was in the
+    run's log: a resumed run does not ask again) or ``cancelled`` (still out when its
+    step was stopped: a lost group, a cancelled run, a deadline); ``error`` holds the
+    reason.
     ``server``: the ``[tools.*]`` server that ran it on the proxy (its time is the
     ``tool_run`` stage, not the app's ``tool_wait``); None: the app ran it.
     """

@@ -254,11 +254,11 @@ class Run:
                     self._fail_unfinished(tasks, f"deadline of {self.graph.deadline_s} s "
                                           "exceeded", "deadline")
             except asyncio.CancelledError:
+                if not self._suspending:  # (tool calls out told first: a task's cancel
+                    self._fail_unfinished(tasks, "run cancelled", "cancelled")  # takes
+                    self._close("cancelled")  # its future with it)
                 for task in tasks:
                     task.cancel()
-                if not self._suspending:
-                    self._fail_unfinished(tasks, "run cancelled", "cancelled")
-                    self._close("cancelled")
                 raise
             finally:
                 watch.cancel()
@@ -354,6 +354,7 @@ class Run:
         return step_id in self.outputs or step_id in self.failures or step_id in self.skipped
 
     def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str, kind: str) -> None:
+        self._cancel_tools(self.waiting_tools(), why)  # before run.finished: the app hears
         for task in tasks:
             task.cancel()
         now = self.trace.now_ms()
@@ -493,10 +494,21 @@ class Run:
             if self._ended(step_id) or task is None or task.done():
                 continue
             self._cancelling[step_id] = reason
+            # a @tool member out in the app, or an agent member's calls: not wanted now
+            self._cancel_tools([s for s in self.waiting_tools() if s == step_id
+                                or s.startswith(f"{step_id}:call_")], reason)
+            task.cancel()
+
+    def _cancel_tools(self, step_ids: Sequence[str], reason: str) -> None:
+        """Stop waiting for these ``@tool`` steps or agent tool calls the app has out,
+        and tell it (``tool.cancelled`` ``{step_id, reason}``: the SDK cancels the call,
+        and a result it posts later is refused): a lost group, a run cancelled, a
+        deadline or a tool's ``timeout_s`` (issue 38, items 6 and 14)."""
+        for step_id in step_ids:
             fut = self._tool_results.get(step_id)
             if fut is not None and not fut.done():
-                fut.cancel()  # a @tool member out in the app: its result is not wanted
-            task.cancel()
+                fut.cancel()
+                self._emit(("tool.cancelled", {"step_id": step_id, "reason": reason}))
 
     async def _node(self, node: Node) -> None:
         with bind_run(workflow_id=self.run_id, step_id=node.id):
