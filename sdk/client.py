@@ -37,16 +37,20 @@ import asyncio
 import contextlib
 import inspect
 import json
+import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 
+import flowlift.errors as errors_module
 from flowlift.credentials import HINT
 from flowlift.errors import (
     AuthenticationError,
@@ -102,6 +106,21 @@ _STEP_ENDS: dict[str, Callable[[Workflow, dict[str, Any]], None]] = {
 """How each event that ends a step is recorded on the workflow."""
 
 
+_OURS = tuple(str(Path(f).parent) + os.sep for f in (__file__, errors_module.__file__))
+"""Where flowlift's own frames live (the core and the SDK; the proxy's run elsewhere)."""
+
+
+def warn_at_user(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first caller outside flowlift: the user's
+    ``with workflow(...)`` line, not this module (issue 38, item 6). Frames are walked up
+    from here; on a thread flowlift started (an open run's driver) it ends at that
+    thread's start."""
+    frame, level = sys._getframe(0), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_OURS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
 def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | ToolCancelled | None:
     if sse.event in ("", "message", "ping") or not sse.data:
         return None
@@ -110,7 +129,7 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | ToolCancelled | No
         wf.run_id = data["run_id"]
         wf.status = "running"
         for text in data.get("warnings", ()):  # the compiler's, once per run start
-            warnings.warn(f"workflow {wf.name!r}: {text}", PlanWarning, stacklevel=2)
+            warn_at_user(f"workflow {wf.name!r}: {text}", PlanWarning)
     elif sse.event in _STEP_ENDS:
         _STEP_ENDS[sse.event](wf, data)
     elif sse.event == "tool.cancelled":
@@ -217,7 +236,7 @@ class _Session:
             self.refused = None
             warning = headers.get(DEADLINE_WARNING_HEADER)
             if warning:  # only the answer to the graph itself carries it
-                warnings.warn(warning, DeadlineWarning, stacklevel=2)
+                warn_at_user(warning, DeadlineWarning)
             return True
         if not _retryable(status) or (self.wf.run_id is None and status not in (429, 503)):
             raise _error_from(status, body())

@@ -117,6 +117,9 @@ class StepTrace:
     same_as: str | None = None  # an identical call whose output this step reused
     attempts: list[AttemptTrace] = field(default_factory=list)
     tool_calls: list[ToolCallTrace] = field(default_factory=list)
+    late_result_ms: float | None = None
+    """A ``@tool`` step's result the app posted after the step had timed out (ms since
+    the run started): discarded, kept here so the trace shows it came."""
 
     def to_record(self) -> dict[str, Any]:
         """This step's fields as JSON-ready data (what :meth:`restore` reads back)."""

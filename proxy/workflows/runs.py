@@ -85,6 +85,7 @@ from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.replay import STEP_ENDS, restore_trace
 from flowlift.proxy.workflows.store import StoredRun
 from flowlift.proxy.workflows.tiering import TieredDispatcher, planned_tiers
+from flowlift.proxy.workflows.tool_wait import await_app
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
 
 log = get_logger("flowlift.runs")
@@ -148,6 +149,7 @@ class Run:
         self._know(graph.nodes)
         self._done = {n.id: asyncio.Event() for n in graph.nodes}
         self._tool_results: dict[str, asyncio.Future[Any]] = {}
+        self._late: dict[str, str] = {}  # @tool steps that timed out -> why
         self.growth = Growth(graph.open, restored.events if restored else ())
         self._tasks: list[asyncio.Task[None]] | None = None  # the node tasks, once started
         self._node_tasks: dict[str, asyncio.Task[None]] = {}
@@ -209,6 +211,17 @@ class Run:
                 or any(n == "tool.result" and d.get("step_id") == step_id
                        for _, n, d in self.log.history()))
 
+    def discard_late_result(self, step_id: str) -> bool:
+        """Whether ``step_id`` timed out (:mod:`.tool_wait`): its result, posted now, is
+        discarded, its time kept as ``late_result_ms`` in the trace."""
+        if step_id not in self._late:
+            return False
+        st = self.trace.step(step_id)
+        if st.late_result_ms is None:
+            st.late_result_ms = self.trace.now_ms()
+            log.info("tool_result_discarded", step_id=step_id, reason=self._late[step_id])
+        return True
+
     def deliver_tool_result(self, step_id: str, value: Any = None,
                             error: str | None = None) -> None:
         """Hand a ``@tool`` step's result (or error) to the waiting branch.
@@ -253,10 +266,10 @@ class Run:
                     self.deadline_missed = True
                     self._fail_unfinished(tasks, f"deadline of {self.graph.deadline_s} s "
                                           "exceeded", "deadline")
-            except asyncio.CancelledError:
-                if not self._suspending:  # (tool calls out told first: a task's cancel
-                    self._fail_unfinished(tasks, "run cancelled", "cancelled")  # takes
-                    self._close("cancelled")  # its future with it)
+            except asyncio.CancelledError:  # (tools told first: a cancel takes their futures)
+                if not self._suspending:
+                    self._fail_unfinished(tasks, "run cancelled", "cancelled")
+                    self._close("cancelled")
                 for task in tasks:
                     task.cancel()
                 raise
@@ -500,10 +513,8 @@ class Run:
             task.cancel()
 
     def _cancel_tools(self, step_ids: Sequence[str], reason: str) -> None:
-        """Stop waiting for these ``@tool`` steps or agent tool calls the app has out,
-        and tell it (``tool.cancelled`` ``{step_id, reason}``: the SDK cancels the call,
-        and a result it posts later is refused): a lost group, a run cancelled, a
-        deadline or a tool's ``timeout_s`` (issue 38, items 6 and 14)."""
+        """Stop waiting for these tool calls out in the app and tell it
+        (``tool.cancelled`` ``{step_id, reason}``; issue 38, items 6 and 14)."""
         for step_id in step_ids:
             fut = self._tool_results.get(step_id)
             if fut is not None and not fut.done():
@@ -782,7 +793,8 @@ class Run:
             "step_id": node.id, "name": node.name, "args": [arg(a) for a in node.args],
             "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}))
         self._prefill_next(node.id)
-        if self.clock is None:
-            return await fut
-        async with self.clock.paused():  # the app has the ball: the deadline clock stops
-            return await fut
+        if (late := await await_app(fut, node, self.graph.deadline_s, self.clock)) is None:
+            return fut.result()
+        self._late[node.id] = late.reason
+        self._cancel_tools([node.id], late.reason)
+        raise late
