@@ -45,6 +45,8 @@ class AttemptTrace:
     name when the step named none). ``finish_reason``:
     the engine's (``stop``, ``length``, ``abort``...), when the generation ended.
     ``turn``: an agent step's model turn (1 first, counted over the whole step).
+    ``output``: a ``contract_failed`` attempt's rejected output, bounded by
+    :func:`bounded_output` (what the user needs to see why it failed; None otherwise).
     """
 
     attempt: int
@@ -60,6 +62,19 @@ class AttemptTrace:
     confidence: float | None = None
     finish_reason: str | None = None
     turn: int | None = None
+    output: str | None = None
+
+
+REJECTED_OUTPUT_CHARS = 2000
+"""Characters of a rejected output kept in the trace (the start: where JSON went wrong
+is usually visible there, and a runaway output must not bloat the run's log)."""
+
+
+def bounded_output(text: str, limit: int = REJECTED_OUTPUT_CHARS) -> str:
+    """``text`` itself, or its first ``limit`` characters and how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters]"
 
 
 @dataclass(slots=True)
