@@ -2,8 +2,9 @@
 
 * ``/healthz`` -- the process is alive and its event loop answers (liveness).
 * ``/readyz`` -- 200 only while the engines are loaded, the run store answers (not
-  stalled, failing or far behind: ``RunRegistry.unavailable``) and the proxy is not
-  draining; otherwise 503 with ``reason`` (readiness: a Kubernetes
+  stalled, failing or far behind: ``RunRegistry.unavailable``), every ``[tools.*]``
+  server starts and lists its tools (``ToolServers.problems``: the server and why) and
+  the proxy is not draining; otherwise 503 with ``reason`` (readiness: a Kubernetes
   Service stops sending traffic to a pod that is not ready).
 * :func:`serve` -- listen until SIGTERM (or SIGINT), then drain:
 
@@ -96,7 +97,7 @@ async def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
         return exc.message
     if problem:
         return f"the run store is not usable: {problem}"
-    return None
+    return state.tools.problems()  # a [tools.*] server that cannot start, named
 
 
 def _busy(runs: RunRegistry) -> list[Run]:
