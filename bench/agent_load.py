@@ -15,7 +15,7 @@ engine slots that the proxy's queue orders):
 
 * **las**: agent steps (``@step(tools=[shell], max_turns=N)``, the proxy loops, the app
   runs the tool), program scheduling on (least attained service over sessions,
-  :mod:`flowlift.proxy.dispatch.programs`);
+  :mod:`flowlift.proxy.dispatch.slots.programs`);
 * **no_las**: the same agent steps with ``--no-program-scheduling`` (the proxy's class
   and critical-path order only): the scheduling's own effect is las vs no_las;
 * **chat_fcfs**: the same sessions as app-driven ``/v1/chat/completions`` with

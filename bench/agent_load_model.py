@@ -5,7 +5,7 @@ Each session is ``turns`` turns; a turn holds one of ``capacity`` slots for ``tu
 (constant, or growing by ``growth_s`` per turn already done: a longer conversation's
 turn decodes over more context), then its tool runs ``tool_s`` and the next turn
 queues. Waiting turns are granted by arrival (``fcfs``) or by their session's LAS level
-then arrival (``las``: :func:`flowlift.proxy.dispatch.programs.las_level` over the
+then arrival (``las``: :func:`flowlift.proxy.dispatch.slots.programs.las_level` over the
 engine-seconds the session held slots). A discrete-event simulation; pure.
 
     .venv/bin/python bench/agent_load_model.py [--turn-s 1.5] [--growth-s 0.02]
@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import pct
-from flowlift.proxy.dispatch.programs import las_level
+from flowlift.proxy.dispatch.slots.programs import las_level
 
 
 def simulate(plan: list[tuple[float, int]], policy: str, *, turn_s: float,

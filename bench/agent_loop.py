@@ -71,7 +71,7 @@ from bench.agent_session import PREAMBLE, TASK, TOOLS
 from bench.chain_rtt import DelayLine
 from bench.harness import pct, proxy, save
 from flowlift import WorkflowFailed, step, tool, workflow
-from flowlift.proxy.openai.chat_completion.tools import (
+from flowlift.proxy.wire.tool_calls import (
     FunctionCall,
     FunctionDef,
     Message,
@@ -79,7 +79,7 @@ from flowlift.proxy.openai.chat_completion.tools import (
     ToolPlan,
     engine_messages,
 )
-from flowlift.proxy.openai.chat_completion.tools import Tool as ToolDef
+from flowlift.proxy.wire.tool_calls import Tool as ToolDef
 from flowlift.sdk.agents import tool_spec
 from flowlift.testing import running_proxy
 

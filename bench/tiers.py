@@ -2,7 +2,7 @@
 
 A simulation in simulated time on the fake Batch API
 (:class:`flowlift.testing.FakeBatchAPI`, served over HTTP on localhost, driven by
-flowlift's batch client :class:`flowlift.proxy.dispatch.batch.BatchClient`). The fake's
+flowlift's batch client :class:`flowlift.proxy.dispatch.batch.api.BatchClient`). The fake's
 clock is a virtual clock the simulation advances (the client's polling sleeps, 2 to 15
 simulated minutes apart, and the calls' simulated durations), not a scaled wall clock: a
 scaled wall clock on a shared 2-core machine stretched simulated time by whatever the
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aiohttp.test_utils import TestServer
 
 from flowlift.proxy.config import BatchSpec
-from flowlift.proxy.dispatch.batch import Advice, BatchClient, BatchLine, Outcome, pack
+from flowlift.proxy.dispatch.batch.api import Advice, BatchClient, BatchLine, Outcome, pack
 from flowlift.testing import MALFORMED, FakeBatchAPI, LineError, lognormal_turnaround
 from flowlift.tiers import StepEstimate, TierProfile, TurnaroundBook, must_move, plan_tiers
 
@@ -262,7 +262,7 @@ def _late(outcome: Outcome) -> bool:
 
 
 def _turnaround(batch: dict[str, Any]) -> float:
-    from flowlift.proxy.dispatch.batch_pool import turnaround_s
+    from flowlift.proxy.dispatch.batch.pool import turnaround_s
     return turnaround_s(batch)
 
 

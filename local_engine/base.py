@@ -137,7 +137,7 @@ class GenerationRequest:
             (call at least one), OpenAI's meanings.
         expected_output_tokens: the step's expected output length (the plan's), tokens;
             None: unknown. Engines ignore it; upstream hints carry it
-            (:mod:`flowlift.proxy.dispatch.hints`).
+            (:mod:`flowlift.proxy.dispatch.routing.hints`).
         resume_token_ids: the tokens this answer already generated before it was
             preempted (:mod:`flowlift.local_engine.continuation`): an engine whose
             ``capabilities.resume`` is True continues after them (the prompt's tokens
@@ -232,7 +232,7 @@ class GenerationChunk:
     ready_calls: tuple[ToolCall, ...] | None = None
     """Before the last chunk of an answer to a request with ``tools``: calls whose JSON
     became complete with this chunk, while the answer still streams (an agent step
-    starts its proxy tools on them: :mod:`flowlift.proxy.tools.early`). A head start
+    starts its proxy tools on them: :mod:`flowlift.proxy.wire.early_calls`). A head start
     only: ``tool_calls`` on the last chunk is the answer."""
 
 
@@ -303,7 +303,7 @@ class Engine(abc.ABC):
     async def prefill(self, request: GenerationRequest, upto: str) -> Usage | None:
         """Compute the KV of the start of a prompt a later request will have, so the
         engine's prefix cache holds it then (prefill-ahead:
-        :mod:`flowlift.proxy.dispatch.prefill_ahead`). Nothing is generated for the
+        :mod:`flowlift.proxy.dispatch.slots.prefill_ahead`). Nothing is generated for the
         caller.
 
         Args:

@@ -7,7 +7,7 @@ tokens, and the model's execution time in ms) and hands the figures to the stat 
 of ``AsyncLLM`` (``SchedulerStats.iteration_details``). :func:`vllm_stat_logger` is such a
 logger: it appends one :class:`EngineStep` per iteration to a :class:`StepLog`, a bounded
 ring the proxy reads (the dynamic batch cap of
-:mod:`flowlift.proxy.dispatch.batch_cap` fits its model of step time to it).
+:mod:`flowlift.proxy.dispatch.slots.batch_cap` fits its model of step time to it).
 
 Pure bookkeeping apart from the logger class, which imports vLLM lazily.
 """

@@ -26,8 +26,7 @@ from flowlift.local_engine.residency import ResidencyManager
 from flowlift.proxy import lifecycle
 from flowlift.proxy.config import FileConfig, ProxyConfig, settings
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.prefill_ahead import AheadConfig
-from flowlift.proxy.dispatch.programs import ProgramConfig
+from flowlift.proxy.dispatch.settings import DispatchSettings
 from flowlift.proxy.http import log
 from flowlift.proxy.middleware import proxy_stack
 from flowlift.proxy.openai import routes as openai_api
@@ -36,16 +35,16 @@ from flowlift.proxy.openai.responses.store import ResponseStore
 from flowlift.proxy.sessions import api as sessions_api
 from flowlift.proxy.sessions.table import SessionTable
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.store.location import open_store
+from flowlift.proxy.store.outcomes import StepOutcomes
 from flowlift.proxy.telemetry import observer as telemetry
 from flowlift.proxy.tenants import Tenants
 from flowlift.proxy.tools import ToolServers
 from flowlift.proxy.ui import pages as ui
 from flowlift.proxy.workflows import api as workflows
 from flowlift.proxy.workflows import progress as progress_api
-from flowlift.proxy.workflows.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import compile_options
 from flowlift.proxy.workflows.registry import RunRegistry
-from flowlift.proxy.workflows.store import open_store
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -180,19 +179,8 @@ def create_app(engines: Mapping[str, Engine], config: ProxyConfig | None = None,
         An ``aiohttp.web.Application``; engines start when the app starts.
     """
     config = config or settings({}, file_config)
-    backends = Backends(engines, max_concurrency=config.max_concurrency,
-                        fcfs=config.scheduling == "fcfs",
-                        preempt=config.scheduling == "preempt",
-                        batch_prefill_budget=config.batch_prefill_budget,
-                        batch_cap_when_interactive=config.batch_cap_when_interactive,
-                        interactive_slowdown=config.interactive_slowdown,
-                        batch_cap=config.batch_cap,
-                        config=file_config, transport=transport, max_queue=config.max_queue,
-                        prefill_ahead=AheadConfig(
-                            enabled=config.prefill_ahead,
-                            max_kv_usage=config.prefill_ahead_max_kv_usage),
-                        programs=ProgramConfig(enabled=config.program_scheduling,
-                                               max_wait_s=config.program_max_wait_s))
+    backends = Backends(engines, DispatchSettings.from_config(config), config=file_config,
+                        transport=transport)
     if not backends.models:
         raise ConfigError("nothing to serve: no embedded engine and no model in the config "
                           "file", param="--config")

@@ -25,7 +25,7 @@ file (``flowlift serve --config flowlift.toml``)::
     response_timeout_s = 300             # a whole (non-streamed) answer, per attempt
     max_connections = 64                 # pooled connections (and requests in flight)
     failures_to_cool = 3                 # distinct requests in a row failed by the backend
-                                         # (proxy/dispatch/health.py) before a cool-down
+                                         # (proxy/dispatch/upstream/health.py) before a cool-down
     cooldown_s = 30
     rename = { "llama-3-8b" = "meta-llama/Meta-Llama-3-8B-Instruct" }
     stream_usage = true                  # ask streams' usage (stream_options.include_usage)
@@ -107,10 +107,11 @@ from pydantic import (
 )
 
 from flowlift.errors import ConfigError
-from flowlift.proxy.dispatch.routing import Strategy
 from flowlift.proxy.tenants import DEFAULT_TENANT, TENANT_NAME, Tenant
 
 EMBEDDED = "embedded"
+Strategy = Literal["predicted-latency", "least-loaded", "round-robin"]
+"""How a route chooses among its replicas (:mod:`flowlift.proxy.dispatch.routing.routing`)."""
 TOOL_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """A ``[tools.<name>]`` server's name (what ``flowlift.proxy_tool("name.tool")`` says)."""
 
@@ -134,13 +135,13 @@ class ProxyConfig:
         batch_prefill_budget: prompt tokens of batch work in prefill at once.
         batch_cap_when_interactive: batch slots while interactive work runs (None: half;
             ``"auto"``: planned from the engine's step times,
-            :mod:`flowlift.proxy.dispatch.batch_cap`).
+            :mod:`flowlift.proxy.dispatch.slots.batch_cap`).
         interactive_slowdown: with ``"auto"``: the most an interactive step may slow
             down beside batch work (1.3: 30 %).
         batch_cap: batch slots of each embedded engine at any time, interactive work or
             not (None: no such cap; ``"auto"``: the plan beside one interactive request);
             decoding batch requests are then never preempted
-            (:class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`' ``steady``).
+            (:class:`~flowlift.proxy.dispatch.slots.scheduler.PrioritySlots`' ``steady``).
         api_keys: keys of the tenant ``default`` (``[server] api_keys_env``), sent as
             ``Authorization: Bearer``; empty, with no ``tenants``: no auth.
         tenants: the ``[tenants.*]`` of the config (:mod:`flowlift.proxy.tenants`).
@@ -154,9 +155,9 @@ class ProxyConfig:
             unrenewed: a proxy renews its leases every third of it, and another proxy
             takes the runs of one that stopped renewing for this long.
         prefill_ahead: prefill the known start of the step that reads a tool's output
-            while the tool is out (:mod:`flowlift.proxy.dispatch.prefill_ahead`).
+            while the tool is out (:mod:`flowlift.proxy.dispatch.slots.prefill_ahead`).
         program_scheduling: order each engine's requests by their agent session's
-            attained service within a class (:mod:`flowlift.proxy.dispatch.programs`);
+            attained service within a class (:mod:`flowlift.proxy.dispatch.slots.programs`);
             off with ``scheduling="fcfs"``.
         program_max_wait_s: the starvation bound of program scheduling: a request
             waiting this long goes first in its class.
@@ -284,13 +285,13 @@ class UpstreamSpec(_Priced):
     hints: list[Literal["vllm-priority", "sglang-session", "dynamo"]] = Field(
         default_factory=list)
     """Scheduler hints written into workflow steps' requests in the engine's own fields
-    (:mod:`flowlift.proxy.dispatch.hints`): vLLM ``priority``, SGLang ``session_id`` (with
+    (:mod:`flowlift.proxy.dispatch.routing.hints`): vLLM ``priority``, SGLang ``session_id`` (with
     ``/open_session`` and ``/close_session``), Dynamo ``nvext.agent_hints``. None by
     default: a server that does not take a field may reject it."""
 
 
 class BatchSpec(_Priced):
-    """The OpenAI Batch API (:mod:`flowlift.proxy.dispatch.batch`): always tier ``batch``."""
+    """The OpenAI Batch API (:mod:`flowlift.proxy.dispatch.batch.api`): always tier ``batch``."""
 
     kind: Literal["openai-batch"]
     base_url: str = Field(pattern=r"^https?://")
@@ -379,7 +380,7 @@ class ModelSpec(_Strict):
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_attempts: int = Field(default=4, ge=1, le=20)
     routing: Strategy = "predicted-latency"
-    """How a replica is chosen (:mod:`flowlift.proxy.dispatch.routing`)."""
+    """How a replica is chosen (:mod:`flowlift.proxy.dispatch.routing.routing`)."""
     affinity_max_slowdown: float = Field(default=1.5, ge=1.0)
     """With ``routing = "predicted-latency"``: the affinity replica keeps a run or
     session while predicted at most this many times slower than the best replica."""

@@ -116,7 +116,7 @@ class _Live(Collector):
 
 def _program_families(rows: Iterable[tuple[str, int, int, int, int]]
                       ) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-    """Program-level scheduling's table (``flowlift.proxy.dispatch.programs``)."""
+    """Program-level scheduling's table (``flowlift.proxy.dispatch.slots.programs``)."""
     tracked = GaugeMetricFamily("flowlift_programs", "Agent sessions (programs) whose "
                                 "attained service is tracked", labels=["backend"])
     kept = GaugeMetricFamily("flowlift_programs_kept", "Programs whose tool is out and "

@@ -1,5 +1,5 @@
 """The one registry of backends: every embedded engine and upstream provider the proxy
-can send a model request to, each model's :class:`~flowlift.proxy.dispatch.routing.Route`,
+can send a model request to, each model's :class:`~flowlift.proxy.dispatch.routing.routing.Route`,
 aliases and the default model.
 
 Each embedded engine has one pool of priority slots (however many names it serves); the
@@ -18,7 +18,7 @@ import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
@@ -26,18 +26,19 @@ from flowlift.errors import ConfigError, ModelNotFound, Overloaded
 from flowlift.local_engine.base import Engine
 from flowlift.local_engine.models import served_name
 from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamSpec
-from flowlift.proxy.dispatch.batch import BatchClient
-from flowlift.proxy.dispatch.batch_cap import BatchPlan, DynamicCap, LingerModel
-from flowlift.proxy.dispatch.batch_pool import BatchPool, JournalRouter
-from flowlift.proxy.dispatch.hints import SessionBook
-from flowlift.proxy.dispatch.latency import Demand, Features, LatencyBook
-from flowlift.proxy.dispatch.prefill_ahead import AheadConfig, PrefillAhead
-from flowlift.proxy.dispatch.programs import ProgramConfig
-from flowlift.proxy.dispatch.routing import Route, has_untried, pick
-from flowlift.proxy.dispatch.scheduler import PrioritySlots
-from flowlift.proxy.dispatch.tier_profiles import default_book
-from flowlift.proxy.dispatch.upstream import Upstream
-from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine
+from flowlift.proxy.dispatch.batch.api import BatchClient
+from flowlift.proxy.dispatch.batch.pool import BatchPool, JournalRouter
+from flowlift.proxy.dispatch.batch.tier_profiles import default_book
+from flowlift.proxy.dispatch.routing.hints import SessionBook
+from flowlift.proxy.dispatch.routing.latency import Demand, Features, LatencyBook
+from flowlift.proxy.dispatch.routing.routing import Route, has_untried, pick
+from flowlift.proxy.dispatch.settings import DispatchSettings
+from flowlift.proxy.dispatch.slots.batch_cap import BatchPlan, DynamicCap, LingerModel
+from flowlift.proxy.dispatch.slots.policy import SlotPolicy
+from flowlift.proxy.dispatch.slots.prefill_ahead import PrefillAhead
+from flowlift.proxy.dispatch.slots.scheduler import PrioritySlots
+from flowlift.proxy.dispatch.upstream.engine import UpstreamEngine
+from flowlift.proxy.dispatch.upstream.provider import Upstream
 
 EMBEDDED = "embedded:"
 """Prefix of an embedded backend's name in routes (``embedded:<served model>``)."""
@@ -72,68 +73,44 @@ class Backends:
     Args:
         engines: model name -> embedded engine serving it (one engine may serve several
             names; may be empty when every model is upstream).
-        max_concurrency: requests in flight per embedded engine.
-        aliases: extra names (e.g. ``"default"``) -> served model name.
-        fcfs: first come, first served everywhere (no priorities, no reserved slots, no
-            prefix-grouped dispatch): the baseline of the scheduling benchmarks.
-        preempt: running batch requests on embedded engines are preempted for
-            interactive work and resumed later (:mod:`~flowlift.proxy.dispatch.preemption`).
-        batch_prefill_budget, batch_cap_when_interactive: see
-            :class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`;
-            ``batch_cap_when_interactive="auto"``: each engine that times its steps
-            (:meth:`Engine.step_log`) gets a
-            :class:`~flowlift.proxy.dispatch.batch_cap.DynamicCap` at
-            ``interactive_slowdown`` (the others half their slots), and every pool a
-            learned linger (:class:`~flowlift.proxy.dispatch.batch_cap.LingerModel`).
-        batch_cap: the steady batch cap of each embedded engine's slots (``steady`` of
-            :class:`~flowlift.proxy.dispatch.scheduler.PrioritySlots`; ``"auto"``: from
-            the same dynamic plan, on engines that time their steps; None: none).
+        settings: how the pools are built and run (:class:`.settings.DispatchSettings`,
+            built once from the proxy's settings).
         config: the parsed config file (upstreams, routes, aliases), or None.
         transport: httpx transport for every upstream (tests); None: the network.
-        max_queue: requests waiting per embedded backend before the proxy answers 429.
-        prefill_ahead: when the embedded engines prefill a step's known prompt start
-            while a tool it waits for is out (:mod:`.prefill_ahead`; None: on, with the
-            defaults of :class:`~.prefill_ahead.AheadConfig`).
-        programs: program-level scheduling on every pool (:mod:`.programs`; None: on,
-            with the defaults of :class:`~.programs.ProgramConfig`; off with ``fcfs``).
 
     Raises:
         ConfigError: a route names the embedded engine and ``engines`` is empty.
     """
 
-    def __init__(self, engines: Mapping[str, Engine], *, max_concurrency: int = 16,
-                 aliases: Mapping[str, str] | None = None, fcfs: bool = False,
-                 batch_prefill_budget: int = 1024,
-                 batch_cap_when_interactive: int | Literal["auto"] | None = None,
-                 interactive_slowdown: float = 1.3, preempt: bool = False,
-                 batch_cap: int | Literal["auto"] | None = None,
+    def __init__(self, engines: Mapping[str, Engine],
+                 settings: DispatchSettings | None = None, *,
                  config: FileConfig | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None,
-                 max_queue: int = 256,
-                 prefill_ahead: AheadConfig | None = None,
-                 programs: ProgramConfig | None = None) -> None:
-        auto = batch_cap_when_interactive == "auto"
-        self._auto_slowdown = interactive_slowdown if auto or batch_cap == "auto" else None
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        settings = settings or DispatchSettings()
+        self.settings = settings
+        auto = settings.batch_cap_when_interactive == "auto"
+        self._auto_slowdown = (settings.interactive_slowdown
+                               if auto or settings.batch_cap == "auto" else None)
         self._auto_when_interactive = auto
-        self._batch_cap = batch_cap
-        self._new_slots = functools.partial(
-            PrioritySlots, fcfs=fcfs, batch_prefill_budget=batch_prefill_budget,
-            batch_cap_when_interactive=(None if batch_cap_when_interactive == "auto"
-                                        else batch_cap_when_interactive),
-            preempt=preempt, programs=programs)
-        self._max_concurrency = max_concurrency
-        self._prefill_budget = batch_prefill_budget
+        self._batch_cap = settings.batch_cap
+        self._new_slots = functools.partial(PrioritySlots, policy=SlotPolicy(
+            fcfs=settings.fcfs, batch_prefill_budget=settings.batch_prefill_budget,
+            batch_cap_when_interactive=(None if settings.batch_cap_when_interactive == "auto"
+                                        else settings.batch_cap_when_interactive),
+            preempt=settings.preempt, programs=settings.programs))
+        self._max_concurrency = settings.max_concurrency
+        self._prefill_budget = settings.batch_prefill_budget
         self._per_engine: dict[int, Backend] = {}
         self._by_model: dict[str, Backend] = {}
         self._embedded: dict[str, Backend] = {}  # "embedded:<model>" -> backend
         self._pools: dict[str, Backend] = {}  # model -> the pool of its route's upstreams
-        self.fcfs = fcfs
+        self.fcfs = settings.fcfs
         self.default_model: str | None = None
-        self._aliases: dict[str, str] = dict(aliases or {})
+        self._aliases: dict[str, str] = dict(settings.aliases)
         self.backends: list[Backend] = []
         self.engines: list[Engine] = []
         self.config = config
-        self.max_queue = max_queue  # merged by flowlift.proxy.config.settings (flag > file)
+        self.max_queue = settings.max_queue  # merged by config.settings (flag > file)
         self.upstreams: dict[str, Upstream] = {}
         self.sessions = SessionBook()  # SGLang sessions opened for runs (dispatch.hints)
         self.batch_pools: dict[str, BatchPool] = {}  # openai-batch backend -> its pool
@@ -142,7 +119,7 @@ class Backends:
         self.routes: dict[str, Route] = {}
         self.latency = LatencyBook()  # every upstream replica's predicted latency
         self._turn = 0  # round-robin's counter
-        self.ahead = PrefillAhead(self, prefill_ahead or AheadConfig())
+        self.ahead = PrefillAhead(self, settings.prefill_ahead)
         for model, engine in engines.items():
             self.add(model, engine)
         if config is not None:

@@ -1,9 +1,9 @@
 """Where one generation of a workflow step runs, decided once, above the engines.
 
-The step's model has a :class:`~flowlift.proxy.dispatch.routing.Route`. A route with
+The step's model has a :class:`~flowlift.proxy.dispatch.routing.routing.Route`. A route with
 embedded backends only runs on the embedded engine. Otherwise the route's rules choose
 (replica affinity by the run id, least load, fallbacks, retries with ``Retry-After``;
-:func:`~flowlift.proxy.dispatch.attempts.open_answer`): an upstream attempt first waits
+:func:`~flowlift.proxy.dispatch.upstream.attempts.open_answer`): an upstream attempt first waits
 for a slot of the route's upstream pool, and a choice of the embedded engine -- a
 replica, or the fallback after upstream failures -- takes the embedded backend's
 priority slots like every other request there (class caps, prefill budget). Either way
@@ -22,13 +22,13 @@ from collections.abc import AsyncGenerator, Callable
 
 from flowlift.local_engine.base import GenerationChunk, GenerationRequest
 from flowlift.local_engine.continuation import not_resumable
-from flowlift.proxy.dispatch.attempts import Admit, Opened
 from flowlift.proxy.dispatch.backends import Backends, Local
-from flowlift.proxy.dispatch.resumable import ResumableGeneration
-from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.scheduler import Priority, Slot
+from flowlift.proxy.dispatch.routing.routing import Route
+from flowlift.proxy.dispatch.slots.resumable import ResumableGeneration
+from flowlift.proxy.dispatch.slots.scheduler import Priority, Slot
 from flowlift.proxy.dispatch.tool_turns import ToolTurn
-from flowlift.proxy.dispatch.upstream_engine import UpstreamEngine, open_chat
+from flowlift.proxy.dispatch.upstream.attempts import Admit, Opened
+from flowlift.proxy.dispatch.upstream.engine import UpstreamEngine, open_chat
 
 
 def _nothing() -> None:

@@ -2,14 +2,14 @@
 
 A :class:`~flowlift.local_engine.base.GenerationRequest` with ``tools`` (an agent step's
 turn) becomes what the drop-in ``/v1/chat/completions`` path sends for an OpenAI request
-with ``tools`` (:mod:`flowlift.proxy.openai.chat_completion.tools`): the tool definitions
+with ``tools`` (:mod:`flowlift.proxy.wire.tool_calls`): the tool definitions
 in the system message, the conversation's calls and results as plain text, and the
 output constrained to ``{"tool_calls": [...]}`` or ``{"content": <answer>}``. The
 answer is read back with the same
-:class:`~flowlift.proxy.openai.chat_completion.tool_output.ToolOutputDecoder`: content
+:class:`~flowlift.proxy.wire.tool_output.ToolOutputDecoder`: content
 streams as it is decoded; the calls come whole on the last chunk (``tool_calls``), and
 each one also as soon as its JSON is complete (``ready_calls``,
-:mod:`flowlift.proxy.tools.early`).
+:mod:`flowlift.proxy.wire.early_calls`).
 
 The final answer's content keeps the request's own constraint: a JSON Schema stays its
 schema, a label set becomes an ``enum``, a regex a string ``pattern``. Logprobs are not
@@ -28,8 +28,8 @@ from flowlift.local_engine.base import (
     OutputConstraint,
     ToolCall,
 )
-from flowlift.proxy.openai.chat_completion.tool_output import ToolOutputDecoder
-from flowlift.proxy.openai.chat_completion.tools import (
+from flowlift.proxy.wire.early_calls import EarlyCalls
+from flowlift.proxy.wire.tool_calls import (
     FunctionCall,
     FunctionDef,
     Message,
@@ -37,8 +37,8 @@ from flowlift.proxy.openai.chat_completion.tools import (
     ToolPlan,
     engine_messages,
 )
-from flowlift.proxy.openai.chat_completion.tools import ToolCall as HistoryCall
-from flowlift.proxy.tools.early import EarlyCalls
+from flowlift.proxy.wire.tool_calls import ToolCall as HistoryCall
+from flowlift.proxy.wire.tool_output import ToolOutputDecoder
 
 
 def content_schema(constraint: OutputConstraint | None) -> dict[str, Any]:

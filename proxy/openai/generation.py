@@ -31,7 +31,7 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.proxy.dispatch.backends import Backend
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.telemetry import requests as request_tracing
 from flowlift.tracing import get_logger
 

@@ -1,9 +1,10 @@
 """The OpenAI-compatible API: ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``, ``/v1/responses`` and ``GET /v1/models``.
 
-Each request goes to its model's :class:`~flowlift.proxy.dispatch.routing.Route`: the embedded
+Each request goes to its model's :class:`~flowlift.proxy.dispatch.routing.routing.Route`:
+the embedded
 engine (:mod:`flowlift.proxy.openai.chat_completion.serving`) or upstream providers
-(:mod:`flowlift.proxy.dispatch.forward`). Shapes follow OpenAI's published API description
+(:mod:`flowlift.proxy.dispatch.upstream.forward`). Shapes follow OpenAI's published API description
 (``shared/specs/openai-openapi.yaml``).
 
 A request that names a workflow (``X-Flowlift-Workflow`` / ``X-Flowlift-Step`` headers
@@ -26,7 +27,8 @@ from aiohttp import web
 
 from flowlift.errors import ModelNotFound, RequestError
 from flowlift.proxy.dispatch.backends import Local
-from flowlift.proxy.dispatch.forward import OnOutput, forward
+from flowlift.proxy.dispatch.local import choose_local, serve_local
+from flowlift.proxy.dispatch.upstream.forward import OnOutput, forward
 from flowlift.proxy.http import json_object, read_body
 from flowlift.proxy.openai.chat_completion import serving as embedded
 from flowlift.proxy.openai.responses import serving as responses_serving
@@ -90,6 +92,9 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
         kwargs: dict[str, Any] = {} if on_output is None else {"on_output": on_output}
         return await handler(request, data, target.model, target.backend, **kwargs)
 
+    target = choose_local(state.backends, route, affinity) if handler is not None else None
+    if target is not None:  # decided once: local requests never enter the forwarder
+        return await serve_local(target, local)
     return await forward(request, backends=state.backends, route=route, path=path,
                          raw=raw, data=data, affinity=affinity,
                          embedded=local if handler is not None else None,

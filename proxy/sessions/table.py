@@ -189,7 +189,7 @@ SESSIONS: web.AppKey[SessionTable] = web.AppKey("flowlift_sessions", SessionTabl
 
 def program_of(request: web.Request) -> str | None:
     """The program of an OpenAI request for program-level scheduling
-    (:mod:`flowlift.proxy.dispatch.programs`): its ``X-Flowlift-Workflow`` id, else its
+    (:mod:`flowlift.proxy.dispatch.slots.programs`): its ``X-Flowlift-Workflow`` id, else its
     ``X-Flowlift-Session`` id (the ids the proxy routes by for affinity), kept apart per
     tenant; None: neither header (the request is its own program at level 0)."""
     program = (request.headers.get("x-flowlift-workflow")

@@ -48,9 +48,9 @@ from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from flowlift.local_engine.base import Engine, GenerationChunk, Usage
-from flowlift.proxy.dispatch.sse_bytes import block_at, data_of, finished, has_data
-from flowlift.proxy.openai import chunks
 from flowlift.proxy.tenants import tenant_of
+from flowlift.proxy.wire import chunks
+from flowlift.proxy.wire.sse_bytes import block_at, data_of, finished, has_data
 from flowlift.tracing import genai
 from flowlift.tracing.logging import get_logger
 from flowlift.tracing.spans import extract
@@ -248,7 +248,7 @@ class RequestTrace:
 
         Args:
             done: whether they hold the end marker, when the caller knows
-                (:func:`~flowlift.proxy.dispatch.sse_bytes.finished`); None: found here.
+                (:func:`~flowlift.proxy.wire.sse_bytes.finished`); None: found here.
             plain: the caller found no ``"usage"``, ``"error"``, ``event:`` or
                 ``[DONE]`` in them (only a status may be left to look for).
         """

@@ -37,12 +37,12 @@ from aiohttp import web
 
 from flowlift.errors import RequestError
 from flowlift.proxy.state import STATE
+from flowlift.proxy.store.base import RunSummary
 from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.ui import offline
 from flowlift.proxy.ui.offline import boot_config
 from flowlift.proxy.ui.svg import gantt_svg, legend_html
 from flowlift.proxy.workflows import api as workflows
-from flowlift.proxy.workflows.store import RunSummary
 from flowlift.tracing.summary import stage_summary
 from flowlift.tracing.timeline import (
     STAGE_LABELS,

@@ -46,18 +46,18 @@ import jsonschema
 from flowlift.errors import StepFailed, ToolError
 from flowlift.graph import LLMNode, ToolSpec, render_value
 from flowlift.local_engine.base import ChatMessage, ToolCall
-from flowlift.proxy.dispatch.scheduler import Priority
-from flowlift.proxy.tools.early import call_key
+from flowlift.proxy.dispatch.slots.scheduler import Priority
+from flowlift.proxy.store.events import Event
 from flowlift.proxy.tools.outcome import ToolOutcome
+from flowlift.proxy.wire.early_calls import call_key
 from flowlift.proxy.workflows.ahead import next_turn_prefix
 from flowlift.proxy.workflows.cascade import Generated
 from flowlift.proxy.workflows.deadline import DeadlineClock
-from flowlift.proxy.workflows.events import Event
 from flowlift.tracing import AttemptTrace, RunTrace, ToolCallTrace
 
 _TOOL_JSON = re.compile(r'\s*\{\s*"tool_calls"')
 """The start of the constrained JSON of a turn that calls tools (the embedded engine's
-tool-call format, :mod:`flowlift.proxy.openai.chat_completion.tools`)."""
+tool-call format, :mod:`flowlift.proxy.wire.tool_calls`)."""
 
 
 class ToolRaised(ToolError):

@@ -1,5 +1,5 @@
 """What to prefill ahead while a tool is out: the known start of the steps that come
-next (pure: no I/O; the engine side is :mod:`flowlift.proxy.dispatch.prefill_ahead`).
+next (pure: no I/O; the engine side is :mod:`flowlift.proxy.dispatch.slots.prefill_ahead`).
 
 * A ``@tool`` step: every model step that reads its output directly is next. Its
   prompt template is known from the graph; with the outputs finished so far filled in,

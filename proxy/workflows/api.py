@@ -13,7 +13,7 @@
   proxy that restarted, loses nothing. On a shared store a replica that does not execute
   the run streams it from the store until it finishes. ``?serve=a,b`` (``flowlift.attach``
   sends its tools' names): each waiting ``tool.wanted`` of those tools goes to one such
-  follower at a time (:class:`~flowlift.proxy.workflows.events.EventLog`).
+  follower at a time (:class:`~flowlift.proxy.store.events.EventLog`).
 * ``POST /v1/workflows/{run_id}/steps/{step_id}/result`` -- a ``@tool`` step's result,
   ``{"value": ...}`` or ``{"error": "..."}``; on a shared store any replica takes it (202
   when another executes the run) and a second post of a result is a no-op.
@@ -63,14 +63,14 @@ from flowlift.graph import DEADLINE_WARNING_HEADER, Graph
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.http import log, parse_model, read_json
 from flowlift.proxy.state import STATE, ProxyState
+from flowlift.proxy.store.base import StoredRun
+from flowlift.proxy.store.events import FINAL, Event
 from flowlift.proxy.tenants import run_key, tenant_of
 from flowlift.proxy.workflows import open_runs, progress
-from flowlift.proxy.workflows.events import FINAL, Event
 from flowlift.proxy.workflows.planning import compile_options, plan
 from flowlift.proxy.workflows.registry import ANSWER_WITHIN_S
 from flowlift.proxy.workflows.replay import trace_records
 from flowlift.proxy.workflows.runs import Run
-from flowlift.proxy.workflows.store import StoredRun
 from flowlift.tracing.spans import extract
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ async def _send(request: web.Request, events: AsyncGenerator[Event, None],
 
 def _serves(query: Any) -> frozenset[str] | None:
     """``?serve=a,b``: the tools a follower runs (empty: none); absent: all (see
-    :class:`~flowlift.proxy.workflows.events.EventLog`)."""
+    :class:`~flowlift.proxy.store.events.EventLog`)."""
     raw = query.get("serve")
     return None if raw is None else frozenset(n for n in raw.split(",") if n)
 
@@ -367,6 +367,15 @@ async def get_run(request: web.Request) -> web.Response:
                               "prompts": stored.prompts(),
                               "spend": progress.spend(stored.events),
                               "report": await _run_report(state, graph, None)})
+
+
+@routes.get("/v1/workflows/{run_id}/graph")
+async def get_graph(request: web.Request) -> web.Response:
+    """A run's graph as recorded, appended nodes included (wire format): what
+    ``flowlift compile --run RUN_ID`` compiles. An unknown run: 404 (OpenAI error shape)."""
+    state = request.app[STATE]
+    return web.json_response(await recorded_graph(state, request.match_info["run_id"],
+                                                  tenant_of(request)))
 
 
 def _stored_graph(stored: StoredRun) -> Graph | dict[str, Any]:

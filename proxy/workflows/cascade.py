@@ -24,7 +24,7 @@ A backend that sends no logprobs gives no confidence: the floor cannot apply the
 and the attempt's trace says so (its ``error`` note), rather than passing silently.
 
 Transport failures (timeouts, 5xx, 429, a broken stream) are *not* retried here: the
-proxy's :mod:`flowlift.proxy.dispatch.attempts` is the one layer that retries them, and an
+proxy's :mod:`flowlift.proxy.dispatch.upstream.attempts` is the one layer that retries them, and an
 engine error that comes out of it fails the step (no second layer, case T3; a route's
 ``fallbacks`` are the place for another backend). The last model's output is kept
 whatever its confidence; its contract failure is the step's :class:`ContractError`

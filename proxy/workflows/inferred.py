@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from cachetools import TTLCache
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -50,6 +50,7 @@ from pydantic import ValidationError
 from flowlift.dataflow import dependencies
 from flowlift.errors import RequestError
 from flowlift.graph import Graph, LLMNode, MessageTemplate, Params, Part, Ref, Text
+from flowlift.proxy.wire.messages import Role, render_message
 
 WORKFLOW_HEADER = "X-Flowlift-Workflow"
 STEP_HEADER = "X-Flowlift-Step"
@@ -66,9 +67,6 @@ _ANCHOR_CHARS = 12
 _ANCHORS = re.compile(rf"(?<!\w)(?=(\w.{{{_ANCHOR_CHARS - 1}}}))", re.DOTALL)
 _ID = re.compile(r"[\x21-\x7e]{1,128}")
 _SECTION = re.compile(r"\[\[ ## (\w+) ## \]\]\n(.*?)(?=\[\[ ## \w+ ## \]\]|\Z)", re.DOTALL)
-Role = Literal["system", "user", "assistant"]
-_ROLES: dict[str, Role] = {"system": "system", "developer": "system",
-                           "assistant": "assistant"}
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
@@ -123,40 +121,6 @@ def workflow_from(headers: Mapping[str, str], body: Any) -> tuple[str, str | Non
                                param=param)
         return None
     return workflow, step
-
-
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    out = []
-    for part in content if isinstance(content, list) else [content]:
-        if isinstance(part, str):
-            out.append(part)
-        elif isinstance(part, Mapping):
-            value = part.get("text", part.get("refusal"))
-            out.append(value if isinstance(value, str) else f"[{part.get('type')}]")
-    return "".join(out)
-
-
-def render_message(message: Mapping[str, Any]) -> tuple[Role, str]:
-    """One OpenAI chat message as ``(role, text)``, the same way for every call.
-
-    Roles map onto the graph's: ``developer`` -> ``system``, ``tool``/``function`` ->
-    ``user``. Text parts are joined as they are; other parts (images, audio, files)
-    become ``[image_url]``-style markers; tool calls are appended, one per line, as
-    ``[tool call NAME: ARGUMENTS]``. Render a response's message with this too, so
-    that a later request quoting it (an agent loop) matches verbatim.
-    """
-    role = _ROLES.get(str(message.get("role")), "user")
-    text = _content_text(message.get("content"))
-    raw = [c.get("function") for c in message.get("tool_calls") or []
-           if isinstance(c, Mapping)]
-    raw.append(message.get("function_call"))  # the legacy single call
-    lines = [f"[tool call {c.get('name')}: {c.get('arguments')}]" for c in raw
-             if isinstance(c, Mapping)]
-    return role, "\n".join([text, *lines] if text else lines)
 
 
 def _params(sampling: Mapping[str, Any] | None, usage: Mapping[str, Any] | None,

@@ -43,9 +43,9 @@ from flowlift.dataflow import validate
 from flowlift.errors import GraphError, RequestError, RunClosed
 from flowlift.graph import Graph, Node
 from flowlift.incremental import GrowingPlan
-from flowlift.proxy.dispatch.scheduler import CLASS_RANK, Priority
-from flowlift.proxy.workflows.events import Event
-from flowlift.proxy.workflows.store import StoredRun
+from flowlift.proxy.dispatch.slots.scheduler import CLASS_RANK, Priority
+from flowlift.proxy.store.base import StoredRun
+from flowlift.proxy.store.events import Event
 
 if TYPE_CHECKING:
     from flowlift.proxy.workflows.runs import Run

@@ -17,8 +17,8 @@ from flowlift.compiler import (
 from flowlift.costs import CostModel, CostTracker
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.tier_profiles import model_tiers
-from flowlift.proxy.workflows.outcomes import StepOutcomes
+from flowlift.proxy.dispatch.batch.tier_profiles import model_tiers
+from flowlift.proxy.store.outcomes import StepOutcomes
 
 
 def compile_options(backends: Backends, costs: CostTracker,

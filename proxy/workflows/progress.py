@@ -17,8 +17,8 @@ from typing import Any
 from aiohttp import web
 
 from flowlift.proxy.state import STATE
+from flowlift.proxy.store.base import StoredRun
 from flowlift.proxy.tenants import tenant_of
-from flowlift.proxy.workflows.store import StoredRun
 
 routes = web.RouteTableDef()
 STATUSES = ("pending", "queued", "running", "waiting_tool", "done", "failed", "skipped")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from flowlift.proxy.workflows.events import FINAL, Event
+from flowlift.proxy.store.events import FINAL, Event
 from flowlift.tracing import RunTrace
 
 STEP_ENDS = ("step.finished", "step.failed", "step.skipped")

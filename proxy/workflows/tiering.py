@@ -45,13 +45,13 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.local_engine.base import GenerationChunk, GenerationRequest, Usage
 from flowlift.proxy.dispatch.backends import Backends
-from flowlift.proxy.dispatch.batch import Advice, BatchLine, Kind, Outcome, parse_custom_id
-from flowlift.proxy.dispatch.batch_pool import BatchPool, Submission
-from flowlift.proxy.dispatch.flex import cost, served_tier
-from flowlift.proxy.dispatch.scheduler import CLASS_RANK, Priority
+from flowlift.proxy.dispatch.batch.api import Advice, BatchLine, Kind, Outcome, parse_custom_id
+from flowlift.proxy.dispatch.batch.flex import cost, served_tier
+from flowlift.proxy.dispatch.batch.pool import BatchPool, Submission
+from flowlift.proxy.dispatch.batch.tier_profiles import model_tiers
+from flowlift.proxy.dispatch.slots.scheduler import CLASS_RANK, Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
-from flowlift.proxy.dispatch.tier_profiles import model_tiers
-from flowlift.proxy.dispatch.upstream_engine import chat_body
+from flowlift.proxy.dispatch.upstream.engine import chat_body
 from flowlift.report import TierPlanReport
 from flowlift.tiers import SPEED_ORDER
 

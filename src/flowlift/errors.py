@@ -237,7 +237,7 @@ class EngineError(RunError):
 
 class LeaseLost(RunError):
     """A proxy wrote for a run whose lease another proxy has taken since (its fencing
-    epoch is stale: :mod:`flowlift.proxy.workflows.store_pg`); the write was refused
+    epoch is stale: :mod:`flowlift.proxy.store.postgres`); the write was refused
     and the run stops on this proxy. Over HTTP (an append to a run lost meanwhile): 503
     with ``Retry-After``, so the client tries again where the run is now."""
 

@@ -38,7 +38,7 @@ from cachetools import TTLCache
 
 import flowlift.proxy
 from flowlift.cli import main as flowlift_main
-from flowlift.proxy.dispatch.programs import ProgramBook
+from flowlift.proxy.dispatch.slots.programs import ProgramBook
 from flowlift.proxy.lifecycle import DRAIN
 from flowlift.proxy.sessions.table import SESSIONS
 from flowlift.proxy.state import STATE

@@ -1,4 +1,4 @@
-"""Kill -9 under load, beyond ``tests/test_durable.py`` (one run, killed between steps):
+"""Kill -9 under load, beyond ``tests/proxy/test_durable.py`` (one run, killed between steps):
 eight runs at once, killed while their ``@tool`` steps are *running in the client*, so
 results are posted to a dead proxy and must be re-posted to the restarted one; then
 killed again in the next wave. Every run resumes and succeeds, finished steps keep their
@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from flowlift import step, tool, workflow
-from flowlift.proxy.workflows.store import RunStore
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.testing import free_port, running_proxy
 
 RUNS = 8

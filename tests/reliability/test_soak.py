@@ -176,7 +176,7 @@ async def test_every_table_is_bounded_under_unique_ids(aiohttp_server):
 
 
 def test_the_store_keeps_the_newest_finished_runs_and_every_running_one(tmp_path):
-    from flowlift.proxy.workflows.store import RunStore
+    from flowlift.proxy.store.sqlite import RunStore
 
     store = RunStore(tmp_path / "s.sqlite")
     for i in range(30):

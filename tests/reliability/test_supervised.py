@@ -12,7 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from flowlift.proxy.workflows.store import RunStore
+from flowlift.proxy.store.sqlite import RunStore
 from flowlift.testing import free_port, running_proxy
 
 

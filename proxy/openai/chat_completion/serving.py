@@ -12,7 +12,7 @@ Cached prompt tokens are reported in ``usage.prompt_tokens_details.cached_tokens
 Supported beyond plain chat: ``n`` (concurrent generations, seeds ``seed + i``; streamed
 chunks of the choices interleave, each with its ``index``), ``logprobs`` /
 ``top_logprobs`` (0-20, ``choices[].logprobs.content[]``), tools
-(:mod:`flowlift.proxy.openai.chat_completion.tools`: when streamed, each tool call is buffered and
+(:mod:`flowlift.proxy.wire.tool_calls`: when streamed, each tool call is buffered and
 sent whole in one ``delta.tool_calls`` chunk, with ``index``, ``id``, ``type``, ``name``
 and ``arguments``, once its constrained JSON is complete; plain content streams as it
 is decoded), ``presence_penalty`` / ``frequency_penalty`` / ``logit_bias``.
@@ -41,18 +41,8 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.proxy.dispatch.backends import Backend
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.http import parse_model
-from flowlift.proxy.openai.chat_completion.tool_output import ToolOutputDecoder, tool_calls_text
-from flowlift.proxy.openai.chat_completion.tools import (
-    Message,
-    Tool,
-    ToolChoice,
-    ToolPlan,
-    check_schema,
-    engine_messages,
-    plan_tools,
-)
 from flowlift.proxy.openai.completion.serving import completions
 from flowlift.proxy.openai.generation import (
     OnOutput,
@@ -68,6 +58,16 @@ from flowlift.proxy.openai.generation import (
     usage_json,
 )
 from flowlift.proxy.sessions.table import observe, program_of
+from flowlift.proxy.wire.tool_calls import (
+    Message,
+    Tool,
+    ToolChoice,
+    ToolPlan,
+    check_schema,
+    engine_messages,
+    plan_tools,
+)
+from flowlift.proxy.wire.tool_output import ToolOutputDecoder, tool_calls_text
 
 __all__ = ["ChatCompletionRequest", "chat_completions", "completions", "embeddings"]
 

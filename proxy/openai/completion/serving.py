@@ -24,7 +24,7 @@ from pydantic import Field, field_validator
 from flowlift.errors import RequestError
 from flowlift.local_engine.base import GenerationChunk, GenerationRequest, TokenLogprob, Usage
 from flowlift.proxy.dispatch.backends import Backend
-from flowlift.proxy.dispatch.scheduler import Priority
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai import generation as gen
 from flowlift.proxy.openai.generation import OnOutput, SamplingFields, Unsupported

@@ -28,11 +28,11 @@ from aiohttp import web
 from aiohttp_sse import EventSourceResponse, sse_response
 
 from flowlift.errors import FlowliftError, RequestError, StoreUnavailable, UpstreamError
-from flowlift.proxy.dispatch.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.backends import Backends, Local
-from flowlift.proxy.dispatch.forward import demand_of, upstream_error_response
-from flowlift.proxy.dispatch.routing import Route
-from flowlift.proxy.dispatch.upstream import forwarded_headers
+from flowlift.proxy.dispatch.routing.routing import Route
+from flowlift.proxy.dispatch.upstream.attempts import Opened, open_answer
+from flowlift.proxy.dispatch.upstream.forward import demand_of, upstream_error_response
+from flowlift.proxy.dispatch.upstream.provider import forwarded_headers
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai.generation import Timing
 from flowlift.proxy.openai.responses import sources

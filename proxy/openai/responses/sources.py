@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 
 from flowlift.errors import EngineError, RequestError
-from flowlift.proxy.dispatch.attempts import Opened
 from flowlift.proxy.dispatch.backends import Backend
-from flowlift.proxy.dispatch.upstream_http import TRANSPORT_ERRORS, translate
+from flowlift.proxy.dispatch.upstream.attempts import Opened
+from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, translate
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai.chat_completion.serving import (
     ChatChoice,

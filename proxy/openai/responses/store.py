@@ -1,5 +1,5 @@
 """Stored Responses API turns: what ``previous_response_id`` continues, in the proxy's run
-store (``responses`` table of :mod:`flowlift.proxy.workflows.store`: SQLite or
+store (``responses`` table of :mod:`flowlift.proxy.store.sqlite`: SQLite or
 PostgreSQL, so a conversation outlives a restart and any proxy on a shared database can
 continue it).
 
@@ -27,9 +27,9 @@ from typing import Any
 from aiohttp import web
 
 from flowlift.errors import ResponseNotFound
+from flowlift.proxy.store.base import RunStoreProtocol, StoredResponse
+from flowlift.proxy.store.worker import StoreWorker
 from flowlift.proxy.tenants import visible
-from flowlift.proxy.workflows.store import RunStoreProtocol, StoredResponse
-from flowlift.proxy.workflows.store_worker import StoreWorker
 
 PRUNE_EVERY = 64
 ANSWER_WITHIN_S = 3.0

@@ -1,0 +1,82 @@
+"""Estimates that can be trusted: output lengths learned per (step, model) from finished
+runs (``step_output_tokens`` in the state database) make the compiler's planned critical
+path of a second run of the same workflow land within 30% of the measured one, on a
+FakeEngine with fixed per-chunk delays (a first run, planned at ``max_tokens`` per step,
+is off by far more); the run page shows estimate against measurement per step."""
+
+from __future__ import annotations
+
+import warnings
+
+import httpx
+import pytest
+
+from flowlift import step, workflow
+from flowlift.errors import DeadlineWarning, RequestError
+from flowlift.proxy.store.outcomes import StepOutcomes
+from flowlift.testing import running_proxy
+from flowlift.tracing.timeline import (
+    measured_critical_path,
+    path_stage_ms,
+    report_deps,
+    split_records,
+)
+
+
+@step(max_tokens=200)
+def outline(topic):
+    return f"Outline an essay on {topic}"
+
+
+@step(max_tokens=200)
+def counter(topic):
+    return f"Argue against {topic}"
+
+
+@step(max_tokens=200)
+def merge(a, b):
+    return f"Merge {a} with {b}"
+
+
+def _run(base: str) -> tuple[str, float, float]:
+    """A run's id, its planned and its measured critical path (ms)."""
+    with workflow("essay", base_url=base) as wf:
+        topic = wf.input("tides and the moon")
+        merge(outline(topic), counter(topic))
+    doc = httpx.get(f"{base}/v1/workflows/{wf.run_id}").json()
+    report = doc["report"]
+    _, steps = split_records(doc["trace"])
+    path = measured_critical_path(steps, report_deps(report))
+    return wf.run_id, report["critical_path_ms"], sum(path_stage_ms(steps, path).values())
+
+
+def test_second_run_plans_its_critical_path_within_30_percent(tmp_path):
+    db = tmp_path / "state.sqlite"
+    with running_proxy("--engine", "fake", "--state-db", str(db), "--fake-delay-s", "0.05",
+                       log_path=tmp_path / "proxy.log", ready_timeout_s=60) as (base, _):
+        _, first_planned, first_measured = _run(base)
+        run_id, planned, measured = _run(base)
+        page = httpx.get(f"{base}/ui/workflows/{run_id}").text
+    assert abs(first_planned - first_measured) > 0.3 * first_measured  # max_tokens guess
+    assert abs(planned - measured) <= 0.3 * measured, (planned, measured)
+    lengths = StepOutcomes(db).lengths("merge", "fake-model")
+    assert lengths is not None and lengths.samples == 2 and lengths.p50 < 200
+    assert "est / took" in page and "out est/got" in page
+
+
+def test_infeasible_deadline_warns_at_submission_or_is_refused(tmp_path):
+    with running_proxy("--engine", "fake", "--state-db", ":memory:", "--fake-delay-s", "0.0",
+                       log_path=tmp_path / "proxy.log", ready_timeout_s=60) as (base, _):
+        # planned at max_tokens per step with unmeasured costs: ~40 s; it takes far less
+        with (pytest.warns(DeadlineWarning, match=r"deadline of 5 s looks infeasible"),
+              workflow("hurry", base_url=base, deadline_s=5) as wf):
+            merge(outline("x"), counter("x"))
+        assert wf.status == "succeeded"  # it ran all the same
+        with (pytest.raises(RequestError, match="strict_deadline") as refused,
+              workflow("hurry", base_url=base, deadline_s=0.001, strict_deadline=True)):
+            merge(outline("x"), counter("x"))
+        assert refused.value.param == "deadline_s"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeadlineWarning)
+            with workflow("relaxed", base_url=base, deadline_s=3600, strict_deadline=True):
+                outline("x")
