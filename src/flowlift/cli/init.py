@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowlift.cli.common import plain
+
 WORKFLOW = '''"""A starter flowlift workflow.
 
     flowlift run --config flowlift.toml workflow.py     # on the embedded model
@@ -138,7 +140,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("init", help="write a starter workflow.py and flowlift.toml",
-                       description=__doc__,
+                       description=plain(__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", nargs="?", default=".",
                    help="folder to write into (default: the current one)")
