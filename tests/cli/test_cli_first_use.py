@@ -78,6 +78,9 @@ def test_the_starter_runs_as_written(tmp_path):
     assert lines[0].split()[0] in ("question", "statement"), out.stdout
     assert "-> echo: Title:" in lines[0]
     assert (tmp_path / "runs" / "starter.jsonl").is_file()
+    # issue 38, item 9: the proxy stopped with the command: no page URL that cannot answer
+    (line,) = [ln for ln in out.stderr.splitlines() if ln.startswith("flowlift: run wf-")]
+    assert "read: `flowlift show wf-" in line and "/ui/workflows/" not in line
 
 
 async def test_the_starter_prints_what_succeeded_when_a_step_fails(aiohttp_client, tmp_path):
@@ -119,17 +122,3 @@ def test_help_is_plain_text_without_rest_markup(capsys):
             main(argv)
         out = capsys.readouterr().out
         assert "flowlift" in out and "``" not in out and ":mod:" not in out, out
-
-
-def test_run_names_no_page_of_the_proxy_it_stopped(tmp_path):
-    """Issue 38, item 9: a proxy ``flowlift run`` started is stopped with it, so the
-    closing line points at ``flowlift show`` rather than a page that no longer answers."""
-    write_starter(tmp_path)
-    env = {**os.environ, "FLOWLIFT_PROGRESS": "0"}
-    out = subprocess.run([sys.executable, "-m", "flowlift.cli", "run", "--engine", "fake",
-                          "--base-url", f"http://127.0.0.1:{free_port()}", "workflow.py"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env,
-                         check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (line,) = [ln for ln in out.stderr.splitlines() if ln.startswith("flowlift: run wf-")]
-    assert "read: `flowlift show wf-" in line and "/ui/workflows/" not in line
