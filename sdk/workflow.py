@@ -190,7 +190,7 @@ class Workflow:
                  conditional: Mapping[str, Any] | None = None) -> SemanticVariable:
         """Record a ``@tool`` call (``conditional``: its ``when``/``default`` fields)."""
         node = ToolNode(id=self.new_id(tool.name), name=tool.name, args=args, kwargs=kwargs,
-                        pure=tool.pure, **(conditional or {}))
+                        pure=tool.pure, timeout_s=tool.timeout_s, **(conditional or {}))
         self.tools[node.id] = tool
         return self.add_node(node, fields=None)
 

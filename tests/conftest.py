@@ -15,7 +15,7 @@ from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine
 
 # The model cache defaults to the user's ~/.cache/flowlift; the suite keeps the checkout's
-# own (.cache/flowlift, where scripts/test.sh and demo.sh put it), so it never converts
+# own (.cache/flowlift, where scripts/test.sh puts it), so it never converts
 # the model again wherever pytest is started from.
 os.environ.setdefault("FLOWLIFT_CACHE_DIR",
                       str(Path(__file__).resolve().parent.parent / ".cache" / "flowlift"))

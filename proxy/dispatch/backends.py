@@ -333,7 +333,8 @@ class Backends:
         if route.predicts:
             predict = self.predict(route, demand or Demand(affinity=affinity), now)
         name = pick(route, available=lambda n: self.available(n, now), load=self.load,
-                    affinity=affinity, tried=tried, predict=predict, turn=self._turn)
+                    affinity=affinity, tried=tried, predict=predict, turn=self._turn,
+                    noise=self.latency.spread)
         if name is not None:
             return name
         cooling = [self.upstreams[n].health.wait_s(now) for n in route.backends

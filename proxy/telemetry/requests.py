@@ -336,10 +336,14 @@ class RequestTrace:
         upstream's or the engine's own counts; else (an upstream cut before it reported,
         or one that reports none) an estimate flagged ``partial``: the prompt's
         characters / :data:`CHARS_PER_TOKEN`, one token per stream event, or the whole
-        answer's characters / :data:`CHARS_PER_TOKEN`."""
+        answer's characters / :data:`CHARS_PER_TOKEN`. A Responses API answer the
+        upstream ended ``failed`` without a usage has none (all None, not partial): the
+        provider counted nothing, and an estimate would bill what it does not."""
         u = self.upstream_counts
         if u is not None:
             return u.prompt_tokens, u.completion_tokens, u.cached_tokens, False
+        if self.upstream_status == "failed":  # the provider ended it failed, counting
+            return None, None, None, False    # nothing: no usage is invented for it
         if self.routed_at is not None:  # an upstream answered, without a usage
             completion = (self.events if self.stream
                           else -(-self.upstream_text // CHARS_PER_TOKEN))

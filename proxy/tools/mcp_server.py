@@ -43,6 +43,15 @@ class ServerUnreachable(Exception):
     """The MCP server could not be started or reached; ``str(exc)`` says why."""
 
 
+def reason_of(exc: BaseException) -> str:
+    """Why ``exc`` happened, for a person: the ``mcp`` client's anyio task groups wrap the
+    cause in an ``ExceptionGroup`` ("unhandled errors in a TaskGroup"), so the groups
+    are opened down to their leaves (each named once)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(dict.fromkeys(reason_of(e) for e in exc.exceptions))
+    return f"{type(exc).__name__}: {exc}"
+
+
 class _Connection:
     """One open ``mcp.Client``, owned by its own task until :meth:`close`."""
 
@@ -61,7 +70,7 @@ class _Connection:
                 await self._stop.wait()
         except BaseException as exc:
             if not self._ready.done():
-                self._ready.set_exception(ServerUnreachable(f"{type(exc).__name__}: {exc}"))
+                self._ready.set_exception(ServerUnreachable(reason_of(exc)))
         finally:
             self.dead = True
 
@@ -180,8 +189,7 @@ class McpServer:
                         break
         except _BELOW_THE_TOOL as exc:  # TimeoutError included
             await self._dead()
-            raise ServerUnreachable(f"tools/list failed: {type(exc).__name__}: {exc}"
-                                    ) from None
+            raise ServerUnreachable(f"tools/list failed: {reason_of(exc)}") from None
         self._listing = listing
         return listing
 
@@ -207,7 +215,7 @@ class McpServer:
                 if attempt == 1 and _session_gone(exc):
                     continue
                 return ToolOutcome(error=f"MCP server {self.name!r} failed during the call "
-                                         f"({type(exc).__name__}: {exc})")
+                                         f"({reason_of(exc)})")
             break
         return outcome_of(result, name)
 

@@ -392,14 +392,18 @@ class AgentLoop:
             ct.finished_ms, ct.outcome = ct.wanted_ms, "replayed"
             error = logged_result.get("error")
             return self._text(call, ct, logged_result.get("value"), error)
-        if spec is not None:
-            outcome = await self._run_proxy(spec, args, None if early is None else early[0])
-            value, error = outcome.value, outcome.error
-        else:
-            try:
-                value, error = await self._ask(call_id, call.name, args), None
-            except ToolRaised as exc:
-                value, error = None, exc.error
+        try:
+            if spec is not None:
+                outcome = await self._run_proxy(spec, args, None if early is None else early[0])
+                value, error = outcome.value, outcome.error
+            else:
+                try:
+                    value, error = await self._ask(call_id, call.name, args), None
+                except ToolRaised as exc:
+                    value, error = None, exc.error
+        except asyncio.CancelledError:  # a lost group, a cancelled run, a deadline
+            ct.finished_ms, ct.outcome = self.trace.now_ms(), "cancelled"
+            raise
         ct.finished_ms = self.trace.now_ms()
         self._emit("tool.result", {"step_id": call_id, "value": value} if error is None
                    else {"step_id": call_id, "error": error})

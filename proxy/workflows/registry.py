@@ -413,8 +413,9 @@ class RunRegistry:
 
         Returns:
             ``"delivered"`` (to the run, here), ``"queued"`` (kept for the proxy that
-            executes the run: it takes it within :data:`TAIL_POLL_S`) or ``"duplicate"``
-            (the step had its result: nothing changes).
+            executes the run: it takes it within :data:`TAIL_POLL_S`), ``"duplicate"``
+            (the step had its result: nothing changes) or ``"discarded"`` (the step
+            timed out before it came: recorded in the trace, nothing else changes).
 
         Raises:
             RunNotFound: no such run (or another tenant's).
@@ -424,6 +425,8 @@ class RunRegistry:
         run = self.live(run_id, tenant)
         if run is not None:  # executed here (or finished here lately)
             _check_tool_step(run.graph, run_id, step_id)
+            if run.discard_late_result(step_id):  # it timed out: too late, traced
+                return "discarded"
             if run.has_tool_result(step_id):
                 return "duplicate"
             if step_id not in run.waiting_tools():

@@ -80,6 +80,7 @@ from flowlift.proxy.workflows.prefills import RunPrefills
 from flowlift.proxy.workflows.replay import STEP_ENDS, restore_trace
 from flowlift.proxy.workflows.requests import StepRequests
 from flowlift.proxy.workflows.tiering import TieredDispatcher, planned_tiers
+from flowlift.proxy.workflows.tool_wait import await_app
 from flowlift.proxy.workflows.warmup import PrefixWarmup
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
 
@@ -147,6 +148,7 @@ class Run:
         self._know(graph.nodes)
         self._done = {n.id: asyncio.Event() for n in graph.nodes}
         self._tool_results: dict[str, asyncio.Future[Any]] = {}
+        self._late: dict[str, str] = {}  # @tool steps that timed out -> why
         self.growth = Growth(graph.open, restored.events if restored else ())
         self._tasks: list[asyncio.Task[None]] | None = None  # the node tasks, once started
         self._node_tasks: dict[str, asyncio.Task[None]] = {}
@@ -208,6 +210,17 @@ class Run:
                 or any(n == "tool.result" and d.get("step_id") == step_id
                        for _, n, d in self.log.history()))
 
+    def discard_late_result(self, step_id: str) -> bool:
+        """Whether ``step_id`` timed out (:mod:`.tool_wait`): its result, posted now, is
+        discarded, its time kept as ``late_result_ms`` in the trace."""
+        if step_id not in self._late:
+            return False
+        st = self.trace.step(step_id)
+        if st.late_result_ms is None:
+            st.late_result_ms = self.trace.now_ms()
+            log.info("tool_result_discarded", step_id=step_id, reason=self._late[step_id])
+        return True
+
     def deliver_tool_result(self, step_id: str, value: Any = None,
                             error: str | None = None) -> None:
         """Hand a ``@tool`` step's result (or error) to the waiting branch.
@@ -252,12 +265,12 @@ class Run:
                     self.deadline_missed = True
                     self._fail_unfinished(tasks, f"deadline of {self.graph.deadline_s} s "
                                           "exceeded", "deadline")
-            except asyncio.CancelledError:
-                for task in tasks:
-                    task.cancel()
+            except asyncio.CancelledError:  # (tools told first: a cancel takes their futures)
                 if not self._suspending:
                     self._fail_unfinished(tasks, "run cancelled", "cancelled")
                     self._close("cancelled")
+                for task in tasks:
+                    task.cancel()
                 raise
             finally:
                 watch.cancel()
@@ -350,6 +363,7 @@ class Run:
         return step_id in self.outputs or step_id in self.failures or step_id in self.skipped
 
     def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str, kind: str) -> None:
+        self._cancel_tools(self.waiting_tools(), why)  # before run.finished: the app hears
         for task in tasks:
             task.cancel()
         now = self.trace.now_ms()
@@ -489,10 +503,19 @@ class Run:
             if self._ended(step_id) or task is None or task.done():
                 continue
             self._cancelling[step_id] = reason
+            # a @tool member out in the app, or an agent member's calls: not wanted now
+            self._cancel_tools([s for s in self.waiting_tools() if s == step_id
+                                or s.startswith(f"{step_id}:call_")], reason)
+            task.cancel()
+
+    def _cancel_tools(self, step_ids: Sequence[str], reason: str) -> None:
+        """Stop waiting for these tool calls out in the app and tell it
+        (``tool.cancelled`` ``{step_id, reason}``; issue 38, items 6 and 14)."""
+        for step_id in step_ids:
             fut = self._tool_results.get(step_id)
             if fut is not None and not fut.done():
-                fut.cancel()  # a @tool member out in the app: its result is not wanted
-            task.cancel()
+                fut.cancel()
+                self._emit(("tool.cancelled", {"step_id": step_id, "reason": reason}))
 
     async def _node(self, node: Node) -> None:
         with bind_run(workflow_id=self.run_id, step_id=node.id):
@@ -706,7 +729,8 @@ class Run:
             "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}))
         self.prefills.after_tool((self._nodes[r] for r in self._readers.get(node.id, ())),
                                  self._nodes, self.plan, self.outputs, self._ended)
-        if self.clock is None:
-            return await fut
-        async with self.clock.paused():  # the app has the ball: the deadline clock stops
-            return await fut
+        if (late := await await_app(fut, node, self.graph.deadline_s, self.clock)) is None:
+            return fut.result()
+        self._late[node.id] = late.reason
+        self._cancel_tools([node.id], late.reason)
+        raise late

@@ -5,6 +5,7 @@ runs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -77,3 +78,47 @@ def test_the_starter_runs_as_written(tmp_path):
     assert lines[0].split()[0] in ("question", "statement"), out.stdout
     assert "-> echo: Title:" in lines[0]
     assert (tmp_path / "runs" / "starter.jsonl").is_file()
+    # issue 38, item 9: the proxy stopped with the command: no page URL that cannot answer
+    (line,) = [ln for ln in out.stderr.splitlines() if ln.startswith("flowlift: run wf-")]
+    assert "read: `flowlift show wf-" in line and "/ui/workflows/" not in line
+
+
+async def test_the_starter_prints_what_succeeded_when_a_step_fails(aiohttp_client, tmp_path):
+    """Issue 38, item 1: a step that fails (here every extract: its JSON is cut off) is
+    named, the rows print what did succeed, no traceback, exit status 1."""
+    import asyncio
+
+    from flowlift.proxy import create_app
+    from flowlift.proxy.state import STATE
+    from flowlift.testing import FakeEngine, default_responder
+
+    def respond(request):
+        if any("What is it about?" in m.content for m in request.messages):
+            return '{"topic": "cut off'
+        return default_responder(request)
+
+    app = create_app({"fake-model": FakeEngine(["fake-model"], responder=respond)})
+    client = await aiohttp_client(app)
+    await app[STATE].ready.wait()
+    write_starter(tmp_path)
+    env = {**os.environ, "FLOWLIFT_PROGRESS": "0",
+           "FLOWLIFT_BASE_URL": str(client.make_url("")).rstrip("/")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "workflow.py", cwd=tmp_path, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    stdout, stderr = out.decode(), err.decode()
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "step(s) failed" in stderr
+    rows = stdout.splitlines()[:2]
+    assert all(r.split()[0] in ("question", "statement") for r in rows), stdout
+    assert all("-> FAILED (skipped" in r for r in rows), stdout  # summarize read extract
+
+
+def test_help_is_plain_text_without_rest_markup(capsys):
+    """Issue 38, item 9: ``--help`` shows no ````code```` or ``:mod:`` roles."""
+    for argv in ([], ["init", "--help"]):
+        with contextlib.suppress(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert "flowlift" in out and "``" not in out and ":mod:" not in out, out

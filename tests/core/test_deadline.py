@@ -33,18 +33,21 @@ async def test_w4_queued_past_the_deadline_names_step_and_queue_time():
 
 
 async def test_deadline_clock_stops_while_a_tool_is_out():
+    """Two tool steps out in the app 0.35 s each: 0.7 s, past the 0.5 s deadline, spent
+    in the app (each within the deadline, its bound without a timeout_s: issue 38)."""
     engine = FakeEngine(["m"])
     backends = Backends({"m": engine})
-    graph = Graph.model_validate({"deadline_s": 0.3, "nodes": [
+    graph = Graph.model_validate({"deadline_s": 0.5, "nodes": [
         llm("a", "first"), {"kind": "tool", "id": "t", "name": "slow_tool",
                             "args": [{"ref": "a"}]},
-        llm("b", "after", "t")]})
+        {"kind": "tool", "id": "u", "name": "slow_tool", "args": [{"ref": "t"}]},
+        llm("b", "after", "u")]})
     run = Run(graph, backends)
     task = run.start()
-    async for _, event, _ in run.log.follow():
+    async for _, event, data in run.log.follow():
         if event == "tool.wanted":
-            await asyncio.sleep(0.6)  # twice the deadline, spent in the app
-            run.deliver_tool_result("t", "tool output")
+            await asyncio.sleep(0.35)  # spent in the app
+            run.deliver_tool_result(data["step_id"], "tool output")
     await task
     assert run.trace.status == "succeeded", run.failures
     assert run.outputs["b"] == "echo: aftertool output"

@@ -20,7 +20,7 @@ rank  name                   what (paths under proxy/)
 8     app state              state.py, http.py: what the API routes are handed
 9     APIs                   openai/, workflows/api.py, workflows/progress.py,
                              sessions/api.py, ui/
-10    app                    app.py, middleware.py, lifecycle.py, the package
+10    app                    app.py, middleware.py, lifecycle.py, half_close.py, the package
 ====  =====================  =====================================================
 
 Across the roots: the SDK (``flowlift.sdk``) and the engine (``flowlift.local_engine``)
@@ -49,7 +49,7 @@ PROXY_RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("run telemetry", ("telemetry",)),
     ("app state", ("state", "http")),
     ("APIs", ("openai", "workflows.api", "workflows.progress", "sessions.api", "ui")),
-    ("app", ("", "app", "middleware", "lifecycle")),
+    ("app", ("", "app", "middleware", "lifecycle", "half_close")),
 )
 """Bottom first: (rank's name, module prefixes relative to :data:`PROXY`; ``""`` is the
 package itself)."""

@@ -255,6 +255,35 @@ async def test_responses_usage_on_every_terminal_event_and_only_completed_is_com
     assert a["flowlift.outcome"] == outcome and a["flowlift.usage.partial"] is False
 
 
+async def test_a_responses_stream_that_ends_failed_without_usage_invents_none(
+        aiohttp_client, aiohttp_server, captured):
+    """Issue 38, item 15: ``response.failed`` with no usage is a failed request with no
+    tokens (no estimate, not flagged partial, no spend); ``response.incomplete`` with a
+    usage is recorded exactly as given."""
+    failed = [e.replace(b'"usage": {"input_tokens": 9, "output_tokens": 4, '
+                        b'"total_tokens": 13, "input_tokens_details": {"cached_tokens": 2}}',
+                        b'"usage": null') for e in responses_events("response.failed", "failed")]
+    assert b'"usage": null' in failed[-1]
+    fake = FakeUpstream([FakeUpstream.stream(failed),
+                         FakeUpstream.stream(responses_events("response.incomplete",
+                                                              "incomplete"))])
+    client = await upstream_only_proxy(aiohttp_client, aiohttp_server, fake)
+    for _ in range(2):
+        resp = await client.post("/v1/responses", json={"model": "up", "input": "x" * 400,
+                                                        "stream": True})
+        await resp.read()
+    first, second = await _span(captured, "chat up", 2)
+    a = first.attributes
+    assert a["flowlift.outcome"] == "error" and a["flowlift.usage.partial"] is False
+    assert "gen_ai.usage.input_tokens" not in a and "gen_ai.usage.output_tokens" not in a
+    b = second.attributes
+    assert b["flowlift.outcome"] == "incomplete" and b["flowlift.usage.partial"] is False
+    assert (b["gen_ai.usage.input_tokens"], b["gen_ai.usage.output_tokens"],
+            b["gen_ai.usage.cache_read.input_tokens"]) == (9, 4, 2)
+    metrics = await (await client.get("/metrics")).text()
+    assert "flowlift_estimated_usage_requests_total{" not in metrics
+
+
 # -- item 8: unknown run ids are 404 run_not_found on every run route; one error event -
 async def test_unknown_run_ids_are_404_run_not_found_on_every_run_route(aiohttp_client):
     app = create_app({"fake-model": FakeEngine(["fake-model"])})

@@ -385,6 +385,32 @@ async def test_R3_first_token_timeout_abandons_the_attempt_and_fails_over(proxy)
     assert resp.headers["X-Flowlift-Backend"] == "b1"
 
 
+async def test_R3_the_last_attempt_gets_what_is_left_of_the_budget(proxy):
+    """Issue 38, item 12: the first-token timeout is for an attempt that can still fail
+    over; the chain's last attempt waits for its first token within the request's
+    remaining budget instead of being cut off with nothing to replace it."""
+    stalled = FakeUpstream([FakeUpstream.headers_then_stall(10)])
+    slow = FakeUpstream([FakeUpstream.stream(sse_bytes(chunk({"content": "late"}),
+                                                       chunk({}, "stop")), first_delay_s=1.6)])
+    client = await proxy(stalled, slow, first_token_timeout_s=0.8,
+                         model={"max_attempts": 2, "total_timeout_s": 8})
+    t0 = time.monotonic()
+    resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    events = datas(await resp.text())
+    assert resp.status == 200 and resp.headers["X-Flowlift-Backend"] == "b1"
+    assert events[0]["choices"][0]["delta"]["content"] == "late"
+    assert 2.3 <= time.monotonic() - t0 < 6
+    # the budget still bounds it: a last attempt slower than what is left fails in time
+    stalled2 = FakeUpstream([FakeUpstream.headers_then_stall(10)])
+    slower = FakeUpstream([FakeUpstream.stream(sse_bytes(chunk({"content": "x"}),
+                                                         chunk({}, "stop")), first_delay_s=9)])
+    client = await proxy(stalled2, slower, first_token_timeout_s=0.8,
+                         model={"max_attempts": 2, "total_timeout_s": 2.5})
+    t0 = time.monotonic()
+    resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert resp.status >= 500 and time.monotonic() - t0 < 4
+
+
 # -- other endpoints pass through -------------------------------------------------------
 async def test_responses_api_stream_passes_through_with_named_events(proxy):
     events = [b'event: response.created\ndata: {"type":"response.created","response":{"id":"r1"}}'

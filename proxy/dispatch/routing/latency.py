@@ -219,6 +219,8 @@ class ReplicaModel:
         prefixes: affinity key -> prompt tokens last answered here under it (LRU).
         retention: the share of expected prefix-cache hits the replica reported (a
             moving average; 1 until it reports).
+        spread_s: the mean absolute error of its completion-time predictions, over
+            recent answers (seconds; an exponential average, weight 0.2 per answer).
     """
 
     ttft: Ridge = field(default_factory=lambda: Ridge(3))
@@ -229,6 +231,7 @@ class ReplicaModel:
     updated_at: float = 0.0
     prefixes: OrderedDict[str, int] = field(default_factory=OrderedDict)
     retention: float = 1.0
+    spread_s: float = 0.0
 
     def _age(self, now: float, half_life_s: float, keep: float) -> None:
         factor = keep * float(0.5 ** (max(now - self.updated_at, 0.0) / half_life_s))
@@ -358,6 +361,11 @@ class LatencyBook:
                 less the decode predicted by the current TPOT model.
         """
         replica = self._model(name)
+        if replica.weight_at(now, self.half_life_s) >= self.min_weight:  # it predicted
+            expected = replica.ttft.predict(features.ttft_x())
+            if output_tokens is not None and output_tokens > 1 and replica.tpot.weight > 0:
+                expected += (output_tokens - 1) * replica.tpot.predict(features.tpot_x())
+            replica.spread_s = 0.8 * replica.spread_s + 0.2 * abs(total_s - expected)
         replica._age(now, self.half_life_s, self.keep_per_observation)
         replica.attempts += 1.0
         n = output_tokens if output_tokens is not None and output_tokens > 0 else None
@@ -374,6 +382,13 @@ class LatencyBook:
             if n is not None and replica.tpot.weight > 0:
                 decode = (n - 1) * replica.tpot.predict(features.tpot_x())
             replica.ttft.add(features.ttft_x(), max(total_s - decode, 0.0))
+
+    def spread(self, name: str) -> float:
+        """How far ``name``'s recent answers were from what was predicted of them: the
+        mean absolute error in seconds (0 before it predicted anything). Predictions
+        closer than this are not told apart by routing (:mod:`.routing`)."""
+        model = self.replicas.get(name)
+        return 0.0 if model is None else model.spread_s
 
     def failed(self, name: str, elapsed_s: float, now: float) -> None:
         """An attempt on ``name`` failed through the backend's fault after

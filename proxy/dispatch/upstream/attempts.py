@@ -1,7 +1,11 @@
 """Attempts of one request across a route's backends, until one answers.
 
 Per attempt: connect timeout, a first-token timeout (headers and the first stream
-event) and, for plain answers, the request's remaining budget (case R3). Failures
+event) and, for plain answers, the request's remaining budget (case R3). The last
+stream attempt the route allows (``max_attempts``) has no attempt to fail over to, so it
+waits for its first event within what is left of the request's budget instead of the
+first-token timeout (issue 38, item 12: a timeout meant to fail over only cuts off an
+answer nothing replaces); a whole answer keeps its per-attempt ``response_timeout_s``. Failures
 before anything reached the client are retried: at once on another backend when one is
 untried, else after the upstream's ``Retry-After`` (case R1) or jittered exponential
 backoff ("full jitter", Brooker 2015) -- tenacity does the waiting and the stop rules
@@ -185,14 +189,14 @@ class _Wait:
 
 async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
                    headers: dict[str, str], *, stream: Stream, budget_s: float,
-                   waited: Waited) -> Opened:
+                   waited: Waited, last: bool = False) -> Opened:
     spec = upstream.spec
     response: Answer | None = None
     stage = "before answering"
     sent = 0.0  # when the request went (0: not out, or its wait already counted)
+    per_attempt = spec.first_token_timeout_s if stream else spec.response_timeout_s
     try:
-        async with asyncio.timeout(min(spec.first_token_timeout_s if stream
-                                       else spec.response_timeout_s, budget_s)):
+        async with asyncio.timeout(budget_s if last and stream else min(per_attempt, budget_s)):
             sent = time.monotonic()
             response = await upstream.post(path, body, headers)
             call.answered(response.status)
@@ -387,7 +391,8 @@ class _Attempts:
                 opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
                                         headers, stream=self.stream,
                                         budget_s=self.route.total_timeout_s
-                                        - (time.monotonic() - self.t0), waited=self.waited)
+                                        - (time.monotonic() - self.t0), waited=self.waited,
+                                        last=number >= self.route.max_attempts)
             except BaseException as exc:  # cancelled too (its run or its client went away):
                 call.close()  # counted out, or the backend would fill up and look busy
                 if isinstance(exc, UpstreamError):

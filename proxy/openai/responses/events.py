@@ -231,10 +231,11 @@ class ResponseBuilder:
                 "content": NOT_RUN})
         return [*out, self._event(f"response.{status}", response=self.response(status))]
 
-    def failed(self, message: str) -> Event:
-        """``response.failed`` for a generation that failed after the stream began."""
+    def failed(self, message: str, code: str = "server_error") -> Event:
+        """``response.failed`` for a turn that failed after the stream began (``code``:
+        the error's, e.g. ``store_unavailable`` when it could not be stored)."""
         return self._event("response.failed", response=self.response(
-            "failed", {"code": "server_error", "message": message}))
+            "failed", {"code": code, "message": message}))
 
     def final(self) -> dict[str, Any]:
         """The whole response (non-streamed answers): :meth:`finish_events`' last one's."""

@@ -26,7 +26,7 @@ import structlog
 from aiohttp import web
 from aiohttp_sse import EventSourceResponse, sse_response
 
-from flowlift.errors import FlowliftError, RequestError, UpstreamError
+from flowlift.errors import FlowliftError, RequestError, StoreUnavailable, UpstreamError
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.routing.routing import Route
 from flowlift.proxy.dispatch.upstream.forward import upstream_error_response
@@ -233,12 +233,17 @@ async def _send(resp: EventSourceResponse, event: Event) -> None:
 async def _stream(request: web.Request, builder: ResponseBuilder,
                   events: AsyncIterator[Event], headers: dict[str, str]
                   ) -> web.StreamResponse:
-    """The Responses event stream (see :func:`_events`)."""
+    """The Responses event stream (see :func:`_events`); a failure after the first event
+    ends it with ``response.failed`` (never a clean-looking finish). A store that does not
+    answer in time (an outage) ends it with ``response.failed`` coded
+    ``store_unavailable`` within that bound, never a stream left open."""
     async with sse_response(request, sep="\n", headers=headers,
                             allow_all_methods=True) as resp:
         try:
             async for event in events:
                 await _send(resp, event)
+        except StoreUnavailable as exc:
+            await _send(resp, builder.failed(exc.message, code="store_unavailable"))
         except FlowliftError as exc:
             await _send(resp, builder.failed(exc.message))
     return resp

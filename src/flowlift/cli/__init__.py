@@ -37,6 +37,7 @@ from flowlift.cli import run as _run  # noqa: E402
 from flowlift.cli import runs as _runs  # noqa: E402
 from flowlift.cli import serve as _serve  # noqa: E402
 from flowlift.cli import trace as _trace  # noqa: E402
+from flowlift.cli.common import plain  # noqa: E402
 from flowlift.cli.serve import _engines as _engines  # noqa: E402  (tests)
 from flowlift.cli.serve import add_config_models, serve_flags  # noqa: E402
 from flowlift.sdk.workflow import DEFAULT_BASE_URL as _DEFAULT_BASE_URL  # noqa: E402
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``flowlift`` parser: each subcommand module adds its own sub-parser."""
     from flowlift import __version__
 
-    parser = argparse.ArgumentParser(prog="flowlift", description=__doc__,
+    parser = argparse.ArgumentParser(prog="flowlift", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"flowlift {__version__}",
                         help="print flowlift's version and exit")

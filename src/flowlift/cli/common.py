@@ -4,9 +4,18 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 
 import httpx
+
+
+def plain(doc: str | None) -> str:
+    """A docstring as ``--help`` prints it: plain text, without reST's inline markup
+    (````code````, ``:mod:`x``` roles), which a terminal shows literally (issue 38, item 9).
+    """
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc or "")
+    return text.replace("``", "")
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> httpx.Response | None:

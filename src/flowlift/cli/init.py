@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowlift.cli.common import plain
+
 WORKFLOW = '''"""A starter flowlift workflow.
 
     flowlift run --config flowlift.toml workflow.py     # on the embedded model
@@ -24,19 +26,22 @@ put it whole into later prompts (f-strings) or pass it to steps and tools; read 
 after the block. Python on a value belongs in a @tool.
 """
 
-from typing import Literal
+import sys
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from flowlift import step, tool, workflow
+from flowlift import StepFailed, WorkflowFailed, step, tool, workflow
+
+Term = Annotated[str, Field(max_length=24)]   # bounded items: a small model rambles
 
 
 class Facts(BaseModel):
     topic: str = Field(max_length=80)
-    key_terms: list[str] = Field(max_length=3)
+    key_terms: list[Term] = Field(max_length=3)
 
 
-@step(output=Facts, max_tokens=96, retries=1)       # JSON, parsed into Facts
+@step(output=Facts, max_tokens=128, retries=1)      # JSON, parsed into Facts
 def extract(text):
     return [{"role": "system", "content": "You extract facts. Answer in JSON."},
             {"role": "user", "content": f"Text:\\n{text}\\nWhat is it about?"}]
@@ -58,20 +63,33 @@ def summarize(facts, kind, title):
             "Summarize it in one sentence:")
 
 
+def shown(var):
+    """A step's value, or why it has none (reading a failed step's value raises)."""
+    try:
+        return var.value
+    except StepFailed as exc:
+        return f"FAILED ({exc.kind}: {str(exc)[:120]})"
+
+
 TEXTS = [
     "SQLite is a small, fast, self-contained SQL database engine.",
     "How do I read a CSV file with the Python standard library?",
 ]
 
-with workflow("starter", trace_path="runs/starter.jsonl") as wf:
-    rows = []
-    for text in TEXTS:
-        facts, kind = extract(text), classify(text)
-        rows.append((text, kind, summarize(facts, kind, headline(facts))))
+rows = []
+try:
+    with workflow("starter", trace_path="runs/starter.jsonl") as wf:
+        for text in TEXTS:
+            facts, kind = extract(text), classify(text)
+            rows.append((text, kind, summarize(facts, kind, headline(facts))))
+except WorkflowFailed as exc:                      # the steps that succeeded still print
+    print(f"{len(exc.failures)} step(s) failed; `flowlift show {exc.run_id}` says why",
+          file=sys.stderr)
 
 for text, kind, summary in rows:
-    print(f"{kind.value:<9} {text[:40]:<40} -> {summary.value}")
+    print(f"{shown(kind):<9} {text[:40]:<40} -> {shown(summary)}")
 print(wf.report())
+sys.exit(1 if wf.failures else 0)
 '''
 
 CONFIG = '''# The proxy config of workflow.py: `flowlift run --config flowlift.toml workflow.py`.
@@ -122,7 +140,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("init", help="write a starter workflow.py and flowlift.toml",
-                       description=__doc__,
+                       description=plain(__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", nargs="?", default=".",
                    help="folder to write into (default: the current one)")

@@ -114,10 +114,12 @@ def _say_runs(base: str, since: float, trace_dir: Path | None, api_key: str | No
         return
     for run in reversed(runs):  # oldest first
         rid = run["id"]
-        trace = (f"trace: {trace_dir / (rid + '.jsonl')}" if trace_dir is not None
-                 else f"trace: `flowlift trace {rid}`")
-        print(f"flowlift: run {rid} ({run['name']}) {run['status']}; {trace}; "
-              f"page: {base}/ui/workflows/{rid}", file=sys.stderr, flush=True)
+        # a proxy this command started stops with it: no page URL that would not answer
+        trace, page = ((f"trace: {trace_dir / (rid + '.jsonl')}", f"read: `flowlift show {rid}`")
+                       if trace_dir is not None else
+                       (f"trace: `flowlift trace {rid}`", f"page: {base}/ui/workflows/{rid}"))
+        print(f"flowlift: run {rid} ({run['name']}) {run['status']}; {trace}; {page}",
+              file=sys.stderr, flush=True)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

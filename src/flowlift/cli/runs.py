@@ -46,7 +46,7 @@ Command = Callable[[argparse.Namespace], int]
 RUN_LOG_STATE_DB = Path("runs") / "state.sqlite"
 PREVIEW_CHARS = 200
 EXPORT_FIELDS = ("run_id", "step_id", "name", "kind", "model", "status", "output", "error",
-                 "prompt", "prompt_tokens", "completion_tokens", "attempts")
+                 "rejected_output", "prompt", "prompt_tokens", "completion_tokens", "attempts")
 
 
 class CommandFailed(Exception):
@@ -253,7 +253,12 @@ def show_text(doc: dict[str, Any]) -> str:
         lines += [f"  {sid}: {_preview(value)}" for sid, value in outputs.items()]
     if failures:
         lines.append(f"failures ({len(failures)}):")
-        lines += [f"  {sid}: {reason}" for sid, reason in failures.items()]
+        rejected = {r["step_id"]: out for r in doc.get("trace") or []
+                    if r.get("type") == "step" and (out := rejected_output(r)) is not None}
+        for sid, reason in failures.items():
+            lines.append(f"  {sid}: {reason}")
+            if sid in rejected:
+                lines.append(f"    last rejected output: {_preview(rejected[sid])}")
     return "\n".join(lines)
 
 
@@ -273,10 +278,18 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def rejected_output(record: dict[str, Any]) -> str | None:
+    """The last output a step's contract rejected (bounded, as the trace keeps it), or
+    None: what a failed step's ``output: null`` leaves out."""
+    kept = [a["output"] for a in record.get("attempts") or [] if a.get("output") is not None]
+    return kept[-1] if kept else None
+
+
 def export_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per step of a run (``GET /v1/workflows/{id}``'s answer), in trace order:
     :data:`EXPORT_FIELDS`; ``prompt`` is the list of messages the model received (None
-    for steps that are not llm steps or never ran)."""
+    for steps that are not llm steps or never ran); ``rejected_output``: the last output
+    its contract rejected (:func:`rejected_output`)."""
     outputs, failures = doc.get("outputs") or {}, doc.get("failures") or {}
     prompts = doc.get("prompts") or {}
     rows = []
@@ -287,7 +300,8 @@ def export_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"run_id": doc["run_id"], "step_id": sid, "name": rec.get("name"),
                      "kind": rec.get("kind"), "model": rec.get("model"),
                      "status": rec.get("status"), "output": outputs.get(sid),
-                     "error": failures.get(sid), "prompt": prompts.get(sid),
+                     "error": failures.get(sid), "rejected_output": rejected_output(rec),
+                     "prompt": prompts.get(sid),
                      "prompt_tokens": rec.get("prompt_tokens", 0),
                      "completion_tokens": rec.get("completion_tokens", 0),
                      "attempts": len(rec.get("attempts") or [])})
