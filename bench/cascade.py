@@ -33,7 +33,7 @@ labels plus the escalations) or ``--engine vllm`` (a few minutes on 2 CPU
 cores: one engine load, 3 x 42 labels plus the escalations) or ``--engine fake``
 (seconds). Writes ``bench/results/cascade.<engine>.json``. ``--smoke``: the fake
 engine on 8 documents, one floor, its log and results in a temporary folder (the
-plumbing in seconds; tests/test_bench_smoke.py runs it).
+plumbing in seconds; tests/project/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def main() -> int:
         results["app_far"]["makespan_s"] / results["flowlift_far"]["makespan_s"], 2)
     results["upstream_connections_per_workflow"] = (
         "n/a here: the engine is in process; for upstream models the count is checked by "
-        "tests/test_upstream_routing.py -k connections (0 new connections after warm-up)")
+        "tests/proxy/test_upstream_routing.py -k connections (0 new connections after warm-up)")
     save("chain_rtt", results, smoke=args.smoke)
     return 0
 

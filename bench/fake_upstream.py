@@ -8,7 +8,7 @@ that it is never the bottleneck of the path under test:
   content chunks, a finish chunk and ``data: [DONE]``, each event in its own write (one
   ``send()`` each, TCP_NODELAY: its own segment), back to back or ``--chunk-gap-ms``
   apart (``--one-write``: the whole stream in one write);
-* ``GET /v1/models``: one model, ``--model``.
+* ``GET /v1/models``: one model, ``--model`` (also on ``GET /health``, for routers).
 
 HTTP/1.1 keep-alive; pipelining is not supported (no client here pipelines).
 
@@ -116,8 +116,8 @@ class Upstream(asyncio.Protocol):
                         self.transport.write(ev)
             else:
                 self.transport.write(c.completion)
-        elif line.startswith(b"GET ") and b"/models" in line:
-            self.transport.write(c.models)
+        elif line.startswith(b"GET ") and (b"/models" in line or b"/health" in line):
+            self.transport.write(c.models)  # (a router's health check takes any 200)
         else:
             self.transport.write(c.not_found)
 

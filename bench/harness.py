@@ -2,7 +2,7 @@
 the engine's ceiling, write results as JSON next to RESULTS.md.
 
 Every benchmark also has a ``--smoke`` mode (``proxy(..., engine="fake")``, results in a
-temporary folder) that tests/test_bench_smoke.py runs, so a benchmark that stops
+temporary folder) that tests/project/test_bench_smoke.py runs, so a benchmark that stops
 running fails the test suite."""
 
 from __future__ import annotations

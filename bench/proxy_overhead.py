@@ -673,7 +673,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="short run (~30 s)")
     p.add_argument("--smoke", action="store_true",
                    help="seconds: direct,bare,flowlift only, a few requests, nothing saved "
-                   "(tests/test_bench_smoke.py runs it)")
+                   "(tests/project/test_bench_smoke.py runs it)")
     p.add_argument("--requests", type=int, help="sequential requests per path and mode")
     p.add_argument("--warmup", type=int, help="warm-up requests per path and mode")
     p.add_argument("--slow-ms", type=float, default=20.0,

@@ -180,7 +180,7 @@ def table(scenario: dict[str, Any], share: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true",
-                   help="a few requests, nothing saved (tests/test_bench_smoke.py)")
+                   help="a few requests, nothing saved (tests/project/test_bench_smoke.py)")
     p.add_argument("--rate", type=float, default=20.0, help="arrivals per second")
     p.add_argument("--requests", type=int, default=200, help="per strategy per round")
     p.add_argument("--rounds", type=int, default=3)

@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from flowlift.errors import RequestError
+from flowlift.errors import EngineError, RequestError
 from flowlift.local_engine.step_log import StepLog
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -285,6 +285,27 @@ class Engine(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's processes and memory."""
 
+    def sleep_host_mb(self) -> float:
+        """Host memory (MB) a :meth:`sleep` takes (the weights copied off the GPU); 0:
+        this engine cannot sleep, so leaving the GPU means :meth:`close`."""
+        return 0.0
+
+    async def sleep(self) -> None:
+        """Free the engine's GPU memory, keeping its process (then :meth:`wake_up`).
+
+        Raises:
+            EngineError: the engine cannot sleep (:meth:`sleep_host_mb` is 0).
+        """
+        raise EngineError(f"the engine of {', '.join(self.model_names)} cannot sleep")
+
+    async def wake_up(self) -> None:
+        """Take the GPU memory a :meth:`sleep` gave back.
+
+        Raises:
+            EngineError: the engine cannot sleep.
+        """
+        raise EngineError(f"the engine of {', '.join(self.model_names)} cannot sleep")
+
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the generation of ``request`` (an async generator, as ``async def``
@@ -345,6 +366,17 @@ class Engine(abc.ABC):
     def kv_cache_usage(self) -> float | None:
         """Fraction of the engine's KV cache (0 to 1) its requests hold or may take
         before they finish, or ``None`` when the engine cannot tell (the default)."""
+        return None
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the engine's KV cache holds in all (blocks times block size), or
+        ``None`` when the engine cannot tell (the default): what working-set admission
+        (:mod:`flowlift.proxy.dispatch.slots.working_set`) fits sessions into."""
+        return None
+
+    def kv_block_tokens(self) -> int | None:
+        """Tokens per KV-cache block (the unit the cache allocates and the prefix cache
+        keeps), or ``None`` when the engine cannot tell (the default)."""
         return None
 
     def count_tokens(self, model: str, text: str) -> int | None:

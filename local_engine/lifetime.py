@@ -15,8 +15,14 @@ started it ends, whatever the reason.
 * :func:`adopt` runs when ``flowlift.cli`` is imported, which is the first thing a spawned
   child of the proxy does (it imports the proxy's main module): a process whose
   environment names another pid as the proxy is one of its engine processes and asks
-  for the signal. Grandchildren (an engine's own workers) do the same, so they die with
-  their parent, which dies with the proxy.
+  for the signal. A main module that is a package's ``__main__`` (``python -m
+  flowlift serve``) is *not* re-imported by spawned children (multiprocessing's
+  ``spawn._fixup_main_from_name`` skips ``*.__main__``), so nothing of flowlift would run
+  there: :func:`marked_proxy` then names this module as the main module's spec, and a
+  spawned child runs it as ``__mp_main__``, which adopts (found by the GPU smoke's
+  ``--cpu-dry`` kill -9 check: the engine core outlived a ``python -m flowlift``
+  proxy). Grandchildren (an engine's own workers) do the same, so they die with their
+  parent, which dies with the proxy.
 * :func:`die_with_parent` is the signal itself; ``flowlift run`` also starts its proxy
   with it, so a killed ``flowlift run`` takes its proxy (and so its engines) along.
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import importlib.util
 import os
 import signal
 import sys
@@ -66,6 +73,10 @@ def marked_proxy() -> Iterator[None]:
     global _hooked, _active
     old = os.environ.get(PROXY_PID_ENV)
     os.environ[PROXY_PID_ENV] = str(os.getpid())
+    main = sys.modules.get("__main__")
+    main_spec = getattr(main, "__spec__", None)
+    if main is not None and main_spec is not None and main_spec.name.endswith(".__main__"):
+        main.__spec__ = importlib.util.find_spec(__name__)
     if not _hooked:
         os.register_at_fork(after_in_child=_forked)
         _hooked = True
@@ -74,6 +85,8 @@ def marked_proxy() -> Iterator[None]:
         yield
     finally:
         _active = False
+        if main is not None and main_spec is not None:
+            main.__spec__ = main_spec
         if old is None:
             os.environ.pop(PROXY_PID_ENV, None)
         else:
@@ -96,3 +109,7 @@ def adopt() -> bool:
     if not proxy.isdigit() or int(proxy) == os.getpid():
         return False
     return die_with_parent()
+
+
+if __name__ == "__mp_main__":  # a child spawned by a `python -m flowlift` proxy
+    adopt()

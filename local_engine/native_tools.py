@@ -12,7 +12,7 @@ content that is safe to send: text before any call markup) and
 :meth:`ToolParser.extract_tool_calls` on the whole answer (the calls).
 
 Engines that render templates themselves (:class:`~flowlift.local_engine.vllm_engine.VLLMEngine`,
-the Qwen-style fake of :mod:`flowlift.testing_native`) use :func:`template_messages` and
+the Qwen-style fake of :mod:`flowlift.testing.native`) use :func:`template_messages` and
 :func:`template_tools` for the template's inputs and :class:`NativeToolReader` for the
 output. Which format a model uses is its ``tool_format`` (``"native"`` or
 ``"constrained"``, :mod:`flowlift.local_engine.packaged` has the shipped models'

@@ -43,15 +43,23 @@ def prefix_ids(ids_of: Any, text: str, upto: str, param: str = "messages") -> li
     return ids[:-1]
 
 
+def capacity_tokens(engine: Any) -> int | None:
+    """Tokens ``engine``'s KV cache (a vLLM ``AsyncLLM``) holds: ``num_gpu_blocks *
+    block_size``; ``None`` while the block count is unknown."""
+    cache = engine.vllm_config.cache_config
+    if not cache.num_gpu_blocks or not cache.block_size:
+        return None
+    return int(cache.num_gpu_blocks) * int(cache.block_size)
+
+
 def reserved_fraction(engine: Any) -> float | None:
     """How much of ``engine``'s KV cache (a vLLM ``AsyncLLM``) its unfinished requests may
     take: their prompts plus ``max_tokens`` over the cache's size in tokens
     (``num_gpu_blocks * block_size``). An upper bound (prompts that share cached blocks
     are counted once each); ``None`` when the cache size is unknown."""
-    cache = engine.vllm_config.cache_config
-    if not cache.num_gpu_blocks or not cache.block_size:
+    capacity = capacity_tokens(engine)
+    if capacity is None:
         return None
-    capacity = cache.num_gpu_blocks * cache.block_size
     states: Sequence[Any] = list(engine.output_processor.request_states.values())
     held = sum(int(s.prompt_len) + int(s.max_tokens_param or 0) for s in states)
     return min(held / int(capacity), 1.0)

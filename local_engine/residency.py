@@ -11,11 +11,13 @@ Two layers, as everywhere in flowlift:
   standing in for the future);
 * I/O at the edge -- :class:`ResidencyManager` loads and unloads through each model's
   :class:`~flowlift.local_engine.base.Engine` (``start()`` loads, ``close()`` unloads),
-  one change at a time; a request holds a lease on its model while it runs, so nothing
-  unloads a model under a generation. :class:`ResidentEngine`
-  (:mod:`flowlift.local_engine.resident`) puts one managed model behind the ordinary
-  engine interface, so the proxy's dispatch (workflow steps and OpenAI requests alike)
-  loads what it needs on the way to the engine.
+  one change at a time; on a GPU a model leaving *sleeps* instead (``sleep()`` /
+  ``wake_up()``: vLLM's sleep mode, weights parked in host memory) when the host has
+  room for its weights (:func:`flowlift.local_engine.gpu_swap.swap_mode`); a request
+  holds a lease on its model while it runs, so nothing unloads a model under a
+  generation. :class:`ResidentEngine` (:mod:`flowlift.local_engine.resident`) puts one
+  managed model behind the ordinary engine interface, so the proxy's dispatch (workflow
+  steps and OpenAI requests alike) loads what it needs on the way to the engine.
 
 Errors: :class:`flowlift.errors.EngineError` when a model cannot fit without evicting a
 model that is needed now, or is bigger than the whole budget.
@@ -32,6 +34,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flowlift.errors import EngineError
+from flowlift.local_engine import gpu_swap
 from flowlift.local_engine.base import Engine
 from flowlift.report import ResidencyReport
 
@@ -147,18 +150,27 @@ class ResidencyManager:
             given one (the proxy passes its running workflows' plans and queues).
         max_wait_s: longest :meth:`ensure` waits for room.
         recheck_s: how often a waiting :meth:`ensure` looks again without a lease ending.
+        host_available_mb: the host's available memory now (default: ``/proc/meminfo``):
+            whether an evicted model that can sleep sleeps or is unloaded.
 
     Attributes:
         resident: loaded models, in load order.
-        events: ``("load" | "unload", model)`` in the order they happened.
-        loads: model -> how many times it was loaded (boot and preloads included).
-        unloads: model -> how many times it was unloaded.
+        asleep: models evicted by a sleep (their process kept; not in ``resident``).
+        events: ``("load" | "unload" | "sleep" | "wake", model)`` in the order they
+            happened.
+        loads: model -> how many times it was loaded (boot, preloads and wakes included).
+        unloads: model -> how many times it was unloaded (sleeps included).
+        sleeps: model -> how many of its unloads were sleeps.
     """
 
     def __init__(self, models: Mapping[str, ManagedModel], budget_mb: float, *,
                  lookahead: Callable[[], Lookahead] | None = None,
-                 max_wait_s: float = 300.0, recheck_s: float = 0.5) -> None:
+                 max_wait_s: float = 300.0, recheck_s: float = 0.5,
+                 host_available_mb: Callable[[], float] = gpu_swap.host_available_mb) -> None:
         self.models = dict(models)
+        self.host_available_mb = host_available_mb
+        self.asleep: set[str] = set()
+        self.sleeps: Counter[str] = Counter()
         self.budget_mb = budget_mb
         self.lookahead = lookahead
         self.max_wait_s = max_wait_s
@@ -177,7 +189,36 @@ class ResidencyManager:
 
     def _record(self, kind: str, model: str) -> None:
         self.events.append((kind, model))
-        (self.loads if kind == "load" else self.unloads)[model] += 1
+        (self.loads if kind in ("load", "wake") else self.unloads)[model] += 1
+        if kind == "sleep":
+            self.sleeps[model] += 1
+
+    async def _evict(self, model: str) -> None:
+        """Take ``model`` off the GPU: a sleep where it can and the host has room for
+        its weights, else an unload (the engine closed)."""
+        engine = self.models[model].engine
+        how = gpu_swap.swap_mode(engine.sleep_host_mb() > 0, engine.sleep_host_mb(),
+                                 self.host_available_mb())
+        if how == "sleep":
+            await engine.sleep()
+            self.asleep.add(model)
+        else:
+            await engine.close()
+        self.resident.remove(model)
+        self._record(how, model)
+
+    async def _load(self, model: str) -> None:
+        """Put ``model`` on the GPU: wake it if it sleeps, else start it."""
+        engine = self.models[model].engine
+        if model in self.asleep:
+            await engine.wake_up()
+            self.asleep.discard(model)
+            kind = "wake"
+        else:
+            await engine.start()
+            kind = "load"
+        self.resident.append(model)
+        self._record(kind, model)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -215,12 +256,8 @@ class ResidencyManager:
                     changed = self._changed  # room is held by work in flight: wait
                 else:
                     for victim in victims:
-                        await self.models[victim].engine.close()
-                        self.resident.remove(victim)
-                        self._record("unload", victim)
-                    await self.models[model].engine.start()
-                    self.resident.append(model)
-                    self._record("load", model)
+                        await self._evict(victim)
+                    await self._load(model)
                     self._notify()
                     return self.models[model].engine
             with contextlib.suppress(TimeoutError):
@@ -250,24 +287,28 @@ class ResidencyManager:
             used = sum(self.models[m].memory_mb for m in self.resident)
             if used + self.models[model].memory_mb > self.budget_mb:
                 return False
-            await self.models[model].engine.start()
-            self.resident.append(model)
-            self._record("load", model)
+            await self._load(model)
             return True
 
     async def unload(self, model: str) -> None:
-        """Unload ``model`` now if it is loaded (shutdown: in-flight work is not waited for)."""
+        """Unload ``model`` now if it is loaded or asleep (shutdown: in-flight work is not
+        waited for)."""
         async with self._lock:
-            if model in self.resident:
+            if model in self.resident or model in self.asleep:
                 await self.models[model].engine.close()
-                self.resident.remove(model)
-                self._record("unload", model)
+                if model in self.resident:
+                    self.resident.remove(model)
+                    self._record("unload", model)
+                self.asleep.discard(model)
                 self._notify()
 
     async def close(self) -> None:
-        """Unload every model."""
+        """Unload every model, the sleeping ones' processes included."""
         async with self._lock:
             for model in reversed(self.resident):
                 await self.models[model].engine.close()
                 self._record("unload", model)
             self.resident.clear()
+            for model in sorted(self.asleep):
+                await self.models[model].engine.close()
+            self.asleep.clear()

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import gc
+import inspect
 import os
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -38,7 +38,7 @@ from flowlift.errors import (
     ModelNotFound,
     RequestError,
 )
-from flowlift.local_engine import prefill
+from flowlift.local_engine import gpu_memory, gpu_swap, prefill
 from flowlift.local_engine.base import (
     Capabilities,
     Engine,
@@ -49,6 +49,8 @@ from flowlift.local_engine.base import (
     require_plain,
 )
 from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
+from flowlift.local_engine.delta import DeltaPrompts
+from flowlift.local_engine.gpu_memory import KvCheck
 from flowlift.local_engine.models import (
     cache_dir,
     default_dtype,
@@ -62,6 +64,7 @@ from flowlift.local_engine.native_tools import (
     template_tools,
 )
 from flowlift.local_engine.step_log import StepLog, vllm_stat_logger
+from flowlift.tracing.logging import get_logger
 
 _INSTALL_HINT = "install the engine with `bash scripts/install.sh`"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -107,6 +110,9 @@ class VLLMConfig:
             build). The prefix cache reuses whole blocks, so a smaller block keeps more of
             a session's previous answer cached (case W5: at most ``block_size - 1``
             tokens of a turn's shared prefix are re-prefilled); 32 works on CPU.
+        kv_cache_blocks: a KV cache of exactly this many blocks (vLLM's
+            ``num_gpu_blocks_override``; ``None``: as many as ``kv_cache_space_gib``
+            holds): a cache smaller than a whole GiB, for benchmarks under KV pressure.
         max_num_batched_tokens: tokens one engine step may compute (``None``: vLLM's
             default, 2048 or more on CPU); a prompt longer than what is left of it is
             prefilled in chunks over several steps (vLLM's chunked prefill). Smaller
@@ -124,6 +130,18 @@ class VLLMConfig:
             (:func:`~flowlift.local_engine.models.default_tool_format`).
         tool_parser: vLLM's tool parser for the model's family (``"hermes"`` for Qwen2.5),
             with ``tool_format="native"``.
+        gpu_memory_utilization: the share of the GPU's memory this engine may take
+            (vLLM's ``gpu_memory_utilization``; None: vLLM's default, which takes most of
+            the GPU); :mod:`flowlift.local_engine.gpu_memory` plans it per engine.
+        enable_sleep_mode: vLLM's sleep mode (CUDA only): :meth:`VLLMEngine.sleep` /
+            :meth:`VLLMEngine.wake_up` swap the model out and back without a reload.
+        multiproc_method: ``"spawn"``: start vLLM's engine core with multiprocessing's
+            spawn method (``VLLM_WORKER_MULTIPROC_METHOD``); None: vLLM's choice.
+        planned_kv_tokens: the KV-cache tokens the memory plan gave this engine; once
+            the engine reports what it allocated, :attr:`VLLMEngine.memory_check`
+            compares the two (None: no plan, no check).
+        weights_mb: the weights' size in ``dtype`` (MB): the host memory a sleeping
+            engine holds (None: not known; the engine is then unloaded, never slept).
     """
 
     model: str
@@ -141,10 +159,16 @@ class VLLMConfig:
     speculative_ngram: int | None = None
     speculative_max_batch: int | None = None
     block_size: int | None = None
+    kv_cache_blocks: int | None = None
     max_num_batched_tokens: int | None = None
     step_timings: bool = False
     tool_format: Literal["native", "constrained"] = "constrained"
     tool_parser: str | None = None
+    gpu_memory_utilization: float | None = None
+    enable_sleep_mode: bool = False
+    multiproc_method: Literal["spawn"] | None = None
+    planned_kv_tokens: int | None = None
+    weights_mb: float | None = None
 
     @classmethod
     def for_model(cls, name_or_path: str | None = None, **overrides: Any) -> VLLMConfig:
@@ -169,7 +193,11 @@ class VLLMConfig:
 
 
 def set_env_defaults(config: VLLMConfig) -> None:
-    """Set vLLM's environment defaults for CPU, leaving values already set alone."""
+    """Set vLLM's environment defaults for CPU, leaving values already set alone; with
+    ``config.multiproc_method``, set ``VLLM_WORKER_MULTIPROC_METHOD`` to it whatever it
+    was (a forked engine core would inherit the proxy's threads' sockets)."""
+    if config.multiproc_method is not None:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = config.multiproc_method
     root = cache_dir()
     for key, value in {
         "HF_HUB_OFFLINE": "1",
@@ -246,16 +274,25 @@ class VLLMEngine(Engine):
                                 logprobs=True, raw_prompt=True, resume=True)
 
     def __init__(self, config: VLLMConfig,
-                 build: Callable[[VLLMConfig], Any] | None = None) -> None:
+                 build: Callable[[VLLMConfig], Any] | None = None,
+                 gpu_memory: gpu_swap.GpuMemory | None = None,
+                 memory_wait_s: float = gpu_swap.MEMORY_WAIT_S) -> None:
         """Args:
             config: the engine's settings.
             build: builds the ``AsyncLLM`` for a config (blocking; default: vLLM's,
                 :func:`_build_engine`); tests pass a stand-in.
+            gpu_memory: ``(free, total)`` bytes of the GPU (default: NVML); with
+                ``config.gpu_memory_utilization`` set, :meth:`start` waits up to
+                ``memory_wait_s`` for that share to be free, and retries a failed start
+                while it is not (:mod:`flowlift.local_engine.gpu_swap`).
         """
         self.config = config
         self.load_time_s: float | None = None  # seconds start() took (import + load)
+        self.memory_check: KvCheck | None = None  # the GPU memory plan vs vLLM's figure
         self.steps = StepLog() if config.step_timings else None
         self._build = build or functools.partial(_build_engine, step_log=self.steps)
+        self._gpu_memory = gpu_memory or gpu_swap.nvml_memory
+        self.memory_wait_s = memory_wait_s
         self._engine: Any = None
         self._tokenizer: Any = None
         if config.tool_format == "native":
@@ -264,6 +301,9 @@ class VLLMEngine(Engine):
                                   'a tool_parser (vLLM\'s, e.g. "hermes" for Qwen2.5)',
                                   param="tool_parser")
             self.capabilities = dataclasses.replace(self.capabilities, native_tools=True)
+        self._takes_session_id = False  # the engine's generate() takes session_id
+        self.asleep = False
+        self._delta: DeltaPrompts | None = None
         set_env_defaults(config)
 
     @property
@@ -288,10 +328,28 @@ class VLLMEngine(Engine):
         # referenced after the call returned, keeping the engine alive after close().
         built: list[Any] = []  # handed over in a list: no future keeps the engine alive
         build = self._build
-        await asyncio.to_thread(lambda: built.append(build(self.config)))
+        share = self.config.gpu_memory_utilization
+        for attempt in range(gpu_swap.START_RETRIES + 1):
+            if share is not None:  # an engine unloaded just now frees its memory late
+                await gpu_swap.wait_for_memory(share, self._gpu_memory,
+                                               timeout_s=self.memory_wait_s)
+            try:
+                await asyncio.to_thread(lambda: built.append(build(self.config)))
+                break
+            except EngineError:
+                if (share is None or attempt == gpu_swap.START_RETRIES
+                        or not gpu_swap.short_of_memory(share, self._gpu_memory)):
+                    raise
         self._engine = built.pop()
         self._tokenizer = self._engine.get_tokenizer()
+        tok = self._tokenizer
+        self._delta = DeltaPrompts(
+            lambda m, gen: tok.apply_chat_template(m, add_generation_prompt=gen,
+                                                   tokenize=False),
+            lambda t: list(tok.encode(t, add_special_tokens=False)))
         self.load_time_s = time.perf_counter() - started
+        self.memory_check = kv_check(self.config, self._engine)
+        self._takes_session_id = takes_keyword(self._engine.generate, "session_id")
 
     def step_log(self) -> StepLog | None:
         """The engine's recent iterations (None: ``step_timings`` off)."""
@@ -302,16 +360,25 @@ class VLLMEngine(Engine):
             raise EngineError("the vLLM engine is not started (call `await start()`)")
         if self._engine.errored:
             raise EngineError("the vLLM engine has stopped; restart flowlift")
+        if self.asleep:
+            raise EngineError(f"the engine of {self.config.served_model_name} is asleep "
+                              "(swapped out); wake it up first")
         return self._engine
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         """Token ids of the prompt: a raw ``prompt`` tokenized as it is (with the
         tokenizer's special tokens, as vLLM's own completions endpoint does), else the
-        chat-templated ``messages`` with the generation prompt appended."""
+        chat-templated ``messages`` with the generation prompt appended; for a
+        session's turn (``session_id``), its previous turn's ids plus the new messages'
+        (:mod:`flowlift.local_engine.delta`: the same ids, in time linear in the new
+        messages only)."""
         param = "messages"
         if request.prompt is not None:
             param = "prompt"
             ids = list(self._tokenizer.encode(request.prompt))
+        elif (request.session_id is not None and not request.tools and self._delta is not None
+              and self._delta.exact):
+            ids = self._session_ids(request)
         else:
             ids = self._tokenizer.encode(self._chat_text(request), add_special_tokens=False)
         if not ids:
@@ -326,14 +393,25 @@ class VLLMEngine(Engine):
                               self.config.max_model_len, param)
         return ids
 
+    def _session_ids(self, request: GenerationRequest) -> list[int]:
+        assert self._delta is not None
+        if not request.messages:
+            raise RequestError("messages must not be empty", param="messages")
+        msgs = template_messages(request.messages)
+        try:
+            return self._delta.ids(request.session_id, msgs)
+        except Exception as exc:
+            raise RequestError(f"the chat template rejected the messages: {exc}",
+                               param="messages") from exc
+
     def _chat_text(self, request: GenerationRequest) -> str:
         if not request.messages:
             raise RequestError("messages must not be empty", param="messages")
         msgs = template_messages(request.messages)
-        tools = template_tools(request.tools) if request.tools else None
+        tools = {"tools": template_tools(request.tools)} if request.tools else {}
         try:
             text: str = self._tokenizer.apply_chat_template(
-                msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+                msgs, add_generation_prompt=True, tokenize=False, **tools)
         except Exception as exc:
             raise RequestError(f"the chat template rejected the messages: {exc}",
                                param="messages") from exc
@@ -413,8 +491,10 @@ class VLLMEngine(Engine):
         k = request.sampling.logprobs
         text = (ContinuationText(self._decode, request.resume_token_ids)
                 if request.resume_token_ids else None)
+        session = ({"session_id": request.session_id}
+                   if self._takes_session_id and request.session_id else {})
         stream = engine.generate({"prompt_token_ids": prompt_ids}, params,
-                                 request.request_id, priority=request.priority)
+                                 request.request_id, priority=request.priority, **session)
         completion = cached = 0
         finished = False
         try:
@@ -478,6 +558,19 @@ class VLLMEngine(Engine):
         ``max_tokens``, :func:`flowlift.local_engine.prefill.reserved_fraction`)."""
         return None if self._engine is None else prefill.reserved_fraction(self._engine)
 
+    def kv_capacity_tokens(self) -> int | None:
+        """``num_gpu_blocks * block_size`` of the started engine's cache config (the
+        engine core reports its block count to the front end at start); ``None`` before
+        :meth:`start`."""
+        return None if self._engine is None else prefill.capacity_tokens(self._engine)
+
+    def kv_block_tokens(self) -> int | None:
+        """The started engine's ``cache_config.block_size`` (None before :meth:`start`)."""
+        if self._engine is None:
+            return None
+        size = self._engine.vllm_config.cache_config.block_size
+        return int(size) if size else None
+
     async def abort(self, request_id: str) -> None:
         """Stop a running request (its stream then ends with ``finish_reason="abort"``);
         unknown ids are ignored."""
@@ -496,8 +589,9 @@ class VLLMEngine(Engine):
         return True
 
     async def close(self) -> None:
-        """Shut the engine core process down; safe to call twice. Blocks up to ~6 s:
-        vLLM gives the engine core 5 s to exit after SIGTERM, then kills it.
+        """Shut the engine core process down; safe to call twice. Takes up to ~6 s
+        (vLLM gives the engine core 5 s to exit after SIGTERM, then kills it), in a
+        worker thread: the event loop keeps serving the other models meanwhile.
 
         Requests still streaming fail with :class:`EngineError` (from :meth:`generate`):
         vLLM's shutdown stops the task that feeds their output queues, so without this
@@ -505,13 +599,48 @@ class VLLMEngine(Engine):
         vLLM's ``OutputProcessor.propagate_error`` does when the engine core dies).
         """
         engine, self._engine = self._engine, None
+        self.asleep = False
         if engine is not None:
             fail_in_flight(engine)
-            engine.shutdown()
+            held = [engine]  # handed to the thread in a list: no frame keeps it
             del engine
-            # AsyncLLM sits in reference cycles; collect it now, while modules are
-            # alive, so its __del__ (a second shutdown) does not fail at exit.
-            gc.collect()
+            await asyncio.to_thread(_shut_down, held)
+
+    def sleep_host_mb(self) -> float:
+        """The weights' size (MB) when sleep mode is on (the host memory a sleep takes),
+        else 0."""
+        return (self.config.weights_mb or 0.0) if self.config.enable_sleep_mode else 0.0
+
+    async def sleep(self) -> None:
+        """vLLM's ``sleep(level=1)``: weights to host memory, KV cache dropped, the
+        engine core process kept (the caller makes sure no request is in flight).
+
+        Raises:
+            EngineError: not started, sleep mode off, or vLLM failed.
+        """
+        engine = self._require_engine()
+        if not self.config.enable_sleep_mode:
+            raise EngineError(f"{self.config.served_model_name} runs without sleep mode")
+        try:
+            await engine.sleep(level=1)
+        except Exception as exc:
+            raise translate_error(exc) from exc
+        self.asleep = True
+
+    async def wake_up(self) -> None:
+        """vLLM's ``wake_up()``: the weights back on the GPU, a fresh KV cache.
+
+        Raises:
+            EngineError: not started, or vLLM failed.
+        """
+        engine = self._engine
+        if engine is None:
+            raise EngineError("the vLLM engine is not started (call `await start()`)")
+        try:
+            await engine.wake_up()
+        except Exception as exc:
+            raise translate_error(exc) from exc
+        self.asleep = False
 
     def running(self) -> int | None:
         """Requests vLLM still holds (queued or decoding), or ``None`` before start."""
@@ -529,6 +658,50 @@ class VLLMEngine(Engine):
         if self._tokenizer is None or model not in self.model_names:
             return None
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def kv_check(config: VLLMConfig, engine: Any) -> KvCheck | None:
+    """The memory plan's KV tokens (``config.planned_kv_tokens``) against the KV cache
+    the started ``engine`` (an ``AsyncLLM``) reports: ``vllm_config.cache_config``'s
+    ``num_gpu_blocks`` (set from the engine core's memory profiling) x ``block_size``;
+    logged (a warning when vLLM holds less than planned). None without a plan or a
+    figure."""
+    cache = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
+    blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    if not config.planned_kv_tokens or not isinstance(blocks, int) or not isinstance(size, int):
+        return None
+    check = gpu_memory.check_kv(config.planned_kv_tokens, blocks, size)
+    log = get_logger("flowlift.engine")
+    (log.info if check.ok else log.warning)(
+        "gpu_memory_plan", model=config.served_model_name, message=check.message,
+        gpu_memory_utilization=config.gpu_memory_utilization)
+    return check
+
+
+def _shut_down(held: list[Any]) -> None:
+    """Run vLLM's blocking ``AsyncLLM.shutdown()`` (in a worker thread; it cancels its
+    output handler thread-safely), then make a second shutdown a no-op: ``AsyncLLM``
+    sits in reference cycles and its ``__del__`` shuts down again whenever the garbage
+    collector gets to it, at exit with modules half gone. (Collecting it here instead
+    takes a full ``gc.collect()``, ~1 s with vLLM loaded, holding the GIL: the event
+    loop would stall for it even from a thread.)"""
+    engine = held.pop()
+    engine.shutdown()
+    engine.shutdown = _already_shut_down
+
+
+def _already_shut_down(*_args: Any, **_kwargs: Any) -> None:
+    """What a shut-down ``AsyncLLM``'s ``shutdown`` becomes (see :func:`_shut_down`)."""
+
+
+def takes_keyword(func: Callable[..., Any], name: str) -> bool:
+    """Whether ``func`` accepts the keyword ``name`` (vLLM's ``generate`` takes
+    ``session_id`` in 0.32 and later; a stand-in may not)."""
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def fail_in_flight(engine: Any) -> None:
@@ -629,6 +802,10 @@ def engine_kwargs(cfg: VLLMConfig) -> dict[str, Any]:
         scheduling_policy=cfg.scheduling_policy, seed=cfg.seed, disable_log_stats=True,
         speculative_config=speculative_config(cfg),
         **({"block_size": cfg.block_size} if cfg.block_size else {}),
+        **({"gpu_memory_utilization": cfg.gpu_memory_utilization}
+           if cfg.gpu_memory_utilization is not None else {}),
+        **({"enable_sleep_mode": True} if cfg.enable_sleep_mode else {}),
+        **({"num_gpu_blocks_override": cfg.kv_cache_blocks} if cfg.kv_cache_blocks else {}),
         **({"max_num_batched_tokens": step} if step else {}))
 
 

@@ -57,7 +57,9 @@ async def readyz(request: web.Request) -> web.Response:
     body = {"ready": reason is None, "models": state.backends.models,
             "load_time_s": state.load_time_s, "error": state.load_error, "reason": reason,
             "programs": {b.name: b.slots.programs.snapshot() for b in state.backends.backends
-                         if b.slots.programs.enabled}}
+                         if b.slots.programs.enabled},
+            "working_set": {b.name: b.slots.working.snapshot(b.slots.kv_capacity())
+                            for b in state.backends.backends if b.slots.working.enabled}}
     plans = {b.name: plan for b in state.backends.backends
              if (plan := b.slots.plan_snapshot()) is not None}
     if plans:
@@ -116,13 +118,27 @@ async def _posted_results(app: web.Application) -> None:
         recompile=state.config.append_recompile)
 
 
+async def _check_tools(app: web.Application, every_s: float = 15.0) -> None:
+    """Start and ask every ``[tools.*]`` server at once, then again every ``every_s``
+    while one fails (``/readyz`` names it until it answers)."""
+    tools = app[STATE].tools
+    failing = await tools.check()
+    while failing:
+        log.warning("tool_servers_unusable", servers=failing)
+        await asyncio.sleep(every_s)
+        failing = await tools.check(sorted(failing))
+
+
 async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
     app[STATE].runs.wakeups.start()  # (the store's LISTEN, on a thread of its own)
     loader = asyncio.create_task(_load_engines(app))
     sweeper = asyncio.create_task(_sweep(app))
     posted = asyncio.create_task(_posted_results(app))
     beat = asyncio.create_task(_heartbeat(app)) if app[STATE].runs.store.shared else None
+    checker = asyncio.create_task(_check_tools(app)) if app[STATE].tools else None
     yield
+    if checker is not None:
+        checker.cancel()
     loader.cancel()
     sweeper.cancel()
     posted.cancel()

@@ -161,6 +161,10 @@ class ProxyConfig:
             off with ``scheduling="fcfs"``.
         program_max_wait_s: the starvation bound of program scheduling: a request
             waiting this long goes first in its class.
+        working_set: working-set admission: a session outside the working set starts
+            only while the KV of the sessions expected back fits the engine's cache
+            (:mod:`flowlift.proxy.dispatch.slots.working_set`); off by default (measured
+            not to win yet: bench/RESULTS.md, issue 35), and off with ``scheduling="fcfs"``.
         prefill_ahead_max_kv_usage: KV-cache share (0 to 1) above which prefill-ahead
             stops and what runs of it is aborted.
         append_recompile: an open run's append compiles the whole grown graph (the
@@ -193,6 +197,7 @@ class ProxyConfig:
     append_recompile: bool = False
     program_scheduling: bool = True
     program_max_wait_s: float = 30.0
+    working_set: bool = False
 
 
 class _Strict(BaseModel):
@@ -247,6 +252,38 @@ class EmbeddedSpec(_Priced):
     """vLLM's tool parser for the model's family (``"hermes"`` for Qwen2.5)."""
 
 
+Hint = Literal["vllm-priority", "sglang-session", "dynamo", "vllm-session",
+               "vllm-router-program", "llm-d", "dynamo-session", "sglang-routing-key",
+               "sglang-priority"]
+"""A hint an upstream backend may opt in to (``hints = [...]``; what each writes:
+:mod:`flowlift.proxy.dispatch.routing.hints` and ``docs/distributed.md``)."""
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
+_NEVER_PASSED = frozenset({
+    "authorization", "proxy-authorization", "cookie", "set-cookie", "host",
+    "content-length", "content-type", "content-encoding", "transfer-encoding",
+    "connection", "keep-alive", "te", "trailer", "upgrade", "expect", "accept",
+    "accept-encoding"})
+_SECRET_PARTS = ("auth", "token", "secret", "password", "passwd", "cookie", "credential",
+                 "api-key", "apikey", "x-flowlift-")
+
+
+def _passable(names: list[str]) -> list[str]:
+    """``pass_headers`` lower-cased; a secret-bearing, hop-by-hop or body-describing
+    header is refused (the client's key, cookies and flowlift's own headers never pass,
+    whatever the config says)."""
+    out = []
+    for raw in names:
+        name = raw.strip().lower()
+        if not _HEADER_NAME.match(name):
+            raise ValueError(f"{raw!r} is not an HTTP header name")
+        if name in _NEVER_PASSED or any(part in name for part in _SECRET_PARTS):
+            raise ValueError(f"{raw!r} may carry a secret or describes the proxy's own "
+                             "request; it never passes upstream")
+        out.append(name)
+    return out
+
+
 def _check_url(value: str) -> str:
     try:
         url = httpx.URL(value)
@@ -288,12 +325,33 @@ class UpstreamSpec(_Priced):
     keeps the state, e.g. OpenAI) when every backend of the model is ``native``;
     ``chat``: the proxy serves the Responses API itself, statefully, over the backend's
     ``/chat/completions`` (vLLM, SGLang, llama.cpp)."""
-    hints: list[Literal["vllm-priority", "sglang-session", "dynamo"]] = Field(
-        default_factory=list)
-    """Scheduler hints written into workflow steps' requests in the engine's own fields
-    (:mod:`flowlift.proxy.dispatch.routing.hints`): vLLM ``priority``, SGLang ``session_id`` (with
-    ``/open_session`` and ``/close_session``), Dynamo ``nvext.agent_hints``. None by
-    default: a server that does not take a field may reject it."""
+    hints: list[Hint] = Field(default_factory=list)
+    """Scheduler hints written into requests in the engine's or router's own fields
+    (:mod:`flowlift.proxy.dispatch.routing.hints`, ``docs/distributed.md``): vLLM ``priority``
+    and ``session_id``, SGLang ``session_id`` (with ``/open_session`` and
+    ``/close_session``), ``X-SMG-Routing-Key`` and ``priority``, Dynamo
+    ``nvext.agent_hints`` and its session headers, vllm-router's
+    ``vllm_xargs.agentic_context``, llm-d's session, fairness and objective headers.
+    None by default: a server that does not take a field may reject it."""
+    pass_headers: list[str] = Field(default_factory=list)
+    """Client request headers passed to this backend as they came (case-insensitive
+    names, e.g. ``x-llm-d-slo-ttft-ms``), beside the trace context flowlift always
+    passes. Names that may hold a secret (``authorization``, ``cookie``, ``*key*``-ish
+    names such as ``x-api-key``, ``*token*``, ``*secret*``...) and hop-by-hop headers
+    are refused at load."""
+
+    @field_validator("pass_headers")
+    @classmethod
+    def _pass_headers(cls, value: list[str]) -> list[str]:
+        return _passable(value)
+
+    @model_validator(mode="after")
+    def _one_priority_scale(self) -> UpstreamSpec:
+        if "vllm-priority" in self.hints and "sglang-priority" in self.hints:
+            raise ValueError("hints: 'vllm-priority' (lower first) and 'sglang-priority' "
+                             "(higher first) both write the body's 'priority'; pick the "
+                             "one of the backend's engine")
+        return self
 
 
 class BatchSpec(_Priced):
@@ -342,6 +400,17 @@ class ToolServerSpec(_Strict):
     default (``HOME``, ``PATH``, ...; never the proxy's own environment and secrets)."""
     callables: list[Annotated[str, Field(pattern=CALLABLE_PATH)]] | None = Field(
         default=None, min_length=1)
+    headers: dict[str, str] = Field(default_factory=dict)
+    """HTTP headers sent to a ``url`` server with every request (e.g. ``Authorization``)."""
+    mode: Literal["auto", "legacy"] = "auto"
+    """How an MCP connection starts: ``auto`` probes the server's protocol and falls
+    back to the ``initialize`` handshake; ``legacy`` always uses the handshake (and a
+    Streamable HTTP session: servers before MCP 2026-07-28)."""
+    early: Literal["annotated", "always", "never"] = "annotated"
+    """Which calls may start while the model's turn still streams: ``annotated`` those
+    of tools the server declares ``readOnlyHint`` or ``idempotentHint`` (MCP tool
+    annotations), ``always`` every call, ``never`` none (a call then starts when the
+    turn ended)."""
     allow: list[str] | None = None
     """The server's tools graphs may name (None: all it lists)."""
     timeout_s: float = Field(default=30.0, gt=0)
@@ -377,6 +446,8 @@ class ToolServerSpec(_Strict):
                              f"(module:function), not {' and '.join(given) or 'none'}")
         if self.env and self.command is None:
             raise ValueError("env is for a command (stdio) server only")
+        if self.headers and self.url is None:
+            raise ValueError("headers are for a url (Streamable HTTP) server only")
         return self
 
 

@@ -89,14 +89,22 @@ async def read_body(request: web.Request) -> bytes:
 
     Raises:
         PayloadTooLarge: over the configured body limit (case B4: HTTP 413).
-        IncompleteBody: the connection closed, or the body stalled, before the bytes
-            its ``Content-Length`` announced arrived (HTTP 400, and a log line).
+        IncompleteBody: the connection closed (or its client half-closed it), or the
+            body stalled, before the bytes its ``Content-Length`` announced arrived
+            (HTTP 400, and a log line).
         RequestError: a body its ``Content-Encoding`` cannot decode (HTTP 400).
     """
     try:
         if request.content.is_eof() or request.content_length == request.content.total_bytes:
-            return await request.read()  # whole already: the common case, no watchdog
-        return await _read_while_moving(request)
+            body = await request.read()  # whole already: the common case, no watchdog
+        else:
+            body = await _read_while_moving(request)
+        announced = request.content_length
+        if (announced is not None and len(body) < announced
+                and "Content-Encoding" not in request.headers):
+            # the body ended early: the client half-closed (proxy/half_close.py)
+            raise _incomplete(request, "the client closed its side")
+        return body
     except ConnectionResetError:  # aiohttp: the client closed before the body was whole
         raise _incomplete(request, "the connection closed") from None
     except asyncio.CancelledError:  # the handler is cancelled when its client goes away

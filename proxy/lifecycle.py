@@ -2,8 +2,9 @@
 
 * ``/healthz`` -- the process is alive and its event loop answers (liveness).
 * ``/readyz`` -- 200 only while the engines are loaded, the run store answers (not
-  stalled, failing or far behind: ``RunRegistry.unavailable``) and the proxy is not
-  draining; otherwise 503 with ``reason`` (readiness: a Kubernetes
+  stalled, failing or far behind: ``RunRegistry.unavailable``), every ``[tools.*]``
+  server starts and lists its tools (``ToolServers.problems``: the server and why) and
+  the proxy is not draining; otherwise 503 with ``reason`` (readiness: a Kubernetes
   Service stops sending traffic to a pod that is not ready).
 * :func:`serve` -- listen until SIGTERM (or SIGINT), then drain:
 
@@ -46,6 +47,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from flowlift.errors import StoreUnavailable
+from flowlift.proxy.half_close import ProxyRunner
 from flowlift.proxy.state import STATE, ProxyState
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.proxy.workflows.runs import Run
@@ -95,7 +97,7 @@ async def not_ready_reason(state: ProxyState, drain: Drain) -> str | None:
         return exc.message
     if problem:
         return f"the run store is not usable: {problem}"
-    return None
+    return state.tools.problems()  # a [tools.*] server that cannot start, named
 
 
 def _busy(runs: RunRegistry) -> list[Run]:
@@ -225,8 +227,8 @@ async def serve(app: web.Application, sock: socket.socket, *, grace_s: float = 3
         ``None`` after a signal; the reason when the engines failed to load (the proxy
         then stops instead of answering 503 forever, so a supervisor sees the failure).
     """
-    runner = web.AppRunner(app, shutdown_timeout=cancel_after_s, handle_signals=False,
-                           handler_cancellation=True)
+    runner = ProxyRunner(app, shutdown_timeout=cancel_after_s, handle_signals=False,
+                         handler_cancellation=True)  # answers half-closed requests
     stop, hurry = asyncio.Event(), asyncio.Event()
     state = app[STATE]
 

@@ -37,6 +37,7 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import NewType
 
 from aiohttp import web
 
@@ -172,11 +173,17 @@ def visible(owner: str | None, tenant: str | None) -> bool:
     return tenant is None or (owner or DEFAULT_TENANT) == tenant
 
 
-def run_key(tenant: str | None, run_id: str) -> str:
+RunKey = NewType("RunKey", str)
+"""A run's key in the store, the engines and the sessions (:func:`run_key`), as distinct
+from the id its client knows it by (:func:`client_run_id`)."""
+
+
+def run_key(tenant: str | None, run_id: str) -> RunKey:
     """The store's key of ``tenant``'s run ``run_id``: ``<tenant>/<run_id>``, or ``run_id``
     itself for the anonymous tenant (None) and :data:`DEFAULT_TENANT` (the runs of stores
     written before tenants). A client's id never holds ``/``, so keys never collide."""
-    return run_id if tenant is None or tenant == DEFAULT_TENANT else f"{tenant}/{run_id}"
+    return RunKey(run_id if tenant is None or tenant == DEFAULT_TENANT
+                  else f"{tenant}/{run_id}")
 
 
 def client_run_id(key: str, tenant: str | None) -> str:

@@ -21,7 +21,7 @@ want_test=0
 [[ "${1:-}" == "--test" ]] && want_test=1
 
 if [[ $want_test == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
-  # tests/test_ui_chromium.py renders the proxy's pages in headless Chromium (Debian's
+  # tests/proxy/test_ui_chromium.py renders the proxy's pages in headless Chromium (Debian's
   # package; the pip-installed browser builds download from elsewhere and cannot here)
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
     echo "flowlift install: chromium (apt-get) for the page tests"
@@ -29,13 +29,13 @@ if [[ $want_test == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
   else
     echo "flowlift install: no chromium and not root: install Debian's chromium package" \
-      "(tests/test_ui_chromium.py needs it; scripts/test.sh requires it)" >&2
+      "(tests/proxy/test_ui_chromium.py needs it; scripts/test.sh requires it)" >&2
   fi
 fi
 
 # The compile page's browser compiler (proxy/ui/offline.py): Pyodide from the npm registry
 # and the compiler's wheels from PyPI into .cache/pyodide (scripts/fetch_pyodide.sh, a
-# no-op when current). Required by the tests (tests/test_ui_chromium.py); for a runtime
+# no-op when current). Required by the tests (tests/proxy/test_ui_chromium.py); for a runtime
 # install it is optional: without npm the compile page asks the proxy's compiler.
 browser_compiler() {
   if command -v npm >/dev/null 2>&1; then
@@ -65,7 +65,7 @@ pg_server_found() {
 }
 if [[ $want_test == 1 ]] && ! pg_server_found; then
   # tests/pg.py starts a real PostgreSQL server (initdb into a temporary folder) for the
-  # shared run store's tests (tests/test_store_contract.py, tests/test_shared_store.py)
+  # shared run store's tests (tests/proxy/test_store_contract.py, tests/proxy/test_shared_store.py)
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
     echo "flowlift install: postgresql (apt-get) for the shared run store's tests"
     apt-get update -qq
@@ -86,7 +86,7 @@ editable=(-e)
 torch_index=()
 [[ -n "${FLOWLIFT_TORCH_INDEX:-}" ]] && torch_index=(--index-url "$FLOWLIFT_TORCH_INDEX")
 
-# checkov (tests/test_deploy.py: security checks of deploy/kubernetes) in a venv of its
+# checkov (tests/project/test_deploy.py: security checks of deploy/kubernetes) in a venv of its
 # own: its pins (packaging, networkx, cachetools...) conflict with vLLM's.
 CHECKOV_VERSION=3.3.30
 if [[ $want_test == 1 && "$(cat .venv-checkov/.version 2>/dev/null)" != "$CHECKOV_VERSION" ]]; then
@@ -94,6 +94,22 @@ if [[ $want_test == 1 && "$(cat .venv-checkov/.version 2>/dev/null)" != "$CHECKO
   "$PYTHON" -m venv .venv-checkov
   .venv-checkov/bin/python -m pip --disable-pip-version-check -qq install "checkov==$CHECKOV_VERSION"
   echo "$CHECKOV_VERSION" > .venv-checkov/.version
+fi
+
+# NVIDIA Dynamo's frontend and mocker workers (tests/proxy/test_router_dynamo.py) in a venv of
+# their own: ai-dynamo-runtime pins pydantic<=2.13.5, below flowlift's. --no-deps, then
+# requirements/dynamo.txt: ai-dynamo's aisimulate dependency downloads from outside the
+# package registries and is not needed to start the frontend and the mocker.
+DYNAMO_VERSION=1.6.1
+if [[ $want_test == 1 && "$(uname -s)" == Linux \
+      && "$(cat .venv-dynamo/.version 2>/dev/null)" != "$DYNAMO_VERSION" ]]; then
+  echo "flowlift install: ai-dynamo $DYNAMO_VERSION into .venv-dynamo"
+  "$PYTHON" -m venv .venv-dynamo
+  .venv-dynamo/bin/python -m pip --disable-pip-version-check -qq install --no-deps \
+    "ai-dynamo==$DYNAMO_VERSION" "ai-dynamo-runtime==$DYNAMO_VERSION"
+  .venv-dynamo/bin/python -m pip --disable-pip-version-check -qq install \
+    -r requirements/dynamo.txt
+  echo "$DYNAMO_VERSION" > .venv-dynamo/.version
 fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

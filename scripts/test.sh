@@ -9,6 +9,7 @@ bash scripts/typecheck.sh  # the typing gate: any mypy error stops here, before 
 export FLOWLIFT_REQUIRE_ENGINE=1
 # the model cache (default: the user's ~/.cache/flowlift) stays in the checkout here
 export FLOWLIFT_CACHE_DIR="${FLOWLIFT_CACHE_DIR:-$PWD/.cache/flowlift}"
-export FLOWLIFT_REQUIRE_CHROMIUM=1  # the page tests (tests/test_ui_chromium.py) must run
+export FLOWLIFT_REQUIRE_CHROMIUM=1  # the page tests (tests/proxy/test_ui_chromium.py) must run
 export FLOWLIFT_REQUIRE_POSTGRES=1  # the Postgres run store's tests (tests/pg.py) must run
+export FLOWLIFT_REQUIRE_ROUTERS=1  # the tests in front of real routers (tests/routers.py) must run
 exec .venv/bin/python -m pytest "$@"

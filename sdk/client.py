@@ -8,7 +8,10 @@ Protocol (proxy: ``flowlift.proxy.workflows.api``):
    ``step.failed`` ``{step_id, error, kind, attempts?}`` (``kind``: see
    :func:`flowlift.errors.step_failure`), ``step.skipped`` ``{step_id, reason, value?}``
    (a condition not taken: :mod:`flowlift.sdk.conditions`), ``tool.wanted``
-   ``{step_id, name, args, kwargs}``,
+   ``{step_id, name, args, kwargs}``, ``tool.cancelled`` ``{step_id, reason}`` (a call
+   out in the app is no longer wanted: a lost ``first``/``quorum`` group, a cancelled
+   run, a deadline, the tool's ``timeout_s``; an async tool's task is cancelled, a sync
+   tool's thread cannot be stopped: its result is dropped, never posted),
    ``run.finished`` ``{run_id, status, failures, trace}``. (Other events, e.g. an agent
    step's ``agent.turn`` and ``tool.result``, are the proxy's own records.)
 2. For each ``tool.wanted`` (an agent step's tool call: with ``agent_step``, and a call id
@@ -34,16 +37,20 @@ import asyncio
 import contextlib
 import inspect
 import json
+import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 
+import flowlift.errors as errors_module
 from flowlift.credentials import HINT
 from flowlift.errors import (
     AuthenticationError,
@@ -75,6 +82,18 @@ class ToolCall:
     kwargs: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCancelled:
+    """The proxy no longer wants the result of the tool call ``step_id`` (``reason``)."""
+
+    step_id: str
+    reason: str
+
+    def outcome(self) -> dict[str, Any]:
+        """What the call's span records: an error typed ``cancelled``."""
+        return {"error": f"cancelled: {self.reason}"}
+
+
 _STEP_ENDS: dict[str, Callable[[Workflow, dict[str, Any]], None]] = {
     "step.finished": lambda wf, d: wf.record_output(d["step_id"], d["value"]),
     "step.skipped": lambda wf, d: wf.record_skip(d["step_id"], d.get("reason", ""),
@@ -87,7 +106,22 @@ _STEP_ENDS: dict[str, Callable[[Workflow, dict[str, Any]], None]] = {
 """How each event that ends a step is recorded on the workflow."""
 
 
-def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
+_OURS = tuple(str(Path(f).parent) + os.sep for f in (__file__, errors_module.__file__))
+"""Where flowlift's own frames live (the core and the SDK; the proxy's run elsewhere)."""
+
+
+def warn_at_user(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first caller outside flowlift: the user's
+    ``with workflow(...)`` line, not this module (issue 38, item 6). Frames are walked up
+    from here; on a thread flowlift started (an open run's driver) it ends at that
+    thread's start."""
+    frame, level = sys._getframe(0), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_OURS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | ToolCancelled | None:
     if sse.event in ("", "message", "ping") or not sse.data:
         return None
     data = json.loads(sse.data)
@@ -95,9 +129,11 @@ def _handle(wf: Workflow, sse: ServerSentEvent) -> ToolCall | None:
         wf.run_id = data["run_id"]
         wf.status = "running"
         for text in data.get("warnings", ()):  # the compiler's, once per run start
-            warnings.warn(f"workflow {wf.name!r}: {text}", PlanWarning, stacklevel=2)
+            warn_at_user(f"workflow {wf.name!r}: {text}", PlanWarning)
     elif sse.event in _STEP_ENDS:
         _STEP_ENDS[sse.event](wf, data)
+    elif sse.event == "tool.cancelled":
+        return ToolCancelled(data["step_id"], str(data.get("reason", "")))
     elif sse.event == "tool.wanted" and "agent_step" in data:
         return ToolCall(data["step_id"], [], wanted_call(wf, data))
     elif sse.event == "tool.wanted" and data["step_id"] not in wf.tools \
@@ -162,6 +198,9 @@ class _Session:
     """Set to stop following the run (an open run abandoned by its block)."""
     tried: int = 0
     """Replicas the graph moved on from because they refused the connection."""
+    cancelled: dict[str, ToolCancelled] = field(default_factory=dict)
+    """Tool calls the proxy no longer wants (``tool.cancelled``): not run if not
+    started, their results never posted."""
 
     def next_replica(self, exc: Exception | None) -> bool:
         """Move ``wf.base_url`` to the next of ``wf.base_urls`` after a lost connection or
@@ -197,7 +236,7 @@ class _Session:
             self.refused = None
             warning = headers.get(DEADLINE_WARNING_HEADER)
             if warning:  # only the answer to the graph itself carries it
-                warnings.warn(warning, DeadlineWarning, stacklevel=2)
+                warn_at_user(warning, DeadlineWarning)
             return True
         if not _retryable(status) or (self.wf.run_id is None and status not in (429, 503)):
             raise _error_from(status, body())
@@ -227,15 +266,19 @@ class _Session:
     def result_url(self, step_id: str) -> str:
         return f"/v1/workflows/{self.wf.run_id}/steps/{step_id}/result"
 
-    def handle(self, sse: ServerSentEvent) -> ToolCall | str | None:
-        """A new tool call to run, a step id whose kept result to re-post, or None."""
+    def handle(self, sse: ServerSentEvent) -> ToolCall | ToolCancelled | str | None:
+        """A new tool call to run, one to cancel, a step id whose kept result to
+        re-post, or None."""
         if sse.id:
             self.last_id = sse.id
         self.lost_at = None
         call = _handle(self.wf, sse)
         if self.on_event is not None:
             self.on_event()
-        if call is None:
+        if isinstance(call, ToolCancelled):
+            self.cancelled[call.step_id] = call
+            return call
+        if call is None or call.step_id in self.cancelled:
             return None
         if call.step_id in self.results:
             return call.step_id
@@ -312,16 +355,11 @@ def _run_sync(wf: Workflow, trace_headers: dict[str, str], ctx: Any,
             with contextlib.suppress(httpx.TransportError):  # kept; re-posted on reconnect
                 client.post(sess.result_url(step_id), json=sess.results[step_id])
 
-        def run_tool(call: ToolCall) -> None:
-            tool = wf.tools[call.step_id]
-            with tool_span(wf, call.step_id, tool.name, ctx) as outcome:
-                sess.results[call.step_id] = _tool_result(tool.fn, call)
-                outcome(sess.results[call.step_id])
-            post(call.step_id)
-
-        def dispatch(action: ToolCall | str | None) -> None:
+        def dispatch(action: ToolCall | ToolCancelled | str | None) -> None:
+            if isinstance(action, ToolCancelled):
+                return  # _sync_tool drops its result
             if isinstance(action, ToolCall):
-                pool.submit(run_tool, action)
+                pool.submit(_sync_tool, sess, action, ctx, post)
             elif action is not None:
                 pool.submit(post, action)
 
@@ -343,6 +381,21 @@ def _run_sync(wf: Workflow, trace_headers: dict[str, str], ctx: Any,
                 _moved(sess, client, None)
                 time.sleep(sess.lost(None))
     _require_finished(wf)
+
+
+def _sync_tool(sess: _Session, call: ToolCall, ctx: Any, post: Callable[[str], None]) -> None:
+    """One ``@tool`` call on a worker thread, its result posted unless the proxy
+    cancelled the call meanwhile (a thread cannot be stopped: its result is dropped)."""
+    if call.step_id in sess.cancelled:  # cancelled before its thread started
+        return
+    tool = sess.wf.tools[call.step_id]
+    with tool_span(sess.wf, call.step_id, tool.name, ctx) as outcome:
+        result = _tool_result(tool.fn, call)
+        cancelled = sess.cancelled.get(call.step_id)
+        outcome(result if cancelled is None else cancelled.outcome())
+    if cancelled is None:
+        sess.results[call.step_id] = result
+        post(call.step_id)
 
 
 def _moved(sess: _Session, client: httpx.Client | httpx.AsyncClient,
@@ -371,6 +424,7 @@ class _AsyncDriver:
         self.sess = sess or _Session(wf, trace_headers=trace_headers or {})
         self.client = client
         self.pending: set[asyncio.Task[None]] = set()
+        self.running: dict[str, asyncio.Task[None]] = {}  # tool calls out, by step id
 
     async def post(self, step_id: str) -> None:
         with contextlib.suppress(httpx.TransportError):  # kept; re-posted on reconnect
@@ -381,19 +435,35 @@ class _AsyncDriver:
         tool = self.sess.wf.tools[call.step_id]
         fn = tool.fn
         with tool_span(self.sess.wf, call.step_id, tool.name) as outcome:
-            if inspect.iscoroutinefunction(fn):
-                result = await _atool_result(fn, call)
-            else:
-                result = await asyncio.to_thread(_tool_result, fn, call)
+            try:
+                if inspect.iscoroutinefunction(fn):
+                    result = await _atool_result(fn, call)
+                else:
+                    result = await asyncio.to_thread(_tool_result, fn, call)
+            except asyncio.CancelledError:
+                cancelled = self.sess.cancelled.get(call.step_id)
+                if cancelled is None:  # the driver is stopping: not the proxy's cancel
+                    raise
+                outcome(cancelled.outcome())  # the proxy's tool.cancelled: dropped
+                return
+            finally:
+                self.running.pop(call.step_id, None)
             outcome(result)
         self.sess.results[call.step_id] = result
         await self.post(call.step_id)
 
-    def dispatch(self, action: ToolCall | str | None) -> None:
+    def dispatch(self, action: ToolCall | ToolCancelled | str | None) -> None:
         if action is None:
+            return
+        if isinstance(action, ToolCancelled):
+            running = self.running.get(action.step_id)
+            if running is not None:
+                running.cancel()  # an async tool stops at its next await
             return
         task = asyncio.create_task(self.run_tool(action) if isinstance(action, ToolCall)
                                    else self.post(action))
+        if isinstance(action, ToolCall):
+            self.running[action.step_id] = task
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
 

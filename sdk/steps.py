@@ -200,10 +200,15 @@ class Step(Generic[P]):
 class Tool(Generic[P, R]):
     """Client-run Python inside a workflow. Created by :func:`tool`."""
 
-    def __init__(self, fn: Callable[P, R], name: str | None, pure: bool = False) -> None:
+    def __init__(self, fn: Callable[P, R], name: str | None, pure: bool = False,
+                 timeout_s: float | None = None) -> None:
+        if timeout_s is not None and not timeout_s > 0:
+            raise UserError(f"tool {name or fn.__name__!r}: timeout_s must be a number of "
+                            f"seconds above 0, not {timeout_s!r}", param="timeout_s")
         self.fn = fn
         self.name = name or fn.__name__
         self.pure = pure
+        self.timeout_s = timeout_s
         self._takes = _parameters(fn)
         functools.update_wrapper(self, fn)
 
@@ -402,7 +407,7 @@ def _check_agent(max_turns: Any, tool_errors: Any, tool_choice: Any, has_tools: 
 
 
 def tool(fn: Callable[P, R] | None = None, /, *, name: str | None = None,
-         pure: bool = False) -> Any:
+         pure: bool = False, timeout_s: float | None = None) -> Any:
     """Mark a function as a client-run step (runs in the app, not on a model).
 
     Args:
@@ -413,10 +418,18 @@ def tool(fn: Callable[P, R] | None = None, /, *, name: str | None = None,
             result, so steps reading them can be merged too (Halo's consolidated graph).
             Leave it False for anything that writes, sends, reads a clock or a changing
             source.
+        timeout_s: seconds the app may take over one call of it in a workflow (default:
+            the run's ``deadline_s``; with neither, no bound). The deadline clock stops
+            while a tool is out, but never past this: a call still running then fails its
+            step (``ToolError`` "timed out", or ``DeadlineExceeded`` at the run's
+            deadline), the proxy tells the app to cancel it (an async tool's task is
+            cancelled; a sync tool's thread cannot be, its result is dropped) and a
+            result that arrives later is discarded and recorded in the trace
+            (``late_result_ms``).
     """
 
     def wrap(f: Callable[P, R]) -> Tool[P, R]:
-        return Tool(f, name, pure)
+        return Tool(f, name, pure, timeout_s)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from flowlift.errors import SemanticVariableError
 from flowlift.graph import Ref
+from flowlift.sdk import recording
 from flowlift.sdk.markers import marker
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class SemanticVariable:
         """
         wf = self._workflow
         if not wf.has_output(self.step_id):
+            recording.stop(self.step_id, "`.value`")  # `flowlift compile workflow.py`
             if wf.detach and wf.run_id is not None:  # the block ended; the run goes on
                 raise SemanticVariableError(
                     f"the output of step {self.step_id!r} is not known here: this "

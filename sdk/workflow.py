@@ -50,6 +50,7 @@ from flowlift.errors import (
     step_failure,
 )
 from flowlift.graph import Arg, Graph, InputNode, Items, Node, Ref, ToolNode, project
+from flowlift.sdk import recording
 from flowlift.sdk.markers import check_literal
 from flowlift.sdk.variables import SemanticVariable
 from flowlift.tracing.summary import format_stage_table, stage_summary
@@ -142,7 +143,10 @@ class Workflow:
         self.metadata = dict(metadata or {})
         self.transport = transport
         self.tool_workers = tool_workers
-        self.submit = submit
+        recorder = recording.active()  # `flowlift compile workflow.py`: record only
+        self.submit = submit and recorder is None
+        if recorder is not None:
+            recorder.workflows.append(self)
         self.reconnect_s = reconnect_s
         self.progress = progress
         self.detach = detach
@@ -186,7 +190,7 @@ class Workflow:
                  conditional: Mapping[str, Any] | None = None) -> SemanticVariable:
         """Record a ``@tool`` call (``conditional``: its ``when``/``default`` fields)."""
         node = ToolNode(id=self.new_id(tool.name), name=tool.name, args=args, kwargs=kwargs,
-                        pure=tool.pure, **(conditional or {}))
+                        pure=tool.pure, timeout_s=tool.timeout_s, **(conditional or {}))
         self.tools[node.id] = tool
         return self.add_node(node, fields=None)
 
@@ -330,6 +334,7 @@ class Workflow:
                 f"is {self.status}. Read values inside its block (`await var` or "
                 "`var.get()`), or with `.value` after it ran")
         if not self.submit:
+            recording.stop(var.step_id, "a read inside the block")
             raise UserError(f"workflow {self.name!r} only records (submit=False): nothing "
                             "runs, so no value can be read", param="submit")
         return False

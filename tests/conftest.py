@@ -15,7 +15,7 @@ from flowlift.proxy.state import STATE
 from flowlift.testing import FakeEngine
 
 # The model cache defaults to the user's ~/.cache/flowlift; the suite keeps the checkout's
-# own (.cache/flowlift, where scripts/test.sh and demo.sh put it), so it never converts
+# own (.cache/flowlift, where scripts/test.sh puts it), so it never converts
 # the model again wherever pytest is started from.
 os.environ.setdefault("FLOWLIFT_CACHE_DIR",
                       str(Path(__file__).resolve().parent.parent / ".cache" / "flowlift"))
@@ -61,3 +61,23 @@ def engine_configs(monkeypatch, tmp_path: Path) -> list[Any]:
         lambda cls, name=None, **kw: seen.append(cls(model=str(tmp_path), served_model_name="m",
                                                      **kw)) or seen[-1]))
     return seen
+
+
+def _has_gpu() -> bool:
+    """An NVIDIA GPU is listed by ``nvidia-smi -L``."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return False
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Tests marked ``gpu`` need a real CUDA GPU: skipped on machines without one."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items and not _has_gpu():
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (nvidia-smi lists none)")
+        for item in gpu_items:
+            item.add_marker(skip)

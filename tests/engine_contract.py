@@ -1,7 +1,8 @@
 """The engine contract: one suite of checks every :class:`Engine` must pass.
 
 Each check is ``async def check_x(target)`` over a :class:`Target` (an engine, one of its
-models, and what it takes to saturate it). ``tests/test_engine_contract_fake.py`` runs the
+models, and what it takes to saturate it).
+``tests/local_engine/test_engine_contract_fake.py`` runs the
 suite on :class:`flowlift.testing.FakeEngine`, ``tests/integration/
 test_engine_contract_real.py`` on the embedded vLLM engine (one engine per session).
 Checks assert shapes and behaviour, never exact text.

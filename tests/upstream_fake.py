@@ -50,6 +50,35 @@ def sse_bytes(*docs: Any, done: bool = True) -> list[bytes]:
     return out + ([b"data: [DONE]\n\n"] if done else [])
 
 
+def chat_answer(content: str, cookie: tuple[str, str] | None = None) -> Script:
+    """A chat completion of ``content``, streamed when the request asks (workflow steps
+    stream), ``{}`` on any other path (a router's health checks); ``cookie``: a
+    ``Set-Cookie`` (name, value) on every answer, as llm-d's gateway pins a session."""
+    async def answer(request: web.Request) -> web.StreamResponse:
+        if not request.path.endswith("/chat/completions"):
+            return web.json_response({})
+        body = json.loads(await request.read())
+        resp: web.StreamResponse
+        if body.get("stream") is not True:
+            resp = web.json_response(chat_json(content))
+        else:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if cookie is not None:
+            resp.set_cookie(*cookie, path="/", httponly=True)
+        if body.get("stream") is not True:
+            return resp
+        await resp.prepare(request)
+        for piece in sse_bytes(chunk({"role": "assistant", "content": content}),
+                               chunk(finish="stop"),
+                               {**chunk(), "choices": [], "usage": {
+                                   "prompt_tokens": 3, "completion_tokens": 1,
+                                   "total_tokens": 4}}):
+            await resp.write(piece)
+        await resp.write_eof()
+        return resp
+    return answer
+
+
 @dataclass
 class FakeUpstream:
     """Answers with ``scripts`` in order (the last one repeats)."""

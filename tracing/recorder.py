@@ -45,6 +45,8 @@ class AttemptTrace:
     name when the step named none). ``finish_reason``:
     the engine's (``stop``, ``length``, ``abort``...), when the generation ended.
     ``turn``: an agent step's model turn (1 first, counted over the whole step).
+    ``output``: a ``contract_failed`` attempt's rejected output, bounded by
+    :func:`bounded_output` (what the user needs to see why it failed; None otherwise).
     """
 
     attempt: int
@@ -60,6 +62,19 @@ class AttemptTrace:
     confidence: float | None = None
     finish_reason: str | None = None
     turn: int | None = None
+    output: str | None = None
+
+
+REJECTED_OUTPUT_CHARS = 2000
+"""Characters of a rejected output kept in the trace (the start: where JSON went wrong
+is usually visible there, and a runaway output must not bloat the run's log)."""
+
+
+def bounded_output(text: str, limit: int = REJECTED_OUTPUT_CHARS) -> str:
+    """``text`` itself, or its first ``limit`` characters and how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters]"
 
 
 @dataclass(slots=True)
@@ -70,8 +85,12 @@ class ToolCallTrace:
     model turn that asked; ``wanted_ms``/``finished_ms``: sent to the app / its result
     arrived (equal for a call never sent). ``outcome``: ``running``, ``ok``, ``error``
     (the tool raised), ``invalid`` (unknown tool or arguments that do not fit its
-    schema: the error went back to the model) or ``replayed`` (its result was in the
-    run's log: a resumed run does not ask again); ``error`` holds the reason.
+    schema: the error went back to the model), ``replayed`` (its result was in the
+    run's log: a resumed run does not ask again), ``early_unused`` (a proxy call
+    started while its turn streamed, and the turn failed or was cut off; id
+    ``<step id>:early_<n>``: its result is kept for the retry's same call, which does not
+    run the tool again) or ``cancelled`` (still out when its step was stopped: a lost
+    group, a cancelled run, a deadline); ``error`` holds the reason.
     ``server``: the ``[tools.*]`` server that ran it on the proxy (its time is the
     ``tool_run`` stage, not the app's ``tool_wait``); None: the app ran it.
     """
@@ -116,6 +135,9 @@ class StepTrace:
     max_turns_reached: bool = False  # an agent step answered on its last turn, tools off
     attempts: list[AttemptTrace] = field(default_factory=list)
     tool_calls: list[ToolCallTrace] = field(default_factory=list)
+    late_result_ms: float | None = None
+    """A ``@tool`` step's result the app posted after the step had timed out (ms since
+    the run started): discarded, kept here so the trace shows it came."""
 
     def to_record(self) -> dict[str, Any]:
         """This step's fields as JSON-ready data (what :meth:`restore` reads back)."""

@@ -14,7 +14,7 @@ Run it against a proxy (``flowlift run`` starts one, on the embedded model)::
     flowlift run examples/frameworks/openai_agents.py
 
 or with no model at all, on an in-process proxy whose FakeEngine plays the model from a
-script (deterministic; what tests/test_openai_agents.py runs)::
+script (deterministic; what tests/sdk/test_openai_agents.py runs)::
 
     python examples/frameworks/openai_agents.py --scripted
 """

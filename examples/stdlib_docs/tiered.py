@@ -4,7 +4,7 @@ one command (no model, no key: a fake OpenAI provider with a Batch API stands in
     python examples/stdlib_docs/tiered.py [--limit N] [--deadline-hours 6]
                                           [--time-scale 600] [--port 8470]
 
-1. starts the fake provider (``python -m flowlift.testing_openai``: chat completions for
+1. starts the fake provider (``python -m flowlift.testing.openai``: chat completions for
    the standard and flex tiers, the Batch API with turnaround drawn from OpenRouter's
    published figures, median 7 minutes, 90% within an hour, time-compressed
    ``--time-scale`` times);
@@ -53,13 +53,13 @@ from flowlift.testing import free_port, running_proxy  # noqa: E402
 
 @contextlib.contextmanager
 def fake_provider(port: int, time_scale: float, log: Path) -> Iterator[str]:
-    """Run ``python -m flowlift.testing_openai`` until the block ends; yields its
+    """Run ``python -m flowlift.testing.openai`` until the block ends; yields its
     ``/v1`` URL once it answers.
 
     Raises:
         RuntimeError: it exited or did not answer within 60 s (with its log).
     """
-    cmd = [sys.executable, "-m", "flowlift.testing_openai", "--port", str(port),
+    cmd = [sys.executable, "-m", "flowlift.testing.openai", "--port", str(port),
            "--time-scale", str(time_scale)]
     with log.open("ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -29,6 +29,7 @@ from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamS
 from flowlift.proxy.dispatch.batch.api import BatchClient
 from flowlift.proxy.dispatch.batch.pool import BatchPool, JournalRouter
 from flowlift.proxy.dispatch.batch.tier_profiles import default_book
+from flowlift.proxy.dispatch.routing.fleet_hints import ProgramSteps
 from flowlift.proxy.dispatch.routing.hints import SessionBook
 from flowlift.proxy.dispatch.routing.latency import Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.routing.routing import Route, has_untried, pick
@@ -36,6 +37,7 @@ from flowlift.proxy.dispatch.settings import DispatchSettings
 from flowlift.proxy.dispatch.slots.batch_cap import BatchPlan, DynamicCap, LingerModel
 from flowlift.proxy.dispatch.slots.policy import SlotPolicy
 from flowlift.proxy.dispatch.slots.prefill_ahead import PrefillAhead
+from flowlift.proxy.dispatch.slots.programs import ProgramConfig
 from flowlift.proxy.dispatch.slots.scheduler import PrioritySlots
 from flowlift.proxy.dispatch.upstream.engine import UpstreamEngine
 from flowlift.proxy.dispatch.upstream.provider import Upstream
@@ -97,7 +99,8 @@ class Backends:
             fcfs=settings.fcfs, batch_prefill_budget=settings.batch_prefill_budget,
             batch_cap_when_interactive=(None if settings.batch_cap_when_interactive == "auto"
                                         else settings.batch_cap_when_interactive),
-            preempt=settings.preempt, programs=settings.programs))
+            preempt=settings.preempt, programs=settings.programs,
+            working_set=settings.working_set))
         self._max_concurrency = settings.max_concurrency
         self._prefill_budget = settings.batch_prefill_budget
         self._per_engine: dict[int, Backend] = {}
@@ -113,6 +116,9 @@ class Backends:
         self.max_queue = settings.max_queue  # merged by config.settings (flag > file)
         self.upstreams: dict[str, Upstream] = {}
         self.sessions = SessionBook()  # SGLang sessions opened for runs (dispatch.hints)
+        self.steps = ProgramSteps()  # each program's requests, counted (vllm-router hints)
+        # how long a program whose tool is out keeps its KV (the routers' retention hint)
+        self.keep_ttl_s = (settings.programs or ProgramConfig()).keep_ttl_s
         self.batch_pools: dict[str, BatchPool] = {}  # openai-batch backend -> its pool
         self.batch_journal = JournalRouter()  # their lines' records, routed to the runs
         self.turnarounds = default_book()  # per tier, learned from finished batches
@@ -144,6 +150,8 @@ class Backends:
         if backend is None:
             backend = Backend(f"engine-{len(self._per_engine)}", engine,
                               self._new_slots(capacity, kv_usage=engine.kv_cache_usage,
+                                              kv_capacity=engine.kv_capacity_tokens,
+                                              kv_block=engine.kv_block_tokens,
                                               **self._dynamic(engine, capacity)),
                               capacity)
             self._per_engine[id(engine)] = backend
@@ -325,7 +333,8 @@ class Backends:
         if route.predicts:
             predict = self.predict(route, demand or Demand(affinity=affinity), now)
         name = pick(route, available=lambda n: self.available(n, now), load=self.load,
-                    affinity=affinity, tried=tried, predict=predict, turn=self._turn)
+                    affinity=affinity, tried=tried, predict=predict, turn=self._turn,
+                    noise=self.latency.spread)
         if name is not None:
             return name
         cooling = [self.upstreams[n].health.wait_s(now) for n in route.backends

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from flowlift.proxy.dispatch.slots.prefill_ahead import AheadConfig
 from flowlift.proxy.dispatch.slots.programs import ProgramConfig
+from flowlift.proxy.dispatch.slots.working_set import WorkingSetConfig
 
 if TYPE_CHECKING:
     from flowlift.proxy.config import ProxyConfig
@@ -44,6 +45,8 @@ class DispatchSettings:
         programs: program-level scheduling on every pool (:mod:`.slots.programs`; None:
             on, with the defaults of :class:`~.slots.programs.ProgramConfig`; off with
             ``fcfs``).
+        working_set: working-set admission on every embedded engine
+            (:mod:`.slots.working_set`; None: off; off with ``fcfs``).
     """
 
     max_concurrency: int = 16
@@ -57,6 +60,7 @@ class DispatchSettings:
     batch_cap: int | Literal["auto"] | None = None
     prefill_ahead: AheadConfig = field(default_factory=AheadConfig)
     programs: ProgramConfig | None = None
+    working_set: WorkingSetConfig | None = None
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> DispatchSettings:
@@ -71,4 +75,5 @@ class DispatchSettings:
                    prefill_ahead=AheadConfig(enabled=config.prefill_ahead,
                                              max_kv_usage=config.prefill_ahead_max_kv_usage),
                    programs=ProgramConfig(enabled=config.program_scheduling,
-                                          max_wait_s=config.program_max_wait_s))
+                                          max_wait_s=config.program_max_wait_s),
+                   working_set=WorkingSetConfig(enabled=config.working_set))

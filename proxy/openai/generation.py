@@ -95,10 +95,13 @@ class SamplingFields(BaseModel):
 @dataclass(slots=True)
 class Timing:
     """Wall-clock split of one request (``time.monotonic`` seconds): ``queued`` when it
-    arrived, ``started`` when its first generation got an engine slot."""
+    arrived, ``started`` when its first generation got an engine slot; ``traced``: the
+    API request's trace, handed down from where the request was dispatched (its slot,
+    chunks and waits are noted there: :func:`generate_streams`), None when untraced."""
 
     queued: float = field(default_factory=time.monotonic)
     started: float | None = None
+    traced: request_tracing.RequestTrace | None = None
 
     def server_timing(self) -> str:
         """The ``Server-Timing`` header value: ``queue`` and ``engine`` durations in ms."""
@@ -146,7 +149,8 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
 
     Use it inside ``contextlib.aclosing``: closing it early cancels the generations left
     (their engine requests are aborted). A slow consumer slows every generation (the
-    buffer holds a few chunks per request).
+    buffer holds a few chunks per request). ``timing.traced``, when set, notes each
+    slot taken, each chunk and each wait on the engine.
 
     Raises:
         FlowliftError: the first failure of any generation (the others are cancelled).
@@ -154,7 +158,7 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
     priority = priority or Priority.of("interactive")
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=4 * len(requests))
 
-    traced = request_tracing.current()
+    traced = timing.traced if timing is not None else None
 
     async def pump(index: int, request: GenerationRequest) -> None:
         try:
@@ -166,8 +170,7 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
                 stream = tool_generate(backend.engine, request)
                 try:
                     async for chunk in stream:
-                        if traced is not None:
-                            traced.chunk(index, chunk)
+                        _seen(backend, priority, traced, index, chunk)
                         await queue.put((index, chunk))
                 finally:
                     await stream.aclose()
@@ -195,6 +198,18 @@ async def generate_streams(backend: Backend, requests: Sequence[GenerationReques
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _seen(backend: Backend, priority: Priority, traced: Any, index: int,
+          chunk: GenerationChunk) -> None:
+    """A chunk came: into the request's trace, and a last chunk's usage into its
+    session's KV footprint (working-set admission:
+    :mod:`flowlift.proxy.dispatch.slots.working_set`)."""
+    if traced is not None:
+        traced.chunk(index, chunk)
+    if chunk.usage is not None:
+        backend.slots.observed(priority, chunk.usage.prompt_tokens
+                               + chunk.usage.completion_tokens)
 
 
 async def collect(backend: Backend, requests: Sequence[GenerationRequest],

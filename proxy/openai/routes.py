@@ -83,6 +83,7 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
                  if joined else None)
     if joined:
         structlog.contextvars.bind_contextvars(workflow_id=joined[0], step_id=joined[1])
+    # the request's trace, fetched here once: every site below is handed it
     traced = request_tracing.current()
     if traced is not None:
         traced.request(route.model, joined, data.get("stream") is True, data)
@@ -90,6 +91,8 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
     async def local(target: Local) -> web.StreamResponse:
         assert handler is not None
         kwargs: dict[str, Any] = {} if on_output is None else {"on_output": on_output}
+        if observe and traced is not None:  # (the generating handlers: chat, completions)
+            kwargs["traced"] = traced
         return await handler(request, data, target.model, target.backend, **kwargs)
 
     target = choose_local(state.backends, route, affinity) if handler is not None else None
@@ -98,7 +101,7 @@ async def _dispatch(request: web.Request, path: str, handler: EmbeddedHandler | 
     return await forward(request, backends=state.backends, route=route, path=path,
                          raw=raw, data=data, affinity=affinity,
                          embedded=local if handler is not None else None,
-                         on_output=on_output)
+                         on_output=on_output, traced=traced)
 
 
 # the drop-in routes are _dispatch itself, its arguments bound (a coroutine function
@@ -121,7 +124,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     data = json_object(await read_body(request))
     route = state.backends.route(data["model"])
     if responses_serving.served_here(state.backends, route):
-        return await responses_serving.create(request, data, route)
+        return await responses_serving.create(request, data, route,
+                                              request_tracing.current())
     return await _dispatch(request, "/responses", None, observe=False)
 
 

@@ -241,6 +241,22 @@ class RequestTrace:
         except Exception as exc:  # tracing must never break a request
             _failed("upstream", exc)
 
+    def answered(self, usage: dict[str, Any] | None, finish: str | None) -> None:
+        """The proxy built the whole answer itself from one or more generations (a
+        Responses turn: :mod:`flowlift.proxy.openai.responses`): ``usage`` (chat
+        ``CompletionUsage``, summed over the generations) and the last ``finish``
+        reason are the request's, whichever backend ran them."""
+        with _safe("answered"):
+            self.done = True
+            if finish:
+                self.finish[0] = finish
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                self.upstream_counts = Usage(int(usage.get("prompt_tokens") or 0),
+                                             int(usage.get("completion_tokens") or 0),
+                                             int(cached or 0))
+                self.upstream_usage = dict(usage)
+
     def sse(self, events: bytes, done: bool | None = None, plain: bool = False) -> None:
         """Whole events of a forwarded upstream stream. Only those that may hold usage or
         a finish reason (a byte search), and the first naming the model, are kept, and
@@ -320,10 +336,14 @@ class RequestTrace:
         upstream's or the engine's own counts; else (an upstream cut before it reported,
         or one that reports none) an estimate flagged ``partial``: the prompt's
         characters / :data:`CHARS_PER_TOKEN`, one token per stream event, or the whole
-        answer's characters / :data:`CHARS_PER_TOKEN`."""
+        answer's characters / :data:`CHARS_PER_TOKEN`. A Responses API answer the
+        upstream ended ``failed`` without a usage has none (all None, not partial): the
+        provider counted nothing, and an estimate would bill what it does not."""
         u = self.upstream_counts
         if u is not None:
             return u.prompt_tokens, u.completion_tokens, u.cached_tokens, False
+        if self.upstream_status == "failed":  # the provider ended it failed, counting
+            return None, None, None, False    # nothing: no usage is invented for it
         if self.routed_at is not None:  # an upstream answered, without a usage
             completion = (self.events if self.stream
                           else -(-self.upstream_text // CHARS_PER_TOKEN))

@@ -19,11 +19,13 @@ class ToolOutcome:
 
 @dataclass(frozen=True, slots=True)
 class ServerTool:
-    """One tool a server offers: what the model sees of it."""
+    """One tool a server offers: what the model sees of it, and its MCP ``annotations``
+    (``readOnlyHint``, ``idempotentHint``...; None: it declares none)."""
 
     name: str
     description: str
     parameters: dict[str, Any]
+    annotations: dict[str, Any] | None = None
 
 
 class ToolServer(Protocol):

@@ -12,12 +12,17 @@ Nodes appended to an open run go through the same (:meth:`ToolServers.resolve_ap
 ``timeout_s`` and its result is bounded by ``max_result_bytes``; whatever goes wrong
 (unknown server after a config change, a dead or hung server, a tool that raised, a
 result too large) is an outcome with ``error``, never an exception: the run goes on.
+
+:meth:`ToolServers.check` (at start, then again while one fails): each server is asked
+for its tools; :meth:`ToolServers.problems` names those that cannot start or answer and
+why, which ``/readyz`` reports (503) and a graph naming such a server is refused with,
+once per server (issue 38, item 7).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -27,7 +32,7 @@ from flowlift.graph import Graph, LLMNode, ToolSpec
 from flowlift.proxy.config import ToolServerSpec
 from flowlift.proxy.tenants import Tenant
 from flowlift.proxy.tools.callables import CallableServer
-from flowlift.proxy.tools.mcp_server import McpServer, ServerUnreachable
+from flowlift.proxy.tools.mcp_server import McpServer, ServerUnreachable, reason_of
 from flowlift.proxy.tools.outcome import ServerTool, ToolOutcome, ToolServer, bounded
 
 
@@ -56,6 +61,38 @@ class ToolServers:
         self.specs = dict(specs)
         self.servers = dict(servers) if servers is not None else {
             name: make_server(name, spec) for name, spec in self.specs.items()}
+        self._notes: dict[tuple[str, str], dict[str, Any]] = {}  # MCP tool annotations
+
+        self.failing: dict[str, str] = {}
+        """Server name -> why it could not start or answer the last time it was asked."""
+
+    async def check(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """Ask each server (``names``; default: all) for its tools, concurrently, and
+        keep what fails (:attr:`failing`).
+
+        Returns:
+            Server name -> why it cannot be used, for those that failed now.
+        """
+        names = list(self.servers) if names is None else list(names)
+        found = await asyncio.gather(*(self.servers[n].tools() for n in names),
+                                     return_exceptions=True)
+        for name, result in zip(names, found, strict=True):
+            self._note(name, result if isinstance(result, BaseException) else None)
+        return {n: self.failing[n] for n in names if n in self.failing}
+
+    def _note(self, name: str, exc: BaseException | None) -> None:
+        if exc is None:
+            self.failing.pop(name, None)
+        else:
+            self.failing[name] = str(exc) if isinstance(exc, ServerUnreachable) else \
+                reason_of(exc)
+
+    def problems(self) -> str | None:
+        """Why some servers cannot be used (naming each), or None."""
+        if not self.failing:
+            return None
+        return "; ".join(f"tool server {name!r} cannot be used: {why}"
+                         for name, why in sorted(self.failing.items()))
 
     def __bool__(self) -> bool:
         return bool(self.servers)
@@ -70,9 +107,10 @@ class ToolServers:
         """
         problems: list[str] = []
         nodes = []
+        down: dict[str, str] = {}  # servers found unreachable now: asked once per graph
         for node in graph.nodes:
             if isinstance(node, LLMNode) and any(t.server for t in node.tools or ()):
-                tools = [await self._describe(node.id, i, t, tenant, problems)
+                tools = [await self._describe(node.id, i, t, tenant, problems, down)
                          for i, t in enumerate(node.tools or ())]
                 node = node.model_copy(update={"tools": tuple(tools)})
             nodes.append(node)
@@ -104,7 +142,7 @@ class ToolServers:
                                   for n in resolved.nodes]}
 
     async def _describe(self, step: str, index: int, tool: ToolSpec, tenant: Tenant | None,
-                        problems: list[str]) -> ToolSpec:
+                        problems: list[str], down: dict[str, str]) -> ToolSpec:
         server = tool.server
         if server is None:
             return tool
@@ -118,11 +156,16 @@ class ToolServers:
             problems.append(f"{where}: tenant {tenant.name!r} may not use tool server "
                             f"{server!r} (add it to [tenants.{tenant.name}] tools)")
             return tool
+        if server in down:  # (named once: every tool of it fails the same way)
+            return tool
         try:
             found = await self._lookup(server, tool.name)
         except ServerUnreachable as exc:
+            self._note(server, exc)
+            down[server] = str(exc)
             problems.append(f"{where}: tool server {server!r} cannot be reached: {exc}")
             return tool
+        self._note(server, None)
         if isinstance(found, str):
             problems.append(f"{where}: {found}")
             return tool
@@ -140,7 +183,22 @@ class ToolServers:
         if name not in offered:
             return (f"tool {name!r} of server {server!r} is not in its allow list "
                     f"([tools.{server}] allow = {allow})")
+        self._notes[server, name] = listing[name].annotations or {}
         return listing[name]
+
+    def starts_early(self, server: str, name: str) -> bool:
+        """Whether a call of ``server``'s tool ``name`` may start while the model's turn
+        still streams (before the turn is known to end well): per the server's
+        ``early`` setting; by default only for a tool its server annotates
+        ``readOnlyHint`` or ``idempotentHint`` (MCP tool annotations, read when a graph
+        named it), since a turn that then fails or is cut off may never have meant it."""
+        spec = self.specs.get(server)
+        if spec is None or spec.early == "never":
+            return False
+        if spec.early == "always":
+            return True
+        notes = self._notes.get((server, name)) or {}
+        return bool(notes.get("readOnlyHint") or notes.get("idempotentHint"))
 
     async def call(self, server: str, name: str, args: dict[str, Any]) -> ToolOutcome:
         """Run ``server``'s tool ``name`` with ``args`` (already checked against its

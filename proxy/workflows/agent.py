@@ -99,6 +99,11 @@ class ProxyTools(Protocol):
 
     def call(self, server: str, name: str, args: dict[str, Any]) -> Awaitable[ToolOutcome]: ...
 
+    def starts_early(self, server: str, name: str) -> bool:
+        """Whether a call may start while its turn still streams
+        (:meth:`flowlift.proxy.tools.ToolServers.starts_early`)."""
+        ...
+
 
 def check_call(call: ToolCall, tools: Sequence[ToolSpec]) -> dict[str, Any] | str:
     """The arguments of a call the step allows, or the error text for the model.
@@ -175,6 +180,8 @@ class AgentLoop:
         self._proxy = proxy_tools
         # early starts of this turn: call key -> (task, started at ms), in stream order
         self._early: dict[tuple[str, str], list[tuple[asyncio.Task[ToolOutcome], float]]] = {}
+        self._kept: dict[tuple[str, str], list[tuple[asyncio.Task[ToolOutcome], float]]] = {}
+        self._unused = 0
         self._turns, self._results = logged(history, node.id)
         self.turns = 0  # over the whole step (retries and cascade included)
         self.calls = 0
@@ -197,11 +204,16 @@ class AgentLoop:
             k += 1
             self.turns += 1
             final = k == self.node.max_turns and self.node.answers_at_max_turns
-            out = await self._one(model, [*convo, ChatMessage("user", ANSWER_NOW)]
-                                  if final else convo, logprobs=logprobs,
-                                  max_tokens=max_tokens, tools=not final, first=k == 1)
+            asked = [*convo, ChatMessage("user", ANSWER_NOW)] if final else convo
+            priority = self._continuation() if k > 1 else None
+            out = await self._one(model, asked, logprobs=logprobs, max_tokens=max_tokens,
+                                  tools=not final, priority=priority)
+            if out.tool_calls and out.trace.finish_reason == "length":
+                out = await self._uncut(model, asked, out, logprobs=logprobs,
+                                        priority=priority, max_tokens=max_tokens)
             if not out.tool_calls:
-                self._drop_early()
+                self._keep_early("it was cut off" if out.trace.finish_reason == "length"
+                                 else "it answered without them")
                 self._check_not_cut(out)
                 why = (fragment(out.text) or self._written_call(out.text)
                        or self._empty(out, k > 1))
@@ -221,6 +233,7 @@ class AgentLoop:
                     raise StepFailed(self.node.id, f"agent step {self.node.id!r}: turn "
                                      f"{self.turns}'s answer is no answer ({why}), twice")
                 self.trace.step(self.node.id).max_turns_reached = final
+                self._forget_kept()
                 return out
             out.trace.outcome = "tool_calls"
             calls = out.tool_calls
@@ -262,15 +275,15 @@ class AgentLoop:
         return f"the answer is a call of {found.calls[0].name} written as JSON"
 
     async def _one(self, model: str | None, convo: Sequence[ChatMessage], *, logprobs: bool,
-                   max_tokens: int | None, tools: bool, first: bool) -> Generated:
+                   max_tokens: int | None, tools: bool, priority: Priority | None
+                   ) -> Generated:
         """One turn: replayed from the log, or generated (``tools``: offered)."""
-        priority = None if first else self._continuation()
         try:
             out = self._replay(model) or await self._turn(
                 model, convo, logprobs=logprobs, priority=priority,
                 max_tokens=max_tokens, on_call=self._start_early, tools=tools)
         except BaseException:
-            self._drop_early()
+            self._keep_early("its generation failed")
             raise
         out.trace.turn = self.turns
         return out
@@ -287,6 +300,40 @@ class AgentLoop:
                              "tool call was cut off at max_tokens="
                              f"{self.node.params.max_tokens} before its JSON ended; raise "
                              "the step's max_tokens")
+
+    async def _uncut(self, model: str | None, convo: Sequence[ChatMessage], out: Generated, *,
+                     logprobs: bool, priority: Priority | None, max_tokens: int | None
+                     ) -> Generated:
+        """A turn cut off at ``max_tokens`` after some whole calls (the rest of its calls
+        lost): never run the whole ones as if they were all -- the turn runs again
+        with twice the budget (up to the step's ceiling, as
+        :func:`~flowlift.proxy.workflows.cascade.cut_off` raises a cut output's), its
+        early starts kept for the same calls of the new turn.
+
+        Raises:
+            StepFailed: no room left under the ceiling, or the new turn cut off too,
+                naming the step, the turn, the budget and the calls it held.
+        """
+        budget = max_tokens or self.node.params.max_tokens
+        ceiling = self.node.params.ceiling()
+        room = min(ceiling, 2 * budget) if budget and ceiling else None
+        held = ", ".join(c.name for c in out.tool_calls or ())
+        why = (f"agent step {self.node.id!r}: turn {self.turns} was cut off at "
+               f"max_tokens={budget} inside its tool calls (after the whole call(s) "
+               f"{held}): its calls were not run as the turn's, the rest being lost")
+        out.trace.outcome, out.trace.error = "cut_off", why
+        self._keep_early("it was cut off inside its calls")
+        if room is None or room <= budget:  # type: ignore[operator]
+            raise StepFailed(self.node.id, f"{why}: raise the step's max_tokens "
+                             f"(ceiling {ceiling})")
+        again = await self._turn(model, convo, logprobs=logprobs, priority=priority,
+                                 max_tokens=room, on_call=self._start_early)
+        again.trace.turn = self.turns
+        if again.tool_calls and again.trace.finish_reason == "length":
+            self._keep_early("it was cut off inside its calls")
+            raise StepFailed(self.node.id, f"{why}; retried with max_tokens={room}, cut "
+                             "off again: raise the step's max_tokens")
+        return again
 
     def _replay(self, model: str | None) -> Generated | None:
         """A turn the run's log already holds (a resumed run), as a generation."""
@@ -331,9 +378,13 @@ class AgentLoop:
         return spec if spec is not None and spec.server is not None else None
 
     def _start_early(self, call: ToolCall) -> None:
-        """A call complete in the turn's stream: start it now if it is a valid proxy call."""
+        """A call complete in the turn's stream: start it now if it is a valid proxy call
+        of a tool that may start early (:meth:`ProxyTools.starts_early`) and no
+        earlier start of the same call is kept (a turn that failed or was cut off)."""
         spec, key = self._proxy_spec(call.name), call_key(call.name, call.arguments)
-        if spec is None or key is None or self._proxy is None:
+        if spec is None or key is None or self._proxy is None or self._kept.get(key):
+            return
+        if not self._proxy.starts_early(spec.server or "", spec.name):
             return
         args = check_call(call, self.tools)
         if isinstance(args, str):
@@ -343,8 +394,38 @@ class AgentLoop:
 
     def _take_early(self, call: ToolCall) -> tuple[asyncio.Task[ToolOutcome], float] | None:
         key = call_key(call.name, call.arguments)
-        started = self._early.get(key) if key is not None else None
+        if key is None:
+            return None
+        started = self._early.get(key) or self._kept.get(key)
         return started.pop(0) if started else None
+
+    def _keep_early(self, why: str) -> None:
+        """The turn ended without running its early starts (``why``): each one is
+        traced (outcome ``early_unused``) and kept, running, so that the same call of
+        a later turn (the retry of a cut or failed turn) takes its result instead of
+        running the tool a second time."""
+        for key, tasks in self._early.items():
+            for task, started_ms in tasks:
+                self._unused += 1  # (ids apart from call_<n>: those are the log's)
+                self.trace.step(self.node.id).tool_calls.append(ToolCallTrace(
+                    f"{self.node.id}:early_{self._unused}", key[0], self.turns, started_ms,
+                    self.trace.now_ms(), "early_unused",
+                    f"started while turn {self.turns} streamed; the turn ended without "
+                    f"it ({why}); kept for a retry's same call", server=self._proxy_server(
+                        key[0])))
+                self._kept.setdefault(key, []).append((task, started_ms))
+        self._early = {}
+
+    def _forget_kept(self) -> None:
+        """The step answered: stop the kept early starts still running."""
+        for tasks in self._kept.values():
+            for task, _ in tasks:
+                task.cancel()
+        self._kept = {}
+
+    def _proxy_server(self, name: str) -> str | None:
+        spec = self._proxy_spec(name)
+        return spec.server if spec is not None else None
 
     def _drop_early(self) -> None:
         """Cancel early starts no final call of the turn took."""
@@ -373,14 +454,18 @@ class AgentLoop:
             ct.finished_ms, ct.outcome = ct.wanted_ms, "replayed"
             error = logged_result.get("error")
             return self._text(call, ct, logged_result.get("value"), error)
-        if spec is not None:
-            outcome = await self._run_proxy(spec, args, None if early is None else early[0])
-            value, error = outcome.value, outcome.error
-        else:
-            try:
-                value, error = await self._ask(call_id, call.name, args), None
-            except ToolRaised as exc:
-                value, error = None, exc.error
+        try:
+            if spec is not None:
+                outcome = await self._run_proxy(spec, args, None if early is None else early[0])
+                value, error = outcome.value, outcome.error
+            else:
+                try:
+                    value, error = await self._ask(call_id, call.name, args), None
+                except ToolRaised as exc:
+                    value, error = None, exc.error
+        except asyncio.CancelledError:  # a lost group, a cancelled run, a deadline
+            ct.finished_ms, ct.outcome = self.trace.now_ms(), "cancelled"
+            raise
         ct.finished_ms = self.trace.now_ms()
         self._emit("tool.result", {"step_id": call_id, "value": value} if error is None
                    else {"step_id": call_id, "error": error})

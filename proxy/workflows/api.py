@@ -369,6 +369,15 @@ async def get_run(request: web.Request) -> web.Response:
                               "report": await _run_report(state, graph, None)})
 
 
+@routes.get("/v1/workflows/{run_id}/graph")
+async def get_graph(request: web.Request) -> web.Response:
+    """A run's graph as recorded, appended nodes included (wire format): what
+    ``flowlift compile --run RUN_ID`` compiles. An unknown run: 404 (OpenAI error shape)."""
+    state = request.app[STATE]
+    return web.json_response(await recorded_graph(state, request.match_info["run_id"],
+                                                  tenant_of(request)))
+
+
 def _stored_graph(stored: StoredRun) -> Graph | dict[str, Any]:
     """A stored run's graph with its appended nodes (the raw document if it does not
     parse: the report is then left out)."""

@@ -46,6 +46,7 @@ from flowlift.graph import LLMNode
 from flowlift.local_engine.base import ChatMessage, TokenLogprob, ToolCall
 from flowlift.proxy.workflows.contracts import check_output, feedback
 from flowlift.tracing import AttemptTrace, get_logger
+from flowlift.tracing.recorder import bounded_output
 
 log = get_logger("flowlift.cascade")
 UNRETRYABLE = (ContextLengthExceeded, ContentRefused)
@@ -117,6 +118,7 @@ async def run_step(node: LLMNode, messages: Sequence[ChatMessage], attempt: Atte
                                      model=t.model, attempt=t.attempt)
             except ContractError as exc:
                 t.outcome, t.error, failure = "contract_failed", exc.message, exc
+                t.output = bounded_output(out.text)  # kept where the user looks
                 if t.finish_reason == "length":
                     raised, failure = cut_off(node, exc, budget, retry=tries <= node.retries)
                     t.error = failure.message

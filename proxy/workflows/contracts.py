@@ -65,10 +65,11 @@ def check_output(contract: Contract | None, text: str, *, step_id: str | None = 
                     [f"does not match {contract.regex!r}"], **where)
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _fail(f"output is not valid JSON ({exc.msg} at char {exc.pos}; was "
-                    "max_tokens too small?)", [f"not valid JSON: {exc.msg} at char "
-                                               f"{exc.pos}"], **where) from None
+    except json.JSONDecodeError as exc:  # ("Unterminated string starting at": no 2nd "at")
+        at = f"{exc.msg} char {exc.pos}" if exc.msg.endswith(" at") else \
+            f"{exc.msg} at char {exc.pos}"
+        raise _fail(f"output is not valid JSON ({at}; was max_tokens too small?)",
+                    [f"not valid JSON: {at}"], **where) from None
     validator = jsonschema.Draft202012Validator(contract.json_schema or {})
     errors = [f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
               for e in validator.iter_errors(value)]

@@ -46,12 +46,9 @@ import asyncio
 import dataclasses
 import functools
 import json
-import os
 import re
 import secrets
-import socket
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Collection
 from pathlib import Path
@@ -80,9 +77,10 @@ from flowlift.proxy.store.outcomes import StepOutcomes
 from flowlift.proxy.store.sqlite import SQLiteRunStore
 from flowlift.proxy.store.wakeups import Wakeups
 from flowlift.proxy.store.worker import StoreWorker
-from flowlift.proxy.tenants import client_run_id, run_key, visible
+from flowlift.proxy.tenants import RunKey, client_run_id, run_key, visible
 from flowlift.proxy.workflows import open_runs
 from flowlift.proxy.workflows.agent import ProxyTools
+from flowlift.proxy.workflows.leases import Leases
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import CLOSED, stored_graph
 from flowlift.proxy.workflows.planning import plan
@@ -177,11 +175,9 @@ class RunRegistry:
         self.io = StoreWorker()  # every store call, in order, off the event loop
         self.wakeups = wakeups or self.store.listener()  # (started with the app)
         self._starting: set[str] = set()  # keys being created (their ids are taken)
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.lease_ttl_s = lease_ttl_s
+        self.leases = Leases(self.store, lease_ttl_s)  # this proxy's, on its runs
         self.outcomes = outcomes or StepOutcomes(":memory:")
         self.active: dict[str, Run] = {}  # run key (tenants.run_key) -> run
-        self.epochs: dict[str, int] = {}  # run key -> this proxy's lease epoch (fencing)
         self.tailed: Counter[str] = Counter()  # run key -> clients tailing it from here
         self.finished: TTLCache[str, Run] = TTLCache(maxsize=keep, ttl=ttl_s)
         self.trace_dir = trace_dir
@@ -191,6 +187,16 @@ class RunRegistry:
         self.store_keep, self.store_ttl_s = store_keep, store_ttl_s
         self.max_active = max_active
         self.store.prune(older_than_s=store_ttl_s, keep=store_keep)
+
+    @property
+    def owner(self) -> str:
+        """This proxy's name in the store's leases (:attr:`Leases.owner`)."""
+        return self.leases.owner
+
+    @property
+    def lease_ttl_s(self) -> float:
+        """Seconds a run's lease lasts unrenewed (:attr:`Leases.ttl_s`)."""
+        return self.leases.ttl_s
 
     def live(self, run_id: str, tenant: str | None = None) -> Run | None:
         """The active or recently finished run ``run_id`` when ``tenant`` may see it
@@ -295,14 +301,16 @@ class RunRegistry:
             self._starting.discard(key)
         run = Run(graph, backends, run_plan, costs, run_id=run_id, key=key,
                   sink=self._append, outcomes=self.outcomes, observer=self.observer,
-                  trace_parent=parent, proxy_tools=self.proxy_tools)
-        run.tenant = tenant
-        run.replan = functools.partial(plan, backends=backends, costs=costs,
-                                       outcomes=self.outcomes)  # a map's items
+                  trace_parent=parent, proxy_tools=self.proxy_tools, tenant=tenant,
+                  replan=self._replan(backends, costs))
         if epoch is not None:  # (None: a stranger's lease on a fresh id; its writes fail)
-            self.epochs[key] = epoch
+            self.leases.epochs[key] = epoch
         self._activate(run)
         return run
+
+    def _replan(self, backends: Backends, costs: CostTracker) -> Callable[[Graph], Plan]:
+        """The compiler a run plans its grown graph with (a map's items)."""
+        return functools.partial(plan, backends=backends, costs=costs, outcomes=self.outcomes)
 
     def _create(self, key: str, wire: dict[str, Any], tenant: str | None,
                 chosen: bool) -> int | None:
@@ -313,42 +321,23 @@ class RunRegistry:
         """
         if chosen and self.store.exists(key):
             raise _exists(client_run_id(key, tenant))
-        self.store.create(key, wire, tenant, owner=self.owner, ttl_s=self.lease_ttl_s)
-        return self.store.claim(key, self.owner, self.lease_ttl_s)  # (ours: its epoch)
-
-    def _claim_orphans(self, mine: Collection[str]) -> list[tuple[int, StoredRun]]:
-        """On the store's worker: claim the unfinished runs nobody holds (leaving out
-        ``mine``, running here) and load each after its claim.
-
-        Returns:
-            ``(epoch, run)`` of each run claimed.
-        """
-        claimed = []
-        for run_id in self.store.orphans(self.owner):
-            if run_id in mine:
-                continue
-            epoch = self.store.claim(run_id, self.owner, self.lease_ttl_s)
-            stored = None if epoch is None else self.store.load(run_id)  # after the claim
-            if epoch is not None and stored is not None:  # (else another's, or pruned)
-                claimed.append((epoch, stored))
-        return claimed
+        return self.leases.create(key, wire, tenant)
 
     async def resume_all(self, backends: Backends, costs: CostTracker) -> list[Run]:
         """Restart every unfinished run in the store that no other live proxy holds (an
         open run with the nodes appended to it, still open unless it was closed)."""
         resumed = []
-        for epoch, stored in await self.io.call(self._claim_orphans, set(self.active)):
+        for epoch, stored in await self.io.call(self.leases.claim_orphans, set(self.active)):
             run_id = stored.run_id
             if run_id in self.active:  # (started here meanwhile)
                 continue
-            self.epochs[run_id] = epoch
+            self.leases.epochs[run_id] = epoch
             graph = stored_graph(stored)
             run = Run(graph, backends, plan(graph, backends, costs, self.outcomes), costs,
-                      run_id=client_run_id(run_id, stored.tenant), key=run_id,
+                      run_id=client_run_id(run_id, stored.tenant), key=RunKey(run_id),
                       sink=self._append, restored=stored, outcomes=self.outcomes,
-                      observer=self.observer, proxy_tools=self.proxy_tools)
-            run.replan = functools.partial(plan, backends=backends, costs=costs,
-                                           outcomes=self.outcomes)
+                      observer=self.observer, proxy_tools=self.proxy_tools,
+                      replan=self._replan(backends, costs))
             self._activate(run)
             resumed.append(run)
             self.wakeups.notify("posted", run_id)  # results kept for it meanwhile
@@ -365,7 +354,7 @@ class RunRegistry:
             The runs taken over (parked until their client reconnects, as at start).
         """
         asked = list(self.active)
-        held = await self.io.call(self.store.renew, self.owner, asked, self.lease_ttl_s)
+        held = await self.io.call(self.leases.renew, asked)
         for run_id in asked:
             run = self.active.get(run_id)
             if run is not None and run_id not in held and not run.finished:
@@ -390,7 +379,7 @@ class RunRegistry:
         """
         # (no epoch known: 0, which no lease has; the write is refused: fail closed)
         written = self.io.later(functools.partial(
-            self.store.append, run_id, seq, name, data, epoch=self.epochs.get(run_id, 0)))
+            self.store.append, run_id, seq, name, data, epoch=self.leases.epoch(run_id)))
         written.add_done_callback(functools.partial(self._written, run_id, seq))
         return written
 
@@ -405,7 +394,7 @@ class RunRegistry:
         """Another proxy took ``run_id`` over (or the store refused its event): stop it
         here without another event and end its followers' streams (they reconnect and
         follow it where it runs now, or once this proxy resumes it)."""
-        self.epochs.pop(run_id, None)
+        self.leases.epochs.pop(run_id, None)
         run = self.active.pop(run_id, None)
         if run is None:  # (it ended here before its refused write came back: not ours)
             retired = self.finished.pop(run_id, None)
@@ -424,8 +413,9 @@ class RunRegistry:
 
         Returns:
             ``"delivered"`` (to the run, here), ``"queued"`` (kept for the proxy that
-            executes the run: it takes it within :data:`TAIL_POLL_S`) or ``"duplicate"``
-            (the step had its result: nothing changes).
+            executes the run: it takes it within :data:`TAIL_POLL_S`), ``"duplicate"``
+            (the step had its result: nothing changes) or ``"discarded"`` (the step
+            timed out before it came: recorded in the trace, nothing else changes).
 
         Raises:
             RunNotFound: no such run (or another tenant's).
@@ -435,6 +425,8 @@ class RunRegistry:
         run = self.live(run_id, tenant)
         if run is not None:  # executed here (or finished here lately)
             _check_tool_step(run.graph, run_id, step_id)
+            if run.discard_late_result(step_id):  # it timed out: too late, traced
+                return "discarded"
             if run.has_tool_result(step_id):
                 return "duplicate"
             if step_id not in run.waiting_tools():
@@ -637,9 +629,9 @@ class RunRegistry:
         """Move a finished run to the finished table and write its trace (once)."""
         if self.active.pop(run.key, None) is None:
             return
-        self.epochs.pop(run.key, None)
+        self.leases.epochs.pop(run.key, None)
         # (suspended: another proxy may take it; after the run's last event, in order)
-        self.io.submit(self.store.release, run.key, self.owner)
+        self.io.submit(self.leases.release, run.key)
         self.finished[run.key] = run
         log_end(run)
         learn_lengths(run, self.outcomes)

@@ -50,22 +50,15 @@ from flowlift.graph import (
     project,
     render_value,
 )
-from flowlift.local_engine.base import (
-    ChatMessage,
-    GenerationRequest,
-    OutputConstraint,
-    SamplingOptions,
-    ToolCall,
-    ToolDef,
-)
+from flowlift.local_engine.base import ChatMessage, GenerationRequest, ToolCall
 from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.dispatch.steps import StepDispatcher
 from flowlift.proxy.store.base import StoredRun
 from flowlift.proxy.store.events import EventLog, Written
 from flowlift.proxy.store.outcomes import StepOutcomes
+from flowlift.proxy.tenants import RunKey
 from flowlift.proxy.workflows.agent import AgentLoop, ProxyTools, ToolRaised
-from flowlift.proxy.workflows.ahead import HOLE, ahead_request, consumers, known_prefix
 from flowlift.proxy.workflows.books import AttemptBooks
 from flowlift.proxy.workflows.cascade import Attempt, Generated, run_step
 from flowlift.proxy.workflows.conditions import (
@@ -83,12 +76,15 @@ from flowlift.proxy.workflows.groups import RESOLVED as GROUP_RESOLVED
 from flowlift.proxy.workflows.groups import resolve as resolve_group
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth, stable_plan
+from flowlift.proxy.workflows.prefills import RunPrefills
 from flowlift.proxy.workflows.replay import STEP_ENDS, restore_trace
+from flowlift.proxy.workflows.requests import StepRequests
 from flowlift.proxy.workflows.tiering import TieredDispatcher, planned_tiers
+from flowlift.proxy.workflows.tool_wait import await_app
+from flowlift.proxy.workflows.warmup import PrefixWarmup
 from flowlift.tracing import AttemptTrace, RunTrace, bind_run, get_logger
 
 log = get_logger("flowlift.runs")
-WARM_WAIT_S = 30.0  # longest a step waits for its prefix group's first prefill
 
 
 class UpstreamFailed(Exception):
@@ -100,16 +96,19 @@ class Run:
 
     Attributes:
         run_id: ``wf-`` + random hex (or the graph's own ``id``): what clients see.
-        key: the run's key in the store, engine and sessions
-            (:func:`~flowlift.proxy.tenants.run_key`: ids are per tenant; default
-            ``run_id``).
+        key: the run's :class:`~flowlift.proxy.tenants.RunKey` in the store, engine and
+            sessions (:func:`~flowlift.proxy.tenants.run_key`: ids are per tenant;
+            default ``run_id``).
         log: the numbered event log (replayable; persisted through ``sink``).
         outputs: step id -> output value, filled as steps finish (a skipped step's
             ``default``, when it has one).
         failures: step id -> error message.
         skipped: step id -> why it was skipped (:mod:`.conditions`; not a failure).
         trace: the run's :class:`RunTrace`.
-        tenant: who started it (:mod:`flowlift.proxy.tenants`; None: anonymous).
+        tenant: who started it (:mod:`flowlift.proxy.tenants`; None: anonymous; a
+            restored run's is the stored one).
+        replan: the proxy's compiler for a grown graph (a map's items; None: the
+            run keeps its plan).
     """
 
     def __init__(self, graph: Graph, backends: Backends, plan: Plan | None = None,
@@ -118,8 +117,9 @@ class Run:
                  restored: StoredRun | None = None,
                  outcomes: StepOutcomes | None = None,
                  observer: RunObserver = NO_OBSERVER,
-                 trace_parent: Context | None = None, key: str | None = None,
-                 proxy_tools: ProxyTools | None = None) -> None:
+                 trace_parent: Context | None = None, key: RunKey | None = None,
+                 proxy_tools: ProxyTools | None = None, tenant: str | None = None,
+                 replan: Callable[[Graph], Plan] | None = None) -> None:
         self.graph = graph
         self.proxy_tools = proxy_tools
         self.outcomes = outcomes
@@ -127,11 +127,11 @@ class Run:
         self.plan = plan
         self.costs = costs
         self.clock = DeadlineClock(graph.deadline_s) if graph.deadline_s is not None else None
-        self._warmer: dict[int, str] = {}
-        self._warm: dict[int, asyncio.Event] = {}
-        self._aheads = 0  # prefill-aheads asked for (numbers their request ids)
+        self.warmup = PrefixWarmup(fcfs=backends.fcfs)
         self.run_id = run_id or graph.id or f"wf-{secrets.token_hex(8)}"
-        self.key = key or self.run_id
+        self.key = key or RunKey(self.run_id)
+        self.requests = StepRequests(self.key, fcfs=backends.fcfs)
+        self.prefills = RunPrefills(backends, self.key, self.run_id)
         self.log = EventLog(None if sink is None else functools.partial(sink, self.key),
                             restored.events if restored else ())
         self.resumed = restored is not None
@@ -148,17 +148,18 @@ class Run:
         self._know(graph.nodes)
         self._done = {n.id: asyncio.Event() for n in graph.nodes}
         self._tool_results: dict[str, asyncio.Future[Any]] = {}
+        self._late: dict[str, str] = {}  # @tool steps that timed out -> why
         self.growth = Growth(graph.open, restored.events if restored else ())
         self._tasks: list[asyncio.Task[None]] | None = None  # the node tasks, once started
         self._node_tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelling: dict[str, str] = {}  # group members being stopped -> why
-        self.replan: Callable[[Graph], Plan] | None = None  # the proxy's compiler (maps)
+        self.replan = replan
         self._context: contextvars.Context | None = None  # where node tasks run
         self.task: asyncio.Task[None] | None = None
         self.observer = observer
         self.trace_parent = trace_parent
         self.deadline_missed = False
-        self.tenant: str | None = restored.tenant if restored else None
+        self.tenant = restored.tenant if restored else tenant
         for node in graph.nodes:
             model = node.model if isinstance(node, LLMNode) else None
             self.trace.add_step(node.id, node.kind, getattr(node, "name", ""), model)
@@ -209,6 +210,17 @@ class Run:
                 or any(n == "tool.result" and d.get("step_id") == step_id
                        for _, n, d in self.log.history()))
 
+    def discard_late_result(self, step_id: str) -> bool:
+        """Whether ``step_id`` timed out (:mod:`.tool_wait`): its result, posted now, is
+        discarded, its time kept as ``late_result_ms`` in the trace."""
+        if step_id not in self._late:
+            return False
+        st = self.trace.step(step_id)
+        if st.late_result_ms is None:
+            st.late_result_ms = self.trace.now_ms()
+            log.info("tool_result_discarded", step_id=step_id, reason=self._late[step_id])
+        return True
+
     def deliver_tool_result(self, step_id: str, value: Any = None,
                             error: str | None = None) -> None:
         """Hand a ``@tool`` step's result (or error) to the waiting branch.
@@ -253,12 +265,12 @@ class Run:
                     self.deadline_missed = True
                     self._fail_unfinished(tasks, f"deadline of {self.graph.deadline_s} s "
                                           "exceeded", "deadline")
-            except asyncio.CancelledError:
-                for task in tasks:
-                    task.cancel()
+            except asyncio.CancelledError:  # (tools told first: a cancel takes their futures)
                 if not self._suspending:
                     self._fail_unfinished(tasks, "run cancelled", "cancelled")
                     self._close("cancelled")
+                for task in tasks:
+                    task.cancel()
                 raise
             finally:
                 watch.cancel()
@@ -325,11 +337,8 @@ class Run:
     def mark_awaited(self, step_ids: Iterable[str]) -> None:
         """The app is blocked on ``step_ids``: they (and what they wait for) get
         interactive continuation priority, also where they already wait for a slot."""
-        def warmer(step_id: str) -> str | None:
-            group = self.plan.prefix_group.get(step_id) if self.plan else None
-            return None if group is None else self._warmer.get(group)
-
-        promoted = self.growth.blocking(step_ids, self._deps, self._ended, warmer)
+        promoted = self.growth.blocking(step_ids, self._deps, self._ended,
+                                        functools.partial(self.warmup.warmer, self.plan))
         for step_id in promoted:
             task = self._node_tasks.get(step_id)
             if task is not None and not task.done():
@@ -354,6 +363,7 @@ class Run:
         return step_id in self.outputs or step_id in self.failures or step_id in self.skipped
 
     def _fail_unfinished(self, tasks: list[asyncio.Task[None]], why: str, kind: str) -> None:
+        self._cancel_tools(self.waiting_tools(), why)  # before run.finished: the app hears
         for task in tasks:
             task.cancel()
         now = self.trace.now_ms()
@@ -493,10 +503,19 @@ class Run:
             if self._ended(step_id) or task is None or task.done():
                 continue
             self._cancelling[step_id] = reason
+            # a @tool member out in the app, or an agent member's calls: not wanted now
+            self._cancel_tools([s for s in self.waiting_tools() if s == step_id
+                                or s.startswith(f"{step_id}:call_")], reason)
+            task.cancel()
+
+    def _cancel_tools(self, step_ids: Sequence[str], reason: str) -> None:
+        """Stop waiting for these tool calls out in the app and tell it
+        (``tool.cancelled`` ``{step_id, reason}``; issue 38, items 6 and 14)."""
+        for step_id in step_ids:
             fut = self._tool_results.get(step_id)
             if fut is not None and not fut.done():
-                fut.cancel()  # a @tool member out in the app: its result is not wanted
-            task.cancel()
+                fut.cancel()
+                self._emit(("tool.cancelled", {"step_id": step_id, "reason": reason}))
 
     async def _node(self, node: Node) -> None:
         with bind_run(workflow_id=self.run_id, step_id=node.id):
@@ -571,25 +590,6 @@ class Run:
         # the run is the program of program-level scheduling (dispatch.programs)
         return dataclasses.replace(ordered, program=self.key)
 
-    async def _await_warm(self, step_id: str) -> None:
-        """Siblings sharing a prompt prefix: the first ready one goes; the rest wait until
-        its prefill is done, so they hit the engine's prefix cache (Parrot/SGLang)."""
-        group = self.plan.prefix_group.get(step_id) if self.plan else None
-        if group is None or self.backends.fcfs:
-            return
-        if self._warmer.setdefault(group, step_id) == step_id:
-            return
-        event = self._warm.setdefault(group, asyncio.Event())
-        try:
-            await asyncio.wait_for(event.wait(), timeout=WARM_WAIT_S)
-        except TimeoutError:
-            log.info("prefix_warm_timeout", group=group)
-
-    def _warmed(self, step_id: str) -> None:
-        group = self.plan.prefix_group.get(step_id) if self.plan else None
-        if group is not None and self._warmer.get(group) == step_id:
-            self._warm.setdefault(group, asyncio.Event()).set()
-
     def _resolve(self, ref: Ref) -> Any:
         return project(self.outputs[ref.ref], ref.path)
 
@@ -613,7 +613,7 @@ class Run:
                                 continuation=lambda: self._priority(node.id, "interactive"),
                                 emit=self.log.emit, history=self.log.history(),
                                 waiting=self._tool_results, clock=self.clock,
-                                ahead=functools.partial(self._prefill_ahead, node),
+                                ahead=functools.partial(self.prefills.ahead, node),
                                 proxy_tools=self.proxy_tools)
         value, model = await run_step(node, messages, attempt, record)
         self.trace.step(node.id).model = self.backends.canonical(model)
@@ -660,7 +660,7 @@ class Run:
         st.model = model
         number = len(st.attempts) + 1
         if number == 1:
-            await self._await_warm(node.id)
+            await self.warmup.wait(self.plan, node.id)
         priority = priority or self._priority(node.id)
         request = self._request(node, model, messages, number, logprobs=logprobs,
                                 priority=priority, max_tokens=max_tokens)
@@ -674,7 +674,7 @@ class Run:
                     started=books.started)) as chunks:
                 async for chunk in chunks:
                     if books.chunk(chunk):
-                        self._warmed(node.id)
+                        self.warmup.warmed(self.plan, node.id)
                     if on_call is not None:
                         for call in chunk.ready_calls or ():
                             on_call(call)
@@ -682,7 +682,7 @@ class Run:
             books.failed(exc)
             raise
         finally:
-            self._warmed(node.id)
+            self.warmup.warmed(self.plan, node.id)
         attempt = books.finished()
         self._observe(model, attempt)
         return Generated(books.text, attempt, books.logprobs, books.tool_calls)
@@ -690,26 +690,13 @@ class Run:
     def _request(self, node: LLMNode, model: str, messages: Sequence[ChatMessage],
                  number: int, *, logprobs: bool, priority: Priority,
                  max_tokens: int | None = None) -> GenerationRequest:
-        """The engine request of try ``number`` of ``node`` (affinity: the run id);
-        ``max_tokens`` overrides the step's (a retry after a cut-off output)."""
-        p = node.params
-        contract = node.contract
-        return GenerationRequest(
-            request_id=f"{self.key}:{node.id}:{number}",  # run:step:attempt
-            model=model, messages=messages,
-            sampling=SamplingOptions(max_tokens=max_tokens or p.max_tokens,
-                                     temperature=p.temperature,
-                                     top_p=p.top_p, stop=p.stop, seed=p.seed,
-                                     logprobs=0 if logprobs else None),
-            constraint=(OutputConstraint(json_schema=contract.json_schema,
-                                         choices=contract.choices, regex=contract.regex)
-                        if contract else None),
-            session_id=self.key,
-            priority=0 if self.backends.fcfs else priority.engine_priority(),
-            tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()),
+        """The engine request of try ``number`` of ``node`` (:class:`StepRequests`), with
+        the tier and output length this run's plan gives it."""
+        return self.requests.build(
+            node, model, messages, number, logprobs=logprobs, priority=priority,
+            max_tokens=max_tokens,
             service_tier=(self._dispatcher.tier_of(node.id, number)
                           if isinstance(self._dispatcher, TieredDispatcher) else None),
-            tool_choice=node.tool_choice,
             expected_output_tokens=self._expected_output_tokens(node.id))
 
     def _expected_output_tokens(self, step_id: str) -> int | None:
@@ -727,36 +714,6 @@ class Run:
                            prefill_ms=at.first_token_ms - at.started_ms,
                            decode_ms=at.finished_ms - at.first_token_ms)
 
-    def _prefill_next(self, tool_id: str) -> None:
-        """While tool ``tool_id`` is out: prefill the known start of each model step that
-        reads its output (:mod:`flowlift.proxy.workflows.ahead`)."""
-        skip = self.plan.merged_into if self.plan else {}
-        readers = (self._nodes[r] for r in self._readers.get(tool_id, ()))
-        for step in consumers(readers, self._nodes, skip):
-            if self._ended(step.id):
-                continue
-            messages = known_prefix(step.messages, self.outputs)
-            if messages is not None:
-                self._prefill_ahead(step, step.models()[0], messages)
-
-    def _prefill_ahead(self, node: LLMNode, want: str | None,
-                       messages: Sequence[ChatMessage]) -> None:
-        """Prefill ``messages`` (ending in :data:`~.ahead.HOLE`) of ``node`` on ``want``
-        ahead of its request (:class:`~flowlift.proxy.dispatch.slots.prefill_ahead.PrefillAhead`
-        decides whether the engine has room)."""
-        try:
-            model, _ = self.backends.resolve(want)
-        except FlowliftError:
-            return
-        local = self.backends.local_of(model)
-        if local is not None:  # the next turn is known to come: keep this run's KV
-            # (under the program key its calls are scheduled by: the tenant's run key)
-            local.backend.slots.programs.keep(self.key)
-        self._aheads += 1
-        request = ahead_request(node, model, messages,
-                                f"{self.key}:{node.id}:{self._aheads}", self.key)
-        self.backends.ahead.issue(request, HOLE)
-
     async def _tool(self, node: ToolNode) -> Any:
         def arg(a: Any) -> Any:
             if isinstance(a, Ref):
@@ -773,8 +730,10 @@ class Run:
         self._emit(("tool.wanted", {
             "step_id": node.id, "name": node.name, "args": [arg(a) for a in node.args],
             "kwargs": {k: arg(v) for k, v in node.kwargs.items()}}))
-        self._prefill_next(node.id)
-        if self.clock is None:
-            return await fut
-        async with self.clock.paused():  # the app has the ball: the deadline clock stops
-            return await fut
+        self.prefills.after_tool((self._nodes[r] for r in self._readers.get(node.id, ())),
+                                 self._nodes, self.plan, self.outputs, self._ended)
+        if (late := await await_app(fut, node, self.graph.deadline_s, self.clock)) is None:
+            return fut.result()
+        self._late[node.id] = late.reason
+        self._cancel_tools([node.id], late.reason)
+        raise late

@@ -210,6 +210,23 @@ class AuthenticationError(UserError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(UserError):
+    """The caller may not use what it named: a tool server its key does not reach, an
+    MCP server URL the proxy's config does not allow (HTTP 403)."""
+
+    status = 403
+    code = "permission_denied"
+
+
+class ToolServerUnavailable(FlowliftError):
+    """A tool server a request named could not be reached or list its tools (HTTP 424,
+    as OpenAI answers a hosted MCP server it cannot list)."""
+
+    status = 424
+    type = "external_connector_error"
+    code = "tool_server_unavailable"
+
+
 class RunClosed(UserError):
     """Steps appended to a workflow run that no longer takes steps: it was closed (its
     ``with workflow(...)`` block ended), it finished (cancelled, deadline passed), or it

@@ -297,6 +297,9 @@ class ToolNode(_Conditional):
     ``pure``: the app declares the tool a function of its arguments with no side effects
     (``@tool(pure=True)``), so identical calls (same name, same resolved arguments) run
     once and the others take that result, as identical deterministic llm calls do.
+    ``timeout_s``: how long the app may take (``@tool(timeout_s=...)``; None: the run's
+    ``deadline_s``, or unbounded without one): past it the step fails, the app is told to
+    cancel the call and a result posted later is discarded (and traced).
     """
 
     kind: Literal["tool"] = "tool"
@@ -305,10 +308,11 @@ class ToolNode(_Conditional):
     args: tuple[Arg, ...] = ()
     kwargs: dict[str, Arg] = {}
     pure: bool = False
+    timeout_s: float | None = Field(default=None, gt=0)
 
     @model_serializer(mode="wrap")
     def _wire(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _drop(handler(self), dict(_CONDITIONAL_DEFAULTS))
+        return _drop(handler(self), {**_CONDITIONAL_DEFAULTS, "timeout_s": None})
 
 
 class InputNode(_Model):

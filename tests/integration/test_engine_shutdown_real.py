@@ -1,6 +1,6 @@
 """A stream on the real vLLM engine fails with EngineError, promptly, when the engine is
 closed (a residency unload, a shutdown) under it, instead of hanging: vLLM's shutdown
-stops the task that feeds the request's output queue (tests/test_vllm_engine_close.py
+stops the task that feeds the request's output queue (tests/local_engine/test_vllm_engine_close.py
 has the same check on a stand-in). Starts its own engine (not the session's shared one,
 which this test would close)."""
 

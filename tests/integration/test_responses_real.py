@@ -60,6 +60,6 @@ def test_a_forced_function_call_and_its_output(oa, real_proxy):
     answer = oa.responses.create(
         model=model, previous_response_id=call_turn.id, tools=[WEATHER],
         tool_choice="none", max_output_tokens=16, temperature=0,
-        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
-                "output": "sunny, 21 C"}])
+        input=[{"type": "function_call_output", "call_id": c.call_id,  # every call's
+                "output": "sunny, 21 C"} for c in calls])  # (one left out: a 400)
     assert answer.output_text

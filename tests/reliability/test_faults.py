@@ -4,7 +4,7 @@ client (at once on an untried replica or fallback, else after ``Retry-After`` or
 backoff), an in-band error after bytes went out, and an answer that names the backend
 that gave it -- ``model`` and ``usage`` are that backend's, failed attempts bill nothing.
 
-The cases already pinned one by one in ``tests/test_proxy_cases.py`` (S6, R1-R3) are not
+The cases already pinned one by one in ``tests/proxy/test_proxy_cases.py`` (S6, R1-R3) are not
 repeated; here each fault is seen through a failover, and the black hole is measured.
 """
 

@@ -1,4 +1,4 @@
-"""Hypothesis over what ``tests/test_fuzz_openai.py`` (schemathesis, spec-shaped OpenAI
+"""Hypothesis over what ``tests/proxy/test_fuzz_openai.py`` (schemathesis, spec-shaped OpenAI
 bodies) does not reach: graph documents on ``POST /v1/workflows:compile`` and ``POST
 /v1/workflows`` (runs followed to their end, ``@tool`` results posted, some of them
 malformed), and chat bodies that are *not* spec-shaped (wrong types, junk JSON, odd

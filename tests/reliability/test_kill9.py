@@ -1,4 +1,4 @@
-"""Kill -9 under load, beyond ``tests/test_durable.py`` (one run, killed between steps):
+"""Kill -9 under load, beyond ``tests/proxy/test_durable.py`` (one run, killed between steps):
 eight runs at once, killed while their ``@tool`` steps are *running in the client*, so
 results are posted to a dead proxy and must be re-posted to the restarted one; then
 killed again in the next wave. Every run resumes and succeeds, finished steps keep their

@@ -23,6 +23,10 @@ config opts in (``hints = [...]`` on an ``openai`` backend; none by default).
   turn's prefix is this turn's conversation plus its answer, which Dynamo prefills on
   the worker once this turn ends).
 
+The routers in front of a fleet (vllm-router, llm-d, Dynamo's session headers, SGLang's
+gateway, vLLM's ``session_id``) have adapters of their own in :mod:`.fleet_hints`, merged
+here (:func:`hint_fields`, :func:`hint_headers`).
+
 A field the request already holds is never overridden (a client's own ``priority`` or
 ``nvext.agent_hints`` key wins). :func:`hint_fields` is pure; :class:`SessionBook` does
 the session I/O. Sources: vLLM ``vllm/entrypoints/openai/protocol.py``
@@ -38,24 +42,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import orjson
 from cachetools import TTLCache
 
-from flowlift.local_engine.base import GenerationRequest
-from flowlift.proxy.config import UpstreamSpec
+from flowlift.proxy.config import Hint, UpstreamSpec
+from flowlift.proxy.dispatch.routing.fleet_hints import (
+    StepHints,
+    fleet_fields,
+    fleet_headers,
+    i32,
+)
 from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS
 from flowlift.proxy.dispatch.upstream.provider import Upstream
 from flowlift.tracing import get_logger
 
 log = get_logger("flowlift.proxy.dispatch.routing.hints")
 
-Hint = Literal["vllm-priority", "sglang-session", "dynamo"]
-"""A hint a backend may opt in to (``hints = [...]`` in its config)."""
-
-_I32_MAX: Final = 2**31 - 1
 SESSION_CAPACITY_CHARS: Final = 1 << 20
 """``capacity_of_str_len`` of an opened SGLang session (characters of context it may
 grow to; SGLang requires the field)."""
@@ -64,35 +68,6 @@ SESSION_TIMEOUT_S: Final = 1800.0
 nobody close it (a drop-in session, a run whose proxy died); read as an idle timeout
 (flowlift forgets a session 10% sooner after its last use and opens it again). Servers
 older than the field ignore it."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepHints:
-    """What the scheduler knows about one upstream request.
-
-    Attributes:
-        priority: flowlift's queue order as one integer (lower runs earlier); None: the
-            proxy has no order for it (a drop-in request), none is written.
-        session_id: the run (or session) the request belongs to; None: none.
-        expected_output_tokens: the step's expected output length, tokens; None: unknown.
-        next_turn: a later request continues this one's conversation (an agent turn).
-    """
-
-    priority: int | None
-    session_id: str | None = None
-    expected_output_tokens: int | None = None
-    next_turn: bool = False
-
-    @classmethod
-    def of(cls, request: GenerationRequest, priority: int | None = None) -> StepHints:
-        """The hints of a workflow step's ``request`` (``priority``: the granted one,
-        when the step was promoted while it waited; default: the request's)."""
-        expected = request.expected_output_tokens
-        cap = request.sampling.max_tokens
-        if expected is None or (cap is not None and expected > cap):
-            expected = cap
-        return cls(request.priority if priority is None else priority, request.session_id,
-                   expected, bool(request.tools))
 
 
 def hint_fields(spec: UpstreamSpec, hints: StepHints, body: Mapping[str, Any], *,
@@ -106,7 +81,8 @@ def hint_fields(spec: UpstreamSpec, hints: StepHints, body: Mapping[str, Any], *
         session_open: the SGLang session ``hints.session_id`` is open on this backend.
 
     Returns:
-        Top-level fields to merge into the body (``nvext`` merged with the body's own).
+        Top-level fields to merge into the body (``nvext`` and ``vllm_xargs`` merged
+        with the body's own; the routers' fields: :func:`.fleet_hints.fleet_fields`).
     """
     out: dict[str, Any] = {}
     if "vllm-priority" in spec.hints and hints.priority is not None and "priority" not in body:
@@ -121,14 +97,21 @@ def hint_fields(spec: UpstreamSpec, hints: StepHints, body: Mapping[str, Any], *
         theirs = nvext.get("agent_hints")
         nvext["agent_hints"] = {**agent, **(theirs if isinstance(theirs, Mapping) else {})}
         out["nvext"] = nvext
+    out.update(fleet_fields(spec, hints, {**body, **out}))
     return out
+
+
+def hint_headers(spec: UpstreamSpec, hints: StepHints) -> dict[str, str]:
+    """The request headers ``spec``'s opted-in hints add (:func:`.fleet_hints.fleet_headers`;
+    empty: none)."""
+    return fleet_headers(spec, hints) if spec.hints else {}
 
 
 def _agent_hints(hints: StepHints) -> dict[str, Any]:
     """Dynamo's ``agent_hints`` for ``hints`` (its priority scale is flowlift's reversed)."""
     agent: dict[str, Any] = {}
     if hints.priority is not None:
-        agent["priority"] = max(-_I32_MAX - 1, min(-hints.priority, _I32_MAX))
+        agent["priority"] = i32(-hints.priority)
     if hints.expected_output_tokens is not None:
         agent["osl"] = max(int(hints.expected_output_tokens), 1)
     if hints.next_turn:
@@ -250,4 +233,4 @@ async def _close_after(opening: asyncio.Task[bool], up: Upstream, session_id: st
 
 
 __all__ = ["SESSION_CAPACITY_CHARS", "SESSION_TIMEOUT_S", "Hint", "SessionBook", "StepHints",
-           "hint_fields", "server_root"]
+           "hint_fields", "hint_headers", "server_root"]

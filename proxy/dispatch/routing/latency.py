@@ -12,8 +12,13 @@ flowlift keeps the same features, measured where the proxy sees them:
 * ``in_flight``: requests the proxy has in flight on the replica (its queue depth as
   this proxy knows it);
 * ``uncached_ktokens``: the prompt's tokens, in thousands, less those the replica is
-  expected to hold in its prefix cache -- the prompt last sent there under the same
-  affinity key (a workflow run or a session), whose prefix the new prompt extends;
+  expected to hold in its prefix cache -- the prompt last answered there under the same
+  affinity key (a workflow run or a session), whose prefix the new prompt extends,
+  scaled by the replica's *retention*: the share of such expected hits it reported
+  (``usage.prompt_tokens_details.cached_tokens``). What a replica reports is the truth
+  the TTFT model learns from; a replica that reports no hit where a sizeable one was
+  expected, or that refused a connection, lost its cache (a restart) and everything
+  believed cached there is forgotten (:meth:`LatencyBook.sent`, :meth:`LatencyBook.forget`);
 * for the decode, ``in_flight`` alone (TPOT grows with the batch).
 
 Each of TTFT and TPOT is an online ridge regression (a Bayesian linear model's posterior
@@ -51,6 +56,47 @@ class Demand:
     prompt_tokens: int = 0
     max_output_tokens: int | None = None
     affinity: str | None = None
+
+
+RESTART_MIN_TOKENS = 64
+"""Expected cached tokens (estimated) above which a reported zero hit means the replica
+lost its cache: below it, a prefix shorter than a few KV blocks may miss anyway."""
+RETENTION_WEIGHT = 0.2
+"""Weight of the newest report in a replica's retention (a moving average)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReport:
+    """What a replica reported of one answer's prompt (its ``usage``).
+
+    Attributes:
+        prompt_tokens: the prompt's tokens, as the replica counted them.
+        cached_tokens: of those, served from its prefix cache.
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+
+    @classmethod
+    def of(cls, usage: object) -> CacheReport | None:
+        """The report in an OpenAI ``usage`` object (``prompt_tokens`` and
+        ``prompt_tokens_details.cached_tokens``; the Responses API's ``input_*`` names
+        too), or None when it reports no cached tokens (vLLM without
+        ``--enable-prompt-tokens-details``: nothing is known of the cache)."""
+        if not isinstance(usage, dict):
+            return None
+        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        if (not isinstance(cached, int) or not isinstance(prompt, int) or prompt <= 0
+                or isinstance(cached, bool) or cached < 0):
+            return None
+        return cls(prompt, min(cached, prompt))
+
+    @property
+    def hit(self) -> float:
+        """The share of the prompt served from the cache (0 to 1)."""
+        return self.cached_tokens / self.prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +216,11 @@ class ReplicaModel:
         failures, attempts: failed and all attempts, decayed like the regressions.
         fail_s: the mean time a failed attempt took (seconds).
         updated_at: the time of the last observation (seconds, the caller's clock).
-        prefixes: affinity key -> prompt tokens last sent here under it (LRU).
+        prefixes: affinity key -> prompt tokens last answered here under it (LRU).
+        retention: the share of expected prefix-cache hits the replica reported (a
+            moving average; 1 until it reports).
+        spread_s: the mean absolute error of its completion-time predictions, over
+            recent answers (seconds; an exponential average, weight 0.2 per answer).
     """
 
     ttft: Ridge = field(default_factory=lambda: Ridge(3))
@@ -180,6 +230,8 @@ class ReplicaModel:
     fail_s: float = 0.0
     updated_at: float = 0.0
     prefixes: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    retention: float = 1.0
+    spread_s: float = 0.0
 
     def _age(self, now: float, half_life_s: float, keep: float) -> None:
         factor = keep * float(0.5 ** (max(now - self.updated_at, 0.0) / half_life_s))
@@ -226,7 +278,8 @@ class LatencyBook:
         cached = 0
         model = self.replicas.get(name)
         if model is not None and demand.affinity is not None:
-            cached = min(model.prefixes.get(demand.affinity, 0), demand.prompt_tokens)
+            prefix = min(model.prefixes.get(demand.affinity, 0), demand.prompt_tokens)
+            cached = round(prefix * model.retention)
         return Features(in_flight, demand.prompt_tokens, cached)
 
     def expected_output(self, model: str, max_output_tokens: int | None) -> float:
@@ -255,9 +308,26 @@ class LatencyBook:
         fail_rate = model.failures / (model.attempts + 1.0)
         return answer + fail_rate * (model.fail_s + answer)
 
-    def sent(self, name: str, affinity: str | None, prompt_tokens: int) -> None:
+    def sent(self, name: str, affinity: str | None, prompt_tokens: int, *,
+             expected_cached: int = 0, report: CacheReport | None = None) -> None:
         """Replica ``name`` answered a prompt of ``prompt_tokens`` under ``affinity``:
-        that prefix is now expected in its cache."""
+        that prefix is now expected in its cache.
+
+        Args:
+            expected_cached: of ``prompt_tokens``, what was expected cached when it was
+                sent (:attr:`Features.cached_tokens`).
+            report: what the replica reported of the prompt (None: nothing). Where at
+                least :data:`RESTART_MIN_TOKENS` were expected cached, a zero hit
+                forgets every prefix of the replica (it lost its cache), another report
+                moves its retention toward the reported share of the expected hit.
+        """
+        if report is not None and expected_cached >= RESTART_MIN_TOKENS and prompt_tokens:
+            replica = self._model(name)  # (a smaller expected hit: a report within a
+            if report.cached_tokens == 0:  # few KV blocks says little)
+                self.forget(name)
+            else:
+                share = min(report.hit / (expected_cached / prompt_tokens), 1.0)
+                replica.retention += RETENTION_WEIGHT * (share - replica.retention)
         if affinity is None:
             return
         prefixes = self._model(name).prefixes
@@ -265,6 +335,13 @@ class LatencyBook:
         prefixes.move_to_end(affinity)
         while len(prefixes) > self.max_prefixes:
             prefixes.popitem(last=False)
+
+    def forget(self, name: str) -> None:
+        """Replica ``name`` lost its prefix cache (it restarted): nothing is expected
+        cached there any more (its retention is kept: a restart says nothing of it)."""
+        model = self.replicas.get(name)
+        if model is not None:
+            model.prefixes.clear()
 
     def observe(self, name: str, model_name: str, features: Features, *, ttft_s: float,
                 total_s: float, output_tokens: int | None, now: float,
@@ -284,6 +361,11 @@ class LatencyBook:
                 less the decode predicted by the current TPOT model.
         """
         replica = self._model(name)
+        if replica.weight_at(now, self.half_life_s) >= self.min_weight:  # it predicted
+            expected = replica.ttft.predict(features.ttft_x())
+            if output_tokens is not None and output_tokens > 1 and replica.tpot.weight > 0:
+                expected += (output_tokens - 1) * replica.tpot.predict(features.tpot_x())
+            replica.spread_s = 0.8 * replica.spread_s + 0.2 * abs(total_s - expected)
         replica._age(now, self.half_life_s, self.keep_per_observation)
         replica.attempts += 1.0
         n = output_tokens if output_tokens is not None and output_tokens > 0 else None
@@ -300,6 +382,13 @@ class LatencyBook:
             if n is not None and replica.tpot.weight > 0:
                 decode = (n - 1) * replica.tpot.predict(features.tpot_x())
             replica.ttft.add(features.ttft_x(), max(total_s - decode, 0.0))
+
+    def spread(self, name: str) -> float:
+        """How far ``name``'s recent answers were from what was predicted of them: the
+        mean absolute error in seconds (0 before it predicted anything). Predictions
+        closer than this are not told apart by routing (:mod:`.routing`)."""
+        model = self.replicas.get(name)
+        return 0.0 if model is None else model.spread_s
 
     def failed(self, name: str, elapsed_s: float, now: float) -> None:
         """An attempt on ``name`` failed through the backend's fault after

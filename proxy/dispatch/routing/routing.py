@@ -22,7 +22,13 @@ replica can answer). Among available replicas:
     ``affinity_max_slowdown`` times slower than the best (a warm prefix cache is worth
     that much, a replica stuck behind a long queue is not); past it, the key goes to
     the next replica in its rendezvous order that is within the bound, so a session
-    that must move still moves to one stable replica.
+    that must move still moves to one stable replica. A difference within noise never
+    moves a key: the affinity replica also wins while it is predicted at most
+    :data:`AFFINITY_MIN_MARGIN_S` slower, or slower by no more than the two replicas'
+    measured spread (each one's mean absolute prediction error,
+    :meth:`flowlift.proxy.dispatch.routing.latency.LatencyBook.spread`): ratios of sub-millisecond
+    predictions, or of predictions the measurements cannot tell apart, are noise, and a
+    session moved for noise loses its warm prefix cache for nothing (issue 38, item 11).
   - ``"least-loaded"``: the fewest requests in flight (ties: the first listed).
   - ``"round-robin"``: each replica in turn.
 
@@ -41,6 +47,9 @@ from hashlib import blake2b
 from flowlift.proxy.config import Strategy
 
 STRATEGIES: tuple[Strategy, ...] = ("predicted-latency", "least-loaded", "round-robin")
+AFFINITY_MIN_MARGIN_S = 0.005
+"""Seconds by which the affinity replica may be predicted slower than the best and still
+keep its key whatever the ratio (a difference this small is measurement noise)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +97,8 @@ def affinity_score(key: str, backend: str) -> int:
 
 
 def _predicted(route: Route, names: Sequence[str], affinity: str | None,
-               load: Callable[[str], int],
-               predict: Callable[[str], float | None]) -> str:
+               load: Callable[[str], int], predict: Callable[[str], float | None],
+               noise: Callable[[str], float]) -> str:
     known = {n: t for n in names if (t := predict(n)) is not None}
     # an unknown replica is explored as the best one, one request at a time (another
     # waits for the first one's answer): never a burst sent to a replica nobody measured
@@ -100,9 +109,14 @@ def _predicted(route: Route, names: Sequence[str], affinity: str | None,
     names = [n for n in names if n in known or n in probes]
     times = {n: known.get(n, floor) for n in names}
     if affinity is not None:  # the first in the key's rendezvous order within the bound
+        best = min(names, key=lambda n: (times[n], n))
         bound = route.affinity_max_slowdown * floor
+
+        def within(n: str) -> bool:
+            margin = max(AFFINITY_MIN_MARGIN_S, noise(n) + noise(best))
+            return times[n] <= bound or times[n] - floor <= margin
         return next(n for n in sorted(names, key=lambda n: -affinity_score(affinity, n))
-                    if times[n] <= bound)
+                    if within(n))
     return min(names, key=lambda n: (times[n], n in known, load(n)))  # unknown first
 
 
@@ -117,7 +131,8 @@ def _best(names: Sequence[str], affinity: str | None, load: Callable[[str], int]
 
 def pick(route: Route, *, available: Callable[[str], bool], load: Callable[[str], int],
          affinity: str | None = None, tried: Collection[str] = (),
-         predict: Callable[[str], float | None] | None = None, turn: int = 0) -> str | None:
+         predict: Callable[[str], float | None] | None = None, turn: int = 0,
+         noise: Callable[[str], float] | None = None) -> str | None:
     """The backend for the next attempt, or None when every backend is unavailable.
 
     Args:
@@ -129,6 +144,8 @@ def pick(route: Route, *, available: Callable[[str], bool], load: Callable[[str]
         predict: predicted seconds until this request would be answered on a replica
             (None: unknown); used by ``"predicted-latency"`` (absent: least loaded).
         turn: a counter the caller advances per request (``"round-robin"``).
+        noise: a replica's measured spread, the mean absolute error of its predictions
+            (seconds; absent: 0): a key stays where the best is not faster by more.
     """
     if len(route.backends) == 1:  # no choice to make (tried or not, it is the one)
         name = route.backends[0]
@@ -137,7 +154,8 @@ def pick(route: Route, *, available: Callable[[str], bool], load: Callable[[str]
         replicas = [n for n in route.replicas if n not in avoid and available(n)]
         if replicas:
             if route.strategy == "predicted-latency" and predict is not None:
-                return _predicted(route, replicas, affinity, load, predict)
+                return _predicted(route, replicas, affinity, load, predict,
+                                  noise or (lambda n: 0.0))
             return _best(replicas, affinity, load, route.strategy, turn)
         for name in route.fallbacks:
             if name not in avoid and available(name):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flowlift.proxy.dispatch.slots.programs import ProgramConfig
+from flowlift.proxy.dispatch.slots.working_set import WorkingSetConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,9 @@ class SlotPolicy:
         programs: program-level scheduling (least attained service per program,
             starvation bound, keeping a waiting session's KV; :mod:`.programs`); None:
             the defaults (on); off with ``fcfs``.
+        working_set: working-set admission (:mod:`.working_set`): a request of a
+            session outside the working set waits while the working set would not fit
+            the engine's KV capacity; None: off; off with ``fcfs``.
     """
 
     reserved_interactive: int = 1
@@ -40,3 +44,4 @@ class SlotPolicy:
     fcfs: bool = False
     preempt: bool = False
     programs: ProgramConfig | None = None
+    working_set: WorkingSetConfig | None = None

@@ -68,8 +68,11 @@ from flowlift.proxy.dispatch.slots.preemption import (
     victims_beside_interactive,
 )
 from flowlift.proxy.dispatch.slots.programs import ProgramBook, ProgramConfig
+from flowlift.proxy.dispatch.slots.working_set import WorkingSet, WorkingSetConfig
 
 KvUsage = Callable[[], "float | None"]
+KvCapacity = Callable[[], "int | None"]
+KvBlock = Callable[[], "int | None"]
 
 CLASS_RANK = {"interactive": 0, "batch": 1, "idle": 2}
 """``idle``: deferrable work of the local tier (:mod:`flowlift.tiers`), after all batch
@@ -135,6 +138,9 @@ class PrioritySlots:
             defaults).
         kv_usage: the engine's KV-cache share in use (0 to 1, None: unknown), read
             when a new program's request would start while a session's KV is kept.
+        kv_capacity: the engine's KV cache in tokens (None, or returning None:
+            unknown, no working-set admission: ``policy.working_set``).
+        kv_block: the engine's KV block size in tokens (None: 1).
         timer: the clock of attained service and waits (seconds); tests inject one.
         dynamic: the batch plan beside interactive work from measured step times
             (replaces ``batch_cap_when_interactive``; not with ``fcfs``).
@@ -147,6 +153,7 @@ class PrioritySlots:
     Attributes:
         preemptions: requests asked to stop so far.
         programs: the :class:`~.programs.ProgramBook` of this engine.
+        working: the :class:`~.working_set.WorkingSet` of this engine.
     """
 
     def __init__(self, capacity: int, policy: SlotPolicy | None = None, *,
@@ -154,7 +161,9 @@ class PrioritySlots:
                  timer: Callable[[], float] = time.monotonic,
                  dynamic: DynamicCap | None = None,
                  linger: LingerModel | None = None,
-                 steady: int | DynamicCap | None = None) -> None:
+                 steady: int | DynamicCap | None = None,
+                 kv_capacity: KvCapacity | None = None,
+                 kv_block: KvBlock | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         policy = policy or SlotPolicy()
@@ -189,6 +198,11 @@ class PrioritySlots:
             config = dataclasses.replace(config, enabled=False)
         self.programs = ProgramBook(config, timer)
         self._kv_usage = kv_usage
+        ws = policy.working_set or WorkingSetConfig(enabled=False)
+        self.working = WorkingSet(dataclasses.replace(ws, enabled=ws.enabled and not fcfs),
+                                  timer)
+        self._kv_capacity = kv_capacity
+        self._kv_block = kv_block
         self._arrivals: deque[_Waiter] = deque()  # arrival order, for the wait bound
         self._held: list[_Waiter] = []
         self._hold_timer: asyncio.TimerHandle | None = None
@@ -266,6 +280,7 @@ class PrioritySlots:
 
     def _take(self, p: Priority, tokens: int = 0) -> None:
         self.programs.started(p.program)
+        self.working.started(p.program)
         self.in_use += 1
         if not p.interactive:
             self.batch_in_use += 1
@@ -287,6 +302,7 @@ class PrioritySlots:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self.programs.unkeep(priority.program)  # its next call came
+        self.working.arrived(priority.program)
         if self.linger is not None and priority.interactive:
             self.linger.acquired(priority.program)
         level = self.programs.level(priority.program)
@@ -304,6 +320,8 @@ class PrioritySlots:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():  # granted just as we were cancelled
                 self.release(waiter.priority, prefill_tokens)
+            else:
+                self.working.left(priority.program)
             raise
         return waiter.priority
 
@@ -337,6 +355,7 @@ class PrioritySlots:
     def release(self, priority: Priority, prefill_tokens: int = 0) -> None:
         """Give the slot back (``prefill_tokens``: still counted, if never prefilled)."""
         self.programs.finished(priority.program)
+        self.working.finished(priority.program)
         self.in_use -= 1
         if not priority.interactive:
             self.batch_prefill -= prefill_tokens
@@ -416,10 +435,25 @@ class PrioritySlots:
             return None
         return found
 
+    def kv_capacity(self) -> int | None:
+        """The engine's KV cache in tokens (None: unknown)."""
+        return None if self._kv_capacity is None else self._kv_capacity()
+
+    def observed(self, priority: Priority, tokens: int) -> None:
+        """A request of ``priority``'s program ended holding ``tokens`` of KV (prompt
+        plus completion): its session's footprint in the working set."""
+        self.working.observed(priority.program, tokens)
+
     def _hold(self, best: _Waiter) -> bool:
-        """Hold ``best`` back (out of the heap) when it is a new program's request and a
-        waiting session's KV is kept on a full cache (:meth:`ProgramBook.hold_back`)."""
-        if not self._holds(best, None if self._kv_usage is None else self._kv_usage()):
+        """Hold ``best`` back (out of the heap) when it is outside the working set and
+        that would not fit the cache (:meth:`WorkingSet.admits`), or when it is a new
+        program's request and a waiting session's KV is kept on a full cache
+        (:meth:`ProgramBook.hold_back`)."""
+        if self._outside_working_set(best):
+            self.working.held += 1
+        elif self._holds(best, None if self._kv_usage is None else self._kv_usage()):
+            self.programs.held += 1
+        else:
             return False
         if best is self._heap[0]:
             heapq.heappop(self._heap)
@@ -428,9 +462,15 @@ class PrioritySlots:
             heapq.heapify(self._heap)
         best.held = True
         self._held.append(best)
-        self.programs.held += 1
         self._wake_held()
         return True
+
+    def _outside_working_set(self, w: _Waiter) -> bool:
+        """Whether ``w`` waits for the working set to fit (:mod:`.working_set`)."""
+        return (not w.future.done() and self.working.enabled
+                and not self.working.admits(w.priority.program, self.kv_capacity(),
+                                            None if self._kv_block is None
+                                            else self._kv_block()))
 
     def _holds(self, w: _Waiter, kv: float | None) -> bool:
         """Whether ``w`` stays held: never past ``keep_ttl_s`` from its arrival (new
@@ -446,9 +486,14 @@ class PrioritySlots:
         if not self._held or self._hold_timer is not None:
             return
         now, ttl = self.programs.now(), self.programs.config.keep_ttl_s
-        waits = [w.since + ttl - now for w in self._held]
-        mark = self.programs.next_keep_expiry_s()
-        wait = max(0.0, min([*waits, *([] if mark is None else [mark])]))
+        waits = [w.since + ttl - now for w in self._held]  # past it: the working set's
+        waits = [x for x in waits if x > 0]  # hold, which a release or a leave ends
+        for left in (self.programs.next_keep_expiry_s(), self.working.next_change_s()):
+            if left is not None:
+                waits.append(left)
+        if not waits:
+            return
+        wait = max(0.0, min(waits))
         self._hold_timer = asyncio.get_running_loop().call_later(wait + 0.01,
                                                                  self._hold_expired)
 
@@ -461,7 +506,8 @@ class PrioritySlots:
         if not self._held:
             return
         kv = None if self._kv_usage is None else self._kv_usage()
-        keep = [w for w in self._held if self._holds(w, kv)]
+        keep = [w for w in self._held
+                if self._outside_working_set(w) or self._holds(w, kv)]
         kept = {id(w) for w in keep}
         for w in self._held:
             if id(w) not in kept and not w.future.done():

@@ -1,7 +1,11 @@
 """Attempts of one request across a route's backends, until one answers.
 
 Per attempt: connect timeout, a first-token timeout (headers and the first stream
-event) and, for plain answers, the request's remaining budget (case R3). Failures
+event) and, for plain answers, the request's remaining budget (case R3). The last
+stream attempt the route allows (``max_attempts``) has no attempt to fail over to, so it
+waits for its first event within what is left of the request's budget instead of the
+first-token timeout (issue 38, item 12: a timeout meant to fail over only cuts off an
+answer nothing replaces); a whole answer keeps its per-attempt ``response_timeout_s``. Failures
 before anything reached the client are retried: at once on another backend when one is
 untried, else after the upstream's ``Retry-After`` (case R1) or jittered exponential
 backoff ("full jitter", Brooker 2015) -- tenacity does the waiting and the stop rules
@@ -11,9 +15,10 @@ backoff ("full jitter", Brooker 2015) -- tenacity does the waiting and the stop 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,7 +34,7 @@ from tenacity import (
 )
 
 from flowlift.errors import Overloaded, UpstreamError
-from flowlift.proxy.dispatch.routing.latency import Demand, Features, LatencyBook
+from flowlift.proxy.dispatch.routing.latency import CacheReport, Demand, Features, LatencyBook
 from flowlift.proxy.dispatch.routing.routing import Route
 from flowlift.proxy.dispatch.slots.scheduler import Slot
 from flowlift.proxy.dispatch.upstream.health import Call, Evidence
@@ -45,6 +50,9 @@ log = get_logger("flowlift.proxy.dispatch.upstream.attempts")
 _BACKOFF = wait_random_exponential(multiplier=0.25, max=8.0)
 _REQUESTS = itertools.count()
 BodyFor = Callable[[Upstream], bytes]
+HeadersFor = Callable[[Upstream], Mapping[str, str]]
+"""The headers one upstream gets besides the request's own (its ``pass_headers``, the
+hints it opted in to)."""
 Admit = Callable[[], Awaitable[Slot]]
 """Waits for a slot of the route's upstream pool and returns it, granted, before each
 upstream attempt (workflow steps wait there in priority order); None: no pool
@@ -75,14 +83,22 @@ class Timing:
     started: float
     first_at: float = 0.0
 
-    def done(self, name: str, output_tokens: int | None, *, streamed: bool) -> None:
+    def done(self, name: str, output_tokens: int | None, *, streamed: bool,
+             cache: CacheReport | None = None) -> None:
         """The attempt on replica ``name`` succeeded now with ``output_tokens`` (None:
-        unknown); ``streamed``: False for a whole answer (its TTFT is not measured)."""
+        unknown); ``streamed``: False for a whole answer (its TTFT is not measured);
+        ``cache``: what the replica reported of its prompt cache (the TTFT model learns
+        the uncached tokens it reported, not the ones expected)."""
         now = time.monotonic()
-        self.book.observe(name, self.model, self.features, ttft_s=self.first_at
+        features = self.features
+        if cache is not None:
+            features = dataclasses.replace(
+                features, cached_tokens=round(features.prompt_tokens * cache.hit))
+        self.book.observe(name, self.model, features, ttft_s=self.first_at
                           - self.started, total_s=now - self.started,
                           output_tokens=output_tokens, now=now, streamed=streamed)
-        self.book.sent(name, self.demand.affinity, self.demand.prompt_tokens)
+        self.book.sent(name, self.demand.affinity, self.demand.prompt_tokens,
+                       expected_cached=self.features.cached_tokens, report=cache)
 
 
 @dataclass(slots=True)
@@ -103,13 +119,16 @@ class Opened:
     slot: Slot | None = None  # the pool slot it holds (see Admit)
     timing: Timing | None = None  # for the replica's latency model
     waited_s: float = 0.0  # seconds its request waited on upstreams until now (see Waited)
+    cache: CacheReport | None = None  # what the replica reported of the prompt's cache
 
     def succeeded(self, output_tokens: int | None = None) -> None:
         """The answer went through whole (``output_tokens``: its length, if known): the
-        backend's circuit closes and its latency model learns the answer's times."""
+        backend's circuit closes and its latency model learns the answer's times (and
+        its prefix cache from :attr:`cache`, when the reader of the answer set it)."""
         self.call.succeeded()
         if self.timing is not None:
-            self.timing.done(self.upstream.name, output_tokens, streamed=self.body is None)
+            self.timing.done(self.upstream.name, output_tokens, streamed=self.body is None,
+                             cache=self.cache)
 
     async def release(self) -> None:
         """Close the upstream answer, count the request out of the backend and give
@@ -170,14 +189,14 @@ class _Wait:
 
 async def _attempt(upstream: Upstream, call: Call, path: str, body: bytes,
                    headers: dict[str, str], *, stream: Stream, budget_s: float,
-                   waited: Waited) -> Opened:
+                   waited: Waited, last: bool = False) -> Opened:
     spec = upstream.spec
     response: Answer | None = None
     stage = "before answering"
     sent = 0.0  # when the request went (0: not out, or its wait already counted)
+    per_attempt = spec.first_token_timeout_s if stream else spec.response_timeout_s
     try:
-        async with asyncio.timeout(min(spec.first_token_timeout_s if stream
-                                       else spec.response_timeout_s, budget_s)):
+        async with asyncio.timeout(budget_s if last and stream else min(per_attempt, budget_s)):
             sent = time.monotonic()
             response = await upstream.post(path, body, headers)
             call.answered(response.status)
@@ -251,8 +270,8 @@ async def _first_bytes(upstream: Upstream, call: Call,
 
 async def open_answer(backends: Backends, route: Route, *, path: str, body_for: BodyFor,
                       headers: dict[str, str], stream: Stream, affinity: str | None = None,
-                      admit: Admit | None = None, demand: Demand | None = None
-                      ) -> Opened | Local:
+                      admit: Admit | None = None, demand: Demand | None = None,
+                      headers_for: HeadersFor | None = None) -> Opened | Local:
     """Try the route's backends until one answers.
 
     Args:
@@ -266,6 +285,7 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
             opened answer holds it until released.
         demand: the request's prompt and output length, for the route's
             ``"predicted-latency"`` replica choice (None: only ``affinity`` is known).
+        headers_for: each upstream's own headers beside ``headers`` (None: none).
 
     Returns:
         The opened answer, or :class:`~flowlift.proxy.dispatch.backends.Local` when the
@@ -276,7 +296,7 @@ async def open_answer(backends: Backends, route: Route, *, path: str, body_for: 
         UpstreamError: every attempt failed (the last one's error).
     """
     attempts = _Attempts(backends, route, path, body_for, headers, stream,
-                         demand or Demand(affinity=affinity), admit)
+                         demand or Demand(affinity=affinity), admit, headers_for)
     try:  # the common case, without the retry machinery's overhead
         target = attempts.choose()
         return await attempts.send(target, 1) if isinstance(target, Upstream) else target
@@ -305,9 +325,10 @@ class _Attempts:
 
     def __init__(self, backends: Backends, route: Route, path: str, body_for: BodyFor,
                  headers: dict[str, str], stream: Stream, demand: Demand,
-                 admit: Admit | None) -> None:
+                 admit: Admit | None, headers_for: HeadersFor | None = None) -> None:
         self.backends, self.route, self.path = backends, route, path
         self.body_for, self.headers, self.stream = body_for, headers, stream
+        self.headers_for = headers_for
         self.demand, self.admit = demand, admit
         self.tried: set[str] = set()
         self.key = next(_REQUESTS)  # the request's id in its backends' health
@@ -362,12 +383,16 @@ class _Attempts:
                 timing = Timing(self.backends.latency, self.route.model, self.demand,
                                 self.backends.features(upstream.name, self.demand),
                                 time.monotonic())
+            headers = self.headers
+            if self.headers_for is not None:
+                headers = {**headers, **self.headers_for(upstream)}
             call = upstream.health.call(self.key)
             try:
                 opened = await _attempt(upstream, call, self.path, self.body_for(upstream),
-                                        self.headers, stream=self.stream,
+                                        headers, stream=self.stream,
                                         budget_s=self.route.total_timeout_s
-                                        - (time.monotonic() - self.t0), waited=self.waited)
+                                        - (time.monotonic() - self.t0), waited=self.waited,
+                                        last=number >= self.route.max_attempts)
             except BaseException as exc:  # cancelled too (its run or its client went away):
                 call.close()  # counted out, or the backend would fill up and look busy
                 if isinstance(exc, UpstreamError):
@@ -377,6 +402,8 @@ class _Attempts:
                     if timing is not None and evidence in ("down", "silent"):  # its fault
                         now = time.monotonic()
                         self.backends.latency.failed(upstream.name, now - timing.started, now)
+                    if evidence == "down" and call.status is None:  # no answer at all:
+                        self.backends.latency.forget(upstream.name)  # a restart, cache gone
                     log.info("upstream_attempt_failed", backend=upstream.name,
                              status=exc.status, retryable=exc.retryable, attempt=number,
                              evidence=evidence)

@@ -32,8 +32,8 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.proxy.dispatch.batch.flex import tier_fields
-from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields
-from flowlift.proxy.dispatch.routing.latency import Demand
+from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields, hint_headers
+from flowlift.proxy.dispatch.routing.latency import CacheReport, Demand
 from flowlift.proxy.dispatch.routing.routing import Route
 from flowlift.proxy.dispatch.slots.scheduler import Slot
 from flowlift.proxy.dispatch.upstream.attempts import Admit, Opened, open_answer
@@ -101,9 +101,10 @@ def chat_body(request: GenerationRequest, model: str) -> dict[str, Any]:
 
 
 def _read_event(data: str, backend: str
-                ) -> tuple[chunks.ChunkChoice | None, Usage | None, str | None]:
-    """(choice 0, usage) of one chat.completion.chunk (read by
-    :func:`flowlift.proxy.wire.chunks.parse_event`).
+                ) -> tuple[chunks.ChunkChoice | None, Usage | None, str | None,
+                           CacheReport | None]:
+    """(choice 0, usage, service tier, the cache report in the usage) of one
+    chat.completion.chunk (read by :func:`flowlift.proxy.wire.chunks.parse_event`).
 
     Raises:
         EngineError: an in-band error event, or an event that is not a JSON object.
@@ -113,7 +114,9 @@ def _read_event(data: str, backend: str
         raise EngineError(f"backend {backend!r} sent a stream event that is not JSON")
     if chunk.error is not None:
         raise EngineError(f"backend {backend!r}: {chunk.error or 'an error without a message'}")
-    return chunk.choice(0), chunk.usage, chunk.service_tier
+    usage = chunk.usage_json
+    return (chunk.choice(0), chunk.usage, chunk.service_tier,
+            None if usage is None else CacheReport.of(dict(usage)))
 
 
 def idempotency_key(request: GenerationRequest) -> str | None:
@@ -173,12 +176,20 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
         granted.append(slot)
         return slot
 
+    steps: list[int] = []  # this request's ordinal in its program, counted once
+
+    def step_hints() -> StepHints:
+        slot = granted[-1].priority if granted and not backends.fcfs else None
+        if not steps and request.session_id is not None:
+            steps.append(backends.steps.next(request.session_id))
+        return StepHints.of(request, None if slot is None else slot.engine_priority()
+                            ).routed(slot, step=steps[0] if steps else None,
+                                     kv_retention_ttl_s=backends.keep_ttl_s)
+
     def hints(up: Upstream) -> dict[str, Any]:
         if not up.spec.hints:  # the common case: nothing to compute
             return {}
-        priority = (granted[-1].priority.engine_priority()
-                    if granted and not backends.fcfs else None)
-        return hint_fields(up.spec, StepHints.of(request, priority), body,
+        return hint_fields(up.spec, step_hints(), body,
                            session_open=backends.sessions.is_open(up.name,
                                                                   request.session_id))
 
@@ -191,7 +202,9 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
         return await open_answer(
             backends, route, path="/chat/completions", body_for=body_for,
             headers=headers, stream="events", affinity=request.session_id,
-            admit=None if admit is None else admitted, demand=demand_of(request))
+            admit=None if admit is None else admitted, demand=demand_of(request),
+            headers_for=lambda up: hint_headers(up.spec, step_hints()) if up.spec.hints
+            else {})
     except UpstreamError as exc:
         raise unretryable(exc, route.model) or EngineError(
             f"model {route.model!r}: {exc.message}") from None
@@ -288,8 +301,10 @@ class UpstreamEngine(Engine):
         idle_s = opened.upstream.spec.idle_timeout_s
         event = opened.first
         while event is not None and event.data != "[DONE]":
-            choice, usage_now, tier_now = _read_event(event.data, opened.upstream.name)
+            choice, usage_now, tier_now, cache = _read_event(event.data,
+                                                             opened.upstream.name)
             usage = usage_now or usage
+            opened.cache = cache or opened.cache
             tier = tier_now or tier
             if choice is not None:
                 finish = choice.finish_reason or finish

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import EllipsisType
 from typing import Any
 
 import orjson
@@ -27,13 +28,19 @@ from flowlift.errors import RequestError, UpstreamError
 from flowlift.proxy.dispatch.backends import Backends, Local
 from flowlift.proxy.dispatch.batch.flex import tier_fields
 from flowlift.proxy.dispatch.local import EmbeddedCall, serve_local
-from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields
-from flowlift.proxy.dispatch.routing.latency import Demand
+from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields, hint_headers
+from flowlift.proxy.dispatch.routing.latency import CacheReport, Demand
 from flowlift.proxy.dispatch.routing.routing import Route
 from flowlift.proxy.dispatch.upstream.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, translate
-from flowlift.proxy.dispatch.upstream.provider import Upstream, error_message, forwarded_headers
+from flowlift.proxy.dispatch.upstream.provider import (
+    Upstream,
+    client_headers,
+    error_message,
+    forwarded_headers,
+)
 from flowlift.proxy.telemetry import requests as request_tracing
+from flowlift.proxy.telemetry.requests import RequestTrace
 from flowlift.proxy.wire import chunks
 from flowlift.proxy.wire.messages import render_message
 from flowlift.proxy.wire.sse_bytes import (
@@ -77,13 +84,13 @@ def _usage_asked(path: str, data: dict[str, Any]) -> dict[str, Any] | None:
 
 def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str,
               extra: dict[str, Any] | None = None, path: str = "",
-              session: str | None = None) -> bytes:
+              hints: StepHints | None = None, session_open: bool = False) -> bytes:
     target = upstream.upstream_model(model)
     # a flex or priority backend's service_tier (generation endpoints only)
     tier = tier_fields(upstream.spec, data) if path in TIERED_PATHS else {}
-    if session is not None:  # the SGLang session open on this backend (dispatch.hints)
-        tier = {**tier, **hint_fields(upstream.spec, StepHints(None, session), data,
-                                      session_open=True)}
+    if hints is not None and upstream.spec.hints:  # the opted-in hints (dispatch.hints)
+        tier = {**tier, **hint_fields(upstream.spec, hints, data,
+                                      session_open=session_open)}
     if tier:
         extra = {**(extra or {}), **tier}
     if target == model and extra is None:
@@ -94,7 +101,8 @@ def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str,
 async def forward(request: web.Request, *, backends: Backends, route: Route, path: str,
                   raw: bytes, data: dict[str, Any], affinity: str | None = None,
                   embedded: EmbeddedCall | None = None,
-                  on_output: OnOutput | None = None) -> web.StreamResponse:
+                  on_output: OnOutput | None = None,
+                  traced: RequestTrace | None = None) -> web.StreamResponse:
     """Answer ``request`` from the route's backends (see :func:`open_answer`).
 
     Args:
@@ -106,6 +114,8 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
             backend's slots); None when the endpoint has no embedded implementation.
         on_output: called once with the first choice's text and the usage when a whole
             answer went through (inferred workflows use it).
+        traced: the request's trace, handed down from its route (None: untraced): its
+            span is the upstream's parent, and it notes the answer as it passes.
 
     Raises:
         Overloaded: no backend can take the request now (429/503 with ``Retry-After``).
@@ -113,25 +123,28 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
     """
     deadline = asyncio.get_running_loop().time() + route.total_timeout_s
     headers = forwarded_headers(request.headers)
-    traced = request_tracing.current()
     if traced is not None and not traced.recording:  # (no OpenTelemetry calls for it)
         traced.inject(headers)  # the proxy's own span (a child of the caller's)
     else:
         inject(headers)  # is the upstream's parent
     extra = _usage_asked(path, data)
     sessions = backends.sessions
+    hints = None
     if affinity is not None and path in USAGE_PATHS:  # generations: SGLang sessions
         await sessions.open((backends.upstreams[n] for n in route.backends
                              if n in backends.upstreams), affinity)
+        hints = _session_hints(backends, route, affinity)
     try:
         opened = await open_answer(
             backends, route, path=path, headers=headers,
             body_for=lambda up: _body_for(
                 up, raw, data, route.model, extra if up.spec.stream_usage else None, path,
-                affinity if sessions.is_open(up.name, affinity) else None),
+                hints, sessions.is_open(up.name, affinity)),
             stream="bytes" if data.get("stream") is True else False, affinity=affinity,
             # (what only a choice that predicts reads: open_answer knows the affinity)
-            demand=demand_of(raw, data, affinity) if route.predicts else None)
+            demand=demand_of(raw, data, affinity) if route.predicts else None,
+            headers_for=(None if hints is None and not _passes_headers(backends, route)
+                         else lambda up: _upstream_headers(up, request.headers, hints)))
     except UpstreamError as exc:
         return upstream_error_response(exc)
     if isinstance(opened, Local):
@@ -146,9 +159,34 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
             return _plain(opened, on_output)
         return await _stream(request, opened, on_output, deadline,
                              strip_usage=extra is not None
-                             and opened.upstream.spec.stream_usage)
+                             and opened.upstream.spec.stream_usage, traced=traced)
     finally:
         await opened.release()
+
+
+def _session_hints(backends: Backends, route: Route, session: str) -> StepHints | None:
+    """A drop-in generation's hints: its session (the program) and its ordinal there,
+    when a backend of the route opts in to any hint (None: none does)."""
+    if not any(backends.upstreams[n].spec.hints for n in route.backends
+               if n in backends.upstreams):
+        return None
+    return StepHints(None, session, step=backends.steps.next(session))
+
+
+def _passes_headers(backends: Backends, route: Route) -> bool:
+    """Whether an upstream of ``route`` lets client headers through (``pass_headers``)."""
+    return any(backends.upstreams[n].spec.pass_headers for n in route.backends
+               if n in backends.upstreams)
+
+
+def _upstream_headers(up: Upstream, client: Mapping[str, str],
+                      hints: StepHints | None) -> dict[str, str]:
+    """What ``up`` gets besides the trace context: the client headers its
+    ``pass_headers`` allow, and its opted-in hints' headers (those win)."""
+    out = client_headers(up.spec, client)
+    if hints is not None:
+        out.update(hint_headers(up.spec, hints))
+    return out
 
 
 def upstream_error_response(exc: UpstreamError) -> web.Response:
@@ -210,6 +248,8 @@ def demand_of(raw: bytes, data: dict[str, Any], affinity: str | None) -> Demand:
 def _plain(opened: Opened, on_output: OnOutput | None) -> web.Response:
     usage = (opened.doc or {}).get("usage")
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if opened.timing is not None:  # (a replica choice that predicts: its cache belief)
+        opened.cache = CacheReport.of(usage)
     opened.succeeded(tokens if isinstance(tokens, int) else None)
     body = opened.body or b""
     if on_output is not None and opened.doc is not None:
@@ -253,10 +293,14 @@ class _Passing:
     for ``on_output``."""
 
     def __init__(self, resp: web.StreamResponse, on_output: OnOutput | None,
-                 strip_usage: bool) -> None:
+                 strip_usage: bool, traced: RequestTrace | EllipsisType | None = ...,
+                 *, read_cache: bool = False) -> None:
         self.resp, self.strip_usage = resp, strip_usage
         self.collect = _Collect() if on_output is not None else None
-        self.traced = request_tracing.current()
+        self.read_cache = read_cache  # the replica choice learns the reported cache
+        self.cache: CacheReport | None = None
+        # the trace forward was handed (``...``, used on its own: the context's)
+        self.traced = request_tracing.current() if traced is ... else traced
         self.done = False  # the end marker came
         self.events = 0  # events passed on (about one output token each)
         self.errored = False  # the upstream sent its own error event
@@ -277,11 +321,23 @@ class _Passing:
         self.errored = self.errored or ((error or named) and has_error(events))
         if self.collect is not None:
             self.collect.add(events)
+        if usage and self.read_cache:
+            self.cache = _reported_cache(events) or self.cache
         return without_usage(events) if usage and self.strip_usage else events
 
 
+def _reported_cache(events: bytes) -> CacheReport | None:
+    """The prefix-cache report in the usage of whole ``events``, if one holds it."""
+    for data in data_fields(events):
+        chunk = chunks.parse_event(data) if '"usage"' in data else None
+        if chunk is not None and chunk.usage_json is not None:
+            return CacheReport.of(dict(chunk.usage_json))
+    return None
+
+
 async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | None,
-                  deadline: float, *, strip_usage: bool = False) -> web.StreamResponse:
+                  deadline: float, *, strip_usage: bool = False,
+                  traced: RequestTrace | None = None) -> web.StreamResponse:
     """Forward the stream as it arrives, whole events per write (:mod:`.sse_bytes`).
 
     The idle timeout restarts only when a whole model event arrives (bytes dribbling
@@ -297,7 +353,8 @@ async def _stream(request: web.Request, opened: Opened, on_output: OnOutput | No
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache",
                                        "X-Flowlift-Backend": upstream.name})
-    passing = _Passing(resp, on_output, strip_usage)
+    passing = _Passing(resp, on_output, strip_usage, traced,
+                       read_cache=opened.timing is not None)
     traced, clock = passing.traced, time.monotonic
     buffer = opened.tail
     failure: str | None = None
@@ -374,6 +431,7 @@ async def _end(opened: Opened, passing: _Passing, failure: str | None,
     elif not passing.done:
         await _cut_short(passing.resp, opened, failure)
     else:  # the events less the end marker and the finish: about the output tokens
+        opened.cache = passing.cache
         opened.succeeded(max(passing.events - 2, 1))
         if passing.collect is not None and on_output is not None:
             on_output("".join(passing.collect.parts), passing.collect.usage)

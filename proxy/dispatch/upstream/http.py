@@ -106,6 +106,11 @@ class AiohttpClient:
 
     The session opens on the first request (it belongs to the running event loop).
     Answers are decoded of ``Content-Encoding`` (aiohttp's ``auto_decompress``).
+    It keeps no cookies (``aiohttp.DummyCookieJar``): the session is shared by every
+    request of every client to this upstream, so a cookie one answer sets (llm-d's
+    ``llm-d-session``, a load balancer's stickiness cookie) would go out on every later
+    request of every session and tenant (issue 37). Session affinity travels in the
+    per-request hints (:mod:`.hints`) instead.
     """
 
     def __init__(self, *, max_connections: int, connect_timeout_s: float,
@@ -121,6 +126,7 @@ class AiohttpClient:
                                          ssl=httpx.create_ssl_context())  # certifi's CAs
         self._session = aiohttp.ClientSession(
             connector=connector, headers=self.headers, response_class=AiohttpAnswer,
+            cookie_jar=aiohttp.DummyCookieJar(),  # no cookie crosses sessions or tenants
             timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s,
                                           sock_connect=self.connect_timeout_s))
         return self._session

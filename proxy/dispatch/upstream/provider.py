@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
@@ -42,9 +42,11 @@ RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 
 
 PASSED_HEADERS = ("traceparent", "tracestate", "baggage", "x-request-id", "openai-beta",
                   "idempotency-key", "accept-language")
-"""The only client headers forwarded upstream: W3C trace context and request metadata.
-Everything else -- the client's ``Authorization`` (the proxy's own key), cookies and
-any ``x-*`` header that may hold a secret -- stays in the proxy (case B2)."""
+"""The client headers forwarded to every upstream: W3C trace context and request
+metadata. Everything else -- the client's ``Authorization`` (the proxy's own key),
+cookies and any ``x-*`` header that may hold a secret -- stays in the proxy (case B2),
+unless a backend's ``pass_headers`` lists it (:func:`client_headers`; secrets are
+refused there too)."""
 
 
 def forwarded_headers(client: Mapping[str, str]) -> dict[str, str]:
@@ -54,8 +56,23 @@ def forwarded_headers(client: Mapping[str, str]) -> dict[str, str]:
         RequestError: a passed header holds non-ASCII or control characters (case B3:
             a 400 naming the header, never a 500).
     """
+    return _picked(PASSED_HEADERS, client)
+
+
+def client_headers(spec: UpstreamSpec, client: Mapping[str, str]) -> dict[str, str]:
+    """The client headers ``spec`` allows beside :data:`PASSED_HEADERS` (its
+    ``pass_headers``, lower-case names; secrets were refused when the config loaded).
+
+    Raises:
+        RequestError: such a header holds non-ASCII or control characters (a 400 naming
+            it).
+    """
+    return _picked(spec.pass_headers, client) if spec.pass_headers else {}
+
+
+def _picked(names: Iterable[str], client: Mapping[str, str]) -> dict[str, str]:
     out = {}
-    for name in PASSED_HEADERS:
+    for name in names:
         value = client.get(name)
         if value is None:
             continue

@@ -61,6 +61,7 @@ from flowlift.proxy.openai.generation import (
 )
 from flowlift.proxy.sessions.table import observe, program_of
 from flowlift.proxy.state import STATE
+from flowlift.proxy.telemetry.requests import RequestTrace
 from flowlift.proxy.wire.tool_calls import (
     Message,
     Tool,
@@ -272,7 +273,8 @@ def next_turn_request(gen: GenerationRequest, content: str,
 
 
 async def chat_completions(request: web.Request, data: Any, model: str, backend: Backend, *,
-                           on_output: OnOutput | None = None) -> web.StreamResponse:
+                           on_output: OnOutput | None = None,
+                           traced: RequestTrace | None = None) -> web.StreamResponse:
     """Answer one chat completion request (``data``: the parsed JSON body) on ``backend``.
 
     Args:
@@ -280,6 +282,7 @@ async def chat_completions(request: web.Request, data: Any, model: str, backend:
         on_output: called once when the answer completes (streamed or not) with the
             first choice's text (for tool calls: the JSON text of its ``tool_calls``
             list) and the ``usage`` object; not called for a failed answer.
+        traced: the request's trace, from where it was dispatched (None: untraced).
 
     Returns:
         A ``chat.completion`` JSON response, or an SSE stream of
@@ -310,7 +313,7 @@ async def chat_completions(request: web.Request, data: Any, model: str, backend:
                 next_turn_request(gen, choices[0].content or "", choices[0].calls()), HOLE)
         return usage
 
-    timing = Timing()
+    timing = Timing(traced=traced)
     try:
         async with started(backend, fan_out(gen, len(choices)), timing,
                            Priority.of("interactive", program=program)) as chunks:

@@ -29,6 +29,7 @@ from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai import generation as gen
 from flowlift.proxy.openai.generation import OnOutput, SamplingFields, Unsupported
 from flowlift.proxy.sessions.table import program_of
+from flowlift.proxy.telemetry.requests import RequestTrace
 
 _UNSUPPORTED: Unsupported = {
     "suffix": (bool, "text insertion is not supported; put all the text in `prompt`"),
@@ -118,7 +119,8 @@ class _TextChoice:
 
 
 async def completions(request: web.Request, data: Any, model: str, backend: Backend, *,
-                      on_output: OnOutput | None = None) -> web.StreamResponse:
+                      on_output: OnOutput | None = None,
+                      traced: RequestTrace | None = None) -> web.StreamResponse:
     """Answer one legacy completion request (``data``: the parsed JSON body).
 
     Args:
@@ -126,6 +128,7 @@ async def completions(request: web.Request, data: Any, model: str, backend: Back
         on_output: called once when the answer completes (streamed or not) with the
             first choice's generated text (without the echoed prompt) and the ``usage``
             object; not called for a failed answer.
+        traced: the request's trace, from where it was dispatched (None: untraced).
 
     Returns:
         A ``text_completion`` JSON response, or for ``stream: true`` an SSE stream of
@@ -166,7 +169,7 @@ async def completions(request: web.Request, data: Any, model: str, backend: Back
         gen.notify(on_output, choices[0].text, usage)
         return usage
 
-    timing = gen.Timing()
+    timing = gen.Timing(traced=traced)
     async with gen.started(backend, requests, timing, Priority.of(
             "interactive", program=program_of(request))) as chunks:
         if body.stream:

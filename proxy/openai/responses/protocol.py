@@ -5,8 +5,11 @@ Input items: messages (``{"role", "content"}``, ``type: "message"`` optional; co
 string or ``input_text`` / ``output_text`` parts), ``function_call`` (an earlier call of
 the model, replayed) and ``function_call_output`` (a tool's result, ``call_id`` naming
 the call). Tools: ``{"type": "function", "name", "description", "parameters"}``.
-Unknown fields are accepted and ignored, as in chat completions; a field or item the
-proxy cannot honour is a 400 naming it (:mod:`.translation`).
+Request fields: those of OpenAI's ``CreateResponse`` that flowlift acts on are
+:class:`ResponsesRequest`'s; :data:`IGNORED` lists the ones it accepts and ignores
+(documented in docs/responses.md), :data:`REFUSED` those it takes only at their default;
+any other field is a 400 naming it (:func:`check_fields`), never silently dropped. A
+field or item the proxy cannot honour is a 400 naming it (:mod:`.translation`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,19 @@ import secrets
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from flowlift.errors import RequestError
+
+IGNORED = frozenset({"include", "reasoning", "service_tier", "prompt_cache_key",
+                     "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
+                     "top_logprobs", "stream_options", "moderation", "context_management"})
+"""``CreateResponse`` fields accepted and ignored: hints about OpenAI's own service
+(tiers, caching keys, moderation, reasoning effort, extra ``include`` data) that change
+nothing in the answer a flowlift backend gives."""
+REFUSED: dict[str, tuple[Any, ...]] = {"background": (None, False), "conversation": (None,),
+                                        "prompt": (None,)}
+"""``CreateResponse`` fields taken only at these values (background mode, the
+Conversations API and stored prompt templates are not served)."""
 
 
 def new_id(prefix: str) -> str:
@@ -99,3 +115,28 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     seed: int | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1)
+
+
+_ACTED_ON = frozenset(ResponsesRequest.model_fields)
+
+
+def check_fields(data: dict[str, Any]) -> None:
+    """Refuse a request field flowlift neither acts on nor lists as ignored.
+
+    Raises:
+        RequestError: an unknown field, or one of :data:`REFUSED` at another value
+            (``param``: the field).
+    """
+    for key, value in data.items():
+        if key in _ACTED_ON or key in IGNORED:
+            continue
+        if key in REFUSED:
+            if value in REFUSED[key]:
+                continue
+            raise RequestError(f"{key}={value!r} is not supported by flowlift's Responses "
+                               "API; leave it out", param=key)
+        raise RequestError(f"unknown field {key!r} in the responses request (flowlift acts "
+                           f"on {', '.join(sorted(_ACTED_ON))}; ignores "
+                           f"{', '.join(sorted(IGNORED))})", param=key)

@@ -16,44 +16,50 @@ workflow run whose id is the conversation's first response id (or the client's o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import structlog
 from aiohttp import web
 from aiohttp_sse import EventSourceResponse, sse_response
 
-from flowlift.errors import FlowliftError, RequestError, UpstreamError
-from flowlift.proxy.dispatch.backends import Backend, Backends, Local
+from flowlift.errors import FlowliftError, RequestError, StoreUnavailable, UpstreamError
+from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.routing.routing import Route
-from flowlift.proxy.dispatch.upstream.attempts import Opened, open_answer
-from flowlift.proxy.dispatch.upstream.forward import demand_of, upstream_error_response
-from flowlift.proxy.dispatch.upstream.provider import forwarded_headers
+from flowlift.proxy.dispatch.upstream.forward import upstream_error_response
 from flowlift.proxy.http import parse_model
 from flowlift.proxy.openai.generation import Timing
-from flowlift.proxy.openai.responses import sources
+from flowlift.proxy.openai.responses import hosted as hosted_tools
 from flowlift.proxy.openai.responses.events import Event, ResponseBuilder
-from flowlift.proxy.openai.responses.protocol import ResponsesRequest, new_id
+from flowlift.proxy.openai.responses.pairing import check_pairs
+from flowlift.proxy.openai.responses.protocol import (
+    InputItem,
+    ResponsesRequest,
+    check_fields,
+    new_id,
+)
 from flowlift.proxy.openai.responses.store import RESPONSES, ResponseStore, Turn
 from flowlift.proxy.openai.responses.translation import (
-    assistant_message,
     chat_messages,
     chat_request,
+    chat_tools,
     input_items,
     item_json,
     without_replayed,
 )
+from flowlift.proxy.openai.responses.turn import Generation, Loop, Opener, open_first
 from flowlift.proxy.sessions.table import tenant_program
 from flowlift.proxy.state import STATE
+from flowlift.proxy.telemetry.requests import RequestTrace
 from flowlift.proxy.tenants import tenant_of
 from flowlift.proxy.workflows.inferred import workflow_from
 
 routes = web.RouteTableDef()
 Done = Callable[[dict[str, Any]], Awaitable[None]]
+"""Store and record a finished turn (its response object)."""
 
 
 def served_here(backends: Backends, route: Route) -> bool:
@@ -71,6 +77,8 @@ def _head(req: ResponsesRequest, rid: str, model: str) -> dict[str, Any]:
     """The response object's fields that do not change while it is generated."""
     tools = [{"type": "function", "name": t.get("name"), "description": t.get("description"),
               "parameters": t.get("parameters"), "strict": t.get("strict", True)}
+             if t.get("type") != "mcp" else
+             {k: v for k, v in t.items() if k not in ("headers", "authorization")}
              for t in req.tools or ()]
     return {"id": rid, "created_at": int(time.time()), "model": model,
             "instructions": req.instructions, "tools": tools,
@@ -80,118 +88,147 @@ def _head(req: ResponsesRequest, rid: str, model: str) -> dict[str, Any]:
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "metadata": req.metadata or {}, "max_output_tokens": req.max_output_tokens,
             "previous_response_id": req.previous_response_id, "store": req.store is not False,
-            "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled"}
+            "text": req.text or {"format": {"type": "text"}},
+            "truncation": req.truncation or "disabled",
+            **({"max_tool_calls": req.max_tool_calls} if req.max_tool_calls else {})}
 
 
-async def create(request: web.Request, data: dict[str, Any], route: Route
+async def create(request: web.Request, data: dict[str, Any], route: Route,
+                 traced: RequestTrace | None = None
                  ) -> web.StreamResponse:
-    """Answer one ``POST /v1/responses`` (``data``: the parsed body) on ``route``.
+    """Answer one ``POST /v1/responses`` (``data``: the parsed body) on ``route``
+    (``traced``: the request's trace, read once at its route; None: untraced).
 
     Raises:
-        RequestError: a malformed or unsupported field or input item (400, ``param``).
+        RequestError: a malformed, unknown or unsupported field or input item, a
+            ``function_call_output`` without its call (or twice), a call without its
+            output (400, ``param``).
+        PermissionDenied: a hosted MCP server the config or the tenant's key does not
+            allow (403).
         ResponseNotFound: ``previous_response_id`` unknown, expired or another
             tenant's (404, ``param="previous_response_id"``).
+        ToolServerUnavailable: a hosted MCP server that does not list its tools (424).
         EngineError: the engine failed before the first token (503).
     """
     state, store = request.app[STATE], request.app[RESPONSES]
+    check_fields(data)
     req = parse_model(ResponsesRequest, data, "responses request")
     tenant = tenant_of(request)
     previous = (await store.load(req.previous_response_id, tenant, param="previous_response_id")
                 if req.previous_response_id else None)
     items = input_items(req.input)
-    new, rid = chat_messages(items), new_id("resp")
     history = previous.messages if previous else []
-    new = without_replayed(history, new)
+    check_pairs(history, items)
+    new, rid = without_replayed(history, chat_messages(items)), new_id("resp")
     if not history and not new:
         raise RequestError("input is empty: send the turn's input (a string or a list of "
                            "items), or continue a conversation with previous_response_id",
                            param="input")
-    conversation = previous.conversation if previous else rid
-    joined = workflow_from(request.headers, data)
-    workflow = joined[0] if joined else conversation
-    structlog.contextvars.bind_contextvars(workflow_id=workflow, response_id=rid)
-    chat = chat_request(req, route.model, history, new, stream=True)
-    turn = 1 + (previous.number if previous else 0)
-    started_at, builder = time.time(), ResponseBuilder(_head(req, rid, route.model))
-
-    async def done(response: dict[str, Any], backend: str | None) -> None:
-        output = assistant_message(response["output"])
-        if req.store is not False and response["status"] != "failed":
-            await store.save(Turn(response, [item_json(i) for i in items], conversation,
-                            [*history, *new, output], turn), tenant)
-        state.inferred.record(
-            workflow, step=joined[1] if joined else f"turn-{turn}", model=route.model,
-            messages=chat["messages"], prompt=None,
-            output=output["content"] or json.dumps(output.get("tool_calls")),
-            usage=builder.usage, started_at=started_at, finished_at=time.time(),
-            backend=backend, sampling=chat, tenant=tenant)
-
+    others, mcp = hosted_tools.split(req.tools)
+    tools = chat_tools(others) or []
+    hosted = await hosted_tools.resolve(mcp, state.tools, state.tenants.by_name(tenant),
+                                        {t["function"]["name"] for t in tools})
     try:
-        opened = await open_answer(
-            state.backends, route, path="/chat/completions",
-            headers=forwarded_headers(request.headers), stream="events",
-            body_for=lambda up: orjson.dumps(_upstream_body(chat, up.spec.stream_usage,
-                                                            up.upstream_model(route.model))),
-            affinity=conversation, demand=demand_of(orjson.dumps(chat), chat, conversation))
+        return await _serve(request, req, data, route, traced, _Turn(
+            rid, previous.conversation if previous else rid, history, new, items,
+            1 + (previous.number if previous else 0), tools + hosted.chat_tools()), hosted)
+    finally:
+        await hosted.aclose()
+
+
+@dataclass
+class _Turn:
+    rid: str
+    conversation: str
+    history: list[dict[str, Any]]
+    new: list[dict[str, Any]]
+    items: list[InputItem]
+    number: int
+    tools: list[dict[str, Any]]
+
+
+async def _serve(request: web.Request, req: ResponsesRequest, data: dict[str, Any],
+                 route: Route, traced: RequestTrace | None, turn: _Turn,
+                 hosted: hosted_tools.Hosted
+                 ) -> web.StreamResponse:
+    state, store, tenant = request.app[STATE], request.app[RESPONSES], tenant_of(request)
+    joined = workflow_from(request.headers, data)
+    workflow = joined[0] if joined else turn.conversation
+    structlog.contextvars.bind_contextvars(workflow_id=workflow, response_id=turn.rid)
+    started_at, timing = time.time(), Timing(traced=traced)
+    builder = ResponseBuilder(_head(req, turn.rid, route.model), hosted.labels())
+
+    def build(messages: list[dict[str, Any]]) -> dict[str, Any]:
+        return chat_request(req, route.model, [], messages, stream=True,
+                            tools=turn.tools or None)
+
+    # on the embedded engine the turn is a call of the tenant's program (the
+    # conversation, or the workflow it joined): scheduled with its other turns
+    opener = Opener(request, route, turn.conversation, timing,
+                    tenant_program(request, workflow))
+    try:
+        first, kept, chat = await open_first(opener, build, [*turn.history, *turn.new],
+                                             req.truncation)
     except UpstreamError as exc:
         return upstream_error_response(exc)
+    if traced is not None:
+        traced.request(route.model, joined, req.stream is True, chat)
+    loop = Loop(builder, opener, hosted, req.max_tool_calls)
+
+    async def done(response: dict[str, Any]) -> None:
+        opener.keep(response)
+        if traced is not None:
+            traced.answered(builder.usage, builder.finish)
+        if req.store is not False and response["status"] != "failed":
+            await store.save(Turn(response, [item_json(i) for i in turn.items],
+                                  turn.conversation, [*kept, *loop.produced], turn.number),
+                             tenant)
+        state.inferred.record(
+            workflow, step=joined[1] if joined else f"turn-{turn.number}", model=route.model,
+            messages=chat["messages"], prompt=None,
+            output=_text_of(loop.produced), usage=builder.usage, started_at=started_at,
+            finished_at=time.time(), backend=loop.backend, sampling=chat, tenant=tenant)
+
     headers = {"X-Flowlift-Workflow": workflow}
-    return await _answer(request, opened, chat, builder, conversation, req.stream is True,
-                         done, headers, tenant_program(request, workflow))
-
-
-def _upstream_body(chat: dict[str, Any], stream_usage: bool, model: str) -> dict[str, Any]:
-    body = {**chat, "model": model}
-    if not stream_usage:
-        body.pop("stream_options", None)
-    return body
-
-
-async def _answer(request: web.Request, opened: Opened | Local, chat: dict[str, Any],
-                  builder: ResponseBuilder, conversation: str, stream: bool,
-                  done: Callable[[dict[str, Any], str | None], Awaitable[None]],
-                  headers: dict[str, str], program: str) -> web.StreamResponse:
-    """Run the turn on what the route opened; the response or its event stream. On the
-    embedded engine the turn is a call of ``program`` (the conversation, or the
-    workflow it joined): scheduled with its other turns, and its KV kept while the
-    function calls it asked for are out (the next turn is known to come)."""
-    timing = Timing()
-    if isinstance(opened, Local):
-        backend, name = opened.backend, opened.backend.name
-        source: contextlib.AbstractAsyncContextManager[sources.ChatChunks] = \
-            sources.embedded(chat, opened.model, backend, conversation, timing, program)
-        done = _keeping(done, backend, program)
-        backend.admitted += 1  # as forward does: no burst slips through
-    else:
-        backend, name = None, opened.upstream.name
-        source = contextlib.nullcontext(sources.upstream(opened))
-        headers = {**headers, "X-Flowlift-Backend": name}
+    if not first.local:
+        headers["X-Flowlift-Backend"] = first.backend
+    events = _events(builder, loop, first, chat, done)
     try:
-        async with source as chunks:
-            if stream:
-                return await _stream(request, builder, chunks,
-                                     lambda r: done(r, name), headers)
-            async for chunk in chunks:
-                builder.feed(chunk)
+        if req.stream is True:
+            return await _stream(request, builder, events, headers)
+        async for _ in events:
+            pass
     finally:
-        if backend is not None:
-            backend.admitted -= 1
-    response = builder.final()
-    await done(response, name)
-    if isinstance(opened, Local):
+        await events.aclose()  # (a generator never started leaves its generation open)
+        await first.close.aclose()
+    if first.local:
         headers["Server-Timing"] = timing.server_timing()
-    return web.json_response(response, headers=headers)
+    return web.json_response(builder.final_response or builder.final(), headers=headers)
 
 
-def _keeping(done: Callable[[dict[str, Any], str | None], Awaitable[None]],
-             backend: Backend, program: str,
-             ) -> Callable[[dict[str, Any], str | None], Awaitable[None]]:
-    """``done`` that also sets the program's keep mark when the turn called functions."""
-    async def finish(response: dict[str, Any], name: str | None) -> None:
-        if any(item.get("type") == "function_call" for item in response.get("output", ())):
-            backend.slots.programs.keep(program)
-        await done(response, name)
-    return finish
+def _text_of(produced: list[dict[str, Any]]) -> str:
+    last = produced[-1] if produced else {"content": ""}
+    return str(last.get("content") or json.dumps(last.get("tool_calls")))
+
+
+async def _events(builder: ResponseBuilder, loop: Loop, first: Generation,
+                  chat: dict[str, Any], done: Done) -> AsyncGenerator[Event, None]:
+    """Every event of the turn; the turn is stored (``done``) before its terminal event,
+    so the next turn can name it at once. A failure after the first generation started
+    ends the events with ``response.failed`` when streamed (never a clean-looking
+    finish), and is raised when not."""
+    for event in builder.start():
+        yield event
+    for label, tools in loop.hosted.listings:
+        for event in builder.list_tools(label, tools):
+            yield event
+    async for event in loop.run(first, chat):
+        yield event
+    events = builder.finish_events()
+    builder.final_response = events[-1]["response"]
+    await done(builder.final_response)
+    for event in events:
+        yield event
 
 
 async def _send(resp: EventSourceResponse, event: Event) -> None:
@@ -199,26 +236,21 @@ async def _send(resp: EventSourceResponse, event: Event) -> None:
 
 
 async def _stream(request: web.Request, builder: ResponseBuilder,
-                  chunks: sources.ChatChunks, done: Done,
-                  headers: dict[str, str]) -> web.StreamResponse:
-    """The Responses event stream; a failure after the first event ends it with
-    ``response.failed`` (never a clean-looking finish). The turn is stored before its
-    terminal event is sent, so the next turn can name it at once."""
+                  events: AsyncIterator[Event], headers: dict[str, str]
+                  ) -> web.StreamResponse:
+    """The Responses event stream (see :func:`_events`); a failure after the first event
+    ends it with ``response.failed`` (never a clean-looking finish). A store that does not
+    answer in time (an outage) ends it with ``response.failed`` coded
+    ``store_unavailable`` within that bound, never a stream left open."""
     async with sse_response(request, sep="\n", headers=headers,
                             allow_all_methods=True) as resp:
-        for event in builder.start():
-            await _send(resp, event)
         try:
-            async for chunk in chunks:
-                for event in builder.feed(chunk):
-                    await _send(resp, event)
+            async for event in events:
+                await _send(resp, event)
+        except StoreUnavailable as exc:
+            await _send(resp, builder.failed(exc.message, code="store_unavailable"))
         except FlowliftError as exc:
             await _send(resp, builder.failed(exc.message))
-            return resp
-        events = builder.finish_events()
-        await done(events[-1]["response"])
-        for event in events:
-            await _send(resp, event)
     return resp
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -84,9 +84,11 @@ async def _chat_chunks(chunks: Chunks, choice: ChatChoice) -> ChatChunks:
     yield {"choices": [], "usage": usage_json(choice.usage)}
 
 
-async def upstream(opened: Opened) -> ChatChunks:
+async def upstream(opened: Opened, release: Callable[[], Awaitable[None]] | None = None
+                   ) -> ChatChunks:
     """The chat chunks of an upstream stream opened with ``stream="events"``, each event
-    within the upstream's idle timeout; the answer is released on every exit.
+    within the upstream's idle timeout; the answer is released (``release``, default
+    ``opened.release``) on every exit.
 
     Raises:
         EngineError: the stream stalled, failed or ended before its finish reason.
@@ -113,7 +115,7 @@ async def upstream(opened: Opened) -> ChatChunks:
         opened.call.failed("request")
         raise EngineError(str(translate(exc, name, stage="mid-stream"))) from None
     finally:
-        await opened.release()
+        await (release or opened.release)()
     if not finished:
         opened.call.failed("request")
         raise EngineError(f"backend {name!r} ended the stream before it finished")

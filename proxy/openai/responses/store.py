@@ -10,6 +10,12 @@ deleting a turn leaves later turns usable. Bounded and expiring like sessions: e
 lives ``ttl_s`` after it was stored, and at most ``max_responses`` are kept (the oldest
 go first; pruned every :data:`PRUNE_EVERY` stores). A response is visible only to the
 tenant that created it; to any other it does not exist (404).
+
+A client waits on every call here, so each is bounded as the run routes' are: a store
+that finishes no call for :data:`ANSWER_WITHIN_S` (a database outage: the PostgreSQL
+store retries inside its calls for up to a minute) answers
+:class:`~flowlift.errors.StoreUnavailable` (503 ``store_unavailable``, ``Retry-After``)
+instead of holding the client for the whole outage (issue 38, item 13).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from flowlift.proxy.store.worker import StoreWorker
 from flowlift.proxy.tenants import visible
 
 PRUNE_EVERY = 64
+ANSWER_WITHIN_S = 3.0
+"""Seconds a client waits on a store that finishes no call (the run routes' bound,
+``flowlift.proxy.workflows.registry.ANSWER_WITHIN_S``) before its 503."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +71,16 @@ class ResponseStore:
 
     async def save(self, turn: Turn, tenant: str | None) -> None:
         """Store ``turn`` under its response's id (durable when it returns; on the
-        store's worker thread, in order with the run store's other calls)."""
+        store's worker thread, in order with the run store's other calls).
+
+        Raises:
+            StoreUnavailable: the store did not answer in time (see the module).
+        """
         now = time.time()
         body = {"response": turn.response, "input_items": turn.input_items,
                 "messages": turn.messages, "number": turn.number}
         await self.io.call(self.runs.put_response, turn.response["id"], StoredResponse(
-            tenant, turn.conversation, body, now, now + self.ttl_s))
+            tenant, turn.conversation, body, now, now + self.ttl_s), within_s=ANSWER_WITHIN_S)
         self._stored += 1
         if self._stored % PRUNE_EVERY == 0:
             self.io.submit(self.runs.prune_responses, self.max_responses)
@@ -79,8 +92,9 @@ class ResponseStore:
         Raises:
             ResponseNotFound: none, expired, deleted or another tenant's (404 naming
                 ``param``).
+            StoreUnavailable: the store did not answer in time (see the module).
         """
-        row = await self.io.call(self.runs.get_response, response_id)
+        row = await self.io.call(self.runs.get_response, response_id, within_s=ANSWER_WITHIN_S)
         if row is None or not visible(row.tenant, tenant):
             raise ResponseNotFound(response_id, param=param)
         body = row.body
@@ -92,9 +106,10 @@ class ResponseStore:
 
         Raises:
             ResponseNotFound: none that ``tenant`` can see.
+            StoreUnavailable: the store did not answer in time (see the module).
         """
         await self.load(response_id, tenant, param="response_id")
-        await self.io.call(self.runs.delete_response, response_id)
+        await self.io.call(self.runs.delete_response, response_id, within_s=ANSWER_WITHIN_S)
 
 
 RESPONSES: web.AppKey[ResponseStore] = web.AppKey("flowlift.responses", ResponseStore)

@@ -31,7 +31,7 @@ from flowlift.proxy.openai.responses.protocol import (
 _SAMPLING = ("temperature", "top_p", "seed", "user", "parallel_tool_calls")
 
 
-def _parsed(model: type[BaseModel], data: Any, param: str) -> Any:
+def parsed(model: type[BaseModel], data: Any, param: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -59,7 +59,7 @@ def input_items(raw: str | list[dict[str, Any]]) -> list[InputItem]:
                 f"send messages, function_call or function_call_output items "
                 f"({', '.join(ITEM_TYPES)})", param=f"input[{i}].type")
         _text_parts(item.get("content", item.get("output")), f"input[{i}]")
-        out.append(_parsed(model, item, f"input[{i}]"))
+        out.append(parsed(model, item, f"input[{i}]"))
     return out
 
 
@@ -129,7 +129,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
                 "Responses API (no hosted tools); describe it as a function tool: "
                 '{"type": "function", "name", "description", "parameters"}',
                 param=f"tools[{i}].type")
-        fn: FunctionTool = _parsed(FunctionTool, tool, f"tools[{i}]")
+        fn: FunctionTool = parsed(FunctionTool, tool, f"tools[{i}]")
         out.append({"type": "function", "function": {
             k: v for k, v in (("name", fn.name), ("description", fn.description),
                               ("parameters", fn.parameters)) if v is not None}})
@@ -174,13 +174,16 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def chat_request(req: ResponsesRequest, model: str, history: list[dict[str, Any]],
-                 new: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
+                 new: list[dict[str, Any]], *, stream: bool,
+                 tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The chat completions body of one turn: ``instructions``, ``history`` (the stored
-    conversation), ``new`` (this turn's messages) and the sampling fields."""
+    conversation), ``new`` (this turn's messages) and the sampling fields; ``tools``:
+    the chat tools when given (the hosted MCP ones included), else ``req.tools``'."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {"model": model, "messages": [*system, *history, *new]}
     body.update({k: getattr(req, k) for k in _SAMPLING if getattr(req, k) is not None})
-    extra = (("tools", chat_tools(req.tools)), ("tool_choice", chat_tool_choice(req.tool_choice)),
+    extra = (("tools", tools if tools is not None else chat_tools(req.tools)),
+             ("tool_choice", chat_tool_choice(req.tool_choice)),
              ("response_format", response_format(req.text)),
              ("max_completion_tokens", req.max_output_tokens))
     body.update({k: v for k, v in extra if v is not None})
@@ -190,12 +193,13 @@ def chat_request(req: ResponsesRequest, model: str, history: list[dict[str, Any]
 
 
 def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
-    """A response's output items as the chat assistant message the next turn replays."""
+    """One generation's output items as the chat assistant message the next turn (or
+    generation) replays: its text, its function and hosted MCP calls."""
     text = "".join(part["text"] for item in output if item["type"] == "message"
                    for part in item["content"] if part["type"] == "output_text")
     calls = [{"id": item["call_id"], "type": "function",
               "function": {"name": item["name"], "arguments": item["arguments"]}}
-             for item in output if item["type"] == "function_call"]
+             for item in output if item["type"] in ("function_call", "mcp_call")]
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
@@ -215,12 +219,30 @@ def item_json(item: InputItem) -> dict[str, Any]:
     return {"id": new_id(prefix), **doc, "status": "completed"}
 
 
+def add_usage(total: dict[str, Any] | None, usage: dict[str, Any]) -> dict[str, Any]:
+    """Two chat ``CompletionUsage`` objects summed (the generations of one turn), their
+    ``prompt_tokens_details`` and ``completion_tokens_details`` included."""
+    if total is None:
+        return usage
+    out: dict[str, Any] = {}
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        out[key] = int(total.get(key) or 0) + int(usage.get(key) or 0)
+    for key in ("prompt_tokens_details", "completion_tokens_details"):
+        a, b = total.get(key) or {}, usage.get(key) or {}
+        out[key] = {k: int(a.get(k) or 0) + int(b.get(k) or 0) for k in {*a, *b}}
+    return out
+
+
 def responses_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
-    """Chat ``CompletionUsage`` as the Responses ``ResponseUsage`` object."""
+    """Chat ``CompletionUsage`` as the Responses ``ResponseUsage`` object:
+    ``cached_tokens`` from ``prompt_tokens_details``, ``reasoning_tokens`` from
+    ``completion_tokens_details`` (the upstream's, when it sends them)."""
     u = usage or {}
     prompt, completion = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    reasoning = int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
     return {"input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}

@@ -1,0 +1,266 @@
+"""flowlift against a stock vLLM server, head to head (issue 35, P5 and P7).
+
+The harness starts both servers itself with the same engine arguments
+(:mod:`bench.peers.servers`; versions and command lines printed and saved) and runs the
+agent-session workload of :mod:`bench.peers.workload` on each:
+
+* **P5** (``--p5 6 35``): one session of 6, then of 35 turns, streamed; the two sides'
+  turns interleaved (which side goes first alternates per turn), so machine noise hits
+  both alike. Per side: per-turn latency and TTFT (median, p90), the whole session,
+  cached tokens; ratios stock / flowlift.
+* **P7** (``--p7 16 32``): that many concurrent sessions of 6-35 turns, tool waits
+  drawn from 0.2-3 s, arriving ``--arrival-gap-s`` apart; every arm gets the same plan,
+  all arms at the same time (``--together``, the default: the shared machine's noise
+  hits all alike, and each engine has the cores half the time) or one after another
+  (``--no-together``, the order alternating per size). Per arm: mean / p50 / p90
+  session time, makespan, turns/s, prompt, cached and re-prefilled tokens, cached
+  share; ratios stock / arm.
+
+Arms (``--arms``): ``stock`` (vLLM's OpenAI server), ``flowlift`` (``flowlift serve``,
+its defaults) and ``flowlift_ws`` (``--working-set``: with the KV working-set admission
+of :mod:`flowlift.proxy.dispatch.slots.working_set`, off by default). The runs in
+bench/RESULTS.md (issue 35) ran ``flowlift`` while the working set was on by default.
+
+    .venv/bin/python bench/peers/run.py [--p5 6 35] [--p7 16 32] [--kv-cache-gib 1]
+    .venv/bin/python bench/peers/run.py --smoke  # seconds: fake engines on both sides
+
+``--smoke`` runs the same code on two ``flowlift serve --engine fake`` (the stock side's
+stand-in: no vLLM starts), P5 of 3 turns and P7 of 4 short sessions, writing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.harness import RESULTS, pct, save
+from bench.peers import servers, workload
+
+ARMS: dict[str, tuple[str, ...] | None] = {
+    "stock": None, "flowlift": (), "flowlift_ws": ("--working-set",)}
+"""Arm -> its ``flowlift serve`` flags (None: the stock vLLM server)."""
+
+
+# -- P5: one session, turns interleaved ---------------------------------------------------
+
+async def p5_session(bases: dict[str, tuple[str, str]], turns: int,
+                     max_tokens: int) -> dict[str, Any]:
+    """One ``turns``-turn session on every side, turn by turn, the order rotating."""
+    sides = list(bases)
+    convo = {s: workload.first_messages(f"p5-{s}-{turns}") for s in sides}
+    rows: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {s: await stack.enter_async_context(
+            httpx.AsyncClient(base_url=b, timeout=900)) for s, (b, _) in bases.items()}
+        for n in range(turns):
+            order = sides if n % 2 == 0 else sides[::-1]
+            for s in order:
+                sid = f"p5-{s}-{turns}"
+                out = await workload.turn(clients[s], bases[s][1], convo[s], max_tokens,
+                                          sid, stream=True)
+                prev = rows[s][-1] if rows[s] else None
+                out["reusable_tokens"] = (prev["prompt_tokens"] + prev["completion_tokens"]
+                                          if prev else 0)
+                rows[s].append({k: v for k, v in out.items() if k != "text"})
+                convo[s] = workload.advance(convo[s], out["text"], n)
+    out: dict[str, Any] = {}
+    for s in sides:
+        lat = [r["latency_s"] for r in rows[s]]
+        ttft = [r["ttft_s"] for r in rows[s]]
+        out[s] = {"session_s": round(sum(lat), 3),
+                  "turn_p50_s": round(statistics.median(lat), 3),
+                  "turn_p90_s": round(pct(lat, 90), 3),
+                  "ttft_p50_s": round(statistics.median(ttft), 3),
+                  "last_turn": {k: rows[s][-1][k] for k in ("prompt_tokens", "cached_tokens")},
+                  **workload.token_totals(rows[s]), "turns": rows[s]}
+    if "stock" in out:
+        for s in sides:
+            if s != "stock":
+                a, b = out["stock"], out[s]
+                out[f"stock_over_{s}"] = {
+                    k: round(a[k] / b[k], 3) if b[k] else None
+                    for k in ("session_s", "turn_p50_s", "turn_p90_s", "ttft_p50_s")}
+    return out
+
+
+# -- P7: concurrent sessions, one arm after another ------------------------------------
+
+def p7(bases: dict[str, tuple[str, str]], sessions: int, args: argparse.Namespace,
+       flip: bool) -> dict[str, Any]:
+    """``sessions`` concurrent sessions on each arm in turn (reversed when ``flip``)."""
+    plans = workload.plan(sessions, seed=args.seed, arrival_gap_s=args.arrival_gap_s,
+                          tool_s=(args.tool_min_s, args.tool_max_s), tag=f"p7x{sessions}-",
+                          turns=args.turns)
+    result: dict[str, Any] = {"plan": [(p.sid, p.arrival_s, p.turns) for p in plans],
+                              "order": [], "summary": {}, "sessions": {}}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    arms = list(bases)[::-1] if flip else list(bases)
+
+    def tagged(arm: str) -> list[workload.SessionPlan]:
+        return [workload.SessionPlan(f"{arm}-{p.sid}", p.arrival_s, p.tool_waits_s)
+                for p in plans]
+
+    async def together() -> list[list[dict[str, Any]]]:
+        return list(await asyncio.gather(*(workload.run_sessions(
+            bases[a][0], bases[a][1], tagged(a), args.max_tokens) for a in arms)))
+
+    t0 = time.monotonic()
+    if args.together:  # every arm at once: the machine's noise hits all alike
+        runs = dict(zip(arms, asyncio.run(together()), strict=True))
+        result["order"] = ["together"]
+    for arm in arms:
+        if not args.together:
+            t0 = time.monotonic()
+            runs[arm] = asyncio.run(workload.run_sessions(
+                bases[arm][0], bases[arm][1], tagged(arm), args.max_tokens))
+            result["order"].append(arm)
+        got = runs[arm]
+        result["summary"][arm] = s = workload.summarize(got)
+        if ARMS[arm] is not None:  # flowlift's own view: programs, working set
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                ready = httpx.get(f"{bases[arm][0]}/readyz", timeout=30).json()
+                s["server"] = {k: ready.get(k) for k in ("programs", "working_set")}
+        result["sessions"][arm] = [{k: v for k, v in x.items() if k != "rows"} for x in got]
+        print(f"  P7 x{sessions} {arm:13s} mean {s['mean_s']} p50 {s['p50_s']} p90 "
+              f"{s['p90_s']} makespan {s['makespan_s']} turns/s {s['turns_per_s']} cached "
+              f"{s['cached_share']} re-prefilled {s['reprefilled_tokens']} errors "
+              f"{len(s['errors'])} ({time.monotonic() - t0:.0f} s)", flush=True)
+    stock = result["summary"].get("stock")
+    if stock:
+        result["stock_over"] = {
+            arm: {"mean": round(stock["mean_s"] / s["mean_s"], 2),
+                  "p90": round(stock["p90_s"] / s["p90_s"], 2),
+                  "turns_per_s": round(s["turns_per_s"] / stock["turns_per_s"], 2)
+            if stock["turns_per_s"] else None}
+            for arm, s in result["summary"].items() if arm != "stock"}
+    return result
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The P5 and P7 tables."""
+    lines = []
+    for key, r in results.items():
+        if key.startswith("p5_"):
+            lines += ["", f"P5, {key[3:]} turns:", "", "| side | session (s) | turn p50 / "
+                      "p90 (s) | TTFT p50 (s) | cached / prompt tokens |", "|---|---|---|---|---|"]
+            lines += [f"| {s} | {v['session_s']} | {v['turn_p50_s']} / {v['turn_p90_s']} | "
+                      f"{v['ttft_p50_s']} | {v['cached_tokens']} / {v['prompt_tokens']} |"
+                      for s, v in r.items() if isinstance(v, dict) and "turns" in v]
+        if key.startswith("p7_"):
+            lines += ["", f"P7, {key[3:]} sessions (order {' then '.join(r['order'])}):", "",
+                      "| arm | mean / p50 / p90 session (s) | makespan (s) | turns/s | "
+                      "re-prefilled tokens | cached share | stock / arm (mean, p90) |",
+                      "|---|---|---|---|---|---|---|"]
+            for arm, s in r["summary"].items():
+                ratio = r.get("stock_over", {}).get(arm, {})
+                lines.append(f"| {arm} | {s['mean_s']} / {s['p50_s']} / {s['p90_s']} | "
+                             f"{s['makespan_s']} | {s['turns_per_s']} | "
+                             f"{s['reprefilled_tokens']} | {s['cached_share']} | "
+                             f"{ratio.get('mean', '-')}, {ratio.get('p90', '-')} |")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--p5", type=int, nargs="*", default=[6, 35], help="P5 session lengths")
+    p.add_argument("--p7", type=int, nargs="*", default=[16, 32], help="P7 session counts")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["stock", "flowlift"])
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the "
+                   "converted SmolLM2-135M-Instruct in the cache)")
+    p.add_argument("--kv-cache-gib", type=int, default=1)
+    p.add_argument("--kv-cache-blocks", type=int, default=None,
+                   help="a cache of exactly N blocks on both sides (smaller than a GiB)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--arrival-gap-s", type=float, default=0.2)
+    p.add_argument("--tool-min-s", type=float, default=0.2)
+    p.add_argument("--tool-max-s", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--env", nargs="*", default=[], metavar="K=V",
+                   help="more environment for both servers (the same on both sides)")
+    p.add_argument("--out", default="peers")
+    p.add_argument("--together", action=argparse.BooleanOptionalAction, default=True,
+                   help="P7: run the arms' sessions at the same time (default), so the "
+                        "shared machine's noise hits all alike; --no-together: one "
+                        "arm after another, the order alternating per size")
+    p.add_argument("--turns", type=int, nargs="+", default=None,
+                   help="P7: the pool of session lengths (default: 6-35, mostly short)")
+    p.add_argument("--smoke", action="store_true", help="fake engines, tiny: plumbing")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.p5, args.p7, args.tool_min_s, args.tool_max_s = [3], [4], 0.01, 0.05
+        args.arrival_gap_s, args.max_tokens = 0.02, 6
+        args.turns = [2, 3]
+    return args
+
+
+def model_dir(given: str | None) -> str:
+    if given:
+        return given
+    from flowlift.local_engine.vllm_engine import VLLMConfig
+
+    return VLLMConfig.for_model(None, dtype="float32").model
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    engine = servers.EngineArgs("fake" if args.smoke else model_dir(args.model),
+                                args.kv_cache_gib, args.max_num_seqs,
+                                kv_cache_blocks=args.kv_cache_blocks,
+                                extra_env=tuple(tuple(kv.split("=", 1))  # type: ignore[misc]
+                                                for kv in args.env))
+    results: dict[str, Any] = {
+        "command": "python bench/peers/run.py " + " ".join(sys.argv[1:] if argv is None
+                                                            else argv),
+        "vllm": servers.vllm_version(), "engine_args": vars(engine) if hasattr(
+            engine, "__dict__") else {f: getattr(engine, f) for f in engine.__slots__},
+        "stock_command": " ".join(servers.stock_command(engine, 0)[1:]),
+        "flowlift_command": "flowlift serve " + " ".join(servers.flowlift_args(engine)),
+        "arms": {a: ARMS[a] for a in args.arms},
+        "machine": "2 CPU cores, shared with other helpers' work while measuring"}
+    print(f"{results['vllm']}; stock: {results['stock_command']}", flush=True)
+    with contextlib.ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory())) if args.smoke \
+            else RESULTS
+        logs.mkdir(parents=True, exist_ok=True)
+        bases: dict[str, tuple[str, str]] = {}
+        for arm in args.arms:
+            log = logs / f"{args.out}_{arm}.log"
+            log.unlink(missing_ok=True)
+            flags = ARMS[arm]
+            if flags is None and not args.smoke:
+                base = stack.enter_context(servers.stock_vllm(engine, log))
+            else:  # the smoke's stand-in for stock vLLM is a fake flowlift too
+                base = stack.enter_context(servers.flowlift(
+                    engine, log, *(flags or ()), fake=args.smoke))
+            bases[arm] = (base, servers.model_id(base))
+        for turns in args.p5:
+            pair = {a: bases[a] for a in args.arms[:2]}
+            results[f"p5_{turns}"] = r = asyncio.run(p5_session(pair, turns, args.max_tokens))
+            print(f"  P5 {turns} turns: " + ", ".join(
+                f"{s} {v['session_s']} s" for s, v in r.items() if "turns" in v)
+                  + f"; {({k: v for k, v in r.items() if k.startswith('stock_over')})}",
+                  flush=True)
+            save(args.out, results, smoke=args.smoke)
+        for i, n in enumerate(args.p7):
+            results[f"p7_{n}"] = p7(bases, n, args, flip=i % 2 == 1)
+            save(args.out, results, smoke=args.smoke)
+    print(markdown(results))
+    errors = [e for k, r in results.items() if k.startswith("p7_")
+              for s in r["summary"].values() for e in s["errors"]]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
