@@ -81,3 +81,35 @@ def test_a_template_that_is_not_per_message_gets_no_deltas():
     more = [*msgs, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
     assert delta.ids("s", more) == [ord(c) for c in render(more, True)]
     assert delta.deltas == 0
+
+
+class _Tagged:
+    """A tokenizer stand-in: one token per word; a render with tools starts ``TOOLS``."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[str]:
+        return text.split()
+
+    def apply_chat_template(self, msgs: list[dict[str, Any]], add_generation_prompt: bool,
+                            tokenize: bool, tools: Any = None) -> str:
+        return ("TOOLS " if tools else "") + " ".join(m["content"] or "" for m in msgs)
+
+
+def test_a_session_turn_with_tools_is_rendered_whole_with_them() -> None:
+    """The delta ids never carry tools (the model's own tool format renders them into
+    the template): a session's turn that offers tools is rendered whole."""
+    from flowlift.local_engine.base import ChatMessage, GenerationRequest, ToolDef
+    from flowlift.local_engine.vllm_engine import VLLMConfig, VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: only the prompt is built
+    engine.config = VLLMConfig(model="unused", served_model_name="m", max_model_len=4096)
+    engine._tokenizer = tok = _Tagged()
+    engine._delta = DeltaPrompts(
+        lambda m, gen: tok.apply_chat_template(m, add_generation_prompt=gen, tokenize=False),
+        lambda t: list(tok.encode(t, add_special_tokens=False)))
+    plain = GenerationRequest(request_id="r1", model="m", session_id="s",
+                              messages=[ChatMessage("user", "hello there")])
+    assert engine._prompt_ids(plain) == ["hello", "there"]
+    tools = (ToolDef("search", "search the docs", {"type": "object", "properties": {}}),)
+    with_tools = GenerationRequest(request_id="r2", model="m", session_id="s", tools=tools,
+                                   messages=[ChatMessage("user", "hello there")])
+    assert engine._prompt_ids(with_tools)[0] == "TOOLS"
