@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from flowlift.cli_init import write_starter
+from flowlift.cli.init import write_starter
 
 pytestmark = pytest.mark.engine
 
