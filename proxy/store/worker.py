@@ -145,14 +145,19 @@ class StoreWorker:
             try:
                 done, _ = await asyncio.wait({waited}, timeout=within_s)
             except asyncio.CancelledError:
-                waited.cancel()  # (its caller went away: a call not started never runs)
+                # (its caller went away: a call not started never runs; the thread's own
+                # future is cancelled here, not on the loop's next turn, so the worker
+                # cannot start it in between)
+                future.cancel()
+                waited.cancel()
                 raise
             if done:
                 return waited.result()
             moved, finished = self._finished != finished, self._finished
             if not moved or time.monotonic() >= give_up:
                 break
-        waited.cancel()  # (not started: never runs; running: ends unheard)
+        future.cancel()  # (not started: never runs; running: ends unheard)
+        waited.cancel()
         raise StoreUnavailable(
             (f"the run store did not answer within {within_s:g} s (a stalled or "
              "unreachable database); retry shortly") if not moved else
