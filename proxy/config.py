@@ -333,6 +333,11 @@ class UpstreamSpec(_Priced):
     ``nvext.agent_hints`` and its session headers, vllm-router's
     ``vllm_xargs.agentic_context``, llm-d's session, fairness and objective headers.
     None by default: a server that does not take a field may reject it."""
+    kv_metrics: bool = False
+    """Read the server's KV cache size from its Prometheus ``/metrics`` (vLLM's
+    ``vllm:cache_config_info``, at the root beside ``/v1``), so ``flowlift serve
+    --working-set`` fits agent sessions into it as it does on the embedded engine
+    (:mod:`flowlift.proxy.dispatch.upstream.kv_metrics`). vLLM servers only."""
     pass_headers: list[str] = Field(default_factory=list)
     """Client request headers passed to this backend as they came (case-insensitive
     names, e.g. ``x-llm-d-slo-ttft-ms``), beside the trace context flowlift always

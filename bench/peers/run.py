@@ -115,6 +115,7 @@ def p7(bases: dict[str, tuple[str, str]], sessions: int, args: argparse.Namespac
         return list(await asyncio.gather(*(workload.run_sessions(
             bases[a][0], bases[a][1], tagged(a), args.max_tokens) for a in arms)))
 
+    cpu0 = {a: servers.cpu_seconds(bases[a][0]) for a in arms}
     t0 = time.monotonic()
     if args.together:  # every arm at once: the machine's noise hits all alike
         runs = dict(zip(arms, asyncio.run(together()), strict=True))
@@ -127,6 +128,11 @@ def p7(bases: dict[str, tuple[str, str]], sessions: int, args: argparse.Namespac
             result["order"].append(arm)
         got = runs[arm]
         result["summary"][arm] = s = workload.summarize(got)
+        cpu = servers.cpu_seconds(bases[arm][0])
+        if cpu is not None and cpu0[arm] is not None and s["turns_done"]:
+            # the server's processes (front end and engine core), while this ran
+            s["server_cpu_s"] = round(cpu - cpu0[arm], 1)
+            s["server_cpu_ms_per_turn"] = round(1000 * (cpu - cpu0[arm]) / s["turns_done"])
         if ARMS[arm] is not None:  # flowlift's own view: programs, working set
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 ready = httpx.get(f"{bases[arm][0]}/readyz", timeout=30).json()
@@ -135,7 +141,8 @@ def p7(bases: dict[str, tuple[str, str]], sessions: int, args: argparse.Namespac
         print(f"  P7 x{sessions} {arm:13s} mean {s['mean_s']} p50 {s['p50_s']} p90 "
               f"{s['p90_s']} makespan {s['makespan_s']} turns/s {s['turns_per_s']} cached "
               f"{s['cached_share']} re-prefilled {s['reprefilled_tokens']} errors "
-              f"{len(s['errors'])} ({time.monotonic() - t0:.0f} s)", flush=True)
+              f"{len(s['errors'])} server CPU {s.get('server_cpu_s')} s "
+              f"({time.monotonic() - t0:.0f} s)", flush=True)
     stock = result["summary"].get("stock")
     if stock:
         result["stock_over"] = {

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,3 +145,26 @@ def flowlift(args: EngineArgs, log: Path, *extra: str, fake: bool = False) -> It
 def model_id(base: str) -> str:
     """The first model ``base`` serves (``GET /v1/models``)."""
     return str(httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"])
+
+
+def cpu_seconds(base: str) -> float | None:
+    """CPU seconds (user + system) used so far by the server listening on ``base``'s
+    port and every process under it (vLLM's engine core is a child of its front end);
+    None when it cannot be found (psutil cannot see it)."""
+    import psutil
+
+    port = urllib.parse.urlsplit(base).port
+    try:
+        pids = {c.pid for c in psutil.net_connections("tcp")
+                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                and c.pid is not None}
+        total = 0.0
+        for pid in pids:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    t = proc.cpu_times()
+                    total += t.user + t.system
+    except psutil.Error:
+        return None
+    return total if pids else None

@@ -38,6 +38,7 @@ from flowlift.proxy.dispatch.routing.routing import Route
 from flowlift.proxy.dispatch.slots.scheduler import Slot
 from flowlift.proxy.dispatch.upstream.attempts import Admit, Opened, open_answer
 from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, translate
+from flowlift.proxy.dispatch.upstream.kv_metrics import KvCache
 from flowlift.proxy.dispatch.upstream.provider import Upstream, unretryable
 from flowlift.proxy.wire import chunks
 from flowlift.tracing.spans import inject
@@ -322,6 +323,29 @@ class UpstreamEngine(Engine):
 
     def running(self) -> int:
         return len(self._open)
+
+    def _kv_caches(self) -> list[KvCache] | None:
+        """The KV caches of the route's replicas from their ``/metrics``
+        (``kv_metrics: true``); None unless every replica's is known."""
+        caches = []
+        for name in self._upstream.replicas:
+            kv = self.backends.upstreams[name].kv
+            cache = None if kv is None else kv.current()
+            if cache is None:
+                return None
+            caches.append(cache)
+        return caches or None
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the replicas' KV caches hold together (their ``/metrics``): sessions
+        stick to a replica, so the route's working set is fitted into the sum."""
+        caches = self._kv_caches()
+        return None if caches is None else sum(c.tokens for c in caches)
+
+    def kv_block_tokens(self) -> int | None:
+        """The replicas' KV block size (the largest, if they differ)."""
+        caches = self._kv_caches()
+        return None if caches is None else max(c.block_tokens for c in caches)
 
     async def abort(self, request_id: str) -> None:
         """Close the request's upstream stream; its generation ends with ``"abort"``.

@@ -25,12 +25,13 @@ import orjson
 from aiohttp import web
 
 from flowlift.errors import RequestError, UpstreamError
-from flowlift.proxy.dispatch.backends import Backends, Local
+from flowlift.proxy.dispatch.backends import Backend, Backends, Local
 from flowlift.proxy.dispatch.batch.flex import tier_fields
 from flowlift.proxy.dispatch.local import EmbeddedCall, serve_local
 from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields, hint_headers
 from flowlift.proxy.dispatch.routing.latency import CacheReport, Demand
 from flowlift.proxy.dispatch.routing.routing import Route
+from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.dispatch.upstream.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, translate
 from flowlift.proxy.dispatch.upstream.provider import (
@@ -98,12 +99,32 @@ def _body_for(upstream: Upstream, raw: bytes, data: dict[str, Any], model: str,
     return orjson.dumps({**data, **(extra or {}), "model": target})
 
 
+def _working_set(backends: Backends, route: Route, path: str,
+                 affinity: str | None) -> Backend | None:
+    """The upstream pool whose working set admits this drop-in generation (None: not
+    a session's generation, ``--working-set`` is off, or no replica of the route reads
+    its KV cache from ``/metrics``)."""
+    if affinity is None or path not in USAGE_PATHS:
+        return None
+    pool = backends.pool(route)
+    if pool is None or not pool.slots.working.enabled:
+        return None
+    return pool if any(backends.upstreams[n].kv is not None for n in route.replicas
+                       if n in backends.upstreams) else None
+
+
 async def forward(request: web.Request, *, backends: Backends, route: Route, path: str,
                   raw: bytes, data: dict[str, Any], affinity: str | None = None,
                   embedded: EmbeddedCall | None = None,
                   on_output: OnOutput | None = None,
                   traced: RequestTrace | None = None) -> web.StreamResponse:
     """Answer ``request`` from the route's backends (see :func:`open_answer`).
+
+    A session's generation (``affinity``) on a route whose replicas report their KV
+    cache (``kv_metrics``) waits, with ``flowlift serve --working-set``, until the
+    route's working set admits it (:mod:`flowlift.proxy.dispatch.slots.working_set`:
+    the same policy as on the embedded engine), and its usage is the session's KV
+    footprint.
 
     Args:
         path: the upstream path (``/chat/completions``, ``/completions``, ``/embeddings``,
@@ -121,6 +142,27 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
         Overloaded: no backend can take the request now (429/503 with ``Retry-After``).
         RequestError: the route chose the embedded engine for an endpoint it lacks.
     """
+    pool = _working_set(backends, route, path, affinity)
+    if pool is None:
+        return await _forward(request, backends, route, path, raw, data, affinity,
+                              embedded, on_output, traced)
+    priority = Priority.of("interactive", program=affinity)
+
+    def observed(text: str, usage: dict[str, Any] | None) -> None:
+        if usage is not None:
+            pool.slots.observed(priority, int(usage.get("prompt_tokens") or 0)
+                                + int(usage.get("completion_tokens") or 0))
+        if on_output is not None:
+            on_output(text, usage)
+    async with pool.slots.slot(priority):
+        return await _forward(request, backends, route, path, raw, data, affinity,
+                              embedded, observed, traced)
+
+
+async def _forward(request: web.Request, backends: Backends, route: Route, path: str,
+                   raw: bytes, data: dict[str, Any], affinity: str | None,
+                   embedded: EmbeddedCall | None, on_output: OnOutput | None,
+                   traced: RequestTrace | None) -> web.StreamResponse:
     deadline = asyncio.get_running_loop().time() + route.total_timeout_s
     headers = forwarded_headers(request.headers)
     if traced is not None and not traced.recording:  # (no OpenTelemetry calls for it)

@@ -36,6 +36,7 @@ from flowlift.proxy.dispatch.upstream.http import (
     UpstreamClient,
 )
 from flowlift.proxy.dispatch.upstream.http import translate as translate
+from flowlift.proxy.dispatch.upstream.kv_metrics import KvMetrics, metrics_url
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529})
 """Upstream answers another attempt may fix (OpenAI's client retries the same set)."""
@@ -140,6 +141,11 @@ class Upstream:
         self._urls: dict[str, str] = {}
         self.health = Health(spec.failures_to_cool, spec.cooldown_s,
                              max_in_flight=spec.max_connections)
+        self.kv: KvMetrics | None = (
+            KvMetrics(metrics_url(spec.base_url), transport=transport,
+                      headers={"authorization": f"Bearer {api_key}"} if api_key else None)
+            if spec.kv_metrics else None)
+        """The server's KV cache from its ``/metrics`` (``kv_metrics: true``)."""
 
     def post(self, path: str, body: bytes,
              headers: Mapping[str, str] | None = None) -> Awaitable[Answer]:
@@ -165,6 +171,8 @@ class Upstream:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        if self.kv is not None:
+            await self.kv.aclose()
 
 
 async def error_from(resp: Answer, backend: str) -> UpstreamError:
