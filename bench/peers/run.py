@@ -17,8 +17,10 @@ agent-session workload of :mod:`bench.peers.workload` on each:
   share; ratios stock / arm.
 
 Arms (``--arms``): ``stock`` (vLLM's OpenAI server), ``flowlift`` (``flowlift serve``,
-its defaults) and ``flowlift_ws`` (``--working-set``: with the KV working-set admission
-of :mod:`flowlift.proxy.dispatch.slots.working_set`, off by default). The runs in
+its defaults), ``flowlift_ws`` (``--working-set``: with the KV working-set admission
+of :mod:`flowlift.proxy.dispatch.slots.working_set`, off by default) and
+``upstream_ws`` (``flowlift serve --engine none --working-set`` in front of its own
+stock vLLM server, whose KV cache it reads from ``/metrics``). The runs in
 bench/RESULTS.md (issue 35) ran ``flowlift`` while the working set was on by default.
 
     .venv/bin/python bench/peers/run.py [--p5 6 35] [--p7 16 32] [--kv-cache-gib 1]
@@ -48,8 +50,12 @@ from bench.harness import RESULTS, pct, save
 from bench.peers import servers, workload
 
 ARMS: dict[str, tuple[str, ...] | None] = {
-    "stock": None, "flowlift": (), "flowlift_ws": ("--working-set",)}
+    "stock": None, "flowlift": (), "flowlift_ws": ("--working-set",),
+    "upstream_ws": ("--working-set",)}
 """Arm -> its ``flowlift serve`` flags (None: the stock vLLM server)."""
+UPSTREAM_ARMS = frozenset({"upstream_ws"})
+"""Arms that are ``flowlift serve --engine none`` in front of their own stock vLLM
+server (started beside the stock arm's, with the same arguments)."""
 
 
 # -- P5: one session, turns interleaved ---------------------------------------------------
@@ -209,6 +215,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.p5, args.p7, args.tool_min_s, args.tool_max_s = [3], [4], 0.01, 0.05
         args.arrival_gap_s, args.max_tokens = 0.02, 6
         args.turns = [2, 3]
+        args.arms = ["stock", "flowlift_ws", "upstream_ws"]  # every kind of server
     return args
 
 
@@ -246,7 +253,15 @@ def main(argv: list[str] | None = None) -> int:
             log = logs / f"{args.out}_{arm}.log"
             log.unlink(missing_ok=True)
             flags = ARMS[arm]
-            if flags is None and not args.smoke:
+            if arm in UPSTREAM_ARMS:  # its own stock server, flowlift in front of it
+                up_log = logs / f"{args.out}_{arm}_vllm.log"
+                up_log.unlink(missing_ok=True)
+                upstream = stack.enter_context(
+                    servers.flowlift(engine, up_log, fake=True) if args.smoke
+                    else servers.stock_vllm(engine, up_log))
+                base = stack.enter_context(servers.flowlift_upstream(
+                    engine, log, upstream, *(flags or ()), fake=args.smoke))
+            elif flags is None and not args.smoke:
                 base = stack.enter_context(servers.stock_vllm(engine, log))
             else:  # the smoke's stand-in for stock vLLM is a fake flowlift too
                 base = stack.enter_context(servers.flowlift(

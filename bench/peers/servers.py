@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -140,6 +141,29 @@ def flowlift(args: EngineArgs, log: Path, *extra: str, fake: bool = False) -> It
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def flowlift_upstream(args: EngineArgs, log: Path, upstream: str, *extra: str,
+                      fake: bool = False) -> Iterator[str]:
+    """``flowlift serve --engine none`` in front of the server at ``upstream`` (a stock
+    vLLM: its KV cache read from ``/metrics``, ``kv_metrics``); yields its base URL.
+    The route is named ``peers`` and renamed to the upstream's first model."""
+    served = model_id(upstream)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "flowlift.toml"
+        config.write_text(
+            f'[backends.vllm]\nkind = "openai"\nbase_url = "{upstream}/v1"\n'
+            f'kv_metrics = true\nmax_connections = 256\n'
+            f'first_token_timeout_s = 3600\nidle_timeout_s = 3600\n'
+            f'response_timeout_s = 3600\nrename = {{ peers = "{served}" }}\n\n'
+            '[models.peers]\nbackends = ["vllm"]\ntotal_timeout_s = 3600\n')
+        flags = ["--engine", "none", "--config", str(config), "--state-db", ":memory:",
+                 "--log-level", "warning", *extra]
+        print(f"[flowlift->upstream] flowlift serve {' '.join(flags)}", flush=True)
+        with running_proxy(*flags, log_path=log,
+                           ready_timeout_s=120 if fake else 900) as (base, _):
+            yield base
 
 
 def model_id(base: str) -> str:
