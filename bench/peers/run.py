@@ -18,7 +18,8 @@ agent-session workload of :mod:`bench.peers.workload` on each:
 
 Arms (``--arms``): ``stock`` (vLLM's OpenAI server), ``flowlift`` (``flowlift serve``,
 its defaults), ``flowlift_ws`` (``--working-set``: with the KV working-set admission
-of :mod:`flowlift.proxy.dispatch.slots.working_set`, off by default) and
+of :mod:`flowlift.proxy.dispatch.slots.working_set`, on by default since issue 35's
+second round), ``flowlift_lru`` (``--no-working-set``: vLLM's LRU alone) and
 ``upstream_ws`` (``flowlift serve --engine none --working-set`` in front of its own
 stock vLLM server, whose KV cache it reads from ``/metrics``). The runs in
 bench/RESULTS.md (issue 35) ran ``flowlift`` while the working set was on by default.
@@ -51,7 +52,7 @@ from bench.peers import servers, workload
 
 ARMS: dict[str, tuple[str, ...] | None] = {
     "stock": None, "flowlift": (), "flowlift_ws": ("--working-set",),
-    "upstream_ws": ("--working-set",)}
+    "upstream_ws": ("--working-set",), "flowlift_lru": ("--no-working-set",)}
 """Arm -> its ``flowlift serve`` flags (None: the stock vLLM server)."""
 UPSTREAM_ARMS = frozenset({"upstream_ws"})
 """Arms that are ``flowlift serve --engine none`` in front of their own stock vLLM

@@ -188,11 +188,11 @@ def test_needs_count_whole_blocks_and_one_more():
     assert ws.estimate("new", 128) == 512  # a first call like the ones seen
 
 
-def test_the_server_leaves_it_off_unless_asked():
+def test_the_server_turns_it_on_unless_told_not_to():
     from flowlift.proxy.config import ProxyConfig
     from flowlift.proxy.dispatch.settings import DispatchSettings
 
-    assert not DispatchSettings.from_config(ProxyConfig()).working_set.enabled
-    on = DispatchSettings.from_config(ProxyConfig(working_set=True))
-    assert on.working_set.enabled
+    assert DispatchSettings.from_config(ProxyConfig()).working_set.enabled
+    off = DispatchSettings.from_config(ProxyConfig(working_set=False))
+    assert not off.working_set.enabled
     assert not PrioritySlots(2).working.enabled

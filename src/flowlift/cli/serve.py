@@ -307,8 +307,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     serve.add_argument("--working-set", dest="working_set", action="store_const",
                        const=True, default=None,
                        help="hold agent sessions back while the KV of the sessions "
-                            "admitted before them fills the engine's cache (default: off; "
-                            "measured not to win yet, see docs/working_set.md)")
+                            "admitted before them fills the engine's cache (default: on; "
+                            "see docs/working_set.md)")
+    serve.add_argument("--no-working-set", dest="working_set", action="store_const",
+                       const=False, help="admit every session's call at once (vLLM's LRU "
+                       "alone decides whose KV stays)")
     serve.add_argument("--program-max-wait-s", type=_positive, default=None, metavar="S",
                        help="program scheduling's starvation bound: a request waiting S "
                             "seconds goes first in its class (default 30)")
