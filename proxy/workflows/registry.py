@@ -497,6 +497,9 @@ class RunRegistry:
                 await self.io.call(self.store.put_request, key, "cancel", {})
             return {"run_id": run_id, "cancelled": running, "queued": True}
         queued = await self.io.call(self.store.requests, [key])
+        # read again after the requests: the owner writes an append's nodes before it
+        # drops the request, so one it carried out since the first read is in this one
+        stored = await self.stored(run_id, tenant)
         graph = stored_graph(stored)
         closed = (not graph.open or stored.status != "running"
                   or any(n == CLOSED for _, n, _ in stored.events)

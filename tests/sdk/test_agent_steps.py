@@ -314,8 +314,11 @@ async def test_one_trace_with_a_row_segment_and_span_per_turn_and_tool_call(aioh
                                          ("calculator", {"expression": "1"})), "five")
         async with workflow("traced", base_url=base_url(client)) as wf:
             answer("q")
-        for _ in range(300):  # the run's spans are built once it closed
-            if captured.named("invoke_workflow traced"):
+        for _ in range(500):  # the run's spans are built once it closed
+            if captured.named("invoke_workflow traced") and any(
+                    s.name.startswith("chat ")
+                    and s.attributes.get("flowlift.step.id") == "answer_1"
+                    for s in captured.spans):
                 break
             await asyncio.sleep(0.01)
     rec = agent_record(wf)

@@ -31,7 +31,7 @@ from flowlift.proxy.dispatch.local import EmbeddedCall, serve_local
 from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields, hint_headers
 from flowlift.proxy.dispatch.routing.latency import CacheReport, Demand
 from flowlift.proxy.dispatch.routing.routing import Route
-from flowlift.proxy.dispatch.slots.scheduler import Priority
+from flowlift.proxy.dispatch.slots.scheduler import Priority, Slot
 from flowlift.proxy.dispatch.upstream.attempts import Opened, open_answer
 from flowlift.proxy.dispatch.upstream.http import TRANSPORT_ERRORS, translate
 from flowlift.proxy.dispatch.upstream.provider import (
@@ -113,6 +113,23 @@ def _working_set(backends: Backends, route: Route, path: str,
                        if n in backends.upstreams) else None
 
 
+async def _admitted(pool: Backend, affinity: str | None,
+                    on_output: OnOutput | None) -> tuple[Slot, OnOutput]:
+    """The session's slot in ``pool`` (:func:`_working_set`) once its working set admits
+    it (:mod:`flowlift.proxy.dispatch.slots.working_set`), and an ``on_output`` that also
+    records the turn's usage as the session's KV footprint."""
+    slot = pool.slots.slot(Priority.of("interactive", program=affinity))
+    await slot.acquire()
+
+    def observed(text: str, usage: dict[str, Any] | None) -> None:
+        if usage is not None:
+            pool.slots.observed(slot.priority, int(usage.get("prompt_tokens") or 0)
+                                + int(usage.get("completion_tokens") or 0))
+        if on_output is not None:
+            on_output(text, usage)
+    return slot, observed
+
+
 async def forward(request: web.Request, *, backends: Backends, route: Route, path: str,
                   raw: bytes, data: dict[str, Any], affinity: str | None = None,
                   embedded: EmbeddedCall | None = None,
@@ -143,67 +160,54 @@ async def forward(request: web.Request, *, backends: Backends, route: Route, pat
         RequestError: the route chose the embedded engine for an endpoint it lacks.
     """
     pool = _working_set(backends, route, path, affinity)
-    if pool is None:
-        return await _forward(request, backends, route, path, raw, data, affinity,
-                              embedded, on_output, traced)
-    priority = Priority.of("interactive", program=affinity)
-
-    def observed(text: str, usage: dict[str, Any] | None) -> None:
-        if usage is not None:
-            pool.slots.observed(priority, int(usage.get("prompt_tokens") or 0)
-                                + int(usage.get("completion_tokens") or 0))
-        if on_output is not None:
-            on_output(text, usage)
-    async with pool.slots.slot(priority):
-        return await _forward(request, backends, route, path, raw, data, affinity,
-                              embedded, observed, traced)
-
-
-async def _forward(request: web.Request, backends: Backends, route: Route, path: str,
-                   raw: bytes, data: dict[str, Any], affinity: str | None,
-                   embedded: EmbeddedCall | None, on_output: OnOutput | None,
-                   traced: RequestTrace | None) -> web.StreamResponse:
-    deadline = asyncio.get_running_loop().time() + route.total_timeout_s
-    headers = forwarded_headers(request.headers)
-    if traced is not None and not traced.recording:  # (no OpenTelemetry calls for it)
-        traced.inject(headers)  # the proxy's own span (a child of the caller's)
-    else:
-        inject(headers)  # is the upstream's parent
-    extra = _usage_asked(path, data)
-    sessions = backends.sessions
-    hints = None
-    if affinity is not None and path in USAGE_PATHS:  # generations: SGLang sessions
-        await sessions.open((backends.upstreams[n] for n in route.backends
-                             if n in backends.upstreams), affinity)
-        hints = _session_hints(backends, route, affinity)
+    slot = None
+    if pool is not None:  # (awaited before the answer: no frame while the request waits)
+        slot, on_output = await _admitted(pool, affinity, on_output)
     try:
-        opened = await open_answer(
-            backends, route, path=path, headers=headers,
-            body_for=lambda up: _body_for(
-                up, raw, data, route.model, extra if up.spec.stream_usage else None, path,
-                hints, sessions.is_open(up.name, affinity)),
-            stream="bytes" if data.get("stream") is True else False, affinity=affinity,
-            # (what only a choice that predicts reads: open_answer knows the affinity)
-            demand=demand_of(raw, data, affinity) if route.predicts else None,
-            headers_for=(None if hints is None and not _passes_headers(backends, route)
-                         else lambda up: _upstream_headers(up, request.headers, hints)))
-    except UpstreamError as exc:
-        return upstream_error_response(exc)
-    if isinstance(opened, Local):
-        if embedded is None:
-            raise RequestError(f"{path} is not served by the embedded engine; configure an "
-                               f"upstream backend for model {route.model!r}", param="model")
-        return await serve_local(opened, embedded)
-    if traced is not None:
-        traced.upstream(opened.upstream.name, opened.doc, opened.waited_s)
-    try:
-        if opened.body is not None:
-            return _plain(opened, on_output)
-        return await _stream(request, opened, on_output, deadline,
-                             strip_usage=extra is not None
-                             and opened.upstream.spec.stream_usage, traced=traced)
+        deadline = asyncio.get_running_loop().time() + route.total_timeout_s
+        headers = forwarded_headers(request.headers)
+        if traced is not None and not traced.recording:  # (no OpenTelemetry calls for it)
+            traced.inject(headers)  # the proxy's own span (a child of the caller's)
+        else:
+            inject(headers)  # is the upstream's parent
+        extra = _usage_asked(path, data)
+        sessions = backends.sessions
+        hints = None
+        if affinity is not None and path in USAGE_PATHS:  # generations: SGLang sessions
+            await sessions.open((backends.upstreams[n] for n in route.backends
+                                 if n in backends.upstreams), affinity)
+            hints = _session_hints(backends, route, affinity)
+        try:
+            opened = await open_answer(
+                backends, route, path=path, headers=headers,
+                body_for=lambda up: _body_for(
+                    up, raw, data, route.model, extra if up.spec.stream_usage else None, path,
+                    hints, sessions.is_open(up.name, affinity)),
+                stream="bytes" if data.get("stream") is True else False, affinity=affinity,
+                # (what only a choice that predicts reads: open_answer knows the affinity)
+                demand=demand_of(raw, data, affinity) if route.predicts else None,
+                headers_for=(None if hints is None and not _passes_headers(backends, route)
+                             else lambda up: _upstream_headers(up, request.headers, hints)))
+        except UpstreamError as exc:
+            return upstream_error_response(exc)
+        if isinstance(opened, Local):
+            if embedded is None:
+                raise RequestError(f"{path} is not served by the embedded engine; configure an "
+                                   f"upstream backend for model {route.model!r}", param="model")
+            return await serve_local(opened, embedded)
+        if traced is not None:
+            traced.upstream(opened.upstream.name, opened.doc, opened.waited_s)
+        try:
+            if opened.body is not None:
+                return _plain(opened, on_output)
+            return await _stream(request, opened, on_output, deadline,
+                                 strip_usage=extra is not None
+                                 and opened.upstream.spec.stream_usage, traced=traced)
+        finally:
+            await opened.release()
     finally:
-        await opened.release()
+        if slot is not None:
+            slot.release()
 
 
 def _session_hints(backends: Backends, route: Route, session: str) -> StepHints | None:
