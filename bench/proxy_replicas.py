@@ -62,7 +62,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import pct, save
+from bench.harness import free_port, pct, save
 from flowlift.proxy import create_app
 from flowlift.proxy.config import parse_config
 from flowlift.proxy.state import STATE
@@ -144,9 +144,8 @@ class CacheReplica:
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
 
 
