@@ -93,7 +93,11 @@ def started(args: list[str], name: str, ready: str, timeout_s: float,
 
 def vllm_server(port: int, model_dir: Path, name: str) -> contextlib.AbstractContextManager[None]:
     cache = ROOT / ".cache" / "flowlift"
+    # one OpenMP thread each, unbound (two servers on a 2-core machine; vLLM's auto
+    # binding would give each server every core), as bench/peers runs its servers
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CACHE_ROOT": str(cache / "vllm"),
            "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor")}
     args = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),

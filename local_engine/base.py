@@ -127,6 +127,10 @@ class GenerationRequest:
         constraint: optional structured-output constraint.
         priority: lower runs earlier (vLLM's ``scheduling_policy="priority"``).
         session_id: hint that this request continues an earlier one (prefix reuse).
+        agent_id: the agent step this request is a turn of (its step id); None: not an
+            agent turn. The agent's own conversation is a sub-session of
+            ``session_id``, its parent (the routers with a parent notion get both,
+            :mod:`flowlift.proxy.dispatch.routing.fleet_hints`); engines ignore it.
         prompt: raw prompt text used instead of ``messages``, with no chat template
             (the tokenizer's usual special tokens, e.g. a BOS, are still added).
         tools: functions the model may call instead of answering (see the module).
@@ -161,6 +165,7 @@ class GenerationRequest:
     parallel_tool_calls: bool = True
     """With ``tools``: more than one call per answer allowed (OpenAI's
     ``parallel_tool_calls``)."""
+    agent_id: str | None = None
 
 
 def require_plain(request: GenerationRequest, *, native_tools: bool = False) -> None:

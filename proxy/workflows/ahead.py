@@ -111,4 +111,4 @@ def ahead_request(node: LLMNode, model: str, messages: Sequence[ChatMessage],
                     if contract else None),
         session_id=session_id,
         tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()),
-        tool_choice=node.tool_choice)
+        tool_choice=node.tool_choice, agent_id=node.id if node.tools else None)

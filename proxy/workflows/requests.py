@@ -2,7 +2,10 @@
 
 The request id is ``<run key>:<step id>:<try>``; the run key is the session (KV-cache
 affinity across the run's steps, :mod:`flowlift.proxy.sessions`) and the program of
-program-level scheduling.
+program-level scheduling. An agent step's turns (an llm step with ``tools``) also name
+the step (``agent_id``): its own conversation is a sub-session whose parent is the run,
+for the routers that know parents (vllm-router's ``parent_program_id``, Dynamo's
+``X-Dynamo-Parent-Session-ID``).
 """
 
 from __future__ import annotations
@@ -59,4 +62,5 @@ class StepRequests:
             tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()),
             service_tier=service_tier,
             tool_choice=node.tool_choice,
-            expected_output_tokens=expected_output_tokens)
+            expected_output_tokens=expected_output_tokens,
+            agent_id=node.id if node.tools else None)

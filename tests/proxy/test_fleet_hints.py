@@ -6,6 +6,7 @@ that did not opt in."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -25,6 +26,7 @@ from flowlift.proxy.dispatch.backends import Backends
 from flowlift.proxy.dispatch.routing.fleet_hints import (
     ProgramSteps,
     StepHints,
+    agent_component,
     agentic_context,
     class_of,
     deadline_left_s,
@@ -38,7 +40,7 @@ from flowlift.proxy.state import STATE
 ADAPTERS = ["vllm-session", "vllm-router-program", "llm-d", "dynamo-session",
             "sglang-routing-key", "sglang-priority"]
 HINT_HEADERS = {"x-session-id", "x-llm-d-inference-fairness-id", "x-llm-d-inference-objective",
-                "x-dynamo-session-id", "x-smg-routing-key"}
+                "x-dynamo-session-id", "x-dynamo-parent-session-id", "x-smg-routing-key"}
 BASE = {"stream": True, "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0, "top_p": 1.0,
         "max_tokens": 64}
@@ -162,6 +164,49 @@ def test_both_priority_scales_on_one_backend_is_a_config_error():
                       "models": {"m": {"backends": ["a"]}}})
 
 
+# -- parents: an agent step's turns are a sub-agent of the run ----------------------------
+AGENT = dataclasses.replace(FULL, agent_id="scout")
+PARENT_FIELDS = {"task_id": "run-1", "agent_id": "scout", "agent_role": "subagent",
+                 "parent_program_id": "run-1", "blocks_parent": False}
+
+
+def test_an_agent_turn_names_its_run_as_parent_where_routers_read_one():
+    assert hint_headers(spec("dynamo-session"), AGENT) == {
+        "x-dynamo-session-id": "run-1:scout", "x-dynamo-parent-session-id": "run-1"}
+    context = json.loads(hint_fields(spec("vllm-router-program"), AGENT, {})[
+        "vllm_xargs"]["agentic_context"])
+    assert context == {"program_id": "run-1:scout", **PARENT_FIELDS, "step_id": 3,
+                       "priority": 5000, "deadline_seconds": 12.5,
+                       "expected_output_length": 30, "expected_resume": True,
+                       "kv_retention_ttl_seconds": 10.0}
+    # the router's placement key stays the run: x-session-id is the run's
+    assert hint_headers(spec("vllm-router-program"), AGENT) == {"x-session-id": "run-1"}
+    # the adapters without a parent notion keep the run as the session
+    for adapter in ("vllm-session", "llm-d", "sglang-routing-key"):
+        assert hint_headers(spec(adapter), AGENT) == hint_headers(spec(adapter), FULL)
+    assert hint_fields(spec("vllm-session"), AGENT, {}) == {"session_id": "run-1"}
+
+
+def test_a_root_request_has_no_parent():
+    assert "x-dynamo-parent-session-id" not in hint_headers(spec("dynamo-session"), FULL)
+    context = json.loads(hint_fields(spec("vllm-router-program"), FULL, {})[
+        "vllm_xargs"]["agentic_context"])
+    assert not set(PARENT_FIELDS) & set(context)
+    # an agent id without a session names nothing
+    assert StepHints(None, agent_id="scout").program is None
+    assert StepHints(None, agent_id="scout").parent is None
+
+
+def test_a_step_id_that_cannot_go_in_a_header_is_digested():
+    assert agent_component("map_1[3]") == "map_1[3]"
+    odd = "étape: résumé\n" + "x" * 100
+    digest = agent_component(odd)
+    assert digest.startswith("h-") and len(digest) == 18 and digest.isascii()
+    assert digest == agent_component(odd) != agent_component(odd + "y")
+    headers = hint_headers(spec("dynamo-session"), dataclasses.replace(FULL, agent_id=odd))
+    assert headers["x-dynamo-session-id"] == f"run-1:{digest}"
+
+
 def test_agentic_context_carries_only_what_is_known():
     assert agentic_context(StepHints(None), "p") == {"program_id": "p"}
     # a step whose next turn does not come back: no retention, no resume
@@ -185,16 +230,22 @@ def test_program_steps_count_from_zero_per_program():
 
 
 # -- a workflow step: exactly what reaches each upstream -----------------------------------
-async def test_the_exact_request_each_adapter_sends_for_a_step():
+TOOLS = (ToolDef("look", "looks", {"type": "object", "properties": {}}),)
+
+
+def _recording() -> tuple[Backends, Recorder]:
     seen = Recorder()
-    backends = Backends({}, config=parse_config(config()),
-                        transport=httpx.MockTransport(seen.handler))
-    tools = (ToolDef("look", "looks", {"type": "object", "properties": {}}),)
+    return Backends({}, config=parse_config(config()),
+                    transport=httpx.MockTransport(seen.handler)), seen
+
+
+async def test_the_exact_request_each_adapter_sends_for_a_step():
+    backends, seen = _recording()
     try:
         for name in [*ADAPTERS, "plain"]:
             await _open(backends, f"m-{name}", request(f"m-{name}", expected_output_tokens=40))
         await _open(backends, "m-vllm-router-program",  # an agent turn: its next comes back
-                    request("m-vllm-router-program", tools=tools))
+                    request("m-vllm-router-program", tools=TOOLS))
 
         def only(name: str) -> tuple[dict[str, str], dict[str, Any]]:
             [(headers, body)] = seen.on(f"{name}.invalid")[:1]
@@ -259,18 +310,24 @@ async def test_a_drop_in_session_reaches_each_router_as_its_session(aiohttp_clie
 
 
 # -- a workflow run: class and deadline from the granted slot -------------------------------
-async def test_a_run_sends_its_class_deadline_and_steps(aiohttp_client):
-    from flowlift.testing import parse_sse
-
+async def _both(aiohttp_client: Any, *hints: str) -> tuple[Any, Recorder]:
+    """A proxy whose model ``m-both`` has one backend (``both.invalid``) with ``hints``."""
     seen = Recorder()
     cfg = config()
     cfg["backends"]["both"] = {"kind": "openai", "base_url": "http://both.invalid/v1",
-                               "hints": ["llm-d", "vllm-router-program"]}
+                               "hints": list(hints)}
     cfg["models"]["m-both"] = {"backends": ["both"]}
     app = create_app({}, file_config=parse_config(cfg),
                      transport=httpx.MockTransport(seen.handler))
     client = await aiohttp_client(app)
     await app[STATE].ready.wait()
+    return client, seen
+
+
+async def test_a_run_sends_its_class_deadline_and_steps(aiohttp_client):
+    from flowlift.testing import parse_sse
+
+    client, seen = await _both(aiohttp_client, "llm-d", "vllm-router-program")
 
     def llm(step: str, content: list[dict[str, Any]]) -> dict[str, Any]:
         return {"kind": "llm", "id": step, "model": "m-both", "params": {"max_tokens": 24},
@@ -290,3 +347,61 @@ async def test_a_run_sends_its_class_deadline_and_steps(aiohttp_client):
                for c in contexts)
     assert 0 < contexts[1]["deadline_seconds"] <= contexts[0]["deadline_seconds"] <= 600
     assert contexts[0]["priority"] > contexts[1]["priority"]  # a: the longer path left
+
+
+# -- parents: exactly what reaches the upstream -------------------------------------------
+async def test_an_agent_turn_reaches_the_routers_as_a_sub_agent_of_its_run():
+    backends, seen = _recording()
+    try:
+        for name in ("dynamo-session", "vllm-router-program"):
+            for _ in range(2):
+                await _open(backends, f"m-{name}",
+                            request(f"m-{name}", tools=TOOLS, agent_id="scout"))
+        await _open(backends, "m-vllm-router-program", request("m-vllm-router-program"))
+    finally:
+        await backends.aclose()
+    assert [_hints_of(h) for h, _ in seen.on("dynamo-session.invalid")] == [
+        {"x-dynamo-session-id": "run-1:scout", "x-dynamo-parent-session-id": "run-1"}] * 2
+    program = seen.on("vllm-router-program.invalid")
+    assert [_hints_of(h) for h, _ in program] == [{"x-session-id": "run-1"}] * 3
+    contexts = [json.loads(b["vllm_xargs"]["agentic_context"]) for _, b in program]
+    assert contexts[0] == {"program_id": "run-1:scout", **PARENT_FIELDS, "step_id": 2,
+                           "priority": 1234, "expected_output_length": 64,
+                           "expected_resume": True,
+                           "kv_retention_ttl_seconds": backends.keep_ttl_s}
+    # steps are counted per program (the sub-agent's first two went to dynamo-session),
+    # the sub-agent's and the run's apart
+    assert [c["step_id"] for c in contexts] == [2, 3, 0]
+    assert contexts[2] == {"program_id": "run-1", "step_id": 0, "priority": 1234,
+                           "expected_output_length": 64}
+
+
+async def test_a_runs_agent_step_is_its_sub_agent_and_its_other_steps_the_root(
+        aiohttp_client):
+    from flowlift.testing import parse_sse
+
+    client, seen = await _both(aiohttp_client, "dynamo-session", "vllm-router-program")
+    resp = await client.post("/v1/workflows", json={"nodes": [
+        {"kind": "llm", "id": "scout", "model": "m-both", "params": {"max_tokens": 16},
+         "messages": [{"role": "user", "content": [{"text": "look around"}]}],
+         "tools": [{"name": "look", "parameters": {"type": "object", "properties": {}}}]},
+        {"kind": "llm", "id": "sum", "model": "m-both", "params": {"max_tokens": 16},
+         "messages": [{"role": "user", "content": [{"text": "sum up "}, {"ref": "scout"}]}]},
+    ]})
+    events = parse_sse(await resp.text())
+    finished = next(d for e, d in events if e == "run.finished")
+    assert finished["status"] == "succeeded", events
+    run = finished["run_id"]
+    sent = seen.on("both.invalid")
+    assert [_hints_of(h) for h, _ in sent] == [
+        {"x-session-id": run, "x-dynamo-session-id": f"{run}:scout",
+         "x-dynamo-parent-session-id": run},
+        {"x-session-id": run, "x-dynamo-session-id": run}]
+    scout, summary = (json.loads(b["vllm_xargs"]["agentic_context"]) for _, b in sent)
+    assert {k: scout[k] for k in ("program_id", "task_id", "agent_id", "agent_role",
+                                  "parent_program_id", "blocks_parent", "step_id")} == {
+        "program_id": f"{run}:scout", "task_id": run, "agent_id": "scout",
+        "agent_role": "subagent", "parent_program_id": run, "blocks_parent": False,
+        "step_id": 0}
+    assert summary["program_id"] == run and summary["step_id"] == 0
+    assert "parent_program_id" not in summary

@@ -1,7 +1,8 @@
 """flowlift in front of NVIDIA Dynamo 1.6.1's frontend with two simulated (mocker)
 workers on loopback (issue 37 item 4): with the ``dynamo`` and ``dynamo-session`` hints,
 a session's turns stick to one worker and its cached tokens come back in the usage; a
-workflow run's ``nvext.agent_hints`` are accepted. The workers simulate the default
+workflow run's ``nvext.agent_hints`` are accepted, and its agent step's
+``X-Dynamo-Parent-Session-ID`` (a header the 1.6.1 frontend reads). The workers simulate the default
 model (its tokenizer); no GPU, no etcd, no NATS."""
 
 from __future__ import annotations
@@ -61,8 +62,12 @@ async def test_a_runs_agent_hints_are_accepted(aiohttp_client, tmp_path: Path):
         def llm(step: str, content: list[dict[str, Any]]) -> dict[str, Any]:
             return {"kind": "llm", "id": step, "model": SERVED, "params": {"max_tokens": 8},
                     "messages": [{"role": "user", "content": content}]}
+        scout = {**llm("scout", [{"text": "look around"}]),  # an agent step: a sub-agent
+                 "tools": [{"name": "look",      # session with the run as its parent
+                            "parameters": {"type": "object", "properties": {}}}]}
         resp = await client.post("/v1/workflows", json={"nodes": [
-            llm("a", [{"text": "first"}]), llm("b", [{"text": "then "}, {"ref": "a"}])]})
+            llm("a", [{"text": "first"}]), scout,
+            llm("b", [{"text": "then "}, {"ref": "a"}, {"ref": "scout"}])]})
         events = parse_sse(await resp.text())
     finished = next(d for e, d in events if e == "run.finished")
     assert finished["status"] == "succeeded", events

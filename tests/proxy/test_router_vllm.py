@@ -2,7 +2,8 @@
 router in front of two fake upstreams (issue 37 item 4): sessions stick to one
 upstream, and the program fields flowlift writes (``vllm-session``,
 ``vllm-router-program``) arrive there and are accepted by the router's program
-scheduling (it refuses a malformed context, so a 200 is an acceptance)."""
+scheduling (it refuses a malformed context, so a 200 is an acceptance); an agent step
+is a sub-agent program whose parent is its run."""
 
 from __future__ import annotations
 
@@ -39,6 +40,24 @@ async def _proxy(aiohttp_client: Any, router: str) -> Any:
     return client
 
 
+def _llm(step: str, content: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"kind": "llm", "id": step, "model": "m", "params": {"max_tokens": 16},
+            "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def _run(client: Any, router: str, graph: dict[str, Any]
+               ) -> tuple[str, list[dict[str, Any]]]:
+    """Run ``graph`` to success; its run id and the router's programs after it."""
+    resp = await client.post("/v1/workflows", json=graph)
+    events = parse_sse(await resp.text())
+    finished = next(d for e, d in events if e == "run.finished")
+    assert finished["status"] == "succeeded", events
+    async with aiohttp.ClientSession() as http, http.get(
+            f"{router}/scheduling/diagnostics") as diag:
+        programs = [p for rank in (await diag.json())["ranks"] for p in rank["programs"]]
+    return finished["run_id"], programs
+
+
 def _chats(fakes: list[FakeUpstream]) -> list[tuple[int, dict[str, str], dict[str, Any]]]:
     return [(i, {k.lower(): v for k, v in r.headers.items()}, r.json())
             for i, f in enumerate(fakes) for r in f.received
@@ -73,21 +92,9 @@ async def test_a_runs_program_is_scheduled_by_the_router(aiohttp_client, aiohttp
     fakes, roots = await _fleet(aiohttp_server)
     async with vllm_router(roots) as router:
         client = await _proxy(aiohttp_client, router)
-
-        def llm(step: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-            return {"kind": "llm", "id": step, "model": "m", "params": {"max_tokens": 16},
-                    "messages": [{"role": "user", "content": content}]}
-        resp = await client.post("/v1/workflows", json={
+        run_id, programs = await _run(client, router, {
             "workflow_class": "interactive", "deadline_s": 300, "nodes": [
-                llm("a", [{"text": "first"}]), llm("b", [{"text": "then "}, {"ref": "a"}])]})
-        events = parse_sse(await resp.text())
-        finished = next(d for e, d in events if e == "run.finished")
-        assert finished["status"] == "succeeded", events
-        run_id = finished["run_id"]
-        async with aiohttp.ClientSession() as http, http.get(
-                f"{router}/scheduling/diagnostics") as diag:
-            programs = [p for rank in (await diag.json())["ranks"]
-                        for p in rank["programs"]]
+                _llm("a", [{"text": "first"}]), _llm("b", [{"text": "then "}, {"ref": "a"}])]})
     sent = _chats(fakes)
     assert len(sent) == 2 and len({u for u, _, _ in sent}) == 1  # one replica for the run
     contexts = [json.loads(b["vllm_xargs"]["agentic_context"]) for _, _, b in sent]
@@ -124,3 +131,24 @@ def test_a_missing_router_fails_under_the_require_rule(monkeypatch):
     with pytest.raises(pytest.skip.Exception):
         require("no_such_router_module", "no-such-router")
     require("vllm_router_rs", "vllm-router")  # installed by the test extra: no skip
+
+
+async def test_a_runs_agent_step_is_a_sub_agent_program_of_the_run(
+        aiohttp_client, aiohttp_server):
+    fakes, roots = await _fleet(aiohttp_server)
+    async with vllm_router(roots) as router:
+        client = await _proxy(aiohttp_client, router)
+        run_id, programs = await _run(client, router, {"nodes": [  # the router accepts both
+            _llm("scout", [{"text": "look around"}], tools=[
+                {"name": "look", "parameters": {"type": "object", "properties": {}}}]),
+            _llm("sum", [{"text": "sum up "}, {"ref": "scout"}])]})
+    sent = _chats(fakes)
+    assert len(sent) == 2 and len({u for u, _, _ in sent}) == 1  # placed with its run
+    # the router knows the agent step as a sub-agent program whose parent is the run
+    mine = {p["agent_role"]: p for p in programs if p["task_id"] == run_id}
+    assert set(mine) == {"lead", "subagent"}, programs
+    sub = mine["subagent"]
+    assert (sub["agent_id"], sub["parent_program_id"], sub["blocks_parent"]) == (
+        "scout", run_id, False)
+    assert mine["lead"]["parent_program_id"] is None
+    assert sub["home_target"] == mine["lead"]["home_target"] == roots[sent[0][0]]

@@ -25,7 +25,8 @@ release it was checked against.
   session) and ``x-llm-d-inference-objective`` (the workflow class, naming an
   ``InferenceObjective`` whose priority the operator sets).
 * ``"dynamo-session"``: the ``X-Dynamo-Session-ID`` header, which Dynamo's frontend
-  routes by (``--router-session-affinity-ttl-secs``). Not ``nvext.session_control``:
+  routes by (``--router-session-affinity-ttl-secs``), and on an agent step's turn
+  ``X-Dynamo-Parent-Session-ID`` (below). Not ``nvext.session_control``:
   Dynamo 1.6.1's frontend refuses it (``unknown field `session_control```, a 400; it is
   in later sources, ``lib/llm/src/protocols/openai/nvext.rs``).
 * ``"sglang-routing-key"``: SGLang Model Gateway's ``X-SMG-Routing-Key`` (its
@@ -33,6 +34,18 @@ release it was checked against.
 * ``"sglang-priority"``: SGLang's ``priority`` body field on *its* scale: higher first
   (``schedule_low_priority_values_first`` is off by default), so flowlift's order
   negated and bounded to an i32 (``vllm-priority`` writes it unchanged: lower first).
+
+**Parents.** An agent step's turns (a workflow llm step with tools) are a conversation
+of their own inside the run, a sub-agent: its program / session is
+``<run key>:<step id>`` (:func:`program_of`) and its parent is the run. vllm-router
+gets ``task_id`` = the run (its placement key: the sub-agent is placed where the run
+is), ``agent_id`` = the step, ``agent_role: "subagent"``, ``parent_program_id`` = the
+run and ``blocks_parent: false`` (the run's other branches go on meanwhile;
+``identity.rs`` ``canonical_identity``); Dynamo gets the sub-agent's session in
+``X-Dynamo-Session-ID`` and the run in ``X-Dynamo-Parent-Session-ID`` (the lineage
+header Dynamo's agentic scheduling and its benchmark clients send). Every other request
+of a run, and a drop-in session's, is the root: no parent. The other adapters keep the
+run as the session (their affinity key, one per run).
 
 A body field the request already holds is never overridden; a hint's header replaces a
 client header of the same name let through by ``pass_headers`` (the proxy's session is
@@ -42,7 +55,9 @@ the affinity key).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -57,6 +72,7 @@ from flowlift.proxy.dispatch.slots.scheduler import CLASS_RANK, Priority
 I32_MAX: Final = 2**31 - 1
 _CLASS_OF_RANK = {rank: name for name, rank in CLASS_RANK.items()}
 _RANK_STEP: Final = 1_000_000_000  # Priority.engine_priority's class stride
+_PLAIN_ID: Final = re.compile(r"[A-Za-z0-9._\[\]-]{1,64}")
 
 
 def i32(value: int) -> int:
@@ -79,6 +95,8 @@ class StepHints:
         step: the request's ordinal within its program (0 first); None: not counted.
         kv_retention_ttl_s: how long the program's KV is worth keeping after this
             request when its next turn comes back (seconds); None.
+        agent_id: the agent step whose turn this is (a sub-agent of the session, its
+            parent); None: the session's own request.
     """
 
     priority: int | None
@@ -89,6 +107,17 @@ class StepHints:
     deadline_s: float | None = None
     step: int | None = None
     kv_retention_ttl_s: float | None = None
+    agent_id: str | None = None
+
+    @property
+    def program(self) -> str | None:
+        """The program / session the routers see (:func:`program_of`); None: none."""
+        return program_of(self.session_id, self.agent_id)
+
+    @property
+    def parent(self) -> str | None:
+        """The parent of :attr:`program`: the session of an agent's turn; None: a root."""
+        return self.session_id if self.agent_id and self.session_id else None
 
     @classmethod
     def of(cls, request: GenerationRequest, priority: int | None = None) -> StepHints:
@@ -99,7 +128,7 @@ class StepHints:
         if expected is None or (cap is not None and expected > cap):
             expected = cap
         return cls(request.priority if priority is None else priority, request.session_id,
-                   expected, bool(request.tools))
+                   expected, bool(request.tools), agent_id=request.agent_id)
 
     def routed(self, granted: Priority | None, *, step: int | None,
                kv_retention_ttl_s: float | None) -> StepHints:
@@ -112,6 +141,26 @@ class StepHints:
             self, workflow_class=cls_name, step=step,
             deadline_s=None if granted is None else deadline_left_s(granted),
             kv_retention_ttl_s=kv_retention_ttl_s if self.next_turn else None)
+
+
+def agent_component(agent_id: str) -> str:
+    """``agent_id`` as it may go into a header and a router's program id: the step id
+    itself when it is a short, plain ASCII name, else ``h-`` and a 16-hex digest of it
+    (step ids may be 200 characters of any text; vllm-router bounds an identity
+    component to 256 bytes, and a header takes printable ASCII)."""
+    if _PLAIN_ID.fullmatch(agent_id):
+        return agent_id
+    return "h-" + hashlib.blake2b(agent_id.encode(), digest_size=8).hexdigest()
+
+
+def program_of(session_id: str | None, agent_id: str | None) -> str | None:
+    """The program of a request of ``session_id``: the session itself, or an agent
+    step's own sub-session ``<session>:<agent>`` (:func:`agent_component`; the shape of
+    vllm-router's scoped program id, ``identity.rs`` ``scoped_program_id``); None: no
+    session."""
+    if session_id is None:
+        return None
+    return f"{session_id}:{agent_component(agent_id)}" if agent_id else session_id
 
 
 def class_of(engine_priority: int) -> str:
@@ -163,7 +212,9 @@ def fleet_headers(spec: UpstreamSpec, hints: StepHints) -> dict[str, str]:
         if "llm-d" in opted:
             out["x-llm-d-inference-fairness-id"] = session
         if "dynamo-session" in opted:
-            out["x-dynamo-session-id"] = session
+            out["x-dynamo-session-id"] = hints.program or session
+            if hints.parent is not None:
+                out["x-dynamo-parent-session-id"] = hints.parent
         if "sglang-routing-key" in opted:
             out["x-smg-routing-key"] = session
     if "llm-d" in opted and hints.workflow_class is not None:
@@ -186,7 +237,8 @@ def fleet_fields(spec: UpstreamSpec, hints: StepHints, body: Mapping[str, Any]
         out["priority"] = i32(-hints.priority)
     if "vllm-router-program" in opted and session:
         xargs = _merged(body, "vllm_xargs", "agentic_context",
-                        orjson.dumps(agentic_context(hints, session)).decode())
+                        orjson.dumps(agentic_context(hints, hints.program or session)
+                                     ).decode())
         if xargs is not None:
             out["vllm_xargs"] = xargs
     return out
@@ -194,8 +246,13 @@ def fleet_fields(spec: UpstreamSpec, hints: StepHints, body: Mapping[str, Any]
 
 def agentic_context(hints: StepHints, program: str) -> dict[str, Any]:
     """vllm-router's ``agentic_context`` for a request of ``program``: only the fields
-    flowlift knows (the router fills the rest: a missing ``step_id`` counts on)."""
+    flowlift knows (the router fills the rest: a missing ``step_id`` counts on); an
+    agent's turn names its run as task and parent (the module's **Parents**)."""
     context: dict[str, Any] = {"program_id": program}
+    if hints.parent is not None and hints.agent_id:
+        context.update(task_id=hints.parent, agent_id=agent_component(hints.agent_id),
+                       agent_role="subagent", parent_program_id=hints.parent,
+                       blocks_parent=False)
     if hints.step is not None:
         context["step_id"] = hints.step
     if hints.priority is not None:
@@ -223,5 +280,6 @@ def _merged(body: Mapping[str, Any], outer: str, key: str, value: Any
     return {**theirs, key: value}
 
 
-__all__ = ["I32_MAX", "ProgramSteps", "StepHints", "agentic_context", "class_of",
-           "deadline_left_s", "fleet_fields", "fleet_headers", "i32"]
+__all__ = ["I32_MAX", "ProgramSteps", "StepHints", "agent_component", "agentic_context",
+           "class_of", "deadline_left_s", "fleet_fields", "fleet_headers", "i32",
+           "program_of"]

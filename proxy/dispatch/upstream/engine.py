@@ -32,6 +32,7 @@ from flowlift.local_engine.base import (
     Usage,
 )
 from flowlift.proxy.dispatch.batch.flex import tier_fields
+from flowlift.proxy.dispatch.routing.fleet_hints import program_of
 from flowlift.proxy.dispatch.routing.hints import StepHints, hint_fields, hint_headers
 from flowlift.proxy.dispatch.routing.latency import CacheReport, Demand
 from flowlift.proxy.dispatch.routing.routing import Route
@@ -181,8 +182,9 @@ async def open_chat(backends: Backends, route: Route, request: GenerationRequest
 
     def step_hints() -> StepHints:
         slot = granted[-1].priority if granted and not backends.fcfs else None
-        if not steps and request.session_id is not None:
-            steps.append(backends.steps.next(request.session_id))
+        program = program_of(request.session_id, request.agent_id)
+        if not steps and program is not None:
+            steps.append(backends.steps.next(program))
         return StepHints.of(request, None if slot is None else slot.engine_priority()
                             ).routed(slot, step=steps[0] if steps else None,
                                      kv_retention_ttl_s=backends.keep_ttl_s)
