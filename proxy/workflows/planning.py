@@ -1,22 +1,25 @@
 """Compiling graphs inside the proxy: the compiler fed with this proxy's tokenizers,
 measured cost models, backend capabilities, learned failure rates, learned output lengths
-per (step, model) and prices."""
+and agent turns per (step, model), prices, and each engine's KV block size and slots
+(where a model runs: models on one engine share it in the planned schedule)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
 from flowlift.compiler import (
+    DEFAULT_KV_BLOCK,
     CompileOptions,
     Plan,
     approximate_tokenize,
     compile_graph,
     no_lengths,
     no_outcomes,
+    no_turns,
 )
 from flowlift.costs import CostModel, CostTracker
 from flowlift.graph import Graph
-from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.backends import Backend, Backends
 from flowlift.proxy.dispatch.batch.tier_profiles import model_tiers
 from flowlift.proxy.store.outcomes import StepOutcomes
 
@@ -40,6 +43,27 @@ def compile_options(backends: Backends, costs: CostTracker,
         return name not in backends.models or \
             backends.resolve(name)[1].engine.capabilities.structured_outputs
 
+    def backend(model: str) -> Backend | None:
+        name = backends.canonical(model)
+        return backends.resolve(name)[1] if name in backends.models else None
+
+    def kv_block(model: str) -> int:
+        """The engine's own block (vLLM's CPU build: 128), else the GPU default."""
+        b = backend(model)
+        size = b.engine.kv_block_tokens() if b is not None else None
+        return size if size else DEFAULT_KV_BLOCK
+
+    def engine(model: str) -> str:
+        b = backend(model)
+        return b.name if b is not None else f"model:{backends.canonical(model)}"
+
+    by_name = {b.name: b for b in backends.backends}
+    total = sum(b.max_concurrency for b in backends.backends)
+
+    def capacity(name: str) -> int:
+        b = by_name.get(name)
+        return b.max_concurrency if b is not None else max(total, 1)
+
     priced = dict(prices or {})
     # no engine served yet: "" is what Backends.canonical makes of a missing name too
     return CompileOptions(default_model=backends.default_model or "", tokenize=tokenize,
@@ -51,7 +75,10 @@ def compile_options(backends: Backends, costs: CostTracker,
                                           else no_lengths),
                           tiers=lambda model: model_tiers(backends.config,
                                                           backends.canonical(model),
-                                                          backends.turnarounds))
+                                                          backends.turnarounds),
+                          kv_block=kv_block, engine=engine, capacity=capacity,
+                          agent_turns=(outcomes.turns if outcomes is not None
+                                       else no_turns))
 
 
 def plan(graph: Graph, backends: Backends, costs: CostTracker,
