@@ -5,7 +5,9 @@ and agent turns per (step, model), prices, and each engine's KV block size and s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from flowlift.compiler import (
     DEFAULT_KV_BLOCK,
@@ -43,6 +45,30 @@ def compile_options(backends: Backends, costs: CostTracker,
         return name not in backends.models or \
             backends.resolve(name)[1].engine.capabilities.structured_outputs
 
+    priced = dict(prices or {})
+    # no engine served yet: "" is what Backends.canonical makes of a missing name too
+    return CompileOptions(default_model=backends.default_model or "", tokenize=tokenize,
+                          costs=cost, enforces=enforces,
+                          max_concurrency=sum(b.max_concurrency for b in backends.backends),
+                          outcomes=outcomes.counts if outcomes is not None else no_outcomes,
+                          price=priced.get,
+                          output_lengths=(outcomes.lengths if outcomes is not None
+                                          else no_lengths),
+                          tiers=lambda model: model_tiers(backends.config,
+                                                          backends.canonical(model),
+                                                          backends.turnarounds),
+                          agent_turns=(outcomes.turns if outcomes is not None
+                                       else no_turns),
+                          **_engines(backends))
+
+
+def _engines(backends: Backends) -> dict[str, Any]:
+    """What the planned schedule needs of this proxy's engines: where each model runs
+    (``engine``), its KV block (``kv_block``), its slots (``capacity``) and a batch run's
+    prefill budget (``prefill_budget``), as :class:`CompileOptions` takes them."""
+    by_name = {b.name: b for b in backends.backends}
+    total = max(sum(b.max_concurrency for b in backends.backends), 1)
+
     def backend(model: str) -> Backend | None:
         name = backends.canonical(model)
         return backends.resolve(name)[1] if name in backends.models else None
@@ -57,28 +83,22 @@ def compile_options(backends: Backends, costs: CostTracker,
         b = backend(model)
         return b.name if b is not None else f"model:{backends.canonical(model)}"
 
-    by_name = {b.name: b for b in backends.backends}
-    total = sum(b.max_concurrency for b in backends.backends)
-
-    def capacity(name: str) -> int:
+    def capacity(name: str, workflow_class: str) -> int:
+        """Its slots (a batch run's: less the one kept for interactive work)."""
         b = by_name.get(name)
-        return b.max_concurrency if b is not None else max(total, 1)
+        if b is None:
+            return total
+        return b.max_concurrency - (b.slots.reserved if workflow_class == "batch" else 0)
 
-    priced = dict(prices or {})
-    # no engine served yet: "" is what Backends.canonical makes of a missing name too
-    return CompileOptions(default_model=backends.default_model or "", tokenize=tokenize,
-                          costs=cost, enforces=enforces,
-                          max_concurrency=sum(b.max_concurrency for b in backends.backends),
-                          outcomes=outcomes.counts if outcomes is not None else no_outcomes,
-                          price=priced.get,
-                          output_lengths=(outcomes.lengths if outcomes is not None
-                                          else no_lengths),
-                          tiers=lambda model: model_tiers(backends.config,
-                                                          backends.canonical(model),
-                                                          backends.turnarounds),
-                          kv_block=kv_block, engine=engine, capacity=capacity,
-                          agent_turns=(outcomes.turns if outcomes is not None
-                                       else no_turns))
+    def prefill_budget(name: str, workflow_class: str) -> float:
+        """A batch run's prompt tokens in prefill at once (``--batch-prefill-budget``)."""
+        b = by_name.get(name)
+        if b is None or workflow_class != "batch" or b.slots.fcfs:
+            return math.inf
+        return float(b.slots.prefill_budget)
+
+    return {"kv_block": kv_block, "engine": engine, "capacity": capacity,
+            "prefill_budget": prefill_budget}
 
 
 def plan(graph: Graph, backends: Backends, costs: CostTracker,

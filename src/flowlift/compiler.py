@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -161,7 +162,10 @@ class CompileOptions:
             guesses from ``max_turns``).
         engine: ``model -> engine name``: models on one engine share it in the planned
             schedule (:mod:`flowlift.simulate`).
-        capacity: ``engine name -> slots`` (requests at once); None: ``max_concurrency``.
+        capacity: ``(engine name, workflow class) -> slots`` (its requests at once);
+            None: ``max_concurrency``.
+        prefill_budget: ``(engine name, workflow class) -> prompt tokens`` its steps may
+            have in prefill at once (the proxy's batch prefill budget); None: no bound.
     """
 
     default_model: str = "default"
@@ -178,7 +182,8 @@ class CompileOptions:
     kv_block: Callable[[str], int] = field(default=lambda model: DEFAULT_KV_BLOCK)
     agent_turns: Callable[[str, str], float | None] = field(default=no_turns)
     engine: Callable[[str], str] = field(default=lambda model: model)
-    capacity: Callable[[str], int] | None = None
+    capacity: Callable[[str, str], int] | None = None
+    prefill_budget: Callable[[str, str], float] | None = None
 
 
 def no_outcomes(step: str, model: str | None) -> OutcomeCounts:
@@ -511,7 +516,8 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     for nid in reversed(order):
         tail[nid] = cost[nid] + max((tail[c] for c in children[nid]), default=0.0)
 
-    timing = _planned_schedule(order, deps, nodes, merged, model_of, work, tail, opts)
+    timing = _planned_schedule(order, deps, nodes, merged, model_of, work, tail, opts,
+                               graph.workflow_class)
     report = _report(graph, opts, order, deps, nodes, merged, model_of, groups, leader,
                      cost, timing, prompt_tok, out_tok, group_of, level_list)
     warnings = [w for nid in order if isinstance(n := nodes[nid], LLMNode)
@@ -611,10 +617,11 @@ class _Timing:
 def _planned_schedule(order: list[str], deps: dict[str, frozenset[str]],
                       nodes: dict[str, Node], merged: dict[str, str],
                       model_of: dict[str, str], work: dict[str, Work],
-                      tail: dict[str, float], opts: CompileOptions) -> _Timing:
+                      tail: dict[str, float], opts: CompileOptions, kind: str) -> _Timing:
     """The graph played on its engines (:func:`flowlift.simulate.simulate`): slots taken
     by remaining critical path, as the proxy does; an identical call ends with the one
-    it reuses; a group with its ``k``-th member."""
+    it reuses; a group with its ``k``-th member. ``kind``: the workflow class (a batch
+    run's slots and prefill budget are the proxy's for batch work)."""
     engines: dict[str, EngineModel] = {}
     for nid, node in nodes.items():
         model = (model_of.get(nid) if isinstance(node, LLMNode) else
@@ -622,8 +629,9 @@ def _planned_schedule(order: list[str], deps: dict[str, frozenset[str]],
                  if isinstance(node, MapNode) else None)
         if model is not None and opts.engine(model) not in engines:
             name = opts.engine(model)
-            slots = opts.capacity(name) if opts.capacity else opts.max_concurrency
-            engines[name] = EngineModel.of(opts.costs(model), slots)
+            slots = opts.capacity(name, kind) if opts.capacity else opts.max_concurrency
+            budget = opts.prefill_budget(name, kind) if opts.prefill_budget else math.inf
+            engines[name] = EngineModel.of(opts.costs(model), slots, budget)
     groups = {nid: (n.k, tuple(n.members)) for nid, n in nodes.items()
               if isinstance(n, GroupNode)}
     sim_deps = {nid: deps[nid] | {merged[nid]} if nid in merged else deps[nid]

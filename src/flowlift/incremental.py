@@ -16,7 +16,8 @@ bounded by what the new nodes touch, not by the run's size:
   that-many tokens are equal (a common prefix is an ultrametric: ``lcp(a, c) >=
   min(lcp(a, b), lcp(b, c))``), so a group is keyed by (model, those tokens); a new node
   joins its key's group, and the group's shared length is the minimum with the new
-  member alone (rounded down to whole blocks where it is priced). Only the new node's prompt is tokenized;
+  member alone (rounded down to whole blocks where it is priced). Only the new node's
+  prompt is tokenized;
 * costs: new nodes are estimated as the compiler does; an existing member is re-priced
   only when its group's shared length or leader changes;
 * remaining critical path (``tail_ms``, the scheduler's priority): only ancestors of

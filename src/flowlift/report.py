@@ -275,7 +275,8 @@ def format_report(r: CompileReport, max_rows: int = 40) -> str:
                                      else "", f"=={n.same_as}" if n.same_as else "") if x)
         lines.append(f"{n.step_id[:24]:<24} {n.level:>3} {(n.model or '-')[:22]:<22} "
                      f"{n.est_ms / 1000:>7.2f} {n.start_ms / 1000:>8.2f} "
-                     f"{n.wait_ms / 1000:>6.2f} {n.remaining_ms / 1000:>7.2f} {n.prompt_tokens:>6} {n.output_tokens:>4}"
+                     f"{n.wait_ms / 1000:>6.2f} {n.remaining_ms / 1000:>7.2f} "
+                     f"{n.prompt_tokens:>6} {n.output_tokens:>4}"
                      f"  {notes}")
     if len(r.nodes) > max_rows:
         lines.append(f"... {len(r.nodes) - max_rows} more steps (--json for all)")

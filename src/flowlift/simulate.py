@@ -8,9 +8,12 @@ a plan was 2.7x short of the measured critical path). :func:`simulate` plays the
 a fluid model of continuous batching (as vLLM schedules: Yu et al., Orca, OSDI'22;
 Agrawal et al., Sarathi-Serve, OSDI'24):
 
-* each engine has ``capacity`` slots (the proxy's ``max_concurrency`` per backend); a
-  ready model step takes a free slot, highest priority first (the remaining critical
-  path, as the proxy's scheduler orders them), else waits;
+* each engine has ``capacity`` slots (the proxy's ``max_concurrency`` per backend, less
+  the slot kept for interactive work where the run is a batch run); a ready model step
+  takes a free slot, highest priority first (the remaining critical path, as the
+  proxy's scheduler orders them), else waits; a batch run's steps also wait while the
+  prompt tokens of the steps still in prefill would pass ``prefill_budget``
+  (``--batch-prefill-budget``; one step is always let in);
 * a step first spends ``fixed_ms`` off the engine (time to first token besides prefill,
   tool calls between an agent's turns), then prefills its uncached prompt tokens, then
   decodes its output tokens;
@@ -67,15 +70,17 @@ class EngineModel:
     prefill_token_ms: float
     capacity: int
     budget_tokens: int = PREFILL_BUDGET_TOKENS
+    prefill_budget: float = math.inf
 
     @classmethod
-    def of(cls, cost: CostModel, capacity: int) -> EngineModel:
+    def of(cls, cost: CostModel, capacity: int,
+           prefill_budget: float = math.inf) -> EngineModel:
         """The engine of a model's :class:`CostModel` (its TPOT is a step of one
         decoding request)."""
         slope = min(max(cost.per_request_ms, 0.0), cost.tpot_ms)
         return cls(base_ms=cost.tpot_ms - slope, per_request_ms=slope,
                    prefill_token_ms=1000.0 / cost.prefill_tps if cost.prefill_tps > 0
-                   else 0.0, capacity=max(capacity, 1))
+                   else 0.0, capacity=max(capacity, 1), prefill_budget=prefill_budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +106,8 @@ class _Engine:
     def __init__(self, model: EngineModel) -> None:
         self.m = model
         self.in_use = 0
+        self.admitted_prefill = 0.0  # prompt tokens of admitted steps not yet prefilled
+        self.admitted: dict[str, float] = {}  # those steps and their tokens
         self.ready: list[tuple[float, int, str]] = []  # (-priority, order, step)
         self.prefill: deque[list[object]] = deque()  # [step, tokens left], FCFS
         self.prefill_left = 0.0
@@ -166,8 +173,19 @@ class _Engine:
                 done_decode.append(sid)
         return done_prefill, done_decode
 
+    def admit(self, sid: str, tokens: float) -> None:
+        """A step got a slot: its prompt tokens count against the prefill budget."""
+        if tokens > 0:
+            self.admitted[sid] = tokens
+            self.admitted_prefill += tokens
+
+    def prefilled(self, sid: str) -> None:
+        """A step's prompt is in (or it was cancelled): its tokens leave the budget."""
+        self.admitted_prefill = max(self.admitted_prefill - self.admitted.pop(sid, 0.0), 0.0)
+
     def drop(self, sid: str) -> None:
         """Take a cancelled step off the engine (its slot is freed by the caller)."""
+        self.prefilled(sid)
         self.decoding.discard(sid)
         for entry in self.prefill:
             if entry[0] == sid:
@@ -251,10 +269,16 @@ class _Sim:
     def _admit_all(self) -> None:
         for engine in self.engines.values():
             while engine.ready and engine.in_use < engine.m.capacity:
-                _, _, nid = heapq.heappop(engine.ready)
+                nid = engine.ready[0][2]
+                tokens = self.work[nid].prefill_tokens
+                if nid not in self.cancelled and engine.admitted_prefill > 0 and \
+                        engine.admitted_prefill + tokens > engine.m.prefill_budget:
+                    break
+                heapq.heappop(engine.ready)
                 if nid in self.cancelled:
                     continue
                 engine.in_use += 1
+                engine.admit(nid, tokens)
                 self.start_ms[nid] = self.now
                 self._timer(self.now + self.work[nid].fixed_ms, "fixed", nid)
 
@@ -263,6 +287,8 @@ class _Sim:
             return  # cancelled meanwhile
         w = self.work.get(nid, Work())
         engine = self.engines.get(w.engine) if w.engine is not None else None
+        if engine is not None and kind == "prefilled":
+            engine.prefilled(nid)
         if kind == "fixed" and engine is not None and w.prefill_tokens > 0:
             engine.prefill.append([nid, float(w.prefill_tokens)])
             engine.prefill_left += float(w.prefill_tokens)

@@ -15,6 +15,7 @@ from flowlift.costs import CostModel, CostTracker
 from flowlift.graph import Graph
 from flowlift.incremental import GrowingPlan
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.dispatch.settings import DispatchSettings
 from flowlift.proxy.store.outcomes import StepOutcomes
 from flowlift.proxy.workflows.planning import compile_options, plan
 from flowlift.proxy.workflows.registry import learn_lengths
@@ -161,3 +162,19 @@ def test_the_tpot_line_is_learned_from_requests_decoding_together():
     crowded.observe("m", prompt_tokens=10, cached_tokens=0, completion_tokens=11,
                     prefill_ms=60.0, decode_ms=1250.0, decoding=21)
     assert crowded.model("m").tpot_ms < 125.0 / 2
+
+
+def test_a_batch_run_is_planned_within_the_proxy_s_batch_budget():
+    engines = {"e": EngineModel(base_ms=10.0, per_request_ms=0.0, prefill_token_ms=1.0,
+                                capacity=8, prefill_budget=1024)}
+    deps = {"a": frozenset(), "b": frozenset()}
+    work = {"a": Work("e", prefill_tokens=800), "b": Work("e", prefill_tokens=800)}
+    sched = simulate(["a", "b"], deps, work, engines)
+    assert sched.start_ms["b"] == pytest.approx(sched.finish_ms["a"])  # 1,600 > 1,024
+    opts = compile_options(Backends({"m": FakeEngine(["m"])}, DispatchSettings(max_concurrency=6)),
+                           CostTracker())
+    assert opts.capacity is not None and opts.prefill_budget is not None
+    name = opts.engine("m")
+    assert opts.capacity(name, "batch") == 5 and opts.capacity(name, "interactive") == 6
+    assert opts.prefill_budget(name, "batch") == 1024
+    assert opts.prefill_budget(name, "interactive") == math.inf

@@ -6,6 +6,7 @@ validation's."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -79,7 +80,7 @@ def _same(state: GrowingPlan, full: Plan, groups: Plan) -> None:
     if path:
         assert full.tail_ms[path[0]] == pytest.approx(max(full.tail_ms.values()))
         assert full.tail_ms[path[-1]] == pytest.approx(full.cost_ms[path[-1]])
-    for a, b in zip(path, path[1:], strict=False):
+    for a, b in itertools.pairwise(path):
         assert a in state.deps[b]
         assert full.tail_ms[a] == pytest.approx(full.cost_ms[a] + full.tail_ms[b])
 
