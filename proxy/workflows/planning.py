@@ -64,8 +64,9 @@ def compile_options(backends: Backends, costs: CostTracker,
 
 def _engines(backends: Backends) -> dict[str, Any]:
     """What the planned schedule needs of this proxy's engines: where each model runs
-    (``engine``), its KV block (``kv_block``), its slots (``capacity``) and a batch run's
-    prefill budget (``prefill_budget``), as :class:`CompileOptions` takes them."""
+    (``engine``), its KV block (``kv_block``), its slots (``capacity``), a batch run's
+    prefill budget (``prefill_budget``) and the machine it runs on (``host``), as
+    :class:`CompileOptions` takes them."""
     by_name = {b.name: b for b in backends.backends}
     total = max(sum(b.max_concurrency for b in backends.backends), 1)
 
@@ -97,8 +98,14 @@ def _engines(backends: Backends) -> dict[str, Any]:
             return math.inf
         return float(b.slots.prefill_budget)
 
+    local = {b.name for b in backends.backends if b.engine in backends.engines}
+
+    def host(name: str) -> str | None:
+        """The embedded engines share this machine; an upstream is a machine of its own."""
+        return "local" if name in local else None
+
     return {"kv_block": kv_block, "engine": engine, "capacity": capacity,
-            "prefill_budget": prefill_budget}
+            "prefill_budget": prefill_budget, "host": host}
 
 
 def plan(graph: Graph, backends: Backends, costs: CostTracker,

@@ -668,13 +668,16 @@ class Run:
             request = dataclasses.replace(request, tools=())
         books = AttemptBooks(self.trace, node.id, number, want or model)
         tokens = int(self.plan.uncached_tokens.get(node.id, 0)) if self.plan else 0
-        busy = [0, 0]  # the engine's requests in flight, summed over chunks; chunks
+        busy = [0, 0]  # this machine's engine requests in flight, summed over chunks; chunks
+        local = [b.slots for b in self.backends.backends if b.engine in self.backends.engines]
+        if backend.engine not in self.backends.engines:
+            local = [backend.slots]  # an upstream: its own
         try:
             async with contextlib.aclosing(self._dispatcher.generate(
                     request, priority=priority, prefill_tokens=tokens,
                     started=books.started)) as chunks:
                 async for chunk in chunks:
-                    busy[0] += backend.slots.in_use
+                    busy[0] += sum(slots.in_use for slots in local)
                     busy[1] += 1
                     if books.chunk(chunk):
                         self.warmup.warmed(self.plan, node.id)
@@ -709,8 +712,9 @@ class Run:
         return None if tokens is None else round(tokens)
 
     def _observe(self, model: str, at: AttemptTrace, decoding: float) -> None:
-        """A finished try into the cost models (``decoding``: requests its engine had in
-        flight while it streamed, on average: the TPOT line in concurrency)."""
+        """A finished try into the cost models (``decoding``: requests the engines of its
+        machine had in flight while it streamed, on average: the TPOT line in
+        concurrency, as :mod:`flowlift.simulate` plans engines that share a machine)."""
         if self.costs is None or at.first_token_ms is None or at.finished_ms is None:
             return
         self.costs.observe(model, prompt_tokens=at.prompt_tokens,

@@ -166,6 +166,8 @@ class CompileOptions:
             None: ``max_concurrency``.
         prefill_budget: ``(engine name, workflow class) -> prompt tokens`` its steps may
             have in prefill at once (the proxy's batch prefill budget); None: no bound.
+        host: ``engine name -> machine`` (None: its own): engines on one machine share
+            its cores in the planned schedule; by default all on one.
     """
 
     default_model: str = "default"
@@ -184,6 +186,7 @@ class CompileOptions:
     engine: Callable[[str], str] = field(default=lambda model: model)
     capacity: Callable[[str, str], int] | None = None
     prefill_budget: Callable[[str, str], float] | None = None
+    host: Callable[[str], str | None] = field(default=lambda engine: "local")
 
 
 def no_outcomes(step: str, model: str | None) -> OutcomeCounts:
@@ -631,7 +634,8 @@ def _planned_schedule(order: list[str], deps: dict[str, frozenset[str]],
             name = opts.engine(model)
             slots = opts.capacity(name, kind) if opts.capacity else opts.max_concurrency
             budget = opts.prefill_budget(name, kind) if opts.prefill_budget else math.inf
-            engines[name] = EngineModel.of(opts.costs(model), slots, budget)
+            engines[name] = EngineModel.of(opts.costs(model), slots, budget,
+                                           opts.host(name))
     groups = {nid: (n.k, tuple(n.members)) for nid, n in nodes.items()
               if isinstance(n, GroupNode)}
     sim_deps = {nid: deps[nid] | {merged[nid]} if nid in merged else deps[nid]

@@ -128,8 +128,11 @@ class CostTracker:
         average)."""
         st = self._stats.setdefault(model, _ModelStats(_Ewma(), _Ewma(), _Ewma()))
         uncached = max(prompt_tokens - cached_tokens, 0)
+        # a prefill among others took longer: brought back to one request as TPOT is
+        crowded = 1.0 + self.default.per_request_ms / self.default.tpot_ms * max(
+            decoding - 1.0, 0.0)
         if uncached >= 32 and prefill_ms > 0:
-            st.prefill_tps.add(uncached / (prefill_ms / 1000.0), self.alpha)
+            st.prefill_tps.add(uncached / (prefill_ms / 1000.0) * crowded, self.alpha)
         if completion_tokens > 1 and decode_ms > 0:
             tpot = decode_ms / (completion_tokens - 1)
             st.tpot_ms.add(tpot, self.alpha)
@@ -137,7 +140,7 @@ class CostTracker:
             count = max(round(decoding), 1)
             st.by_decoding.setdefault(count, deque(maxlen=TPOT_KEEP)).append(tpot)
         if uncached < 32:
-            st.overhead_ms.add(prefill_ms, self.alpha)
+            st.overhead_ms.add(prefill_ms / crowded, self.alpha)
 
     def _tpot(self, st: _ModelStats) -> tuple[float, float]:
         """``(tpot_ms, per_request_ms)``: the fitted line; with one count of requests

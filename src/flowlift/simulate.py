@@ -19,7 +19,9 @@ Agrawal et al., Sarathi-Serve, OSDI'24):
   decodes its output tokens;
 * an engine step computes the prompt tokens waiting (first come first served, at most
   ``budget_tokens`` of them: chunked prefill) and one token for every decoding request,
-  and takes ``base_ms + per_request_ms * decoding + prefill_token_ms * prompt tokens``.
+  and takes ``base_ms + per_request_ms * decoding + prefill_token_ms * prompt tokens``,
+  ``decoding`` counting the requests of every engine on its host (engines that share a
+  machine's cores, as the embedded ones do, slow each other down).
   Between two events (a step admitted, a prefill or a decode done) the rates are
   constant, so the simulation jumps from event to event: O(events x engines).
 
@@ -71,16 +73,18 @@ class EngineModel:
     capacity: int
     budget_tokens: int = PREFILL_BUDGET_TOKENS
     prefill_budget: float = math.inf
+    host: str | None = None
 
     @classmethod
-    def of(cls, cost: CostModel, capacity: int,
-           prefill_budget: float = math.inf) -> EngineModel:
+    def of(cls, cost: CostModel, capacity: int, prefill_budget: float = math.inf,
+           host: str | None = None) -> EngineModel:
         """The engine of a model's :class:`CostModel` (its TPOT is a step of one
         decoding request)."""
         slope = min(max(cost.per_request_ms, 0.0), cost.tpot_ms)
         return cls(base_ms=cost.tpot_ms - slope, per_request_ms=slope,
                    prefill_token_ms=1000.0 / cost.prefill_tps if cost.prefill_tps > 0
-                   else 0.0, capacity=max(capacity, 1), prefill_budget=prefill_budget)
+                   else 0.0, capacity=max(capacity, 1), prefill_budget=prefill_budget,
+                   host=host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,17 +119,19 @@ class _Engine:
         self.decoding: set[str] = set()
         self.clock = 0.0  # tokens each decoding request has decoded so far
 
-    def step_ms(self) -> tuple[float, float]:
-        """``(the step's time in ms, prompt tokens in it)`` at the current state."""
+    def step_ms(self, crowd: int = 0) -> tuple[float, float]:
+        """``(the step's time in ms, prompt tokens in it)`` at the current state;
+        ``crowd``: requests decoding on the other engines of its host (sharing its
+        cores)."""
         tokens = min(float(self.m.budget_tokens), self.prefill_left)
         busy = bool(self.decoding) or tokens > 0
-        ms = (self.m.base_ms + self.m.per_request_ms * len(self.decoding)
+        ms = (self.m.base_ms + self.m.per_request_ms * (len(self.decoding) + crowd)
               + self.m.prefill_token_ms * tokens) if busy else 0.0
         return ms, tokens
 
-    def next_event_ms(self) -> float:
+    def next_event_ms(self, crowd: int = 0) -> float:
         """ms until its next prefill or decode ends (inf: none running)."""
-        ms, tokens = self.step_ms()
+        ms, tokens = self.step_ms(crowd)
         best = math.inf
         while self.decoders and self.decoders[0][1] not in self.decoding:
             heapq.heappop(self.decoders)  # cancelled
@@ -136,9 +142,9 @@ class _Engine:
             best = min(best, left * ms / tokens)
         return best
 
-    def advance(self, dt: float) -> tuple[list[str], list[str]]:
+    def advance(self, dt: float, crowd: int = 0) -> tuple[list[str], list[str]]:
         """Run ``dt`` ms; returns (steps whose prefill ended, steps whose decode ended)."""
-        ms, tokens = self.step_ms()
+        ms, tokens = self.step_ms(crowd)
         if ms <= 0:  # an engine that costs nothing: whatever runs is done at once
             done = [str(entry[0]) for entry in self.prefill]
             self.prefill.clear()
@@ -227,16 +233,17 @@ class _Sim:
                 self._ready(nid)
         while True:
             self._admit_all()
+            crowd = self._crowds()
             t_timer = self.timers[0][0] if self.timers else math.inf
-            t_engine = min((self.now + e.next_event_ms() for e in self.engines.values()),
-                           default=math.inf)
+            t_engine = min((self.now + e.next_event_ms(crowd[k])
+                            for k, e in self.engines.items()), default=math.inf)
             t = min(t_timer, t_engine)
             if math.isinf(t):
                 break
             dt = max(t - self.now, 0.0)
             ended: list[tuple[str, str]] = []
-            for e in self.engines.values():
-                pre, dec = e.advance(dt)
+            for k, e in self.engines.items():
+                pre, dec = e.advance(dt, crowd[k])
                 ended += [("prefilled", s) for s in pre] + [("decoded", s) for s in dec]
             self.now = max(t, self.now)
             while self.timers and self.timers[0][0] <= self.now + _EPS:
@@ -250,6 +257,15 @@ class _Sim:
             self.finish_ms.setdefault(nid, t0)
         return Schedule(self.ready_ms, self.start_ms, self.finish_ms,
                         frozenset(self.cancelled))
+
+    def _crowds(self) -> dict[str, int]:
+        """Per engine: requests decoding on the other engines of its host."""
+        on_host: dict[str, int] = {}
+        for e in self.engines.values():
+            if e.m.host is not None:
+                on_host[e.m.host] = on_host.get(e.m.host, 0) + len(e.decoding)
+        return {k: on_host[e.m.host] - len(e.decoding) if e.m.host is not None else 0
+                for k, e in self.engines.items()}
 
     def _ready(self, nid: str) -> None:
         if nid in self.ready_ms or nid in self.cancelled:
