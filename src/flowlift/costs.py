@@ -94,7 +94,9 @@ def tpot_line(points: dict[int, deque[float]], min_samples: int = 2
               ) -> tuple[float, float] | None:
     """``(tpot at 1, ms per further request)``: least squares through the median TPOT at
     each count of requests decoding at once (weighted by its samples; the slope never
-    negative); None with fewer than two counts of ``min_samples`` samples."""
+    negative); None with fewer than two counts of ``min_samples`` samples, or when the
+    line would put one request's TPOT under a quarter of the fastest median seen (points
+    that follow no line: the caller falls back to the mean)."""
     pts = [(n, statistics.median(v), len(v)) for n, v in points.items()
            if len(v) >= min_samples]
     if len(pts) < 2:
@@ -104,7 +106,10 @@ def tpot_line(points: dict[int, deque[float]], min_samples: int = 2
     my = sum(y * k for _, y, k in pts) / w
     sxx = sum(k * (x - mx) ** 2 for x, _, k in pts)
     slope = max(sum(k * (x - mx) * (y - my) for x, y, k in pts) / sxx, 0.0) if sxx else 0.0
-    return max(my - slope * (mx - 1.0), 1e-3), slope
+    solo = my - slope * (mx - 1.0)
+    if solo < 0.25 * min(y for _, y, _ in pts):  # no line through these: noise
+        return None
+    return solo, slope
 
 
 class CostTracker:

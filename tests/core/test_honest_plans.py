@@ -178,3 +178,13 @@ def test_a_batch_run_is_planned_within_the_proxy_s_batch_budget():
     assert opts.capacity(name, "batch") == 5 and opts.capacity(name, "interactive") == 6
     assert opts.prefill_budget(name, "batch") == 1024
     assert opts.prefill_budget(name, "interactive") == math.inf
+
+
+def test_points_that_follow_no_line_fall_back_to_the_mean():
+    from collections import deque
+
+    from flowlift.costs import tpot_line
+
+    assert tpot_line({2: deque([40.0, 40.0]), 12: deque([1000.0, 1000.0])}) is None
+    assert tpot_line({1: deque([45.0] * 3), 21: deque([125.0] * 3)}) == pytest.approx(
+        (45.0, 4.0))
