@@ -220,6 +220,7 @@ class StepOutcomes:
         self._counts = {(s, m): OutcomeCounts(i, f, a) for s, m, i, f, a in rows}
         self._lengths: dict[tuple[str, str], deque[int]] = {
             (s, m): deque(json.loads(t), maxlen=KEEP_LENGTHS) for s, m, t in lengths}
+        self._turns: dict[tuple[str, str], deque[int]] = {}  # in memory only
 
     def record(self, step: str, model: str | None, accepted: bool, attempts: int) -> None:
         """One item of ``step`` ran on ``model``: delivered (``accepted``) or not."""
@@ -238,6 +239,18 @@ class StepOutcomes:
         with self._lock:
             self._due_lengths.add(key)
         self._queue_flush()
+
+    def record_turns(self, step: str, model: str | None, turns: int) -> None:
+        """Agent step ``step`` took ``turns`` model turns on ``model`` (kept in memory,
+        the last :data:`KEEP_LENGTHS`: the compiler's expected turns, :meth:`turns`)."""
+        key = (step, model or self.default_model)
+        self._turns.setdefault(key, deque(maxlen=KEEP_LENGTHS)).append(int(turns))
+
+    def turns(self, step: str, model: str | None) -> float | None:
+        """The mean turns agent step ``step`` took on ``model`` since this proxy started,
+        or None when never seen (:func:`flowlift.timing.agent_turns`)."""
+        kept = self._turns.get((step, model or self.default_model))
+        return statistics.fmean(kept) if kept else None
 
     def _queue_flush(self) -> None:
         """One write of everything due on the writer thread, unless one waits already."""

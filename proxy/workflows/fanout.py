@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
+from flowlift.dataflow import map_item_ids
 from flowlift.errors import StepFailed
 from flowlift.graph import ITEM, InputNode, LLMNode, MapNode, Node
 
@@ -29,8 +30,9 @@ EXPANDED: Final = "map.expanded"
 
 
 def item_ids(node: MapNode, count: int) -> list[str]:
-    """The ids of the item steps of a map over ``count`` items, in order."""
-    return [f"{node.id}-{i}" for i in range(count)]
+    """The ids of the item steps of a map over ``count`` items, in order (the planner
+    finds them by the same names: :func:`flowlift.dataflow.expanded_maps`)."""
+    return map_item_ids(node.id, count)
 
 
 def check_items(node: MapNode, value: Any) -> list[Any]:

@@ -146,13 +146,17 @@ def log_end(run: Run) -> None:
 
 def learn_lengths(run: Run, outcomes: StepOutcomes) -> None:
     """Record the output length of each llm step the run delivered (its accepted, last
-    attempt; steps reusing an identical call's output add nothing), for the compiler's
-    next estimates of the same (step name, model)."""
+    attempt; steps reusing an identical call's output add nothing), and each agent step's
+    turns, for the compiler's next estimates of the same (step name, model)."""
+    nodes = run.graph.node_map()
     for st in run.trace.steps.values():
         if st.kind != "llm" or st.status != "done" or not st.attempts or st.same_as:
             continue
         last = st.attempts[-1]
         outcomes.record_output(st.name or st.step_id, last.model, last.completion_tokens)
+        node = nodes.get(st.step_id)
+        if isinstance(node, LLMNode) and node.tools:  # an agent: each turn an attempt
+            outcomes.record_turns(st.name or st.step_id, last.model, len(st.attempts))
 
 
 class RunRegistry:

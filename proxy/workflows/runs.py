@@ -655,7 +655,7 @@ class Run:
         the step's own); every try (an agent step's turn) is an :class:`AttemptTrace` in
         the step's ``attempts``; ``on_call`` gets each tool call complete before the
         answer ends (``GenerationChunk.ready_calls``)."""
-        model, _ = self.backends.resolve(want)
+        model, backend = self.backends.resolve(want)
         st = self.trace.step(node.id)
         st.model = model
         number = len(st.attempts) + 1
@@ -668,11 +668,17 @@ class Run:
             request = dataclasses.replace(request, tools=())
         books = AttemptBooks(self.trace, node.id, number, want or model)
         tokens = int(self.plan.uncached_tokens.get(node.id, 0)) if self.plan else 0
+        busy = [0, 0]  # this machine's engine requests in flight, summed over chunks; chunks
+        local = [b.slots for b in self.backends.backends if b.engine in self.backends.engines]
+        if backend.engine not in self.backends.engines:
+            local = [backend.slots]  # an upstream: its own
         try:
             async with contextlib.aclosing(self._dispatcher.generate(
                     request, priority=priority, prefill_tokens=tokens,
                     started=books.started)) as chunks:
                 async for chunk in chunks:
+                    busy[0] += sum(slots.in_use for slots in local)
+                    busy[1] += 1
                     if books.chunk(chunk):
                         self.warmup.warmed(self.plan, node.id)
                     if on_call is not None:
@@ -684,7 +690,7 @@ class Run:
         finally:
             self.warmup.warmed(self.plan, node.id)
         attempt = books.finished()
-        self._observe(model, attempt)
+        self._observe(model, attempt, busy[0] / busy[1] if busy[1] else 1.0)
         return Generated(books.text, attempt, books.logprobs, books.tool_calls)
 
     def _request(self, node: LLMNode, model: str, messages: Sequence[ChatMessage],
@@ -705,14 +711,18 @@ class Run:
         tokens = None if self.plan is None else self.plan.output_tokens.get(step_id)
         return None if tokens is None else round(tokens)
 
-    def _observe(self, model: str, at: AttemptTrace) -> None:
+    def _observe(self, model: str, at: AttemptTrace, decoding: float) -> None:
+        """A finished try into the cost models (``decoding``: requests the engines of its
+        machine had in flight while it streamed, on average: the TPOT line in
+        concurrency, as :mod:`flowlift.simulate` plans engines that share a machine)."""
         if self.costs is None or at.first_token_ms is None or at.finished_ms is None:
             return
         self.costs.observe(model, prompt_tokens=at.prompt_tokens,
                            cached_tokens=at.cached_tokens,
                            completion_tokens=at.completion_tokens,
                            prefill_ms=at.first_token_ms - at.started_ms,
-                           decode_ms=at.finished_ms - at.first_token_ms)
+                           decode_ms=at.finished_ms - at.first_token_ms,
+                           decoding=max(decoding, 1.0))
 
     async def _tool(self, node: ToolNode) -> Any:
         def arg(a: Any) -> Any:

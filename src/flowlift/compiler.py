@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from flowlift.costs import UNMEASURED, CostModel
-from flowlift.dataflow import dependencies, levels
+from flowlift.dataflow import expanded_maps, levels, planning_dependencies
 from flowlift.decisions import decision_report, with_decisions
 from flowlift.escalation import OutcomeCounts, expected_cost
 from flowlift.graph import (
@@ -73,7 +74,16 @@ from flowlift.report import (
     TierPlanReport,
     TierStepReport,
 )
+from flowlift.simulate import (
+    EngineModel,
+    Schedule,
+    Work,
+    critical_chain,
+    remaining_ms,
+    simulate,
+)
 from flowlift.tiers import StepEstimate, TierProfile, plan_tiers, watchdog_risk
+from flowlift.timing import agent_turns, call_ms, call_work
 
 Tokenize = Callable[[str, str], Sequence[int]]
 
@@ -93,10 +103,17 @@ def no_lengths(step: str, model: str) -> OutputLengths | None:
     return None
 
 
+def no_turns(step: str, model: str) -> float | None:
+    """No agent turns learned: :func:`flowlift.timing.agent_turns` guesses."""
+    return None
+
+
 CHARS_PER_TOKEN = 4.0  # English text in a BPE vocabulary, for bounds given in characters
 SCALAR_TOKENS = {"integer": 3.0, "number": 4.0, "boolean": 1.0, "null": 1.0}
 _WORDS = re.compile(r"\w+|[^\w\s]")
-MIN_SHARED_PREFIX_TOKENS = 16  # one vLLM KV block
+DEFAULT_KV_BLOCK = 16
+"""Tokens per KV-cache block where the engine does not say (vLLM's default on GPUs; its
+CPU build uses 128: :meth:`flowlift.local_engine.base.Engine.kv_block_tokens`)."""
 
 
 def approximate_tokenize(model: str, text: str) -> list[int]:
@@ -138,6 +155,19 @@ class CompileOptions:
             runs, or None; the estimate of a step's output is its median.
         tiers: ``model -> service tiers`` its backends offer (:mod:`flowlift.tiers`), or
             None; with a deadline, the report then plans each step's tier.
+        kv_block: ``model -> tokens per KV-cache block`` of the engine that serves it
+            (prefix groups share whole blocks: :func:`prefix_groups`).
+        agent_turns: ``(step name, model) -> model turns`` an agent step took on
+            average in finished runs, or None (then :func:`flowlift.timing.agent_turns`
+            guesses from ``max_turns``).
+        engine: ``model -> engine name``: models on one engine share it in the planned
+            schedule (:mod:`flowlift.simulate`).
+        capacity: ``(engine name, workflow class) -> slots`` (its requests at once);
+            None: ``max_concurrency``.
+        prefill_budget: ``(engine name, workflow class) -> prompt tokens`` its steps may
+            have in prefill at once (the proxy's batch prefill budget); None: no bound.
+        host: ``engine name -> machine`` (None: its own): engines on one machine share
+            its cores in the planned schedule; by default all on one.
     """
 
     default_model: str = "default"
@@ -151,6 +181,12 @@ class CompileOptions:
     price: Callable[[str], float | None] = field(default=lambda model: None)
     output_lengths: Callable[[str, str], OutputLengths | None] = field(default=no_lengths)
     tiers: Callable[[str], Sequence[TierProfile]] | None = None
+    kv_block: Callable[[str], int] = field(default=lambda model: DEFAULT_KV_BLOCK)
+    agent_turns: Callable[[str, str], float | None] = field(default=no_turns)
+    engine: Callable[[str], str] = field(default=lambda model: model)
+    capacity: Callable[[str, str], int] | None = None
+    prefill_budget: Callable[[str, str], float] | None = None
+    host: Callable[[str], str | None] = field(default=lambda engine: "local")
 
 
 def no_outcomes(step: str, model: str | None) -> OutcomeCounts:
@@ -281,26 +317,34 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def prefix_groups(prefixes: dict[str, tuple[str, Sequence[int]]],
-                  min_tokens: int = MIN_SHARED_PREFIX_TOKENS) -> list[tuple[int, list[str]]]:
-    """Groups of nodes (same model) whose prompts start with the same ``>= min_tokens``
-    tokens: ``[(shared_tokens, [node ids in dispatch order])]``."""
+                  block: Callable[[str], int] = lambda model: DEFAULT_KV_BLOCK
+                  ) -> list[tuple[int, list[str]]]:
+    """Groups of nodes (same model) whose prompts start with at least one whole KV block
+    of the same tokens: ``[(shared_tokens, [node ids in dispatch order])]``, the shared
+    tokens rounded down to whole blocks of the model's engine (``block(model)``, tokens):
+    vLLM's prefix cache keeps and hits whole blocks only, so a shared start shorter than
+    one block saves nothing and is no group (its siblings need not wait for a leader)."""
     ordered = sorted(prefixes.items(), key=lambda kv: (kv[1][0], tuple(kv[1][1])))
     groups: list[tuple[int, list[str]]] = []
     run: list[str] = []
     run_len = 0
+
+    def close() -> None:
+        if len(run) > 1:
+            size = max(block(prefixes[run[0]][0]), 1)
+            groups.append((run_len // size * size, run))
+
     prev: tuple[str, Sequence[int]] | None = None
     for nid, (model, toks) in ordered:
         lcp = _lcp(prev[1], toks) if prev is not None and prev[0] == model else 0
-        if lcp >= min_tokens:
+        if lcp >= max(block(model), 1):
             run.append(nid)
             run_len = min(run_len, lcp) if len(run) > 2 else lcp
         else:
-            if len(run) > 1:
-                groups.append((run_len, run))
+            close()
             run, run_len = [nid], 0
         prev = (model, toks)
-    if len(run) > 1:
-        groups.append((run_len, run))
+    close()
     return groups
 
 
@@ -415,7 +459,8 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     """
     opts = opts or CompileOptions()
     opts = dataclasses.replace(opts, tokenize=_memoized(opts.tokenize))
-    deps = dependencies(graph)
+    deps = planning_dependencies(graph)
+    expanded = expanded_maps(graph)
     level_list = levels(graph, deps)
     order = [nid for level in level_list for nid in level]
     nodes = graph.node_map()
@@ -426,7 +471,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     prefixes = {nid: (model_of[nid], opts.tokenize(model_of[nid], _literal_prefix(n)))
                 for nid, n in nodes.items()
                 if isinstance(n, LLMNode) and nid not in merged}
-    groups = prefix_groups(prefixes)
+    groups = prefix_groups(prefixes, opts.kv_block)
     pos = {nid: i for i, nid in enumerate(order)}
     group_of: dict[str, int] = {}
     shared_of: dict[str, int] = {}
@@ -444,6 +489,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     prompt_tok: dict[str, float] = {}
     uncached_tok: dict[str, float] = {}
     cascades: list[CascadeReport] = []
+    work: dict[str, Work] = {}
     for nid in order:
         node = nodes[nid]
         if nid in merged:
@@ -455,14 +501,16 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
             prompt_tok[nid] = _prompt_tokens(node, opts, model, out_tok, nodes)
             uncached_tok[nid], cost[nid], cascade = llm_price(
                 node, opts, model, prompt_tok[nid], out_tok[nid], shared_of.get(nid, 0))
+            work[nid] = step_work(node, opts, model, uncached_tok[nid], out_tok[nid],
+                                  cost[nid])
             if cascade is not None:
                 cascades.append(cascade)
+        elif nid in expanded:  # its item steps carry the work
+            cost[nid], out_tok[nid] = 0.0, sum(out_tok[i] for i in expanded[nid])
         else:
             cost[nid], out_tok[nid] = other_estimate(node, opts, out_tok, nodes)
+            work[nid] = _other_work(node, opts, out_tok, nodes, cost[nid])
 
-    start: dict[str, float] = {}
-    for nid in order:
-        start[nid] = max((start[d] + cost[d] for d in deps[nid]), default=0.0)
     children: dict[str, list[str]] = {nid: [] for nid in order}
     for nid, ds in deps.items():
         for d in ds:
@@ -471,9 +519,10 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
     for nid in reversed(order):
         tail[nid] = cost[nid] + max((tail[c] for c in children[nid]), default=0.0)
 
-    path = _critical_path(order, deps, tail, children)
+    timing = _planned_schedule(order, deps, nodes, merged, model_of, work, tail, opts,
+                               graph.workflow_class)
     report = _report(graph, opts, order, deps, nodes, merged, model_of, groups, leader,
-                     cost, tail, start, prompt_tok, out_tok, path, group_of, level_list)
+                     cost, timing, prompt_tok, out_tok, group_of, level_list)
     warnings = [w for nid in order if isinstance(n := nodes[nid], LLMNode)
                 for w in size_warnings(n, functools.partial(_count, opts, model_of[nid]))]
     report = report.model_copy(update={"cascades": cascades,
@@ -485,7 +534,8 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
                                        })
     report = with_decisions(report, decision_report(
         order, nodes, deps, cost, {n: prompt_tok.get(n, 0.0) + out_tok[n]
-                                   for n in prompt_tok}, path))
+                                   for n in prompt_tok}, timing.path, timing.critical_ms,
+        timing.worst_ms))
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
                 prefix_group=group_of, group_leader=leader, compiled=report,
                 output_tokens=out_tok)
@@ -495,12 +545,32 @@ def llm_price(node: LLMNode, opts: CompileOptions, model: str, prompt: float, ou
               shared: float) -> tuple[float, float, CascadeReport | None]:
     """A model step's uncached prompt tokens, cost (ms) and cascade report (None for a
     one-model step without observations), ``shared`` of its ``prompt`` tokens (an
-    estimate) being cached by its prefix group's leader."""
+    estimate) being cached by its prefix group's leader. An agent step costs its
+    expected turns (:func:`flowlift.timing.agent_turns`), not one call."""
     uncached = max(prompt - shared, 0.0)
-    cascade = _cascade(node, opts, uncached, prompt, out)
+    turns = _turns(node, opts, model)
+    cascade = _cascade(node, opts, uncached, prompt, out, turns)
     cost = (cascade.expected_ms if cascade is not None
-            else opts.costs(model).step_ms(uncached, out))
+            else call_ms(opts.costs(model), uncached, out, turns, opts.tool_ms))
     return uncached, cost, cascade
+
+
+def _turns(node: LLMNode, opts: CompileOptions, model: str) -> float:
+    return agent_turns(node, opts.agent_turns(node.name or node.id, model)
+                       if node.tools else None)
+
+
+def step_work(node: Node, opts: CompileOptions, model: str, uncached: float, out: float,
+              cost_ms: float) -> Work:
+    """What a model step (or an unexpanded map's one item) asks of its engine, at its
+    planned ``cost_ms`` (a cascade or retries scale the one call's work up)."""
+    step = node.step if isinstance(node, MapNode) else node
+    assert isinstance(step, LLMNode)
+    cm = opts.costs(model)
+    turns = _turns(step, opts, model)
+    one = call_ms(cm, uncached, out, turns, opts.tool_ms)
+    return call_work(cm, opts.engine(model), uncached, out, turns, opts.tool_ms,
+                     cost_ms / one if one > 0 else 1.0)
 
 
 def other_estimate(node: Node, opts: CompileOptions, out_tok: dict[str, float],
@@ -521,6 +591,63 @@ def other_estimate(node: Node, opts: CompileOptions, out_tok: dict[str, float],
         return opts.costs(model).step_ms(prompt, out), out * node.max_items
     assert isinstance(node, InputNode)
     return 0.0, float(len(opts.tokenize(opts.default_model, str(node.value))))
+
+
+def _other_work(node: Node, opts: CompileOptions, out_tok: dict[str, float],
+                nodes: dict[str, Node], cost_ms: float) -> Work:
+    """A step that is no model call: a tool's time off any engine; an unexpanded map's
+    one item on its model's engine; a constant or a group: nothing."""
+    if isinstance(node, MapNode):
+        model = node.step.models()[0] or opts.default_model
+        out = _output_tokens(node.step, opts, model)
+        prompt = _prompt_tokens(node.step, opts, model, out_tok, nodes)
+        return step_work(node, opts, model, prompt, out, cost_ms)
+    return Work(fixed_ms=cost_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class _Timing:
+    """The planned schedule and what the report reads of it: one computation for the
+    headline, the named path and the rows."""
+
+    schedule: Schedule
+    remaining: dict[str, float]
+    path: list[str]
+    critical_ms: float
+    worst_ms: float | None  # every group waiting for all its members (None: no groups)
+
+
+def _planned_schedule(order: list[str], deps: dict[str, frozenset[str]],
+                      nodes: dict[str, Node], merged: dict[str, str],
+                      model_of: dict[str, str], work: dict[str, Work],
+                      tail: dict[str, float], opts: CompileOptions, kind: str) -> _Timing:
+    """The graph played on its engines (:func:`flowlift.simulate.simulate`): slots taken
+    by remaining critical path, as the proxy does; an identical call ends with the one
+    it reuses; a group with its ``k``-th member. ``kind``: the workflow class (a batch
+    run's slots and prefill budget are the proxy's for batch work)."""
+    engines: dict[str, EngineModel] = {}
+    for nid, node in nodes.items():
+        model = (model_of.get(nid) if isinstance(node, LLMNode) else
+                 (node.step.models()[0] or opts.default_model)
+                 if isinstance(node, MapNode) else None)
+        if model is not None and opts.engine(model) not in engines:
+            name = opts.engine(model)
+            slots = opts.capacity(name, kind) if opts.capacity else opts.max_concurrency
+            budget = opts.prefill_budget(name, kind) if opts.prefill_budget else math.inf
+            engines[name] = EngineModel.of(opts.costs(model), slots, budget,
+                                           opts.host(name))
+    groups = {nid: (n.k, tuple(n.members)) for nid, n in nodes.items()
+              if isinstance(n, GroupNode)}
+    sim_deps = {nid: deps[nid] | {merged[nid]} if nid in merged else deps[nid]
+                for nid in order}
+    sched = simulate(order, sim_deps, work, engines, tail, groups)
+    worst = None if not groups else max(simulate(
+        order, sim_deps, work, engines, tail,
+        {g: (len(members), members) for g, (_, members) in groups.items()}
+    ).finish_ms.values(), default=0.0)
+    return _Timing(sched, remaining_ms(order, sim_deps, sched),
+                   critical_chain(order, sim_deps, sched, groups),
+                   max(sched.finish_ms.values(), default=0.0), worst)
 
 
 def _tier_plan(graph: Graph, opts: CompileOptions, order: list[str],
@@ -554,14 +681,14 @@ def _tier_plan(graph: Graph, opts: CompileOptions, order: list[str],
 
 
 def _cascade(node: LLMNode, opts: CompileOptions, uncached: float, prompt: float,
-             out: float) -> CascadeReport | None:
+             out: float, turns: float = 1.0) -> CascadeReport | None:
     """A cascade step's expected cost (time and, where every model is priced, price)
     under the failure rates learned per (step, model); ``None`` for a one-model step
     (whose estimate only grows by its observed attempts per item)."""
     models = [m or opts.default_model for m in node.models()]
     step = node.name or node.id
     counts = [opts.outcomes(step, m) for m in models]
-    ms = [opts.costs(m).step_ms(uncached, out) for m in models]
+    ms = [call_ms(opts.costs(m), uncached, out, turns, opts.tool_ms) for m in models]
     if len(models) == 1:
         return None if not counts[0].items else CascadeReport(
             step_id=node.id, step=step, models=models,
@@ -626,11 +753,13 @@ def _residency(order: list[str], model_of: dict[str, str], start: dict[str, floa
 def _report(graph: Graph, opts: CompileOptions, order: list[str],
             deps: dict[str, frozenset[str]], nodes: dict[str, Node], merged: dict[str, str],
             model_of: dict[str, str], groups: list[tuple[int, list[str]]],
-            leader: dict[int, str], cost: dict[str, float], tail: dict[str, float],
-            start: dict[str, float], prompt_tok: dict[str, float], out_tok: dict[str, float],
-            path: list[str], group_of: dict[str, int],
-            level_list: list[list[str]]) -> CompileReport:
+            leader: dict[int, str], cost: dict[str, float], timing: _Timing,
+            prompt_tok: dict[str, float], out_tok: dict[str, float],
+            group_of: dict[str, int], level_list: list[list[str]]) -> CompileReport:
     depth = {nid: k for k, level in enumerate(level_list) for nid in level}
+    path, sched = timing.path, timing.schedule
+    start = sched.start_ms
+    took = {n: sched.finish_ms[n] - start[n] for n in order}
     on_path = set(path)
     breaks = [BreakReport(step_id=nid, reason="client-run @tool step: the chain leaves the "
                           "server and waits for the app") for nid in order
@@ -643,10 +772,10 @@ def _report(graph: Graph, opts: CompileOptions, order: list[str],
             if not opts.enforces(model):
                 breaks.append(BreakReport(step_id=nid, reason=f"contract not enforceable by "
                                           f"{model}'s backend: checked after generation"))
-    critical_ms = max(tail.values(), default=0.0)
+    critical_ms = timing.critical_ms
     work_ms = sum(cost.values())
     bound_ms = max(critical_ms, work_ms / max(opts.max_concurrency, 1))
-    residency, switches = _residency(order, model_of, start, cost)
+    residency, switches = _residency(order, model_of, start, took)
     deadline_ms = graph.deadline_s * 1000 if graph.deadline_s else None
     used = {model_of[n] for n in model_of} | {
         m or opts.default_model for node in map(nodes.__getitem__, model_of)
@@ -666,8 +795,10 @@ def _report(graph: Graph, opts: CompileOptions, order: list[str],
         cost_models={m: opts.costs(m) for m in sorted(used)},
         nodes=[NodeReport(step_id=nid, kind=nodes[nid].kind, model=model_of.get(nid),
                           level=depth[nid], deps=sorted(deps[nid]),
-                          est_ms=round(cost[nid], 1), start_ms=round(start[nid], 1),
-                          remaining_ms=round(tail[nid], 1), critical=nid in on_path,
+                          est_ms=round(took[nid], 1), start_ms=round(start[nid], 1),
+                          wait_ms=round(start[nid] - sched.ready_ms[nid], 1),
+                          remaining_ms=round(timing.remaining[nid], 1),
+                          critical=nid in on_path,
                           prompt_tokens=round(prompt_tok.get(nid, 0)),
                           output_tokens=round(out_tok.get(nid, 0)),
                           prefix_group=group_of.get(nid), same_as=merged.get(nid))

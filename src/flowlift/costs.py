@@ -6,17 +6,25 @@ The compiler turns a step into an estimated duration with::
               + (output_tokens - 1) * tpot_ms
 
 (the first output token comes with the time to first token; TPOT is measured the same
-way, as decode time over the tokens after the first).
+way, as decode time over the tokens after the first). That is a step with the engine to
+itself. Requests that run at once share the machine: :mod:`flowlift.simulate` plays the
+plan on each engine as continuous batching does, a step of ``n`` decoding requests
+taking ``tpot_ms + per_request_ms * (n - 1)`` plus the prompt tokens prefilled in it.
 
 The figures come from measurements of the configured backends: the proxy feeds every
 finished step into a :class:`CostTracker` (exponentially weighted means of observed
-prefill throughput, time per output token and TTFT overhead). Before a model has been
-measured, :data:`UNMEASURED` stands in and the report says so (``source="default"``).
+prefill throughput and TTFT overhead; TPOT as a line in how many requests were decoding
+at once, fitted through the median TPOT at each count, as
+:func:`flowlift.proxy.dispatch.slots.batch_cap.fit_steps` fits the engine's own step
+times). Before a model has been measured, :data:`UNMEASURED` stands in and the report
+says so (``source="default"``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
@@ -29,6 +37,9 @@ class CostModel(BaseModel):
             scheduling, sampling of the first token).
         tpot_ms: time per output token while decoding.
         prefill_tps: prompt tokens prefilled per second (uncached tokens only).
+        per_request_ms: what each further request decoding at once adds to a decode
+            step (ms): the engine's TPOT with ``n`` requests decoding together is
+            ``tpot_ms + per_request_ms * (n - 1)``.
         source: ``"measured"`` (from ``samples`` finished steps) or ``"default"``.
     """
 
@@ -37,6 +48,7 @@ class CostModel(BaseModel):
     ttft_overhead_ms: float
     tpot_ms: float
     prefill_tps: float
+    per_request_ms: float = 0.0
     source: str = "default"
     samples: int = 0
 
@@ -46,8 +58,17 @@ class CostModel(BaseModel):
                 + max(output_tokens - 1.0, 0.0) * self.tpot_ms)
 
 
-# Order-of-magnitude figures of a small model on a CPU; used only until measured.
-UNMEASURED = CostModel(ttft_overhead_ms=50.0, tpot_ms=100.0, prefill_tps=500.0)
+    def tpot_at(self, decoding: float) -> float:
+        """TPOT (ms) while ``decoding`` requests (this one included) decode together."""
+        return self.tpot_ms + self.per_request_ms * max(decoding - 1.0, 0.0)
+
+
+UNMEASURED = CostModel(ttft_overhead_ms=60.0, tpot_ms=45.0, prefill_tps=900.0,
+                       per_request_ms=4.0)
+"""Figures of a small model (0.1-0.5 B parameters) on a 2-core CPU, used until the
+model is measured: measured on the embedded engine (bench/RESULTS.md, "Honest plans
+(issue 38 item 8)"). A GPU is faster: its first measured steps replace them."""
+TPOT_KEEP = 64  # TPOT samples kept per count of requests decoding at once
 
 
 @dataclass(slots=True)
@@ -65,6 +86,30 @@ class _ModelStats:
     prefill_tps: _Ewma
     tpot_ms: _Ewma
     overhead_ms: _Ewma
+    by_decoding: dict[int, deque[float]] = field(default_factory=dict)
+    decoding: _Ewma = field(default_factory=_Ewma)
+
+
+def tpot_line(points: dict[int, deque[float]], min_samples: int = 2
+              ) -> tuple[float, float] | None:
+    """``(tpot at 1, ms per further request)``: least squares through the median TPOT at
+    each count of requests decoding at once (weighted by its samples; the slope never
+    negative); None with fewer than two counts of ``min_samples`` samples, or when the
+    line would put one request's TPOT under a quarter of the fastest median seen (points
+    that follow no line: the caller falls back to the mean)."""
+    pts = [(n, statistics.median(v), len(v)) for n, v in points.items()
+           if len(v) >= min_samples]
+    if len(pts) < 2:
+        return None
+    w = sum(k for _, _, k in pts)
+    mx = sum(x * k for x, _, k in pts) / w
+    my = sum(y * k for _, y, k in pts) / w
+    sxx = sum(k * (x - mx) ** 2 for x, _, k in pts)
+    slope = max(sum(k * (x - mx) * (y - my) for x, y, k in pts) / sxx, 0.0) if sxx else 0.0
+    solo = my - slope * (mx - 1.0)
+    if solo < 0.25 * min(y for _, y, _ in pts):  # no line through these: noise
+        return None
+    return solo, slope
 
 
 class CostTracker:
@@ -81,16 +126,40 @@ class CostTracker:
         self._stats: dict[str, _ModelStats] = {}
 
     def observe(self, model: str, *, prompt_tokens: int, cached_tokens: int,
-                completion_tokens: int, prefill_ms: float, decode_ms: float) -> None:
-        """Record one finished step (``prefill_ms`` = TTFT, ``decode_ms`` = the rest)."""
+                completion_tokens: int, prefill_ms: float, decode_ms: float,
+                decoding: float = 1.0) -> None:
+        """Record one finished step (``prefill_ms`` = TTFT, ``decode_ms`` = the rest;
+        ``decoding``: requests on its engine while it decoded, itself included, on
+        average)."""
         st = self._stats.setdefault(model, _ModelStats(_Ewma(), _Ewma(), _Ewma()))
         uncached = max(prompt_tokens - cached_tokens, 0)
+        # a prefill among others took longer: brought back to one request as TPOT is
+        crowded = 1.0 + self.default.per_request_ms / self.default.tpot_ms * max(
+            decoding - 1.0, 0.0)
         if uncached >= 32 and prefill_ms > 0:
-            st.prefill_tps.add(uncached / (prefill_ms / 1000.0), self.alpha)
+            st.prefill_tps.add(uncached / (prefill_ms / 1000.0) * crowded, self.alpha)
         if completion_tokens > 1 and decode_ms > 0:
-            st.tpot_ms.add(decode_ms / (completion_tokens - 1), self.alpha)
+            tpot = decode_ms / (completion_tokens - 1)
+            st.tpot_ms.add(tpot, self.alpha)
+            st.decoding.add(max(decoding, 1.0), self.alpha)
+            count = max(round(decoding), 1)
+            st.by_decoding.setdefault(count, deque(maxlen=TPOT_KEEP)).append(tpot)
         if uncached < 32:
-            st.overhead_ms.add(prefill_ms, self.alpha)
+            st.overhead_ms.add(prefill_ms / crowded, self.alpha)
+
+    def _tpot(self, st: _ModelStats) -> tuple[float, float]:
+        """``(tpot_ms, per_request_ms)``: the fitted line; with one count of requests
+        seen, the mean TPOT brought back to one request with the default's slope per
+        ms of TPOT."""
+        d = self.default
+        line = tpot_line(st.by_decoding)
+        if line is not None:
+            return line
+        if st.tpot_ms.value is None:
+            return d.tpot_ms, d.per_request_ms
+        ratio = d.per_request_ms / d.tpot_ms
+        solo = st.tpot_ms.value / (1.0 + ratio * max((st.decoding.value or 1.0) - 1.0, 0.0))
+        return solo, ratio * solo
 
     def model(self, name: str) -> CostModel:
         """The current cost model of ``name`` (measured figures where there are some)."""
@@ -99,10 +168,11 @@ class CostTracker:
             return self.default
         d = self.default
         samples = max(st.prefill_tps.n, st.tpot_ms.n, st.overhead_ms.n)
+        tpot, per_request = self._tpot(st)
         return CostModel(
             ttft_overhead_ms=st.overhead_ms.value if st.overhead_ms.value is not None
             else d.ttft_overhead_ms,
-            tpot_ms=st.tpot_ms.value if st.tpot_ms.value is not None else d.tpot_ms,
+            tpot_ms=tpot, per_request_ms=per_request,
             prefill_tps=st.prefill_tps.value if st.prefill_tps.value is not None
             else d.prefill_tps,
             source="measured", samples=samples)
@@ -111,4 +181,4 @@ class CostTracker:
         return {name: self.model(name) for name in self._stats}
 
 
-__all__ = ["UNMEASURED", "CostModel", "CostTracker"]
+__all__ = ["UNMEASURED", "CostModel", "CostTracker", "tpot_line"]

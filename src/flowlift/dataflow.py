@@ -16,12 +16,52 @@ from jsonschema.exceptions import SchemaError
 
 from flowlift.decisions import condition_problems, group_problems, map_problems
 from flowlift.errors import GraphError
-from flowlift.graph import Graph, LLMNode, MapNode, Node, node_refs
+from flowlift.graph import Graph, InputNode, LLMNode, MapNode, Node, node_refs
 
 
 def dependencies(graph: Graph) -> dict[str, frozenset[str]]:
     """Map node id -> ids of the nodes whose outputs it reads (a ref used twice counts once)."""
     return {node.id: frozenset(r.ref for r in node_refs(node)) for node in graph.nodes}
+
+
+def map_item_ids(map_id: str, count: int) -> list[str]:
+    """The ids of the item steps a map grows its run by, in order (each reads the input
+    node ``<item step id>-item`` holding its item: :mod:`flowlift.proxy.workflows.fanout`)."""
+    return [f"{map_id}-{i}" for i in range(count)]
+
+
+def expanded_maps(graph: Graph) -> dict[str, list[str]]:
+    """Map id -> the item steps the graph already holds for it (a run's grown graph;
+    empty lists are left out): ``<map>-<i>`` llm steps with their ``<map>-<i>-item`` input
+    node, counted from ``i = 0`` while both are there."""
+    nodes = graph.node_map()
+    out: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        if not isinstance(node, MapNode):
+            continue
+        items: list[str] = []
+        while True:
+            step_id = f"{node.id}-{len(items)}"
+            if not (isinstance(nodes.get(step_id), LLMNode)
+                    and isinstance(nodes.get(f"{step_id}-item"), InputNode)):
+                break
+            items.append(step_id)
+        if items:
+            out[node.id] = items
+    return out
+
+
+def planning_dependencies(graph: Graph) -> dict[str, frozenset[str]]:
+    """:func:`dependencies` as the planner sees time: an expanded map's item inputs come
+    when the map's own inputs are there (its list is one of them), and the map is done
+    when its item steps are. (The run itself needs no such edges: it adds the items only
+    once the list is known, and the map waits for them.)"""
+    deps = dependencies(graph)
+    for map_id, steps in expanded_maps(graph).items():
+        for step_id in steps:
+            deps[f"{step_id}-item"] = deps[f"{step_id}-item"] | deps[map_id]
+        deps[map_id] = deps[map_id] | frozenset(steps)
+    return deps
 
 
 def find_cycle(deps: Mapping[str, Collection[str]]) -> list[str] | None:

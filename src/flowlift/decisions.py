@@ -121,7 +121,8 @@ def _group_work(order: Sequence[str], nodes: Mapping[str, Node],
 
 def decision_report(order: Sequence[str], nodes: Mapping[str, Node],
                     deps: Mapping[str, Collection[str]], cost_ms: Mapping[str, float],
-                    tokens: Mapping[str, float], critical: Collection[str] = ()
+                    tokens: Mapping[str, float], critical: Collection[str] = (),
+                    critical_ms: float | None = None, worst_ms: float | None = None
                     ) -> DecisionReport | None:
     """The compiler's section on steps that may not run (None: every step runs).
 
@@ -132,6 +133,10 @@ def decision_report(order: Sequence[str], nodes: Mapping[str, Node],
         cost_ms: each step's estimated cost in ms.
         tokens: each step's estimated prompt plus output tokens.
         critical: the critical path's steps (all assumed to run).
+        critical_ms: the planned critical path (the report's, groups resolving early in
+            its schedule); None: the groups' early finish with each step's ``cost_ms``.
+        worst_ms: the same when every group waits for all its members (None: as
+            ``critical_ms``, with each step's ``cost_ms``).
     """
     chance = run_chances(order, nodes)
     groups = [nid for nid in order if isinstance(nodes[nid], GroupNode)]
@@ -154,18 +159,17 @@ def decision_report(order: Sequence[str], nodes: Mapping[str, Node],
         maps=maps,
         expected_tokens=round(sum(tokens.get(n, 0.0) * chance[n] * share[n] for n in order)),
         worst_case_tokens=round(sum(tokens.get(n, 0.0) * maps.get(n, 1) for n in order)),
-        critical_path_ms=round(max(_settled(order, nodes, finish).values(), default=0.0), 1),
-        worst_case_critical_path_ms=round(max(worst.values(), default=0.0), 1),
+        critical_path_ms=round(max(_settled(order, nodes, finish).values(), default=0.0)
+                               if critical_ms is None else critical_ms, 1),
+        worst_case_critical_path_ms=round(max(worst.values(), default=0.0)
+                                          if worst_ms is None else worst_ms, 1),
         conditional_on_critical_path=[n for n in conditional if n in critical])
 
 
 def with_decisions(report: CompileReport, decisions: DecisionReport | None) -> CompileReport:
-    """``report`` with its decisions section; with groups, its critical path is the one
-    where groups resolve early (the worst case stays in the section)."""
-    update: dict[str, object] = {"decisions": decisions}
-    if decisions is not None and decisions.groups:
-        update["critical_path_ms"] = decisions.critical_path_ms
-    return report.model_copy(update=update)
+    """``report`` with its decisions section (its critical path already has groups
+    resolving early; the worst case is in the section)."""
+    return report.model_copy(update={"decisions": decisions})
 
 
 def _all_of(node: Node) -> Node:

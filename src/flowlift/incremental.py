@@ -11,12 +11,13 @@ bounded by what the new nodes touch, not by the run's size:
   nodes, so the cycle search covers those alone;
 * levels and identical calls: a new node's depth and canonical call key follow from its
   inputs; an identical call the run holds stays the representative;
-* prefix groups: nodes share a prompt prefix of at least
-  :data:`~flowlift.compiler.MIN_SHARED_PREFIX_TOKENS` tokens exactly when their first
+* prefix groups: nodes share a prompt prefix of at least one KV block (``kv_block(model)``
+  tokens: :func:`~flowlift.compiler.prefix_groups`) exactly when their first
   that-many tokens are equal (a common prefix is an ultrametric: ``lcp(a, c) >=
   min(lcp(a, b), lcp(b, c))``), so a group is keyed by (model, those tokens); a new node
   joins its key's group, and the group's shared length is the minimum with the new
-  member alone. Only the new node's prompt is tokenized;
+  member alone (rounded down to whole blocks where it is priced). Only the new node's
+  prompt is tokenized;
 * costs: new nodes are estimated as the compiler does; an existing member is re-priced
   only when its group's shared length or leader changes;
 * remaining critical path (``tail_ms``, the scheduler's priority): only ancestors of
@@ -44,7 +45,6 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from flowlift.compiler import (
-    MIN_SHARED_PREFIX_TOKENS,
     CompileOptions,
     Plan,
     _canonical,
@@ -244,9 +244,10 @@ class GrowingPlan:
         cached share changed (a lower shared length, or a new leader)."""
         model = self.model_of[node.id]
         tokens = self.opts.tokenize(model, _literal_prefix(node))
-        if len(tokens) < MIN_SHARED_PREFIX_TOKENS:
+        block = max(self.opts.kv_block(model), 1)
+        if len(tokens) < block:
             return set()
-        key = (model, tuple(tokens[:MIN_SHARED_PREFIX_TOKENS]))
+        key = (model, tuple(tokens[:block]))
         self.key_of[node.id] = key
         group = self.groups.get(key)
         if group is None:
@@ -279,7 +280,8 @@ class GrowingPlan:
         group = None if key is None else self.groups[key]
         if group is None or len(group.members) < 2 or group.leader == nid:
             return 0
-        return group.shared
+        block = max(self.opts.kv_block(self.model_of[nid]), 1)
+        return group.shared // block * block
 
     def _estimate(self, node: Node) -> None:
         """A new node's output tokens, prompt tokens and cost, as the compiler's."""
@@ -353,7 +355,9 @@ class GrowingPlan:
 
     # -- reading -----------------------------------------------------------------------
     def critical_path(self) -> list[str]:
-        """The critical path as the compiler walks it (computed now: O(graph))."""
+        """The chain of longest remaining paths (``tail_ms``, each step alone on its
+        engine: the scheduler's priorities), computed now: O(graph). The report's critical
+        path is the planned schedule's (:mod:`flowlift.simulate`)."""
         order = sorted(self.nodes, key=self._order)
         children = {n: sorted(cs, key=self.index.__getitem__)
                     for n, cs in self.children.items()}

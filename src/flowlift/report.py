@@ -17,6 +17,11 @@ class _Report(BaseModel):
 
 
 class NodeReport(_Report):
+    """One step in the planned schedule (:mod:`flowlift.simulate`): it waits ``wait_ms``
+    for a slot from when its inputs are there, starts at ``start_ms``, takes ``est_ms``
+    with the engines shared as planned, and ``remaining_ms`` runs from its start to the
+    end of the last step that waits on it (on the critical path: to the plan's end)."""
+
     step_id: str
     kind: str
     model: str | None
@@ -30,6 +35,7 @@ class NodeReport(_Report):
     output_tokens: int
     prefix_group: int | None
     same_as: str | None
+    wait_ms: float = 0.0
 
 
 class PrefixGroupReport(_Report):
@@ -142,7 +148,12 @@ def _decision_lines(r: CompileReport) -> list[str]:
 
 
 class CompileReport(_Report):
-    """Everything the compiler found about one graph."""
+    """Everything the compiler found about one graph. ``critical_path_ms`` is the end
+    of the planned schedule (the engines shared and the slots queued as planned);
+    ``critical_path`` the chain of steps that sets it, walked back from the step that
+    ends last through the input that ended last; the rows (``nodes``) are that schedule:
+    along the path, each step starts when the one before it ends plus its ``wait_ms``,
+    and the last ends at ``critical_path_ms``."""
 
     name: str
     workflow_class: str
@@ -220,7 +231,8 @@ def format_report(r: CompileReport, max_rows: int = 40) -> str:
     """A readable terminal summary of a compile report."""
     lines = [f"workflow {r.name!r} ({r.workflow_class}): {r.steps} steps in {r.levels} "
              "parallel levels" + (" (open run: the steps known so far)" if r.open else ""),
-             f"critical path: {_s(r.critical_path_ms)} over {len(r.critical_path)} steps "
+             f"critical path: {_s(r.critical_path_ms)} over {len(r.critical_path)} steps, "
+             "engines shared as planned "
              f"({' -> '.join(r.critical_path[:8])}{' ...' if len(r.critical_path) > 8 else ''})",
              f"total work {_s(r.total_work_ms)}; lower bound with the configured concurrency "
              f"{_s(r.lower_bound_ms)}"]
@@ -251,7 +263,7 @@ def format_report(r: CompileReport, max_rows: int = 40) -> str:
         lines += [f"  {b.step_id}: {b.reason}" for b in r.breaks[:5]]
     lines.append("")
     lines.append(f"{'step':<24} {'lvl':>3} {'model':<22} {'est s':>7} {'start s':>8} "
-                 f"{'rest s':>7} {'prompt':>6} {'out':>4}  notes")
+                 f"{'wait s':>6} {'rest s':>7} {'prompt':>6} {'out':>4}  notes")
     tiers = {t.step_id: t.tier for t in r.tier_plan.steps} if r.tier_plan else {}
     for n in r.nodes[:max_rows]:
         tier = tiers.get(n.step_id)
@@ -263,7 +275,8 @@ def format_report(r: CompileReport, max_rows: int = 40) -> str:
                                      else "", f"=={n.same_as}" if n.same_as else "") if x)
         lines.append(f"{n.step_id[:24]:<24} {n.level:>3} {(n.model or '-')[:22]:<22} "
                      f"{n.est_ms / 1000:>7.2f} {n.start_ms / 1000:>8.2f} "
-                     f"{n.remaining_ms / 1000:>7.2f} {n.prompt_tokens:>6} {n.output_tokens:>4}"
+                     f"{n.wait_ms / 1000:>6.2f} {n.remaining_ms / 1000:>7.2f} "
+                     f"{n.prompt_tokens:>6} {n.output_tokens:>4}"
                      f"  {notes}")
     if len(r.nodes) > max_rows:
         lines.append(f"... {len(r.nodes) - max_rows} more steps (--json for all)")

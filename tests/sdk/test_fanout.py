@@ -194,11 +194,12 @@ def test_compiler_counts_a_map_at_max_items():
 
     with workflow("plan", submit=False) as wf:
         wf.map(draft, outline("cats").sections, "cats", max_items=8)
-    report = compile_graph(wf.graph()).report
+    plan = compile_graph(wf.graph())
+    report = plan.report
     d = report.decisions
     assert d is not None and d.maps == {"map_draft_1": 8}
-    one = {n.step_id: n.est_ms for n in report.nodes}["map_draft_1"]
-    assert d.worst_case_work_ms == pytest.approx(report.total_work_ms + 7 * one)
+    one = plan.cost_ms["map_draft_1"]
+    assert d.worst_case_work_ms == pytest.approx(report.total_work_ms + 7 * one, abs=0.5)
 
 
 def test_kill_9_in_the_middle_of_a_map_then_restart_runs_only_the_rest(tmp_path):
@@ -245,3 +246,26 @@ def test_kill_9_in_the_middle_of_a_map_then_restart_runs_only_the_rest(tmp_path)
     finished = [d["step_id"] for _, n, d in stored.events if n == "step.finished"]
     assert sorted(finished) == sorted(set(finished)), "an item that had finished ran again"
     assert [n for _, n, _ in stored.events].count("run.resumed") == 1
+
+
+def test_a_map_s_items_are_planned_after_the_step_that_makes_their_list():
+    """Issue 38 item 8: a run's grown graph (its map expanded) is planned with the item
+    steps after the step whose output is the list, and the map after its items."""
+    from flowlift.compiler import compile_graph
+    from flowlift.proxy.workflows.fanout import expand
+
+    with workflow("plan", submit=False) as wf:
+        merge(wf.map(draft, outline("cats").sections, "cats", max_items=8))
+    graph = wf.graph()
+    node = graph.node_map()["map_draft_1"]
+    grown = graph.model_copy(update={"nodes": (*graph.nodes, *expand(node, ["a", "b", "c"]))})
+    rows = {n.step_id: n for n in compile_graph(grown).report.nodes}
+    outline_end = rows["outline_1"].start_ms + rows["outline_1"].est_ms
+    for i in range(3):
+        assert rows[f"map_draft_1-{i}"].start_ms >= outline_end > 0
+        assert rows[f"map_draft_1-{i}-item"].level > rows["outline_1"].level
+    items_end = max(rows[f"map_draft_1-{i}"].start_ms + rows[f"map_draft_1-{i}"].est_ms
+                    for i in range(3))
+    assert rows["map_draft_1"].start_ms + rows["map_draft_1"].est_ms >= items_end
+    assert rows["merge_1"].start_ms >= items_end
+    assert rows["map_draft_1"].est_ms == 0.0  # its items carry the work

@@ -50,7 +50,7 @@
     const table = el("table", { class: "report-nodes" });
     const head = el("tr");
     for (const [h, num] of [["step"], ["lvl", 1], ["model"], ["est s", 1], ["start s", 1],
-                            ["rest s", 1], ["prompt", 1], ["out", 1], ["notes"]]) {
+                            ["wait s", 1], ["rest s", 1], ["prompt", 1], ["out", 1], ["notes"]]) {
       head.append(el("th", num ? { class: "num" } : {}, h));
     }
     table.append(head);
@@ -59,7 +59,8 @@
       const notes = [n.critical ? "critical" : "", n.prefix_group !== null ? "prefix#" + n.prefix_group : "",
                      n.same_as ? "== " + n.same_as : ""].filter(Boolean).join(" ");
       const cells = [[n.step_id], [n.level, 1], [n.model || n.kind], [(n.est_ms / 1000).toFixed(2), 1],
-                     [(n.start_ms / 1000).toFixed(2), 1], [(n.remaining_ms / 1000).toFixed(2), 1],
+                     [(n.start_ms / 1000).toFixed(2), 1], [((n.wait_ms || 0) / 1000).toFixed(2), 1],
+                     [(n.remaining_ms / 1000).toFixed(2), 1],
                      [n.prompt_tokens, 1], [n.output_tokens, 1], [notes]];
       for (const [v, num] of cells) tr.append(el("td", num ? { class: "num" } : {}, v));
       table.append(tr);
@@ -70,8 +71,8 @@
     return box;
   }
 
-  // the compiler's planned schedule: each node from its estimated start for its
-  // estimated cost; the planned critical path outlined
+  // the compiler's planned schedule (engines shared, slots queued: flowlift.simulate):
+  // each node from its planned start for its planned time; the critical path outlined
   function schedule(report, maxRows) {
     const NS = "http://www.w3.org/2000/svg";
     const nodes = report.nodes.filter((n) => n.kind !== "input")
@@ -104,7 +105,7 @@
       bar.append(tip);
     });
     const box = el("div");
-    box.append(el("h4", {}, "Planned schedule (estimates, unlimited concurrency)"));
+    box.append(el("h4", {}, "Planned schedule (estimates, the engines shared as planned)"));
     box.append(svg);
     return box;
   }

@@ -260,6 +260,8 @@ class FakeEngine(Engine):
         prefill_delay_s: how long :meth:`prefill` takes (tests of prefill-ahead).
         kv_usage: ``() -> fraction`` that :meth:`kv_cache_usage` reports (tests of
             memory pressure); ``None``: unknown.
+        kv_block: tokens per KV block that :meth:`kv_block_tokens` reports (128: as
+            vLLM's CPU build); ``None``: unknown.
 
     Attributes:
         requests: every request received, in order.
@@ -278,7 +280,8 @@ class FakeEngine(Engine):
                  structured_outputs: bool = True,
                  logprob: Callable[[str], float] | None = None,
                  prefill_delay_s: float = 0.0,
-                 kv_usage: Callable[[], float] | None = None) -> None:
+                 kv_usage: Callable[[], float] | None = None,
+                 kv_block: int | None = None) -> None:
         if not structured_outputs:
             self.capabilities = dataclasses.replace(self.capabilities,
                                                     structured_outputs=False)
@@ -300,6 +303,7 @@ class FakeEngine(Engine):
         self._abort_flags: set[str] = set()
         self.prefill_delay_s = prefill_delay_s
         self._kv_usage = kv_usage
+        self.kv_block = kv_block
         self.prefills: list[tuple[GenerationRequest, str]] = []
         self.prefilled: list[str] = []
 
@@ -461,6 +465,9 @@ class FakeEngine(Engine):
 
     def kv_cache_usage(self) -> float | None:
         return None if self._kv_usage is None else self._kv_usage()
+
+    def kv_block_tokens(self) -> int | None:
+        return self.kv_block
 
 
 def piece_id(piece: str) -> int:
