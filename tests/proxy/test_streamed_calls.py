@@ -294,3 +294,27 @@ def test_the_sdk_stream_helpers_accumulate_the_non_streamed_calls(sdk, model):
     assert pairs == [(o.name, o.arguments) for o in whole_r.output
                      if o.type == "function_call"] == expected
     assert len(deltas) > 3
+
+
+def test_native_pieces_of_any_split_add_up_to_the_parsed_calls():
+    """vLLM's ``hermes`` parser fed the markup in random pieces: the pieces it streams
+    add up to the calls it reads from the whole answer (ids and arguments' text)."""
+    from flowlift.local_engine.base import ToolDef
+    from flowlift.local_engine.native_tools import NativeToolReader
+    from flowlift.testing.native import _Vocab
+
+    tools = [ToolDef(t["function"]["name"], "", t["function"]["parameters"]) for t in TOOLS]
+    rng = random.Random(11)
+    for _ in range(60):
+        cuts = sorted(rng.sample(range(1, len(MARKUP)), rng.randint(1, 50)))
+        reader, stream, content = NativeToolReader("hermes", _Vocab(), tools), CallStream(), ""
+        for a, b in zip([0, *cuts], [*cuts, len(MARKUP)], strict=True):
+            text, _, pieces = reader.feed(MARKUP[a:b])
+            content += text
+            stream.feed(pieces)
+        rest, calls = reader.finish()
+        stream.finish(calls)
+        assert content + rest == "Let me look that up.\n"
+        assert [(c["id"], c["function"]["name"], c["function"]["arguments"])
+                for c in stream.calls] == [(c.id, c.name, c.arguments) for c in calls]
+        assert json.loads(calls[0].arguments) == {"query": LONG}
