@@ -7,9 +7,12 @@ puts their JSON in ``<tools>...</tools>`` in the system message and asks for
 ``tool`` results are rendered in that same markup). vLLM ships the matching parsers
 (``vllm.tool_parsers``: ``hermes`` for Qwen2.5 and Hermes models, ``llama3_json``,
 ``mistral``, ...); this module drives one of them the way vLLM's OpenAI server does:
-:meth:`ToolParser.extract_tool_calls_streaming` while the answer streams (for the
-content that is safe to send: text before any call markup) and
-:meth:`ToolParser.extract_tool_calls` on the whole answer (the calls).
+:meth:`ToolParser.extract_tool_calls_streaming` while the answer streams (the content
+that is safe to send: text before any call markup; and the calls' pieces, each call's
+name and then its arguments' text, passed on as
+:class:`~flowlift.local_engine.base.ToolCallDelta`) and
+:meth:`ToolParser.extract_tool_calls` on the whole answer (the calls; a call that was
+streamed keeps its streamed id and text).
 
 Engines that render templates themselves (:class:`~flowlift.local_engine.vllm_engine.VLLMEngine`,
 the Qwen-style fake of :mod:`flowlift.testing.native`) use :func:`template_messages` and

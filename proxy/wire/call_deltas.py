@@ -158,6 +158,8 @@ class CallScanner:
                 stack[-1][1] = None
         elif stack and stack[-1][0] == "{" and stack[-1][1] is None:
             self._key = json.loads(lexeme) if lexeme.startswith('"') else None
+            # an answer ({"content": ...}) is not read on: its text may be long
+            self._off = len(stack) == 1 and self._key != "tool_calls"
         else:
             self._value(pos, lexeme)
             if len(stack) == 3 and stack[-1][1] == "arguments":
