@@ -257,8 +257,8 @@ class GenerationChunk:
     starts its proxy tools on them: :mod:`flowlift.proxy.wire.early_calls`). A head start
     only: ``tool_calls`` on the last chunk is the answer."""
     call_deltas: tuple[ToolCallDelta, ...] | None = None
-    """Before the last chunk of an answer to a request with ``tools``: the calls'
-    pieces generated since the last chunk (their names, then their arguments' text as
+    """Any chunk of an answer to a request with ``tools``, the last one included: the
+    calls' pieces generated since the chunk before (their names, then their arguments' text as
     it is written), for a client that streams them; ``tool_calls`` on the last chunk
     is the answer, its ids and arguments those the pieces built when they agree."""
 
