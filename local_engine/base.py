@@ -46,6 +46,21 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of call ``index`` (0-based, in the answer's order) while it is generated,
+    as OpenAI streams calls: the first piece of a call has its ``id`` and ``name`` (and
+    usually ``arguments == ""``); later pieces have only ``arguments``, the next
+    fragment of its JSON text as the model writes it. A call's fragments joined are
+    its ``arguments`` in the last chunk's ``tool_calls`` (or a prefix of them: the rest
+    is sent at the end)."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ToolDef:
     """A function the model may call: ``parameters`` is a JSON Schema of its arguments."""
 
@@ -246,6 +261,11 @@ class GenerationChunk:
     became complete with this chunk, while the answer still streams (an agent step
     starts its proxy tools on them: :mod:`flowlift.proxy.wire.early_calls`). A head start
     only: ``tool_calls`` on the last chunk is the answer."""
+    call_deltas: tuple[ToolCallDelta, ...] | None = None
+    """Any chunk of an answer to a request with ``tools``, the last one included: the
+    calls' pieces generated since the chunk before (their names, then their arguments' text as
+    it is written), for a client that streams them; ``tool_calls`` on the last chunk
+    is the answer, its ids and arguments those the pieces built when they agree."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,12 @@ puts their JSON in ``<tools>...</tools>`` in the system message and asks for
 ``tool`` results are rendered in that same markup). vLLM ships the matching parsers
 (``vllm.tool_parsers``: ``hermes`` for Qwen2.5 and Hermes models, ``llama3_json``,
 ``mistral``, ...); this module drives one of them the way vLLM's OpenAI server does:
-:meth:`ToolParser.extract_tool_calls_streaming` while the answer streams (for the
-content that is safe to send: text before any call markup) and
-:meth:`ToolParser.extract_tool_calls` on the whole answer (the calls).
+:meth:`ToolParser.extract_tool_calls_streaming` while the answer streams (the content
+that is safe to send: text before any call markup; and the calls' pieces, each call's
+name and then its arguments' text, passed on as
+:class:`~flowlift.local_engine.base.ToolCallDelta`) and
+:meth:`ToolParser.extract_tool_calls` on the whole answer (the calls; a call that was
+streamed keeps its streamed id and text).
 
 Engines that render templates themselves (:class:`~flowlift.local_engine.vllm_engine.VLLMEngine`,
 the Qwen-style fake of :mod:`flowlift.testing.native`) use :func:`template_messages` and
@@ -23,11 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Literal
 
 from flowlift.errors import ConfigError
-from flowlift.local_engine.base import ChatMessage, GenerationChunk, ToolCall, ToolDef
+from flowlift.local_engine.base import (
+    ChatMessage,
+    GenerationChunk,
+    ToolCall,
+    ToolCallDelta,
+    ToolDef,
+)
 
 ToolFormat = Literal["native", "constrained"]
 """``native``: the model's chat template and vLLM's parser; ``constrained``: the proxy's
@@ -104,19 +114,40 @@ class NativeToolReader:
         self._sent = ""
         self._ready = 0
         self._in_call = False
+        self._ids: dict[int, str] = {}  # call index -> the id its first piece had
+        self._streamed: dict[int, str] = {}  # call index -> its arguments' text streamed
 
-    def feed(self, piece: str) -> tuple[str, tuple[ToolCall, ...]]:
-        """Add generated ``piece``: ``(content to send now, calls completed now)``."""
+    def feed(self, piece: str) -> tuple[str, tuple[ToolCall, ...], tuple[ToolCallDelta, ...]]:
+        """Add generated ``piece``: ``(content to send now, calls completed now, the
+        calls' pieces read now)`` (the pieces: the parser's own streamed deltas, each
+        call's name and then its arguments' text as it is written)."""
         previous, self._text = self._text, self._text + piece
         if not piece:
-            return "", ()
+            return "", (), ()
         delta = self._parser.extract_tool_calls_streaming(
             previous, self._text, piece, [], [], [], self._request)
         content = "" if delta is None or self._in_call else (delta.content or "")
+        pieces = self._pieces(delta.tool_calls or ()) if delta is not None else ()
         if delta is not None and delta.tool_calls:
             self._in_call = True  # content after a call's markup waits for finish()
         self._sent += content
-        return content, self._complete_calls() if self._in_call else ()
+        return content, self._complete_calls() if self._in_call else (), pieces
+
+    def _pieces(self, deltas: Sequence[Any]) -> tuple[ToolCallDelta, ...]:
+        """vLLM's ``DeltaToolCall`` entries as :class:`ToolCallDelta` (a call's first
+        piece gets an id when the parser gave none); what each call streamed is kept
+        for :meth:`finish`."""
+        out = []
+        for d in deltas:
+            fn = d.function
+            name = getattr(fn, "name", None) if fn is not None else None
+            args = (getattr(fn, "arguments", None) if fn is not None else None) or ""
+            call_id = None
+            if d.index not in self._ids and (name or d.id):
+                call_id = self._ids[d.index] = d.id or f"call_{secrets.token_hex(12)}"
+            self._streamed[d.index] = self._streamed.get(d.index, "") + args
+            out.append(ToolCallDelta(d.index, args, call_id, name))
+        return tuple(out)
 
     def _complete_calls(self) -> tuple[ToolCall, ...]:
         calls = self._extract()[1]
@@ -141,28 +172,46 @@ class NativeToolReader:
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
         """``(content not yet sent, every call of the answer)`` once it ended. Markup the
         parser cannot read (a call's JSON cut off) stays content, as vLLM's server
-        leaves it."""
+        leaves it. A call streamed in pieces keeps the id of its first piece, and the
+        arguments' text the pieces made when it is the same JSON as the parser's (the
+        parser re-encodes it: its pieces are the model's own text)."""
         content, calls = self._extract()
         unsent = content[len(self._sent):] if content.startswith(self._sent) else content
-        return unsent, tuple(calls)
+        return unsent, tuple(self._as_streamed(i, c) for i, c in enumerate(calls))
+
+    def _as_streamed(self, index: int, call: ToolCall) -> ToolCall:
+        streamed = self._streamed.get(index, "")
+        args = streamed if _same_json(streamed, call.arguments) else call.arguments
+        return ToolCall(self._ids.get(index, call.id), call.name, args)
+
+
+def _same_json(a: str, b: str) -> bool:
+    """Whether JSON texts ``a`` and ``b`` hold the same value (False: either is not
+    JSON)."""
+    try:
+        return bool(json.loads(a) == json.loads(b))
+    except ValueError:
+        return False
 
 
 async def read_native(chunks: AsyncIterator[GenerationChunk], reader: NativeToolReader,
                       ) -> AsyncGenerator[GenerationChunk, None]:
     """An engine's plain chunks of a native-format answer, read by ``reader``: each
     chunk's text becomes the content safe to send (``ready_calls``: calls whose markup
-    closed); the last chunk carries the rest of the content and, when the answer called
-    tools, ``tool_calls`` with ``finish_reason="tool_calls"`` (a ``"length"`` cut
-    keeps its reason: the calls before the cut are whole)."""
+    closed; ``call_deltas``: the calls' pieces as the parser streams them); the last
+    chunk carries the rest of the content and, when the answer called tools,
+    ``tool_calls`` with ``finish_reason="tool_calls"`` (a ``"length"`` cut keeps its
+    reason: the calls before the cut are whole)."""
     async for chunk in chunks:
-        text, ready = reader.feed(chunk.text)
+        text, ready, pieces = reader.feed(chunk.text)
         if chunk.finish_reason is None:
-            if text or ready or chunk.logprobs:
-                yield dataclasses.replace(chunk, text=text, ready_calls=ready or None)
+            if text or ready or pieces or chunk.logprobs:
+                yield dataclasses.replace(chunk, text=text, ready_calls=ready or None,
+                                          call_deltas=pieces or None)
             continue
         rest, calls = reader.finish()
         finish = chunk.finish_reason
         if calls and finish == "stop":
             finish = "tool_calls"
         yield dataclasses.replace(chunk, text=text + rest, finish_reason=finish,
-                                  tool_calls=calls or None)
+                                  tool_calls=calls or None, call_deltas=pieces or None)

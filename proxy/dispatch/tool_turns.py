@@ -15,9 +15,10 @@ in the system message, the conversation's calls and results as plain text, and t
 output constrained to ``{"tool_calls": [...]}`` or ``{"content": <answer>}``. The
 answer is read back with the same
 :class:`~flowlift.proxy.wire.tool_output.ToolOutputDecoder`: content
-streams as it is decoded; the calls come whole on the last chunk (``tool_calls``), and
-each one also as soon as its JSON is complete (``ready_calls``,
-:mod:`flowlift.proxy.wire.early_calls`).
+streams as it is decoded; each call's name and then its arguments' text as they are
+generated (``call_deltas``, :mod:`flowlift.proxy.wire.call_deltas`); the calls come whole
+on the last chunk (``tool_calls``), and each one also as soon as its JSON is complete
+(``ready_calls``, :mod:`flowlift.proxy.wire.early_calls`).
 
 The final answer's content keeps the request's own constraint: a JSON Schema stays its
 schema, a label set becomes an ``enum``, a regex a string ``pattern``. Logprobs are not
@@ -41,6 +42,7 @@ from flowlift.local_engine.base import (
     ToolCall,
     Usage,
 )
+from flowlift.proxy.wire.call_deltas import CallScanner
 from flowlift.proxy.wire.content_calls import hold_from, recognise
 from flowlift.proxy.wire.early_calls import EarlyCalls
 from flowlift.proxy.wire.tool_calls import (
@@ -95,6 +97,7 @@ class ToolTurn:
             content_schema(request.constraint))
         self._decoder = ToolOutputDecoder(plan)
         self._early = EarlyCalls()
+        self._scanner = CallScanner()
         self.request = dataclasses.replace(
             request, tools=(), messages=engine_messages([_history(m) for m in
                                                          request.messages], plan),
@@ -102,19 +105,23 @@ class ToolTurn:
             sampling=dataclasses.replace(request.sampling, logprobs=None))
 
     def read(self, chunk: GenerationChunk) -> GenerationChunk:
-        """The answer's chunk for one engine chunk: decoded content as it streams; the
-        last one carries the calls (``finish_reason="tool_calls"``) or the content's
-        rest."""
+        """The answer's chunk for one engine chunk: decoded content as it streams, the
+        calls' pieces as they are written (``call_deltas``:
+        :class:`~flowlift.proxy.wire.call_deltas.CallScanner`); the last one carries the
+        calls (``finish_reason="tool_calls"``, with the streamed ids and arguments'
+        text) or the content's rest."""
         text = self._decoder.feed(chunk.text)
+        pieces = self._scanner.feed(chunk.text) or None
         if chunk.finish_reason is None:
-            return GenerationChunk(text, ready_calls=self._early.feed(chunk.text) or None)
+            return GenerationChunk(text, ready_calls=self._early.feed(chunk.text) or None,
+                                   call_deltas=pieces)
         self._early.close()
         answer = self._decoder.result(chunk.finish_reason)
-        calls = None if answer.tool_calls is None else tuple(
+        calls = None if answer.tool_calls is None else self._scanner.settle([
             ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
-            for c in answer.tool_calls)
+            for c in answer.tool_calls])
         return GenerationChunk(text + answer.unsent, finish_reason=answer.finish_reason,
-                               usage=chunk.usage, tool_calls=calls)
+                               usage=chunk.usage, tool_calls=calls, call_deltas=pieces)
 
 
 def native(engine: Engine, request: GenerationRequest) -> bool:
@@ -150,7 +157,7 @@ class NativeTurn:
         self._text += chunk.text
         if chunk.finish_reason is None:
             return dataclasses.replace(chunk, text=self._sendable()) \
-                if chunk.text or chunk.ready_calls else None
+                if chunk.text or chunk.ready_calls or chunk.call_deltas else None
         self.usage = chunk.usage
         if chunk.tool_calls:
             return dataclasses.replace(chunk, text=self._text[self._sent:])

@@ -11,8 +11,9 @@ The engine has no native tool-call format, so flowlift makes one:
 * :class:`~flowlift.proxy.wire.tool_output.ToolOutputDecoder` turns the
   constrained JSON into OpenAI ``tool_calls`` (``id: "call_..."``, ``type: "function"``,
   ``function: {name, arguments}`` with ``arguments`` a JSON string) or into plain
-  content. Content of an ``"auto"`` answer is decoded while it streams; tool calls are
-  emitted whole once their JSON is complete (one ``delta.tool_calls`` chunk per call).
+  content. Content of an ``"auto"`` answer is decoded while it streams; tool calls
+  stream as they are generated (a call's name, then its arguments' text:
+  :mod:`flowlift.proxy.wire.call_deltas`).
 
 Conversation history with tool calls (assistant messages carrying ``tool_calls``, and
 ``role: "tool"`` results) is rendered into plain system/user/assistant text, in the same

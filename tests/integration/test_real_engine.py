@@ -179,6 +179,19 @@ def test_tool_call_logprobs_and_raw_prompt_on_real_engine(real_proxy):
     calls = out.choices[0].message.tool_calls
     assert calls and calls[0].function.name == "get_weather", out.model_dump_json()
 
+    # streamed: an opening entry, then the arguments in pieces as vLLM decodes them;
+    # the SDK's stream helper adds them up to the call the request got unstreamed
+    once = dict(model=model, messages=ask, tools=[weather], tool_choice="required",
+                parallel_tool_calls=False, max_tokens=64, temperature=0)
+    whole = client.chat.completions.create(**once).choices[0].message.tool_calls[0]
+    with client.chat.completions.stream(**once) as stream:
+        pieces = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in final] == \
+        [(whole.function.name, whole.function.arguments)]
+    assert len(pieces) > 1 and "".join(p.arguments_delta for p in pieces) == \
+        whole.function.arguments
+
     out = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Count from 1 to 20."}],
         logprobs=True, top_logprobs=3, max_tokens=8, temperature=0)

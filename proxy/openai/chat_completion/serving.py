@@ -12,10 +12,13 @@ Cached prompt tokens are reported in ``usage.prompt_tokens_details.cached_tokens
 Supported beyond plain chat: ``n`` (concurrent generations, seeds ``seed + i``; streamed
 chunks of the choices interleave, each with its ``index``), ``logprobs`` /
 ``top_logprobs`` (0-20, ``choices[].logprobs.content[]``), tools
-(:mod:`flowlift.proxy.wire.tool_calls`: when streamed, each tool call is buffered and
-sent whole in one ``delta.tool_calls`` chunk, with ``index``, ``id``, ``type``, ``name``
-and ``arguments``, once its constrained JSON is complete; plain content streams as it
-is decoded), ``presence_penalty`` / ``frequency_penalty`` / ``logit_bias``.
+(:mod:`flowlift.proxy.wire.tool_calls`; when streamed, each call as OpenAI streams it:
+a first ``delta.tool_calls`` entry with ``index``, ``id``, ``type``, ``function.name``
+and ``arguments: ""``, then ``arguments`` fragments as the model writes them
+(:mod:`flowlift.proxy.wire.call_deltas`); plain content streams as it is decoded; a
+streamed call the answer does not hold in the end ends the stream with an
+``invalid_tool_call`` error event), ``presence_penalty`` / ``frequency_penalty`` /
+``logit_bias``.
 Unknown fields are accepted and ignored; an OpenAI field the engine cannot honour
 (``audio``, ``prediction``, ``reasoning_effort``, the deprecated ``functions``...) is a
 400 naming the field and the fix. Errors before the first generated token (a prompt
@@ -62,6 +65,7 @@ from flowlift.proxy.openai.generation import (
 from flowlift.proxy.sessions.table import observe, program_of
 from flowlift.proxy.state import STATE
 from flowlift.proxy.telemetry.requests import RequestTrace
+from flowlift.proxy.wire.call_deltas import CallStream
 from flowlift.proxy.wire.tool_calls import (
     Message,
     Tool,
@@ -170,9 +174,17 @@ def chat_logprobs(items: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> list[
 
 class ChatChoice:
     """One choice of a chat answer: turns engine chunks into stream deltas
-    (:meth:`step`) and, at the end, into the ``choices[]`` entry (:meth:`final`)."""
+    (:meth:`step`) and, at the end, into the ``choices[]`` entry (:meth:`final`).
 
-    def __init__(self, index: int, plan: ToolPlan | None, logprobs: bool) -> None:
+    Args:
+        stream: the answer is streamed: its calls' pieces (``call_deltas``) become
+            ``delta.tool_calls`` entries as they come
+            (:class:`~flowlift.proxy.wire.call_deltas.CallStream`); otherwise (and for
+            an engine that sends none) each call is sent whole at the end.
+    """
+
+    def __init__(self, index: int, plan: ToolPlan | None, logprobs: bool,
+                 stream: bool = True) -> None:
         self.index = index
         self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
         self.content: str | None = ""
@@ -180,6 +192,8 @@ class ChatChoice:
         self.finish: str | None = None
         self.usage: Usage | None = None
         self.calls_only = plan is not None and plan.mode == "required"
+        self._stream = stream
+        self._calls = CallStream()
 
     def _delta(self, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None = None,
                finish: str | None = None) -> dict[str, Any]:
@@ -191,7 +205,12 @@ class ChatChoice:
 
     def step(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
         """The stream's choice entries for ``chunk`` (none, a content delta, tool call
-        deltas, the finish)."""
+        deltas, the finish).
+
+        Raises:
+            EngineError: ``code="invalid_tool_call"``: a streamed call that the answer
+                does not hold in the end (:meth:`CallStream.finish`).
+        """
         self.usage = chunk.usage or self.usage
         text = chunk.text
         lp = chat_logprobs(chunk.logprobs) if chunk.logprobs and self.logprobs is not None \
@@ -199,21 +218,20 @@ class ChatChoice:
         self.content = (self.content or "") + text
         self.logprobs = None if self.logprobs is None else [*self.logprobs, *(lp or ())]
         out = [self._delta({"content": text}, lp)] if text or lp else []
+        if chunk.call_deltas and self._stream:
+            out += [self._delta({"tool_calls": [entry]})
+                    for entry in self._calls.feed(chunk.call_deltas)]
         if chunk.finish_reason:
             out.extend(self._finish(chunk.finish_reason, chunk.tool_calls))
         return out
 
     def _finish(self, reason: str, calls: tuple[ToolCall, ...] | None,
                 ) -> list[dict[str, Any]]:
-        """The calls (each whole in one ``delta.tool_calls`` entry, as OpenAI streams a
-        call whose arguments are ready) and the finish entry."""
-        out = []
-        if calls:
-            self.tool_calls = [{"id": c.id, "type": "function", "function": {
-                "name": c.name, "arguments": c.arguments}} for c in calls]
+        """The rest of the calls (OpenAI's entries: one per chunk) and the finish entry."""
+        out = [self._delta({"tool_calls": [entry]}) for entry in self._calls.finish(calls)]
+        if self._calls.calls:
+            self.tool_calls = self._calls.calls
             self.content = self.content or None
-            out = [self._delta({"tool_calls": [{"index": j, **call}]})
-                   for j, call in enumerate(self.tool_calls)]
         self.finish = reason
         return [*out, self._delta({}, finish=reason)]
 
@@ -237,10 +255,11 @@ class ChatChoice:
 
 
 def prepare(body: ChatCompletionRequest, request_id: str, model: str, backend: Backend,
-            session_id: str | None) -> tuple[GenerationRequest, list[ChatChoice],
-                                             ToolPlan | None]:
+            session_id: str | None, stream: bool | None = None,
+            ) -> tuple[GenerationRequest, list[ChatChoice], ToolPlan | None]:
     """The engine request of a chat completion, one :class:`ChatChoice` per ``n``, and
-    its tool plan (the Responses API runs its turns through this too).
+    its tool plan (the Responses API runs its turns through this too; ``stream``: whether
+    the answer reaches its client streamed, default ``body.stream``).
 
     Raises:
         RequestError: a field the embedded engine cannot honour, bad tools or logprobs.
@@ -260,7 +279,9 @@ def prepare(body: ChatCompletionRequest, request_id: str, model: str, backend: B
         gen = dataclasses.replace(
             gen, messages=conversation(body.messages), tools=tool_defs(plan.tools),
             tool_choice=plan.mode, parallel_tool_calls=plan.parallel)
-    return gen, [ChatChoice(i, plan, k is not None) for i in range(body.n or 1)], plan
+    streamed = bool(body.stream) if stream is None else stream
+    return gen, [ChatChoice(i, plan, k is not None, streamed)
+                 for i in range(body.n or 1)], plan
 
 
 def next_turn_request(gen: GenerationRequest, content: str,

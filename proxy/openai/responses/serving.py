@@ -165,7 +165,7 @@ async def _serve(request: web.Request, req: ResponsesRequest, data: dict[str, An
     # on the embedded engine the turn is a call of the tenant's program (the
     # conversation, or the workflow it joined): scheduled with its other turns
     opener = Opener(request, route, turn.conversation, timing,
-                    tenant_program(request, workflow))
+                    tenant_program(request, workflow), stream=req.stream is True)
     try:
         first, kept, chat = await open_first(opener, build, [*turn.history, *turn.new],
                                              req.truncation)

@@ -51,11 +51,14 @@ def _in_responses_terms(exc: RequestError) -> None:
 
 @contextlib.asynccontextmanager
 async def embedded(chat: dict[str, Any], model: str, backend: Backend, session: str | None,
-                   timing: Timing, program: str | None = None) -> AsyncIterator[ChatChunks]:
+                   timing: Timing, program: str | None = None,
+                   stream: bool = True) -> AsyncIterator[ChatChunks]:
     """The chat chunks of ``chat`` (a chat completions body) on the embedded ``backend``;
     ``session`` is the engine's session id (the conversation: prefix-cache locality);
     ``program`` the program its slot is scheduled in
-    (:mod:`flowlift.proxy.dispatch.slots.programs`).
+    (:mod:`flowlift.proxy.dispatch.slots.programs`); ``stream``: the turn is streamed to
+    its client (its calls' arguments come in pieces as they are generated; otherwise
+    each call whole at the end).
 
     Raises:
         RequestError: a bad or unsupported field (``param`` in the Responses names).
@@ -65,7 +68,7 @@ async def embedded(chat: dict[str, Any], model: str, backend: Backend, session: 
     try:
         body = parse_model(ChatCompletionRequest, chat, "responses request")
         gen, choices, plan = prepare(body, f"resp-{secrets.token_hex(12)}", model, backend,
-                                     session)
+                                     session, stream)
         async with started(backend, [gen], timing,
                            Priority.of("interactive", program=program)) as chunks:
             yield _chat_chunks(chunks, choices[0])

@@ -73,13 +73,15 @@ class Opener:
         timing: the embedded engine's stage times (``Server-Timing``).
         program: the program the embedded engine schedules the turn's generations in
             (:mod:`flowlift.proxy.dispatch.slots.programs`; None: the request's own).
+        stream: the turn is streamed to its client (the embedded engine's calls then
+            come in pieces as they are generated).
     """
 
     def __init__(self, request: web.Request, route: Route, conversation: str,
-                 timing: Timing, program: str | None = None) -> None:
+                 timing: Timing, program: str | None = None, stream: bool = True) -> None:
         self.request, self.route = request, route
         self.conversation, self.timing = conversation, timing
-        self.program = program
+        self.program, self.stream = program, stream
         self.engine: Backend | None = None  # the last generation's, when embedded
 
     async def open(self, chat: dict[str, Any]) -> Generation:
@@ -115,7 +117,8 @@ class Opener:
         stack.callback(_unadmit, backend)
         try:
             chunks = await stack.enter_async_context(sources.embedded(
-                chat, opened.model, backend, self.conversation, self.timing, self.program))
+                chat, opened.model, backend, self.conversation, self.timing, self.program,
+                self.stream))
         except BaseException:
             await stack.aclose()
             raise
