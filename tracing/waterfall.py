@@ -23,9 +23,11 @@ from flowlift.tracing.timeline import (
 )
 
 STAGE_CHARS = {"queue": ".", "prefill": "p", "decode": "=", "validate": "v",
-               "tool_wait": "t", "tool_run": "r", "failed_try": "x", "shared": "~"}
+               "tool_wait": "t", "tool_run": "r", "failed_try": "x", "cancelled": "-",
+               "shared": "~"}
 _COLOURS = {"queue": "90", "prefill": "34", "decode": "32", "validate": "33",
-            "tool_wait": "35", "tool_run": "95", "failed_try": "31", "shared": "36"}
+            "tool_wait": "35", "tool_run": "95", "failed_try": "31", "cancelled": "37",
+            "shared": "36"}
 _BOLD, _RESET = "\x1b[1m", "\x1b[0m"
 
 
