@@ -238,6 +238,10 @@ class RunTrace:
     status: str = "running"
     finished_ms: float | None = None
     steps: dict[str, StepTrace] = field(default_factory=dict)
+    restarts: list[dict[str, float]] = field(default_factory=list)
+    """Each time the run was resumed after its proxy stopped (a restart, or a takeover by
+    another proxy): ``{"from_ms", "to_ms"}``, the last instant recorded before and the
+    resume, in ms since the run started (the gap in which nothing of it ran)."""
     _t0: float = field(default_factory=time.monotonic, repr=False)
 
     def now_ms(self) -> float:
@@ -251,6 +255,17 @@ class RunTrace:
 
     def step(self, step_id: str) -> StepTrace:
         return self.steps[step_id]
+
+    def restarted(self) -> dict[str, float]:
+        """Record that the run resumes now, after the steps restored into it (their last
+        instant is where the gap starts; 0 when none had started); the gap recorded."""
+        last = max((v for st in self.steps.values() for v in (
+            st.ready_ms, st.started_ms, st.first_token_ms, st.generated_ms, st.finished_ms,
+            *(a.finished_ms for a in st.attempts)) if v is not None), default=0.0)
+        now = self.now_ms()
+        gap = {"from_ms": round(min(last, now), 3), "to_ms": round(now, 3)}
+        self.restarts.append(gap)
+        return gap
 
     def add_step(self, step_id: str, kind: str, name: str = "",
                  model: str | None = None) -> StepTrace:
@@ -273,7 +288,8 @@ class RunTrace:
         """JSON-ready records: one ``run`` record, then one per step."""
         head = {"type": "run", "run_id": self.run_id, "name": self.name,
                 "class": self.workflow_class, "started_at": self.started_at,
-                "status": self.status, "wall_ms": self.finished_ms}
+                "status": self.status, "wall_ms": self.finished_ms,
+                "restarts": [dict(g) for g in self.restarts]}
         steps = []
         for st in self.steps.values():
             rec = {"type": "step", "run_id": self.run_id, **asdict(st)}

@@ -30,6 +30,10 @@ the step was waiting for. A step that ended skipped (a group's member cancelled 
 group resolved without it, a condition not taken) delivered nothing, so nothing waited
 for it: it is never on the path. It differs from the compiler's ``critical_path`` (an
 estimate, before the run) when queues, retries or tool calls took longer than planned.
+
+A run resumed after its proxy stopped (a restart, a takeover) has a gap in which nothing
+of it ran; the run record's ``restarts`` names each (``Gantt.restarts``), so the chart
+labels it instead of leaving an unexplained hole.
 """
 
 from __future__ import annotations
@@ -272,6 +276,9 @@ class Gantt:
     rows: tuple[Row, ...]
     critical_path: tuple[str, ...]
     planned_path: tuple[str, ...]
+    restarts: tuple[Bar, ...] = ()
+    """The gaps the run's proxy restarts left (the run record's ``restarts``): stage
+    ``restart``, from the last instant recorded before to the resume."""
 
     @property
     def width_px(self) -> float:
@@ -309,8 +316,14 @@ def gantt(records: Iterable[Mapping[str, Any]], deps: Mapping[str, Iterable[str]
                         s.get("model"), str(s.get("status", "")), top_px + k * row_px, bars,
                         s["step_id"] in on_path, s["step_id"] in planned, s))
     ticks = tuple((ms, label_px + ms * scale) for ms in nice_ticks(wall))
-    return Gantt(wall, label_px, chart_px, row_px, top_px, top_px + len(rows) * row_px + 8,
-                 scale, ticks, tuple(rows), tuple(path), tuple(planned_path))
+    gaps = tuple(Bar("restart", label_px + a * scale, max(min_bar_px, (b - a) * scale), a, b,
+                     None, "proxy restart: nothing of the run ran")
+                 for g in head.get("restarts") or []
+                 if (a := _f(g.get("from_ms"))) is not None
+                 and (b := _f(g.get("to_ms"))) is not None and b >= a)
+    height = top_px + len(rows) * row_px + 8 + (14 if gaps else 0)  # (room for the label)
+    return Gantt(wall, label_px, chart_px, row_px, top_px, height,
+                 scale, ticks, tuple(rows), tuple(path), tuple(planned_path), gaps)
 
 
 def report_deps(report: Mapping[str, Any] | None) -> dict[str, list[str]]:

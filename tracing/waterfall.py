@@ -95,6 +95,9 @@ def waterfall(records: Sequence[Mapping[str, Any]], deps: Mapping[str, Iterable[
     out.append("legend: " + "  ".join(
         f"{_paint(STAGE_CHARS[s], _COLOURS[s], color)} {STAGE_LABELS[s]}"
         for s in SEGMENT_STAGES if s in used))
+    out += [f"restart: a {_s(g.end_ms - g.start_ms)} gap from {_s(g.start_ms)} to "
+            f"{_s(g.end_ms)} (the run's proxy stopped; it resumed from its log)"
+            for g in chart.restarts]
     out += _footer(steps, chart.critical_path, planned_path, wall)
     out.append("")
     out.append(format_stage_table(stage_summary(records)))
