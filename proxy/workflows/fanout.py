@@ -19,7 +19,7 @@ run again. ``map.expanded`` ``{step_id, items, steps}`` records each expansion.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from flowlift.errors import StepFailed
@@ -31,6 +31,16 @@ EXPANDED: Final = "map.expanded"
 def item_ids(node: MapNode, count: int) -> list[str]:
     """The ids of the item steps of a map over ``count`` items, in order."""
     return [f"{node.id}-{i}" for i in range(count)]
+
+
+def _input_id(step_id: str) -> str:
+    return f"{step_id}-item"
+
+
+def grown_ids(step_ids: Iterable[str]) -> list[str]:
+    """Every node id a map's expansion added, from its item steps' ids (a ``map.expanded``
+    event's ``steps``): each item's input node and its step, as :func:`expand` makes them."""
+    return [i for sid in step_ids for i in (_input_id(sid), sid)]
 
 
 def check_items(node: MapNode, value: Any) -> list[Any]:
@@ -64,7 +74,7 @@ def expand(node: MapNode, items: Sequence[Any]) -> list[Node]:
     template = node.step.model_dump(mode="json", by_alias=True)
     out: list[Node] = []
     for step_id, item in zip(item_ids(node, len(items)), items, strict=True):
-        item_id = f"{step_id}-item"
+        item_id = _input_id(step_id)
         out.append(InputNode(id=item_id, value=item))
         out.append(LLMNode.model_validate({**_renamed(template, item_id), "id": step_id,
                                            "name": node.step.name or node.name}))
