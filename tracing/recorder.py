@@ -160,25 +160,24 @@ class StepTrace:
         A step tried more than once (a contract retry, a cascade escalation) spends its
         earlier tries in ``retry`` (first try's start to the last try's start); prefill
         and decode are the last try's, so they add up to the wall time of the step. An
-        agent step's time with tool calls out is ``tool_wait`` (the app's calls) and
-        ``tool_run`` (the proxy's own, :mod:`flowlift.proxy.tools`), taken out of ``retry``.
+        agent step (tries with ``turn``) sums prefill and decode over its turns
+        (:meth:`_turn_durations_ms`); its time with tool calls out is ``tool_wait`` (the
+        app's calls) and ``tool_run`` (the proxy's own, :mod:`flowlift.proxy.tools`).
         """
         out: dict[str, float] = {}
         if self.kind == "tool":
             if self.ready_ms is not None and self.finished_ms is not None:
                 out["tool_wait"] = self.finished_ms - self.ready_ms
             return out
+        if any(a.turn is not None for a in self.attempts):
+            return self._turn_durations_ms()
         started, first_token = self.started_ms, self.first_token_ms
         if len(self.attempts) > 1:
             last = self.attempts[-1]
             out["retry"] = max(0.0, last.started_ms - self.attempts[0].started_ms)
             started, first_token = last.started_ms, last.first_token_ms
         if self.tool_calls:
-            for stage, proxy in (("tool_wait", False), ("tool_run", True)):
-                spans = [(c.wanted_ms, c.finished_ms) for c in self.tool_calls
-                         if c.finished_ms is not None and (c.server is not None) == proxy]
-                if spans:
-                    out[stage] = union_ms(spans)
+            out.update(self._tool_durations_ms())
             out["retry"] = max(0.0, out.get("retry", 0.0) - out.get("tool_wait", 0.0)
                                - out.get("tool_run", 0.0))
         pairs = (("queue", self.ready_ms, self.started_ms),
@@ -188,6 +187,43 @@ class StepTrace:
         for stage, start, end in pairs:
             if start is not None and end is not None:
                 out[stage] = max(0.0, end - start)
+        return out
+
+    def _tool_durations_ms(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for stage, proxy in (("tool_wait", False), ("tool_run", True)):
+            spans = [(c.wanted_ms, c.finished_ms) for c in self.tool_calls
+                     if c.finished_ms is not None and (c.server is not None) == proxy]
+            if spans:
+                out[stage] = union_ms(spans)
+        return out
+
+    def _turn_durations_ms(self) -> dict[str, float]:
+        """An agent step's stages: ``prefill`` and ``decode`` summed over its model turns
+        (each turn is work, not a retry: a last turn of a few tokens must not hide the
+        turns before it), a turn that failed (contract, engine, cancelled) in ``retry``,
+        its tool calls in ``tool_wait``/``tool_run``; ``queue`` and ``validate`` as for
+        any step."""
+        out = dict.fromkeys(("prefill", "decode"), 0.0)
+        last = len(self.attempts) - 1
+        for k, a in enumerate(self.attempts):
+            end = a.finished_ms
+            if a.outcome not in ("ok", "tool_calls", "running"):
+                if end is not None:
+                    out["retry"] = out.get("retry", 0.0) + max(0.0, end - a.started_ms)
+                continue
+            if k == last and self.generated_ms is not None:
+                end = self.generated_ms  # the rest, to the stored output, is validate
+            first = a.first_token_ms if a.first_token_ms is not None else end
+            if first is not None:
+                out["prefill"] += max(0.0, first - a.started_ms)
+                if end is not None:
+                    out["decode"] += max(0.0, end - first)
+        out.update(self._tool_durations_ms())
+        for stage, start, stop in (("queue", self.ready_ms, self.started_ms),
+                                   ("validate", self.generated_ms, self.finished_ms)):
+            if start is not None and stop is not None:
+                out[stage] = max(0.0, stop - start)
         return out
 
 
@@ -202,6 +238,10 @@ class RunTrace:
     status: str = "running"
     finished_ms: float | None = None
     steps: dict[str, StepTrace] = field(default_factory=dict)
+    restarts: list[dict[str, float]] = field(default_factory=list)
+    """Each time the run was resumed after its proxy stopped (a restart, or a takeover by
+    another proxy): ``{"from_ms", "to_ms"}``, the last instant recorded before and the
+    resume, in ms since the run started (the gap in which nothing of it ran)."""
     _t0: float = field(default_factory=time.monotonic, repr=False)
 
     def now_ms(self) -> float:
@@ -215,6 +255,17 @@ class RunTrace:
 
     def step(self, step_id: str) -> StepTrace:
         return self.steps[step_id]
+
+    def restarted(self) -> dict[str, float]:
+        """Record that the run resumes now, after the steps restored into it (their last
+        instant is where the gap starts; 0 when none had started); the gap recorded."""
+        last = max((v for st in self.steps.values() for v in (
+            st.ready_ms, st.started_ms, st.first_token_ms, st.generated_ms, st.finished_ms,
+            *(a.finished_ms for a in st.attempts)) if v is not None), default=0.0)
+        now = self.now_ms()
+        gap = {"from_ms": round(min(last, now), 3), "to_ms": round(now, 3)}
+        self.restarts.append(gap)
+        return gap
 
     def add_step(self, step_id: str, kind: str, name: str = "",
                  model: str | None = None) -> StepTrace:
@@ -237,7 +288,8 @@ class RunTrace:
         """JSON-ready records: one ``run`` record, then one per step."""
         head = {"type": "run", "run_id": self.run_id, "name": self.name,
                 "class": self.workflow_class, "started_at": self.started_at,
-                "status": self.status, "wall_ms": self.finished_ms}
+                "status": self.status, "wall_ms": self.finished_ms,
+                "restarts": [dict(g) for g in self.restarts]}
         steps = []
         for st in self.steps.values():
             rec = {"type": "step", "run_id": self.run_id, **asdict(st)}

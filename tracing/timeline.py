@@ -10,7 +10,9 @@ Segments of one step, in ms since the run started (see :mod:`flowlift.tracing.re
 * ``tool``: ``tool_wait`` from wanted to result.
 * ``llm`` with attempts: ``queue`` until the first try starts; every try that did not
   succeed is one ``failed_try`` segment (a contract failure or an engine error, retried
-  or final), a gap before the next try is ``queue`` again; the last successful try is
+  or final), or ``cancelled`` for a try stopped on purpose (a ``first``/``quorum``
+  group resolved without it, the run cancelled or out of time); a gap before the next
+  try is ``queue`` again; the last successful try is
   ``prefill`` (start to first token), ``decode`` (to the last token) and ``validate``
   (to the output stored).
 * ``llm`` without attempts (an identical call served by another step's output, or a
@@ -24,8 +26,14 @@ Segments of one step, in ms since the run started (see :mod:`flowlift.tracing.re
 The *measured critical path* is the chain of waits that set the run's wall time: start
 from the step that finished last and go back, each time to the input (a graph
 dependency, or the identical step it reused) that finished last; that input is what
-the step was waiting for. It differs from the compiler's ``critical_path`` (an
+the step was waiting for. A step that ended skipped (a group's member cancelled when the
+group resolved without it, a condition not taken) delivered nothing, so nothing waited
+for it: it is never on the path. It differs from the compiler's ``critical_path`` (an
 estimate, before the run) when queues, retries or tool calls took longer than planned.
+
+A run resumed after its proxy stopped (a restart, a takeover) has a gap in which nothing
+of it ran; the run record's ``restarts`` names each (``Gantt.restarts``), so the chart
+labels it instead of leaving an unexplained hole.
 """
 
 from __future__ import annotations
@@ -36,13 +44,14 @@ from dataclasses import dataclass
 from typing import Any
 
 SEGMENT_STAGES = ("queue", "prefill", "decode", "validate", "tool_wait", "tool_run",
-                  "failed_try", "shared")
+                  "failed_try", "cancelled", "shared")
 """Every stage a segment can have, in legend order."""
 
 STAGE_LABELS = {"queue": "queue wait", "prefill": "prefill (TTFT)", "decode": "decode",
                 "validate": "validate", "tool_wait": "tool wait (client)",
                 "tool_run": "tool run (proxy)",
                 "failed_try": "failed try (retried or final)",
+                "cancelled": "cancelled (its group resolved, or the run ended)",
                 "shared": "identical call (reused)"}
 
 
@@ -116,7 +125,8 @@ def _llm_segments(rec: Mapping[str, Any], now_ms: float) -> list[Segment]:
             if gen is not None:
                 out += _seg("validate", gen, a_end, attempt=n)
         else:
-            out += _seg("failed_try", start, a_end, attempt=n,
+            stage = "cancelled" if a.get("outcome") == "cancelled" else "failed_try"
+            out += _seg(stage, start, a_end, attempt=n,
                         note=f"{a.get('model', '')}: {a.get('outcome')}: "
                              f"{a.get('error') or ''}".strip(": "))
         calls, calls_end = _tool_segments(rec, turn, now_ms) if turn is not None else ([], None)
@@ -176,13 +186,14 @@ def measured_critical_path(steps: Sequence[Mapping[str, Any]],
             or :func:`flowlift.dataflow.dependencies`).
 
     Returns:
-        Step ids; empty when no step finished. Input (constant) nodes and steps skipped
-        because an input failed take no time and are left out.
+        Step ids; empty when no step finished. Input (constant) nodes, steps skipped
+        because an input failed (never ready) and skipped steps (a group's cancelled
+        losers: nothing waited for them) are left out.
     """
     by_id = {s["step_id"]: s for s in steps}
-    finished = {sid: f for sid, s in by_id.items()  # skipped steps were never ready
+    finished = {sid: f for sid, s in by_id.items()
                 if (f := _f(s.get("finished_ms"))) is not None and s.get("kind") != "input"
-                and _f(s.get("ready_ms")) is not None}
+                and _f(s.get("ready_ms")) is not None and s.get("status") != "skipped"}
     if not finished:
         return []
     order = {sid: k for k, sid in enumerate(by_id)}
@@ -265,6 +276,9 @@ class Gantt:
     rows: tuple[Row, ...]
     critical_path: tuple[str, ...]
     planned_path: tuple[str, ...]
+    restarts: tuple[Bar, ...] = ()
+    """The gaps the run's proxy restarts left (the run record's ``restarts``): stage
+    ``restart``, from the last instant recorded before to the resume."""
 
     @property
     def width_px(self) -> float:
@@ -302,8 +316,14 @@ def gantt(records: Iterable[Mapping[str, Any]], deps: Mapping[str, Iterable[str]
                         s.get("model"), str(s.get("status", "")), top_px + k * row_px, bars,
                         s["step_id"] in on_path, s["step_id"] in planned, s))
     ticks = tuple((ms, label_px + ms * scale) for ms in nice_ticks(wall))
-    return Gantt(wall, label_px, chart_px, row_px, top_px, top_px + len(rows) * row_px + 8,
-                 scale, ticks, tuple(rows), tuple(path), tuple(planned_path))
+    gaps = tuple(Bar("restart", label_px + a * scale, max(min_bar_px, (b - a) * scale), a, b,
+                     None, "proxy restart: nothing of the run ran")
+                 for g in head.get("restarts") or []
+                 if (a := _f(g.get("from_ms"))) is not None
+                 and (b := _f(g.get("to_ms"))) is not None and b >= a)
+    height = top_px + len(rows) * row_px + 8 + (14 if gaps else 0)  # (room for the label)
+    return Gantt(wall, label_px, chart_px, row_px, top_px, height,
+                 scale, ticks, tuple(rows), tuple(path), tuple(planned_path), gaps)
 
 
 def report_deps(report: Mapping[str, Any] | None) -> dict[str, list[str]]:

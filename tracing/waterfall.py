@@ -23,9 +23,11 @@ from flowlift.tracing.timeline import (
 )
 
 STAGE_CHARS = {"queue": ".", "prefill": "p", "decode": "=", "validate": "v",
-               "tool_wait": "t", "tool_run": "r", "failed_try": "x", "shared": "~"}
+               "tool_wait": "t", "tool_run": "r", "failed_try": "x", "cancelled": "-",
+               "shared": "~"}
 _COLOURS = {"queue": "90", "prefill": "34", "decode": "32", "validate": "33",
-            "tool_wait": "35", "tool_run": "95", "failed_try": "31", "shared": "36"}
+            "tool_wait": "35", "tool_run": "95", "failed_try": "31", "cancelled": "37",
+            "shared": "36"}
 _BOLD, _RESET = "\x1b[1m", "\x1b[0m"
 
 
@@ -93,6 +95,9 @@ def waterfall(records: Sequence[Mapping[str, Any]], deps: Mapping[str, Iterable[
     out.append("legend: " + "  ".join(
         f"{_paint(STAGE_CHARS[s], _COLOURS[s], color)} {STAGE_LABELS[s]}"
         for s in SEGMENT_STAGES if s in used))
+    out += [f"restart: a {_s(g.end_ms - g.start_ms)} gap from {_s(g.start_ms)} to "
+            f"{_s(g.end_ms)} (the run's proxy stopped; it resumed from its log)"
+            for g in chart.restarts]
     out += _footer(steps, chart.critical_path, planned_path, wall)
     out.append("")
     out.append(format_stage_table(stage_summary(records)))

@@ -205,7 +205,7 @@ def timeline_body(doc: dict[str, Any]) -> str:
     used = {b.stage for r in chart.rows for b in r.bars}
     return (_head(doc, head, steps)
             + '<div class="cols"><section class="chart"><h3>Timeline</h3>'
-            + legend_html(used) + gantt_svg(chart)
+            + legend_html(used, bool(chart.restarts)) + gantt_svg(chart)
             + _path_html(steps, chart.critical_path, chart.planned_path, chart.wall_ms)
             + '</section><aside class="report" id="report"><noscript>The report needs '
             "JavaScript; the JSON link above has it.</noscript></aside></div>"

@@ -8,7 +8,8 @@ name. Markers the page's test reads:
 * each bar is ``<rect class="bar stage-{stage}" data-stage="{stage}" data-step="{id}">``;
 * the bars of steps on the measured critical path also carry ``critical`` in their
   class and ``data-critical="measured"``; no other bar does;
-* a row on the compiler's planned critical path carries ``data-planned-critical``.
+* a row on the compiler's planned critical path carries ``data-planned-critical``;
+* a restart's gap is ``<g class="restart" data-restart="{from ms}-{to ms}">``, labelled.
 """
 
 from __future__ import annotations
@@ -86,6 +87,19 @@ def _links(chart: Gantt) -> str:
     return "".join(out)
 
 
+def _restart(chart: Gantt, gap: Bar) -> str:
+    """A restart's gap: a hatched band over every row, labelled above the axis."""
+    text = f"restart: {_ms(gap.end_ms - gap.start_ms)} gap"
+    tip = (f"{gap.note} from {_ms(gap.start_ms)} to {_ms(gap.end_ms)} (its proxy stopped; "
+           "the run resumed from its log)")
+    return (f'<g class="restart" data-restart="{gap.start_ms:.0f}-{gap.end_ms:.0f}">'
+            f'<rect class="gap" x="{gap.x:.1f}" y="{chart.top_px - 6:.1f}" '
+            f'width="{gap.width:.1f}" height="{chart.height_px - chart.top_px - 10:.1f}">'
+            f"<title>{escape(tip)}</title></rect>"
+            f'<text class="gap-label" x="{gap.x + gap.width / 2:.1f}" '
+            f'y="{chart.height_px - 3:.1f}">{escape(text)}</text></g>')
+
+
 def gantt_svg(chart: Gantt) -> str:
     """The chart as one ``<svg>`` element."""
     w, h = chart.width_px, chart.height_px
@@ -97,17 +111,22 @@ def gantt_svg(chart: Gantt) -> str:
                     f'<text class="tick-label" x="{x:.1f}" y="{chart.top_px - 11:.1f}">'
                     f"{_ms(ms)}</text>")
     rows = "".join(_row(chart, r, k) for k, r in enumerate(chart.rows))
+    rows += "".join(_restart(chart, g) for g in chart.restarts)
     label = f"Gantt chart of {len(chart.rows)} steps over {_ms(chart.wall_ms)}"
     return (f'<svg class="gantt" xmlns="http://www.w3.org/2000/svg" width="{w:.0f}" '
             f'height="{h:.0f}" viewBox="0 0 {w:.0f} {h:.0f}" role="img" '
             f'aria-label="{escape(label)}">{"".join(axis)}{rows}{_links(chart)}</svg>')
 
 
-def legend_html(used: set[str] | None = None) -> str:
-    """The colour legend (every stage, or only ``used`` ones), plus the path markers."""
+def legend_html(used: set[str] | None = None, restarts: bool = False) -> str:
+    """The colour legend (every stage, or only ``used`` ones), plus the path markers
+    (and the restart gap's, when the run has one)."""
     items = [f'<li><span class="swatch stage-{s}"></span>{escape(STAGE_LABELS[s])}</li>'
              for s in SEGMENT_STAGES if used is None or s in used]
     items.append('<li><span class="swatch critical-swatch"></span>\u25cf critical path '
                  "(measured: the chain of waits that set the wall time)</li>")
     items.append("<li>\u25c7 on the compiler's planned critical path</li>")
+    if restarts:
+        items.append('<li><span class="swatch gap-swatch"></span>restart: a gap in which '
+                     "the run's proxy was down (it resumed from its log)</li>")
     return f'<ul class="legend">{"".join(items)}</ul>'

@@ -19,7 +19,7 @@ run again. ``map.expanded`` ``{step_id, items, steps}`` records each expansion.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from flowlift.dataflow import map_item_ids
@@ -33,6 +33,16 @@ def item_ids(node: MapNode, count: int) -> list[str]:
     """The ids of the item steps of a map over ``count`` items, in order (the planner
     finds them by the same names: :func:`flowlift.dataflow.expanded_maps`)."""
     return map_item_ids(node.id, count)
+
+
+def _input_id(step_id: str) -> str:
+    return f"{step_id}-item"
+
+
+def grown_ids(step_ids: Iterable[str]) -> list[str]:
+    """Every node id a map's expansion added, from its item steps' ids (a ``map.expanded``
+    event's ``steps``): each item's input node and its step, as :func:`expand` makes them."""
+    return [i for sid in step_ids for i in (_input_id(sid), sid)]
 
 
 def check_items(node: MapNode, value: Any) -> list[Any]:
@@ -66,7 +76,7 @@ def expand(node: MapNode, items: Sequence[Any]) -> list[Node]:
     template = node.step.model_dump(mode="json", by_alias=True)
     out: list[Node] = []
     for step_id, item in zip(item_ids(node, len(items)), items, strict=True):
-        item_id = f"{step_id}-item"
+        item_id = _input_id(step_id)
         out.append(InputNode(id=item_id, value=item))
         out.append(LLMNode.model_validate({**_renamed(template, item_id), "id": step_id,
                                            "name": node.step.name or node.name}))

@@ -19,6 +19,8 @@ from aiohttp import web
 from flowlift.proxy.state import STATE
 from flowlift.proxy.store.base import StoredRun
 from flowlift.proxy.tenants import tenant_of
+from flowlift.proxy.workflows.fanout import EXPANDED, grown_ids
+from flowlift.proxy.workflows.open_runs import APPENDED
 
 routes = web.RouteTableDef()
 STATUSES = ("pending", "queued", "running", "waiting_tool", "done", "failed", "skipped")
@@ -83,13 +85,25 @@ def listing(steps: int, deadline_s: float | None,
             "spent": paid["cost"], "standard_cost": paid["standard_cost"]}
 
 
+def stored_steps(stored: StoredRun) -> int:
+    """How many steps a stored run has, counted as a live run's trace counts them: its
+    graph's nodes, the nodes appended to it (an open run) and the steps its maps grew
+    (each ``map.expanded``'s item steps and their inputs), each once (a resumed run
+    expands a map again)."""
+    ids = {n.get("id") for n in stored.graph.get("nodes") or ()}
+    for _, name, data in stored.events:
+        if name == APPENDED:
+            ids.update(n.get("id") for n in data.get("nodes") or ())
+        elif name == EXPANDED:
+            ids.update(grown_ids(data.get("steps") or ()))
+    return len(ids)
+
+
 def stored_listing(stored: StoredRun) -> dict[str, Any]:
-    """:func:`listing` of a run read from the store (its appended nodes counted; no
-    deadline clock to read)."""
-    appended = sum(len(d.get("nodes") or ()) for _, n, d in stored.events
-                   if n == "nodes.appended")
+    """:func:`listing` of a run read from the store (its appended nodes and its maps'
+    items counted: :func:`stored_steps`; no deadline clock to read)."""
     deadline = stored.graph.get("deadline_s")
-    return listing(len(stored.graph.get("nodes") or ()) + appended,
+    return listing(stored_steps(stored),
                    deadline if isinstance(deadline, int | float) else None, stored.events)
 
 
@@ -106,7 +120,7 @@ async def run_progress(request: web.Request) -> web.Response:
         status, steps = run.trace.status, len(run.trace.steps)
     else:
         stored = await runs.stored(run_id, tenant)  # RunNotFound (HTTP 404) when unknown
-        steps = len(stored.graph.get("nodes", []))
+        steps = stored_steps(stored)
         counts["done"] = len(stored.outputs())
         counts["failed"] = len(stored.failures())
         counts["skipped"] = len(stored.skipped())

@@ -2,11 +2,13 @@
 
 Each ``step.finished`` / ``step.failed`` event carries the step's trace record
 (``trace``: instants in ms since the run started, attempts, tokens; see
-:class:`flowlift.tracing.StepTrace`) and ``run.started`` the run's start (``started_at``,
-epoch s). A resumed run continues its clock from that start and takes those records
-back, so its trace, report, metrics and cost totals count the steps that finished
-before the crash; a reader without a proxy (``flowlift trace --state-db``) rebuilds the
-trace of a run that never finished the same way.
+:class:`flowlift.tracing.StepTrace`), ``run.started`` the run's start (``started_at``,
+epoch s) and each ``run.resumed`` the gap its restart left (``restart``: ``{from_ms,
+to_ms}``, :meth:`flowlift.tracing.RunTrace.restarted`). A resumed run continues its
+clock from that start and takes those records back, so its trace, report, metrics and
+cost totals count the steps that finished before the crash; a reader without a proxy
+(``flowlift trace --state-db``) rebuilds the trace of a run that never finished the same
+way.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def restore_trace(trace: RunTrace, events: Iterable[Event]) -> int:
         trace.continue_from(start)
     restored = 0
     for _, name, data in events:
+        if name == "run.resumed" and isinstance(data.get("restart"), dict):
+            trace.restarts.append(dict(data["restart"]))  # an earlier restart's gap
         record = data.get("trace")
         if name in STEP_ENDS and isinstance(record, dict) and data["step_id"] in trace.steps:
             trace.step(data["step_id"]).restore(record)

@@ -253,6 +253,8 @@ class Run:
                                    "started_at": self.trace.started_at}
         if self.plan is not None and self.plan.report.warnings:  # the SDK warns its user
             started["warnings"] = self.plan.report.warnings
+        if self.resumed:  # the gap the restart left, labelled on the timeline
+            started["restart"] = self.trace.restarted()
         self._emit(("run.resumed" if self.resumed else "run.started", started))
         with bind_run(workflow_id=self.run_id):
             tasks = self._spawn(self.graph.nodes)

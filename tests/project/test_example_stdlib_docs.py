@@ -8,6 +8,9 @@ import io
 import json
 import zlib
 
+import pytest
+from pydantic import ValidationError
+
 from examples.stdlib_docs import pipeline
 from examples.stdlib_docs.corpus import MAX_CHARS, MIN_CHARS, load_documents, truncate
 from examples.stdlib_docs.index import BM25Index
@@ -42,6 +45,28 @@ def test_related_tool_fills_to_three_other_modules():
     assert "socketserver" in pipeline.related_modules(facts, "socket")["modules"]
 
 
+def test_key_terms_can_only_be_phrases_of_the_modules_own_text():
+    """Each document's extract contract lists its own phrases as the key terms' enum, so
+    the engine decodes no other; words from the system prompt that the text does not
+    hold ("file format", "network") fail the contract (issue 38 item 4)."""
+    docs = load_documents()
+    for doc in docs:
+        schema = pipeline.facts_model(doc).model_json_schema()
+        enum = schema["properties"]["key_terms"]["items"]["enum"]
+        assert enum and all(pipeline.grounded(t, doc.text) for t in enum), doc.name
+        assert schema["properties"]["key_terms"]["maxItems"] == 3
+    json_doc = next(d for d in docs if d.name == "json")
+    facts = pipeline.facts_model(json_doc)
+    ok = facts.model_validate({"purpose": "Provides JSON.", "key_terms": ["data interchange"]})
+    assert isinstance(ok, pipeline.ModuleFacts)
+    for copied in (["file format"], ["network"], ["netwerk"]):
+        with pytest.raises(ValidationError):
+            facts.model_validate({"purpose": "Provides JSON.", "key_terms": copied})
+    assert not pipeline.grounded("file format", json_doc.text)
+    assert pipeline.grounded("Data  Interchange", "a lightweight data\ninterchange format")
+    assert "mod" not in pipeline.candidate_terms(json_doc.text)  # reST roles are markup
+
+
 async def test_pipeline_runs_on_the_fake_engine(client, tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWLIFT_BASE_URL", str(client.make_url("")).rstrip("/"))
     trace = tmp_path / "t.jsonl"
@@ -55,6 +80,8 @@ async def test_pipeline_runs_on_the_fake_engine(client, tmp_path, monkeypatch):
     text = out.getvalue()
     assert "licence: Python Software Foundation License" in text
     assert "module" in text and "summary" in text and "tool_wait" in text
+    assert ("key terms found word for word in their module's documentation: 3/3 (every "
+            "term found for 3/3 documents)") in text
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert records[0]["type"] == "run" and len(records) == 1 + 12
 

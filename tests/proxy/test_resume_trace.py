@@ -93,3 +93,8 @@ def test_resumed_trace_matches_an_uninterrupted_run(tmp_path):
         assert abs(took - plain_took) <= max(300.0, 0.5 * plain_took), (sid, took, plain_took)
     after = [resumed[s] for s in resumed if s not in before]
     assert min(s["ready_ms"] for s in after) > max(resumed[s]["finished_ms"] for s in before)
+    # the restart's gap is in the run record, from the last instant before to the resume
+    (gap,) = crashed.trace[0]["restarts"]
+    assert max(resumed[s]["finished_ms"] for s in before) <= gap["from_ms"] < gap["to_ms"]
+    assert gap["to_ms"] <= min(s["ready_ms"] for s in after)
+    assert gap["to_ms"] - gap["from_ms"] <= outage_ms + 1000

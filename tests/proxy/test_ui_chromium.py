@@ -154,6 +154,44 @@ def test_timeline_page_in_chromium(proxy, tmp_path):
     assert {s for s, r in rows.items() if r.get("class") == "critical"} == critical
 
 
+@step(max_tokens=12)
+def extract_the_module_facts(doc):
+    return f"Facts of {doc} in a few words"
+
+
+FITS = """JSON.stringify((() => {
+  const page = document.documentElement, W = page.clientWidth, out = [];
+  if (page.scrollWidth > W) out.push(`page ${page.scrollWidth} > ${W}`);
+  for (const [sel, box] of [['svg.gantt', '.chart'], ['svg.schedule', '.report'],
+                            ['table.report-nodes', '.report'], ['.steps table', '.steps']]) {
+    const e = document.querySelector(sel), b = document.querySelector(box);
+    const r = e.getBoundingClientRect(), br = b.getBoundingClientRect();
+    if (r.right > br.right + 1 || r.right > W) out.push(`${sel} ends at ${r.right}`);
+    if (b.scrollWidth > b.clientWidth + 1) out.push(`${box} scrolls: ${b.scrollWidth}`);
+  }
+  return out; })())"""
+
+
+async def test_plan_chart_and_tables_fit_the_page(proxy, tmp_path):
+    """At a narrow, a laptop's and a wide window, nothing on a run's page (the Gantt
+    chart, the planned schedule, the plan's table, the steps table) is wider than its
+    panel or the page: long step ids wrap, the charts scale down."""
+    with workflow("fits the page", base_url=proxy) as wf:
+        for k in range(8):
+            facts = extract_the_module_facts(f"document number {k}")
+            summarize(facts, related(facts))
+    async with chromium_tab(CHROMIUM, tmp_path / "profile") as tab:
+        for width in (720, 1280, WINDOW[0]):
+            await tab.send("Emulation.setDeviceMetricsOverride", width=width, height=900,
+                           deviceScaleFactor=1, mobile=False)
+            await tab.send("Page.navigate", url=f"{proxy}/ui/workflows/{wf.run_id}")
+            await tab.wait_for("!!document.querySelector('table.report-nodes')", 30)
+            assert json.loads(await tab.evaluate(FITS)) == [], width
+            if width >= 1280:  # room for the chart at its full size
+                assert await tab.evaluate(
+                    "document.querySelector('svg.gantt').getBoundingClientRect().width") == 840
+
+
 def cli_compile(graph: dict[str, Any], tmp_path: Path) -> tuple[int, str, str]:
     """``flowlift compile --local GRAPH`` (nothing learned: an empty cache folder)."""
     path = tmp_path / "graph.json"

@@ -330,6 +330,9 @@ async def test_one_trace_with_a_row_segment_and_span_per_turn_and_tool_call(aioh
     assert waits == ["search (turn 1): ok", "calculator (turn 1): ok"]
     assert not [s for s in segs if s.stage == "failed_try"]
     assert rec["stages_ms"]["tool_wait"] > 0
+    for stage in ("prefill", "decode"):  # the step's figure is its turns' sum
+        assert rec["stages_ms"][stage] == pytest.approx(
+            sum(s.ms for s in segs if s.stage == stage)), stage
     chat = next(s for s in captured.spans if s.name.startswith("chat ")
                 and s.attributes.get("flowlift.step.id") == "answer_1")
     children = sorted(s.name for s in captured.children(chat))

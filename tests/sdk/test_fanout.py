@@ -17,7 +17,9 @@ from flowlift.costs import CostTracker
 from flowlift.dataflow import validate
 from flowlift.graph import Graph
 from flowlift.proxy.dispatch.backends import Backends
+from flowlift.proxy.state import STATE
 from flowlift.proxy.store.sqlite import RunStore
+from flowlift.proxy.workflows.progress import stored_listing
 from flowlift.proxy.workflows.registry import RunRegistry
 from flowlift.testing import FakeEngine
 
@@ -96,6 +98,25 @@ async def test_map_runs_a_step_per_item_and_a_reduce_reads_the_list(client, engi
     steps = {r["step_id"]: r for r in wf.trace if r["type"] == "step"}
     assert {"map_draft_1-0", "map_draft_1-3"} <= set(steps)
     assert steps["map_draft_1-2"]["same_as"] == "map_draft_1-0"
+
+
+async def test_a_map_runs_progress_counts_its_items_live_and_from_the_store(client, engine):
+    """`flowlift runs` without a proxy reads the progress from the store: a map's item
+    steps count in the total there as they do live (it said 7/4 here: done counted the
+    items, the total only the graph's nodes) (issue 38 item 9)."""
+    engine.responder = _responder(["intro", "body", "end"])
+    async with workflow("fan", base_url=_base(client)) as wf:
+        merge(wf.map(draft, outline("cats").sections, "cats", max_items=8))
+    steps = len([r for r in wf.trace if r["type"] == "step"])
+    live = next(r for r in (await (await client.get("/v1/workflows")).json())["data"]
+                if r["id"] == wf.run_id)
+    runs = client.app[STATE].runs
+    await runs.io.flush()
+    stored = stored_listing(await runs.stored(wf.run_id, None))
+    assert (live["steps"], live["done"]) == (steps, steps) == (stored["steps"],
+                                                                stored["done"])
+    progress = await (await client.get(f"/v1/workflows/{wf.run_id}/progress")).json()
+    assert progress["steps"] == steps
 
 
 async def test_an_empty_list_is_an_empty_list(client, engine):

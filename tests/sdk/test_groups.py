@@ -14,10 +14,11 @@ from pydantic import BaseModel
 
 from flowlift import GraphError, UserError, WorkflowFailed, step, workflow
 from flowlift.compiler import compile_graph
-from flowlift.dataflow import validate
+from flowlift.dataflow import dependencies, validate
 from flowlift.graph import Graph
 from flowlift.proxy.state import STATE
 from flowlift.report import format_report
+from flowlift.tracing.timeline import measured_critical_path, segments
 
 
 class Vote(BaseModel):
@@ -102,6 +103,9 @@ async def test_quorum_resolves_early_and_leaves_nothing_running(aiohttp_client, 
 
 
 async def test_first_wins_takes_the_first_good_result(aiohttp_client, make_app, engine):
+    """...and the slow member, cancelled when the quick one won, ends after the winner:
+    it is drawn as a cancelled try (not a failed one), and the measured critical path
+    runs through the winner, not through the loser nothing waited for (issue 38 item 9)."""
     engine.delay_s, engine.chunk_chars = 0.01, 2
     engine.responder = lambda r: ("x" * 300 if "slow" in r.messages[-1].content
                                   else "quick answer")
@@ -109,10 +113,20 @@ async def test_first_wins_takes_the_first_good_result(aiohttp_client, make_app, 
     async with workflow("first", base_url=_base(client)) as wf:
         slow, quick = say("slow"), say("quick")
         best = wf.first(slow, quick)
+        use(best)
     assert best.value == "quick answer"
     assert slow.step_id in wf.skipped and quick.step_id not in wf.skipped
     assert f"{wf.run_id}:{slow.step_id}:1" in engine.aborted
     assert engine.running() == 0
+    steps = [r for r in wf.trace if r["type"] == "step"]
+    by_id = {r["step_id"]: r for r in steps}
+    loser = by_id[slow.step_id]
+    assert loser["finished_ms"] >= by_id[quick.step_id]["finished_ms"]  # ended last
+    stages = [s.stage for s in segments(loser)]
+    assert "cancelled" in stages and "failed_try" not in stages, stages
+    path = measured_critical_path(steps, dependencies(wf.graph()))
+    assert quick.step_id in path and slow.step_id not in path, path
+    assert path[-1] == "use_1"
 
 
 async def test_no_quorum_possible_fails_the_group_at_once(aiohttp_client, make_app, engine):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from flowlift.proxy.ui.svg import gantt_svg
 from flowlift.tracing.recorder import AttemptTrace, RunTrace
 from flowlift.tracing.timeline import (
     gantt,
@@ -110,6 +111,29 @@ def test_gantt_geometry_scales_to_wall_time_and_marks_only_the_path():
     assert rows["a"].y == 30 and chart.rows[1].y == 50
     assert chart.height_px == 30 + 6 * 20 + 8
     assert chart.ticks[0] == (0.0, 100.0) and chart.ticks[-1][0] <= 905
+
+
+def test_a_restart_gap_is_labelled_on_the_chart_and_in_the_terminal():
+    """A run resumed after its proxy stopped: the gap between the last instant recorded
+    before and the resume is drawn and named (issue 38 item 9), on the page and in
+    `flowlift trace`; a run without one draws none."""
+    tr = RunTrace("wf-r", "resumed")
+    _llm(tr, "a", 0, 10, 100, 300, 310)
+    gap = tr.restarted()  # (the clock is at ~0 ms here: a gap of ~0 from a's 310 ms)
+    assert gap["from_ms"] <= gap["to_ms"] and tr.restarts == [gap]
+    tr.restarts = [{"from_ms": 310.0, "to_ms": 2310.0}]  # a 2 s outage
+    _llm(tr, "b", 2310, 2320, 2400, 2500, 2505)
+    tr.status, tr.finished_ms = "succeeded", 2505
+    records = tr.records()
+    assert records[0]["restarts"] == [{"from_ms": 310.0, "to_ms": 2310.0}]
+    chart = gantt(records, {"b": ["a"]}, label_px=100, chart_px=2505)
+    assert [(g.start_ms, g.end_ms, g.x, g.width) for g in chart.restarts] == [
+        (310.0, 2310.0, 410.0, 2000.0)]
+    svg = gantt_svg(chart)
+    assert 'data-restart="310-2310"' in svg and "restart: 2.00 s gap" in svg
+    assert "restart: a 2.00 s gap from 0.31 s to 2.31 s" in waterfall(records, {"b": ["a"]})
+    plain, _ = _trace()
+    assert gantt(plain, {}).restarts == () and "data-restart" not in gantt_svg(gantt(plain, {}))
 
 
 def test_nice_ticks():
