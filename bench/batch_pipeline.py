@@ -127,9 +127,10 @@ async def _call(client: openai.AsyncOpenAI, count: Counter, messages: list[dict[
 async def _chain(client: openai.AsyncOpenAI, count: Counter, doc: Any,
                  sem: asyncio.Semaphore) -> None:
     async with sem:
-        raw = await _call(client, count, ex.extract.fn(doc), ex.extract.params,
-                          ex.ModuleFacts.model_json_schema())
-    facts = ex.ModuleFacts.model_validate_json(raw)
+        extract = ex.extract_step(doc)
+        raw = await _call(client, count, extract.fn(doc), extract.params,
+                          ex.facts_model(doc).model_json_schema())
+    facts = ex.facts_model(doc).model_validate_json(raw)
     async with sem:
         label = json.loads(await _call(client, count, ex.classify.fn(doc, _R(facts)),
                                        ex.classify.params, {"type": "string", "enum": AREAS}))

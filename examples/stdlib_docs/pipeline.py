@@ -178,10 +178,16 @@ def extract_prompt(doc: Document) -> list[dict[str, Any]]:
     ]
 
 
-def extract(doc: Document) -> Any:
-    """The ``extract`` step of ``doc``, under its own contract (:func:`facts_model`)."""
+def extract_step(doc: Document) -> Any:
+    """The ``extract`` step for ``doc`` (a :func:`flowlift.step`: its prompt function
+    and sampling parameters), under its own contract (:func:`facts_model`)."""
     return step(output=facts_model(doc), max_tokens=96, retries=1,
-                name="extract")(extract_prompt)(doc)
+                name="extract")(extract_prompt)
+
+
+def extract(doc: Document) -> Any:
+    """The ``extract`` step of ``doc``, called: its Semantic Variable in a workflow."""
+    return extract_step(doc)(doc)
 
 
 # classify runs on a cascade (FrugalGPT): a label whose token probabilities are low
