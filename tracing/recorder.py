@@ -263,7 +263,7 @@ class RunTrace:
             st.ready_ms, st.started_ms, st.first_token_ms, st.generated_ms, st.finished_ms,
             *(a.finished_ms for a in st.attempts)) if v is not None), default=0.0)
         now = self.now_ms()
-        gap = {"from_ms": round(min(last, now), 3), "to_ms": round(now, 3)}
+        gap = {"from_ms": min(last, now), "to_ms": now}  # (unrounded: the steps' are not)
         self.restarts.append(gap)
         return gap
 
