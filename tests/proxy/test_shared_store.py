@@ -135,7 +135,12 @@ RUNS = 50
 
 
 def chain(i: int) -> dict[str, object]:
-    """Three dependent steps (each about 0.6-1.2 s on the fake engine at 0.1 s a chunk)."""
+    """Three dependent steps (each about 1.8-3.6 s on proxy A's fake engine at 0.3 s a chunk).
+
+    Slow enough that a loaded CI machine still kills A with half the runs unfinished: at
+    0.1 s a chunk, all three steps of every run had finished (CI stop 39) before the test
+    saw every first step stored and slept its 0.5 s.
+    """
     ref = {"kind": "llm", "model": "fake-model"}
     return {"name": "takeover", "id": f"wf-t-{i}", "nodes": [
         llm("s0", f"run {i} begins"),
@@ -187,7 +192,7 @@ async def test_a_killed_proxys_runs_finish_on_the_other_without_rerunning_steps(
     client_b = await aiohttp_client(app_b)
     await app_b[STATE].ready.wait()
     reader = PostgresRunStore(pg_url)
-    with running_proxy("--engine", "fake", "--fake-delay-s", "0.1", "--state-db", pg_url,
+    with running_proxy("--engine", "fake", "--fake-delay-s", "0.3", "--state-db", pg_url,
                        "--max-concurrency", "64",
                        "--lease-ttl-s", "1", "--log-level", "warning",
                        log_path=tmp_path / "proxy-a.log", ready_timeout_s=60) as (base, proc):
