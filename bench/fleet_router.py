@@ -11,7 +11,10 @@ so each answer reports its cached tokens) behind one vllm-router 0.1.17
   ``vllm-router-program`` (the router sees ``x-session-id`` and
   ``vllm_xargs.agentic_context``);
 * ``direct``: the same turns sent to the router as a plain OpenAI client would, without
-  flowlift's fields (the router hashes what it has: the body).
+  flowlift's fields (the router hashes what it has: the body);
+* ``direct_session``: the same turns sent to the router by a client that sets the
+  router's own ``X-Session-ID`` header itself (what a user who read the router's docs
+  would run instead of flowlift: stickiness without program scheduling).
 
 A session is an agent loop of ``--turns`` turns: a session-specific context of
 ``--context-chars`` characters, then per turn the model's answer (``--max-tokens``) and a
@@ -152,13 +155,22 @@ async def session(client: httpx.AsyncClient, url: str, sid: str, salt: str,
     return {"session": sid, "completion_s": time.monotonic() - t0, "turns": cached}
 
 
+def _headers(arm: str, session_id: str) -> dict[str, str]:
+    """What each arm's client sends besides the body: flowlift's session header, the
+    router's own session header, or nothing."""
+    if arm == "flowlift":
+        return {"X-Flowlift-Session": session_id}
+    if arm == "direct_session":
+        return {"X-Session-ID": session_id}
+    return {}
+
+
 async def arm(name: str, url: str, salt: str, args: argparse.Namespace,
               servers: list[str]) -> dict[str, Any]:
     before = [served(s) for s in servers] if not args.smoke else [0.0] * len(servers)
     async with httpx.AsyncClient(timeout=600) as client:
         results = await asyncio.gather(*(
-            session(client, url, f"s{i}", salt, args,
-                    {"X-Flowlift-Session": f"{salt}-s{i}"} if name == "flowlift" else {})
+            session(client, url, f"s{i}", salt, args, _headers(name, f"{salt}-s{i}"))
             for i in range(args.sessions)))
     after = [served(s) for s in servers] if not args.smoke else [0.0] * len(servers)
     times = [r["completion_s"] for r in results]
@@ -182,12 +194,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--think-s", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--arms", nargs="+", default=["flowlift", "direct"],
+                        choices=["flowlift", "direct", "direct_session"])
+    parser.add_argument("--out", default="fleet_router",
+                        help="results file name under bench/results/ (no .json)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     # a SIGTERM (a timeout) unwinds the stack, so every server started is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.smoke:
         args.sessions, args.turns, args.rounds, args.think_s = 3, 2, 1, 0.0
+        args.arms = ["flowlift", "direct", "direct_session"]
     from flowlift.local_engine.models import ensure_default_model
 
     ports = [free_port() for _ in range(3)]
@@ -215,21 +232,22 @@ total_timeout_s = 900
         base = stack.enter_context(proxy("--engine", "none", "--config", str(cfg),
                                          name="fleet_router.flowlift",
                                          engine="fake" if args.smoke else "vllm"))
-        urls = {"flowlift": f"{base}/v1/chat/completions",
-                "direct": f"http://127.0.0.1:{ports[2]}/v1/chat/completions"}
+        direct = f"http://127.0.0.1:{ports[2]}/v1/chat/completions"
+        urls = {"flowlift": f"{base}/v1/chat/completions", "direct": direct,
+                "direct_session": direct}
         runs = []
         for r in range(args.rounds):
-            order = ["flowlift", "direct"] if r % 2 == 0 else ["direct", "flowlift"]
-            for name in order:
+            shift = r % len(args.arms)  # rounds rotate which arm goes first
+            for name in args.arms[shift:] + args.arms[:shift]:
                 t0 = time.monotonic()
-                out = asyncio.run(arm(name, urls[name], f"r{r}{name[0]}", args, servers))
+                out = asyncio.run(arm(name, urls[name], f"r{r}-{name}", args, servers))
                 print(f"[round {r}] {name}: p50 {out['completion_p50_s']:.1f} s, "
                       f"p90 {out['completion_p90_s']:.1f} s, cached share of later turns "
                       f"{out['later_turn_cached_share']:.2f}, moved {out['sessions_moved']}"
                       f"/{args.sessions}, per server {out['requests_per_server']} "
                       f"({time.monotonic() - t0:.0f} s)", flush=True)
                 runs.append({"round": r, **out})
-    save("fleet_router", {"args": vars(args), "runs": runs}, smoke=args.smoke)
+    save(args.out, {"args": vars(args), "runs": runs}, smoke=args.smoke)
 
 
 if __name__ == "__main__":
