@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-
 Prefix = tuple[str, Sequence[int]]
 """A model step's (model, literal prompt prefix tokens)."""
 

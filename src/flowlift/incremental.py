@@ -45,12 +45,12 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from flowlift.chains import chain_parent
+from flowlift.chains import common_prefix as _lcp
 from flowlift.compiler import (
     CompileOptions,
     Plan,
     _canonical,
     _critical_path,
-    _lcp,
     _literal_prefix,
     _memoized,
     _output_tokens,
