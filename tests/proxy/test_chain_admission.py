@@ -110,3 +110,36 @@ def test_the_working_set_follows_the_chain_only_when_told():
     off = PrioritySlots(2, SlotPolicy(working_set=WorkingSetConfig(chains=False)))
     assert on._kv(kv) == "run#a" and off._kv(kv) == "run"
     assert on._kv(Priority.of("batch", program="run")) == "run"
+
+
+async def test_a_runs_steps_reach_the_working_set_as_their_document_chains():
+    from flowlift.compiler import CompileOptions, compile_graph
+    from flowlift.graph import Graph
+    from flowlift.proxy.dispatch.backends import Backends
+    from flowlift.proxy.dispatch.settings import DispatchSettings
+    from flowlift.proxy.workflows.runs import Run
+    from flowlift.testing import FakeEngine
+
+    def llm(nid: str, doc: str, ref: str | None = None) -> dict[str, object]:
+        parts: list[dict[str, object]] = [{"text": f"{doc}\nTask {nid}: "}]
+        if ref is not None:
+            parts.append({"ref": ref})
+        return {"kind": "llm", "id": nid, "messages": [{"role": "user", "content": parts}]}
+
+    docs = {d: " ".join(f"doc{d}-word{i}" for i in range(120)) for d in (0, 1)}
+    graph = Graph.model_validate({"nodes": [
+        node for d, text in docs.items()
+        for node in (llm(f"a{d}", text), llm(f"b{d}", text, f"a{d}"),
+                     llm(f"c{d}", text, f"b{d}"))]})
+    backends = Backends({"m": FakeEngine(["m"])},
+                        DispatchSettings(working_set=WorkingSetConfig()))
+    working = backends.backends[0].slots.working
+    seen: list[str | None] = []
+    started = working.started
+    working.started = lambda program: (seen.append(program), started(program))[1]  # type: ignore[method-assign]
+    run = Run(graph, backends, compile_graph(graph, CompileOptions(default_model="m")))
+    await run.start()
+    assert run.trace.status == "succeeded"
+    key = run.key
+    assert sorted(seen) == sorted([f"{key}#a0"] * 3 + [f"{key}#a1"] * 3)
+    assert working.members() == {}  # each chain left once its last step ended
