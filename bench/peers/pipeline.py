@@ -163,8 +163,9 @@ def tokenizer(model: str, smoke: bool) -> Callable[[Messages], list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    return lambda msgs: list(tok.apply_chat_template(msgs, add_generation_prompt=True,
-                                                     tokenize=True))
+    return lambda msgs: list(tok.encode(
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False))
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
