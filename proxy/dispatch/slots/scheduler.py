@@ -482,12 +482,22 @@ class PrioritySlots:
         self._wake_held()
         return True
 
-    def _outside_working_set(self, w: _Waiter) -> bool:
-        """Whether ``w`` waits for the working set to fit (:mod:`.working_set`)."""
-        return (not w.future.done() and self.working.enabled
-                and not self.working.admits(self._kv(w.priority), self.kv_capacity(),
-                                            None if self._kv_block is None
-                                            else self._kv_block()))
+    def _outside_working_set(self, w: _Waiter, new: list[bool] | None = None) -> bool:
+        """Whether ``w`` waits for the working set to fit (:mod:`.working_set`).
+        ``new``: one answer shared by every session the working set does not know yet
+        (they all need the same estimate), filled by the first of them asked: a long
+        queue of new documents' chains is looked at once per grant, not one by one."""
+        if w.future.done() or not self.working.enabled:
+            return False
+        session = self._kv(w.priority)
+        unknown = new is not None and not self.working.knows(session)
+        if unknown and new:
+            return new[0]
+        out = not self.working.admits(session, self.kv_capacity(),
+                                      None if self._kv_block is None else self._kv_block())
+        if unknown and new is not None:
+            new.append(out)
+        return out
 
     def _holds(self, w: _Waiter, kv: float | None) -> bool:
         """Whether ``w`` stays held: never past ``keep_ttl_s`` from its arrival (new
@@ -523,8 +533,9 @@ class PrioritySlots:
         if not self._held:
             return
         kv = None if self._kv_usage is None else self._kv_usage()
+        new: list[bool] = []  # the answer for sessions the working set does not know yet
         keep = [w for w in self._held
-                if self._outside_working_set(w) or self._holds(w, kv)]
+                if self._outside_working_set(w, new) or self._holds(w, kv)]
         kept = {id(w) for w in keep}
         for w in self._held:
             if id(w) not in kept and not w.future.done():

@@ -231,6 +231,11 @@ class WorkingSet:
                       if self._live(s, now, horizon))
         return {p: self._sessions[p].need(block) for _, p in live}
 
+    def knows(self, program: str | None) -> bool:
+        """Whether ``program`` is a session tracked here (one not known is admitted by
+        the estimate every unknown session gets)."""
+        return program is not None and program in self._sessions
+
     def tokens(self) -> int:
         """The working set's tokens now."""
         return sum(self.members().values())
