@@ -122,6 +122,9 @@ class StepDispatcher:
                 async for chunk in chunks:
                     if chunk.text or chunk.finish_reason:
                         slot.prefilled()
+                    if chunk.usage is not None:  # the KV its session (chain) holds now
+                        backend.slots.observed(slot.priority, chunk.usage.prompt_tokens
+                                               + chunk.usage.completion_tokens)
                     yield chunk
 
     async def _upstream(self, opened: Opened, route: Route, request: GenerationRequest,

@@ -589,8 +589,22 @@ class Run:
         slack = None if self.clock is None else self.clock.left_s() * 1000.0 - remaining
         ordered = self.growth.priority(step_id, Priority.of(
             workflow_class or self.graph.workflow_class, remaining, slack))
-        # the run is the program of program-level scheduling (dispatch.programs)
-        return dataclasses.replace(ordered, program=self.key)
+        # the run is the program of program-level scheduling (dispatch.programs); its
+        # document chain the session of working-set admission (flowlift.chains)
+        chain = self.plan.chain.get(step_id) if self.plan else None
+        return dataclasses.replace(ordered, program=self.key,
+                                   kv_group=None if chain is None else f"{self.key}#{chain}")
+
+    def _chain_over(self, step_id: str) -> None:
+        """``step_id`` ended: when every step of its document chain has, the chain
+        leaves the engines' working sets at once (it will not call again)."""
+        chain = self.plan.chain.get(step_id) if self.plan else None
+        if chain is None or self.plan is None or not all(
+                m == step_id or self._ended(m) for m in self.plan.chain_members[chain]):
+            return
+        priority = self._priority(step_id)
+        for backend in self.backends.backends:
+            backend.slots.ended(priority)
 
     def _resolve(self, ref: Ref) -> Any:
         return project(self.outputs[ref.ref], ref.path)
@@ -617,7 +631,10 @@ class Run:
                                 waiting=self._tool_results, clock=self.clock,
                                 ahead=functools.partial(self.prefills.ahead, node),
                                 proxy_tools=self.proxy_tools)
-        value, model = await run_step(node, messages, attempt, record)
+        try:
+            value, model = await run_step(node, messages, attempt, record)
+        finally:
+            self._chain_over(node.id)
         self.trace.step(node.id).model = self.backends.canonical(model)
         return value
 

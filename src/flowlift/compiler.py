@@ -44,6 +44,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from flowlift.chains import common_prefix as _lcp
+from flowlift.chains import document_chains
+from flowlift.chains import members as chain_members
 from flowlift.costs import UNMEASURED, CostModel
 from flowlift.dataflow import expanded_maps, levels, planning_dependencies
 from flowlift.decisions import decision_report, with_decisions
@@ -207,6 +210,10 @@ class Plan:
         previous: the last report compiled of the same run while ``compiled`` is not
             made yet (None: there is none).
         output_tokens: each node's estimated output length (tokens).
+        chain: model step -> the first step of its document chain (:mod:`flowlift.chains`:
+            steps that re-read one another's prompt prefix, kept together under KV
+            pressure by working-set admission).
+        chain_members: chain -> its steps.
     """
 
     tail_ms: dict[str, float]
@@ -218,6 +225,8 @@ class Plan:
     compiled: CompileReport | Callable[[], CompileReport]
     previous: CompileReport | None = None
     output_tokens: dict[str, float] = field(default_factory=dict)
+    chain: dict[str, str] = field(default_factory=dict)
+    chain_members: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def report(self) -> CompileReport:
@@ -309,14 +318,6 @@ def find_identical(graph: Graph, order: Sequence[str]) -> dict[str, str]:
             if key is not None:
                 seen[key] = nid
     return merged
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def prefix_groups(prefixes: dict[str, tuple[str, Sequence[int]]],
@@ -486,9 +487,10 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
         order, nodes, deps, cost, {n: prompt_tok.get(n, 0.0) + out_tok[n]
                                    for n in prompt_tok}, timing.path, timing.critical_ms,
         timing.worst_ms))
+    chains = document_chains(order, deps, prefixes, opts.kv_block)
     return Plan(tail_ms=tail, cost_ms=cost, uncached_tokens=uncached_tok, merged_into=merged,
                 prefix_group=group_of, group_leader=leader, compiled=report,
-                output_tokens=out_tok)
+                output_tokens=out_tok, chain=chains, chain_members=chain_members(chains))
 
 
 def llm_price(node: LLMNode, opts: CompileOptions, model: str, prompt: float, out: float,

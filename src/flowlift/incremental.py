@@ -44,12 +44,13 @@ from collections import ChainMap
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
+from flowlift.chains import chain_parent
+from flowlift.chains import common_prefix as _lcp
 from flowlift.compiler import (
     CompileOptions,
     Plan,
     _canonical,
     _critical_path,
-    _lcp,
     _literal_prefix,
     _memoized,
     _output_tokens,
@@ -122,6 +123,9 @@ class GrowingPlan:
         self.uncached: dict[str, float] = {}
         self.cost: dict[str, float] = {}
         self.tail: dict[str, float] = {}
+        self.prefix: dict[str, tuple[str, Sequence[int]]] = {}  # model step -> its prefix
+        self.chain: dict[str, str] = {}  # model step -> its chain (flowlift.chains)
+        self.chain_members: dict[str, list[str]] = {}
         self.visited = 0
         self.add(graph.nodes)
 
@@ -244,6 +248,7 @@ class GrowingPlan:
         cached share changed (a lower shared length, or a new leader)."""
         model = self.model_of[node.id]
         tokens = self.opts.tokenize(model, _literal_prefix(node))
+        self._chain(node.id, model, tokens)
         block = max(self.opts.kv_block(model), 1)
         if len(tokens) < block:
             return set()
@@ -274,6 +279,18 @@ class GrowingPlan:
             self.group_of[node.id] = group.gid
         self.visited += 1
         return changed
+
+    def _chain(self, nid: str, model: str, tokens: Sequence[int]) -> None:
+        """A new model step's document chain (:func:`flowlift.chains.chain_parent` over
+        its model-step inputs, in arrival order)."""
+        self.prefix[nid] = (model, tokens)
+        inputs = [(d, self.prefix[d]) for d in sorted(self.deps[nid],
+                                                      key=self.index.__getitem__)
+                  if d in self.prefix]
+        parent = chain_parent((model, tokens), inputs, self.opts.kv_block)
+        root = nid if parent is None else self.chain[parent]
+        self.chain[nid] = root
+        self.chain_members.setdefault(root, []).append(nid)
 
     def _shared(self, nid: str) -> int:
         key = self.key_of.get(nid)
@@ -371,7 +388,8 @@ class GrowingPlan:
                     merged_into=self.merged, prefix_group=self.group_of,
                     group_leader=self.group_leader,
                     compiled=functools.partial(_report, self.graph, self.opts),
-                    previous=previous, output_tokens=self.out_tok)
+                    previous=previous, output_tokens=self.out_tok, chain=self.chain,
+                    chain_members=self.chain_members)
 
 
 def _report(graph: Graph, opts: CompileOptions) -> CompileReport:

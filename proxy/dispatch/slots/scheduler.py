@@ -86,12 +86,16 @@ class Priority:
     ``program``: the agent session the request belongs to (a run id, or the
     ``X-Flowlift-Session`` / ``X-Flowlift-Workflow`` id of a chat completion), whose
     attained service orders it among programs (:mod:`.programs`); not compared here.
+    ``kv_group``: the KV the request re-reads when it is narrower than its program's (a
+    run's document chain: :mod:`flowlift.chains`), the session working-set admission
+    tracks in place of ``program`` (None: the program); not compared here.
     """
 
     class_rank: int = 0
     neg_remaining_ms: float = 0.0
     slack_ms: float = math.inf
     program: str | None = field(default=None, compare=False)
+    kv_group: str | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, workflow_class: str, remaining_ms: float = 0.0,
@@ -280,7 +284,7 @@ class PrioritySlots:
 
     def _take(self, p: Priority, tokens: int = 0) -> None:
         self.programs.started(p.program)
-        self.working.started(p.program)
+        self.working.started(self._kv(p))
         self.in_use += 1
         if not p.interactive:
             self.batch_in_use += 1
@@ -302,7 +306,7 @@ class PrioritySlots:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self.programs.unkeep(priority.program)  # its next call came
-        self.working.arrived(priority.program)
+        self.working.arrived(self._kv(priority))
         if self.linger is not None and priority.interactive:
             self.linger.acquired(priority.program)
         level = self.programs.level(priority.program)
@@ -321,7 +325,7 @@ class PrioritySlots:
             if fut.done() and not fut.cancelled():  # granted just as we were cancelled
                 self.release(waiter.priority, prefill_tokens)
             else:
-                self.working.left(priority.program)
+                self.working.left(self._kv(priority))
             raise
         return waiter.priority
 
@@ -355,7 +359,7 @@ class PrioritySlots:
     def release(self, priority: Priority, prefill_tokens: int = 0) -> None:
         """Give the slot back (``prefill_tokens``: still counted, if never prefilled)."""
         self.programs.finished(priority.program)
-        self.working.finished(priority.program)
+        self.working.finished(self._kv(priority))
         self.in_use -= 1
         if not priority.interactive:
             self.batch_prefill -= prefill_tokens
@@ -442,7 +446,20 @@ class PrioritySlots:
     def observed(self, priority: Priority, tokens: int) -> None:
         """A request of ``priority``'s program ended holding ``tokens`` of KV (prompt
         plus completion): its session's footprint in the working set."""
-        self.working.observed(priority.program, tokens)
+        self.working.observed(self._kv(priority), tokens)
+
+    def ended(self, priority: Priority) -> None:
+        """``priority``'s KV group will not call again (a run's document chain whose
+        steps are all over): it leaves the working set at once."""
+        if priority.kv_group is not None:
+            self.working.ended(self._kv(priority))
+
+    def _kv(self, p: Priority) -> str | None:
+        """The session working-set admission tracks for ``p``: its KV group where the
+        policy follows chains (:attr:`WorkingSetConfig.chains`), else its program."""
+        if p.kv_group is not None and self.working.config.chains:
+            return p.kv_group
+        return p.program
 
     def _hold(self, best: _Waiter) -> bool:
         """Hold ``best`` back (out of the heap) when it is outside the working set and
@@ -465,12 +482,22 @@ class PrioritySlots:
         self._wake_held()
         return True
 
-    def _outside_working_set(self, w: _Waiter) -> bool:
-        """Whether ``w`` waits for the working set to fit (:mod:`.working_set`)."""
-        return (not w.future.done() and self.working.enabled
-                and not self.working.admits(w.priority.program, self.kv_capacity(),
-                                            None if self._kv_block is None
-                                            else self._kv_block()))
+    def _outside_working_set(self, w: _Waiter, new: list[bool] | None = None) -> bool:
+        """Whether ``w`` waits for the working set to fit (:mod:`.working_set`).
+        ``new``: one answer shared by every session the working set does not know yet
+        (they all need the same estimate), filled by the first of them asked: a long
+        queue of new documents' chains is looked at once per grant, not one by one."""
+        if w.future.done() or not self.working.enabled:
+            return False
+        session = self._kv(w.priority)
+        unknown = new is not None and not self.working.knows(session)
+        if unknown and new:
+            return new[0]
+        out = not self.working.admits(session, self.kv_capacity(),
+                                      None if self._kv_block is None else self._kv_block())
+        if unknown and new is not None:
+            new.append(out)
+        return out
 
     def _holds(self, w: _Waiter, kv: float | None) -> bool:
         """Whether ``w`` stays held: never past ``keep_ttl_s`` from its arrival (new
@@ -506,8 +533,9 @@ class PrioritySlots:
         if not self._held:
             return
         kv = None if self._kv_usage is None else self._kv_usage()
+        new: list[bool] = []  # the answer for sessions the working set does not know yet
         keep = [w for w in self._held
-                if self._outside_working_set(w) or self._holds(w, kv)]
+                if self._outside_working_set(w, new) or self._holds(w, kv)]
         kept = {id(w) for w in keep}
         for w in self._held:
             if id(w) not in kept and not w.future.done():

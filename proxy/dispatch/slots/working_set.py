@@ -72,6 +72,10 @@ class WorkingSetConfig:
         default_gap_s: the gap assumed before any is learned (seconds).
         window: learned gaps kept (the latest).
         max_sessions: sessions tracked (least recently seen forgotten first).
+        chains: a workflow run's document chains (:mod:`flowlift.chains`: steps that
+            re-read one prompt prefix) are sessions of their own, so a new document
+            starts only while the documents started still fit the cache; False: a run
+            is one session (its steps are never held against each other).
     """
 
     enabled: bool = True
@@ -84,6 +88,7 @@ class WorkingSetConfig:
     default_gap_s: float = 5.0
     window: int = 256
     max_sessions: int = 10_000
+    chains: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target <= 1.0 or not 0.0 <= self.quantile <= 1.0:
@@ -225,6 +230,11 @@ class WorkingSet:
         live = sorted((s.order, p) for p, s in self._sessions.items()
                       if self._live(s, now, horizon))
         return {p: self._sessions[p].need(block) for _, p in live}
+
+    def knows(self, program: str | None) -> bool:
+        """Whether ``program`` is a session tracked here (one not known is admitted by
+        the estimate every unknown session gets)."""
+        return program is not None and program in self._sessions
 
     def tokens(self) -> int:
         """The working set's tokens now."""
