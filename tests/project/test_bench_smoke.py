@@ -17,7 +17,8 @@ SMOKED = ["agent_session.py", "append_cost.py", "batch_pipeline.py", "cascade.py
           "prefill_ahead.py", "proxy_overhead.py", "proxy_tools.py", "routing.py",
           "speculative.py", "tiers.py", "tracing_overhead.py", "ui_render.py",
           "browser_compiler.py", "label_probe.py", "agent_load_model.py", "adaptive.py",
-          "fleet_router.py", "delta_turns.py", "peers/run.py", "proxy_replicas.py"]
+          "fleet_router.py", "delta_turns.py", "peers/run.py", "proxy_replicas.py",
+          "agents_format.py"]
 
 
 def _results() -> list[tuple[str, int]]:
