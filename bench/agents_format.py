@@ -91,13 +91,29 @@ class Row:
         return self.correct and self.ok_results > 0
 
 
+def not_prose(answer: str | None) -> bool:
+    """The "answer" is no answer a user could read: empty, tool-call or tool-result
+    markup (``<tool_call>``, ``<tool_response>``), or a JSON object shaped like a call
+    (``{"name": ..., "arguments": ...}``, fenced or not, braces doubled or not) -- the
+    scoring still counts it right when it names the module (as the issue's baseline
+    figure did)."""
+    text = (answer or "").strip()
+    if not text or "<tool_call>" in text or "<tool_response>" in text:
+        return True
+    body = re.sub(r"^```(?:json)?|```$", "", text).strip()
+    return body.startswith("{") and '"name"' in body and '"arguments"' in body
+
+
 def summary(rows: list[Row]) -> dict[str, Any]:
+    """A variant's counts (the report's fields; ``right`` is the issue's scoring)."""
     return {"right": sum(r.correct for r in rows), "questions": len(rows),
             "right_after_a_tool_result": sum(r.after_tool for r in rows),
             "calls": sum(r.calls for r in rows),
             "valid_calls": sum(r.valid_calls for r in rows),
             "answered_at_max_turns": sum(r.max_turns_reached for r in rows),
-            "failed": sum(r.error is not None for r in rows)}
+            "failed": sum(r.error is not None for r in rows),
+            "answers_not_prose": sum(r.error is None and not_prose(r.answer) for r in rows),
+            "right_in_prose": sum(r.correct and not not_prose(r.answer) for r in rows)}
 
 
 def _step_rows(wf: Any, outs: list[research.Outcome]) -> list[Row]:
@@ -343,7 +359,9 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{args.label} {name}: {s['right']}/{s['questions']} right, "
               f"{s['right_after_a_tool_result']} after a tool result; calls "
               f"{s['valid_calls']}/{s['calls']} valid; answered at max_turns "
-              f"{s['answered_at_max_turns']}; failed {s['failed']}; {wall:.0f} s",
+              f"{s['answered_at_max_turns']}; failed {s['failed']}; not prose "
+              f"{s['answers_not_prose']} (right in prose {s['right_in_prose']}); "
+              f"{wall:.0f} s",
               flush=True)
         if not args.smoke:
             save(results)
