@@ -18,7 +18,7 @@ SMOKED = ["agent_session.py", "append_cost.py", "batch_pipeline.py", "cascade.py
           "speculative.py", "tiers.py", "tracing_overhead.py", "ui_render.py",
           "browser_compiler.py", "label_probe.py", "agent_load_model.py", "adaptive.py",
           "fleet_router.py", "delta_turns.py", "peers/run.py", "proxy_replicas.py",
-          "peers/pipeline.py"]
+          "peers/pipeline.py", "agents_format.py"]
 
 
 def _results() -> list[tuple[str, int]]:
