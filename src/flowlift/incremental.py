@@ -49,7 +49,6 @@ from flowlift.compiler import (
     Plan,
     _canonical,
     _critical_path,
-    _lcp,
     _literal_prefix,
     _memoized,
     _output_tokens,
@@ -61,6 +60,7 @@ from flowlift.compiler import (
 from flowlift.dataflow import _node_problems, find_cycle
 from flowlift.errors import GraphError
 from flowlift.graph import Graph, LLMNode, Node, node_refs
+from flowlift.prefix_cache import _lcp
 from flowlift.report import CompileReport
 
 GroupKey = tuple[str, tuple[int, ...]]
