@@ -18,6 +18,12 @@ at once, fitted through the median TPOT at each count, as
 :func:`flowlift.proxy.dispatch.slots.batch_cap.fit_steps` fits the engine's own step
 times). Before a model has been measured, :data:`UNMEASURED` stands in and the report
 says so (``source="default"``).
+
+Those per-request figures are for an upstream, which has its machine to itself. For the
+engines embedded on the proxy's machine the proxy plans with :data:`UNMEASURED` sized to
+each model's parameter count (:func:`sized_default`) times one factor for the machine
+(:meth:`CostTracker.calibrate`, :meth:`CostTracker.calibrated`), learned by replaying
+finished runs (:mod:`flowlift.calibration`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ The hashes are over the token ids the compiler counts in (its tokenizer over its
 rendering of the messages), not the engine's chat template, so a block here stands for
 ``block`` tokens of the prompt's text; the count is an estimate, bounded by the engine's
 KV capacity (:meth:`PrefixIndex.add` forgets the least recently used blocks beyond it).
+
+Also here: the compiler's prefix groups (steps of one graph whose prompts start with the
+same whole blocks: :func:`prefix_groups`) and the steps whose whole prompt repeats an
+earlier one (:func:`repeated_calls`).
 """
 
 from __future__ import annotations
@@ -50,29 +54,29 @@ class PrefixIndex:
         self.block = max(block, 1)
         self.capacity_blocks = (None if capacity_tokens is None
                                 else max(capacity_tokens // self.block, 1))
-        self.whole_blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[int, None] = OrderedDict()
 
     def add(self, tokens: Sequence[int]) -> None:
         """A prompt of ``tokens`` was computed: its whole blocks are (most recently) in
         the cache; the least recently used beyond the capacity are forgotten."""
-        for h in block_hashes(tokens, self.block):
-            self.whole_blocks[h] = None
-            self.whole_blocks.move_to_end(h)
-        while self.capacity_blocks is not None and len(self.whole_blocks) > self.capacity_blocks:
-            self.whole_blocks.popitem(last=False)
+        for h in reversed(list(block_hashes(tokens, self.block))):  # as vLLM frees them:
+            self._blocks[h] = None  # a prompt's last block is the first to be evicted
+            self._blocks.move_to_end(h)
+        while self.capacity_blocks is not None and len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
 
     def cached(self, tokens: Sequence[int]) -> int:
         """Leading tokens of ``tokens`` whose blocks are in the cache (whole blocks: a
         multiple of ``block``)."""
         hit = 0
         for h in block_hashes(tokens, self.block):
-            if h not in self.whole_blocks:
+            if h not in self._blocks:
                 break
             hit += self.block
         return hit
 
     def __len__(self) -> int:
-        return len(self.whole_blocks)
+        return len(self._blocks)
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
