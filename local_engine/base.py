@@ -399,6 +399,11 @@ class Engine(abc.ABC):
         (:mod:`flowlift.proxy.dispatch.slots.working_set`) fits sessions into."""
         return None
 
+    def parameters(self, model: str) -> int | None:
+        """``model``'s parameter count (the planner's default figures grow with it:
+        :func:`flowlift.costs.sized_default`), or ``None`` when unknown (the default)."""
+        return None
+
     def kv_block_tokens(self) -> int | None:
         """Tokens per KV-cache block (the unit the cache allocates and the prefix cache
         keeps), or ``None`` when the engine cannot tell (the default)."""

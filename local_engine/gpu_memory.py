@@ -28,9 +28,11 @@ vLLM reports it allocated once the engine has started.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from flowlift.errors import ConfigError
@@ -114,6 +116,16 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache bytes per token: layers x 2 (K and V) x KV heads x head dim x bytes."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def model_parameters(model_dir: str | Path) -> int | None:
+    """The parameter count of the checkpoint in ``model_dir`` (:meth:`ModelShape.parameters`
+    over its ``config.json``), or None when there is none or it lacks a size."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        return ModelShape.from_config(config).parameters()
+    except (OSError, ValueError, ConfigError, AttributeError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ from flowlift.local_engine.base import (
 )
 from flowlift.local_engine.continuation import ContinuationText, remaining_max_tokens
 from flowlift.local_engine.delta import DeltaPrompts
-from flowlift.local_engine.gpu_memory import KvCheck
+from flowlift.local_engine.gpu_memory import KvCheck, model_parameters
 from flowlift.local_engine.models import (
     cache_dir,
     default_dtype,
@@ -575,6 +575,10 @@ class VLLMEngine(Engine):
         engine core reports its block count to the front end at start); ``None`` before
         :meth:`start`."""
         return None if self._engine is None else prefill.capacity_tokens(self._engine)
+
+    def parameters(self, model: str) -> int | None:
+        """Counted from the checkpoint's ``config.json`` (:func:`model_parameters`)."""
+        return model_parameters(self.config.model)
 
     def kv_block_tokens(self) -> int | None:
         """The started engine's ``cache_config.block_size`` (None before :meth:`start`)."""

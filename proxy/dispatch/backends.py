@@ -25,6 +25,7 @@ import httpx
 from flowlift.errors import ConfigError, ModelNotFound, Overloaded
 from flowlift.local_engine.base import Engine
 from flowlift.local_engine.models import served_name
+from flowlift.prefix_cache import PrefixIndex
 from flowlift.proxy.config import BatchSpec, EmbeddedSpec, FileConfig, UpstreamSpec
 from flowlift.proxy.dispatch.batch.api import BatchClient
 from flowlift.proxy.dispatch.batch.pool import BatchPool, JournalRouter
@@ -57,6 +58,9 @@ class Backend:
     admitted: int = 0
     """OpenAI requests inside the embedded handler (counted from admission, before they
     reach the slot queue, so a simultaneous burst cannot slip past ``max_queue``)."""
+    prefixes: PrefixIndex | None = None
+    """The prompts its engine was sent, in KV blocks (what its prefix cache probably
+    holds, for the next plans: :func:`flowlift.proxy.workflows.planning.sent`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,7 @@ from flowlift.proxy.workflows.groups import RESOLVED as GROUP_RESOLVED
 from flowlift.proxy.workflows.groups import resolve as resolve_group
 from flowlift.proxy.workflows.observer import NO_OBSERVER, RunObserver
 from flowlift.proxy.workflows.open_runs import APPENDED, CLOSED, Growth, stable_plan
+from flowlift.proxy.workflows.planning import calibrate, sent
 from flowlift.proxy.workflows.prefills import RunPrefills
 from flowlift.proxy.workflows.replay import STEP_ENDS, restore_trace
 from flowlift.proxy.workflows.requests import StepRequests
@@ -388,6 +389,9 @@ class Run:
         if isinstance(tiered, TieredDispatcher):
             tiered.close()
         self.trace.finish(status)
+        if self.costs is not None:  # the machine's speed against this run's plan
+            calibrate(self.backends, self.costs, self.plan, self.trace.steps,
+                      self.graph.workflow_class)
         self.backends.sessions.end(self.key, self.backends.upstreams)  # SGLang's, if any
         self.observer.run_closed(self)  # spans and metrics; never raises
         self._emit(("run.finished", {
@@ -710,6 +714,7 @@ class Run:
             self.warmup.warmed(self.plan, node.id)
         attempt = books.finished()
         self._observe(model, attempt, busy[0] / busy[1] if busy[1] else 1.0)
+        sent(self.backends, model, messages)  # in its engine's prefix cache now
         return Generated(books.text, attempt, books.logprobs, books.tool_calls)
 
     def _request(self, node: LLMNode, model: str, messages: Sequence[ChatMessage],

@@ -38,13 +38,12 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
 
-from flowlift.chains import common_prefix as _lcp
 from flowlift.chains import document_chains
 from flowlift.chains import members as chain_members
 from flowlift.costs import UNMEASURED, CostModel
@@ -66,6 +65,9 @@ from flowlift.graph import (
     default_of,
 )
 from flowlift.output_size import size_warnings
+from flowlift.prefix_cache import DEFAULT_KV_BLOCK as DEFAULT_KV_BLOCK
+from flowlift.prefix_cache import deterministic, repeated_calls, whole_blocks
+from flowlift.prefix_cache import prefix_groups as prefix_groups
 from flowlift.report import (
     BreakReport,
     CascadeReport,
@@ -117,11 +119,6 @@ def no_turns(step: str, model: str) -> float | None:
 
 
 _WORDS = re.compile(r"\w+|[^\w\s]")
-DEFAULT_KV_BLOCK = 16
-"""Tokens per KV-cache block where the engine does not say (vLLM's default on GPUs; its
-CPU build uses 128: :meth:`flowlift.local_engine.base.Engine.kv_block_tokens`)."""
-
-
 def approximate_tokenize(model: str, text: str) -> list[int]:
     """Words and punctuation marks as integer ids (equal within one process), for when
     no tokenizer is at hand. Counts come out near a BPE tokenizer's for English prose."""
@@ -174,6 +171,9 @@ class CompileOptions:
             have in prefill at once (the proxy's batch prefill budget); None: no bound.
         host: ``engine name -> machine`` (None: its own): engines on one machine share
             its cores in the planned schedule; by default all on one.
+        cached_prefix: ``(model, token ids of a step's literal prefix) -> tokens`` of it
+            already in the prefix cache of the model's engine from earlier requests
+            (whole blocks: :class:`flowlift.prefix_cache.PrefixIndex`); by default none.
     """
 
     default_model: str = "default"
@@ -193,6 +193,7 @@ class CompileOptions:
     capacity: Callable[[str, str], int] | None = None
     prefill_budget: Callable[[str, str], float] | None = None
     host: Callable[[str], str | None] = field(default=lambda engine: "local")
+    cached_prefix: Callable[[str, Sequence[int]], int] = field(default=lambda model, ids: 0)
 
 
 def no_outcomes(step: str, model: str | None) -> OutcomeCounts:
@@ -227,6 +228,8 @@ class Plan:
     output_tokens: dict[str, float] = field(default_factory=dict)
     chain: dict[str, str] = field(default_factory=dict)
     chain_members: dict[str, list[str]] = field(default_factory=dict)
+    rows: tuple[CompileReport, dict[str, NodeReport]] | None = field(default=None,
+                                                                     repr=False)
 
     @property
     def report(self) -> CompileReport:
@@ -240,6 +243,16 @@ class Plan:
         """The report if it is made, else the last one compiled before it; never
         compiles."""
         return self.compiled if isinstance(self.compiled, CompileReport) else self.previous
+
+    def row(self, step_id: str) -> NodeReport | None:
+        """``step_id``'s row in :meth:`latest_report` (None: no report, or no such row);
+        never compiles."""
+        report = self.latest_report()
+        if report is None:
+            return None
+        if self.rows is None or self.rows[0] is not report:
+            self.rows = (report, {n.step_id: n for n in report.nodes})
+        return self.rows[1].get(step_id)
 
     def closed(self) -> Plan:
         """This plan with its report marked closed (``open`` false: no more steps)."""
@@ -261,8 +274,26 @@ def _literal_prefix(node: LLMNode) -> str:
     return "".join(out)
 
 
-def _deterministic(node: LLMNode) -> bool:
-    return node.params.temperature == 0.0 or node.params.seed is not None
+def prompt_text(messages: Sequence[tuple[str, str]]) -> str:
+    """The text the compiler counts a resolved prompt's tokens in (``(role, content)``
+    pairs): a step's literal prefix is the start of it, so what the proxy records of the
+    prompts it sent (:class:`flowlift.prefix_cache.PrefixIndex`) matches the plan's."""
+    return "".join(f"<|{role}|>{content}" for role, content in messages)
+
+
+def _warm_starts(order: Sequence[str], nodes: dict[str, Node],
+                 deps: dict[str, frozenset[str]],
+                 prefixes: dict[str, tuple[str, Sequence[int]]], opts: CompileOptions,
+                 shared_of: dict[str, int]) -> set[str]:
+    """Raise each step's cached start (``shared_of``) to what its engine's prefix cache
+    holds of its literal start from earlier requests (``opts.cached_prefix``); returns
+    the steps whose whole prompt repeats an earlier one (:func:`repeated_calls`)."""
+    warm: dict[str, bool] = {}
+    for nid, (model, toks) in prefixes.items():
+        cached = opts.cached_prefix(model, toks)
+        shared_of[nid] = max(shared_of.get(nid, 0), cached)
+        warm[nid] = cached > 0 and cached >= whole_blocks(len(toks), opts.kv_block(model))
+    return repeated_calls(order, nodes, deps, warm)
 
 
 def _canonical(node: Node, canon: dict[str, str]) -> str | None:
@@ -282,7 +313,7 @@ def _canonical(node: Node, canon: dict[str, str]) -> str | None:
     if isinstance(node, InputNode):
         body: Any = {"input": node.value}
     elif isinstance(node, LLMNode):
-        if not _deterministic(node) or node.tools:  # an agent step calls client-run tools
+        if not deterministic(node) or node.tools:  # an agent step calls client-run tools
             return None
         body = {"model": node.model, "params": node.params.model_dump(mode="json"),
                 "policy": [node.cascade, node.retries, node.min_confidence],
@@ -318,38 +349,6 @@ def find_identical(graph: Graph, order: Sequence[str]) -> dict[str, str]:
             if key is not None:
                 seen[key] = nid
     return merged
-
-
-def prefix_groups(prefixes: dict[str, tuple[str, Sequence[int]]],
-                  block: Callable[[str], int] = lambda model: DEFAULT_KV_BLOCK
-                  ) -> list[tuple[int, list[str]]]:
-    """Groups of nodes (same model) whose prompts start with at least one whole KV block
-    of the same tokens: ``[(shared_tokens, [node ids in dispatch order])]``, the shared
-    tokens rounded down to whole blocks of the model's engine (``block(model)``, tokens):
-    vLLM's prefix cache keeps and hits whole blocks only, so a shared start shorter than
-    one block saves nothing and is no group (its siblings need not wait for a leader)."""
-    ordered = sorted(prefixes.items(), key=lambda kv: (kv[1][0], tuple(kv[1][1])))
-    groups: list[tuple[int, list[str]]] = []
-    run: list[str] = []
-    run_len = 0
-
-    def close() -> None:
-        if len(run) > 1:
-            size = max(block(prefixes[run[0]][0]), 1)
-            groups.append((run_len // size * size, run))
-
-    prev: tuple[str, Sequence[int]] | None = None
-    for nid, (model, toks) in ordered:
-        lcp = _lcp(prev[1], toks) if prev is not None and prev[0] == model else 0
-        if lcp >= max(block(model), 1):
-            run.append(nid)
-            run_len = min(run_len, lcp) if len(run) > 2 else lcp
-        else:
-            close()
-            run, run_len = [nid], 0
-        prev = (model, toks)
-    close()
-    return groups
 
 
 def _output_tokens(node: LLMNode, opts: CompileOptions, model: str) -> float:
@@ -434,6 +433,7 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
         for m in members:
             group_of[m] = gi
             shared_of[m] = 0 if m == members[0] else shared
+    repeat = _warm_starts(order, nodes, deps, prefixes, opts, shared_of)
 
     out_tok: dict[str, float] = {}
     cost: dict[str, float] = {}
@@ -451,7 +451,9 @@ def compile_graph(graph: Graph, opts: CompileOptions | None = None) -> Plan:
             out_tok[nid] = _output_tokens(node, opts, model)
             prompt_tok[nid] = _prompt_tokens(node, opts, model, out_tok, nodes)
             uncached_tok[nid], cost[nid], cascade = llm_price(
-                node, opts, model, prompt_tok[nid], out_tok[nid], shared_of.get(nid, 0))
+                node, opts, model, prompt_tok[nid], out_tok[nid],
+                whole_blocks(prompt_tok[nid], opts.kv_block(model)) if nid in repeat
+                else shared_of.get(nid, 0))
             work[nid] = step_work(node, opts, model, uncached_tok[nid], out_tok[nid],
                                   cost[nid])
             if cascade is not None:
@@ -518,11 +520,36 @@ def step_work(node: Node, opts: CompileOptions, model: str, uncached: float, out
     planned ``cost_ms`` (a cascade or retries scale the one call's work up)."""
     step = node.step if isinstance(node, MapNode) else node
     assert isinstance(step, LLMNode)
+    models = [m or opts.default_model for m in step.models()]
+    if len(models) > 1:
+        return _cascade_work(step, opts, models, uncached, out)
     cm = opts.costs(model)
     turns = _turns(step, opts, model)
     one = call_ms(cm, uncached, out, turns, opts.tool_ms)
     return call_work(cm, opts.engine(model), uncached, out, turns, opts.tool_ms,
                      cost_ms / one if one > 0 else 1.0)
+
+
+def _cascade_work(step: LLMNode, opts: CompileOptions, models: list[str], uncached: float,
+                  out: float) -> Work:
+    """A cascade step's work: one :class:`Work` per model, each on that model's engine
+    and under its cost model, scaled by the share of items expected to reach it times
+    its attempts per item (:mod:`flowlift.escalation`), chained in the cascade's order
+    (so a 1.5B model's share of the labels is planned on the 1.5B's engine, not as more
+    of the first model's work)."""
+    name = step.name or step.id
+    reach, parts = 1.0, []
+    for m in models:
+        seen = opts.outcomes(name, m)
+        turns = _turns(step, opts, m)
+        parts.append(call_work(opts.costs(m), opts.engine(m), uncached, out, turns,
+                               opts.tool_ms, reach * seen.attempts_per_item))
+        reach *= seen.failure_rate
+    chained: Work | None = None
+    for part in reversed(parts):
+        chained = dataclasses.replace(part, then=chained)
+    assert chained is not None
+    return chained
 
 
 def other_estimate(node: Node, opts: CompileOptions, out_tok: dict[str, float],
@@ -569,6 +596,28 @@ class _Timing:
     worst_ms: float | None  # every group waiting for all its members (None: no groups)
 
 
+def _step_models(node: Node) -> tuple[str | None, ...]:
+    step = node.step if isinstance(node, MapNode) else node
+    return step.models() if isinstance(step, LLMNode) else ()
+
+
+def engine_models(models: Iterable[str], opts: CompileOptions, kind: str
+                  ) -> dict[str, EngineModel]:
+    """``engine name -> EngineModel`` of the engines that serve ``models`` (every model of
+    a cascade: its share runs on its engine): each under the cost model of the first of
+    ``models`` it serves, with its slots and prefill budget for workflow class ``kind``
+    and its machine."""
+    engines: dict[str, EngineModel] = {}
+    for model in models:
+        name = opts.engine(model)
+        if name in engines:
+            continue
+        slots = opts.capacity(name, kind) if opts.capacity else opts.max_concurrency
+        budget = opts.prefill_budget(name, kind) if opts.prefill_budget else math.inf
+        engines[name] = EngineModel.of(opts.costs(model), slots, budget, opts.host(name))
+    return engines
+
+
 def _planned_schedule(order: list[str], deps: dict[str, frozenset[str]],
                       nodes: dict[str, Node], merged: dict[str, str],
                       model_of: dict[str, str], work: dict[str, Work],
@@ -577,17 +626,8 @@ def _planned_schedule(order: list[str], deps: dict[str, frozenset[str]],
     by remaining critical path, as the proxy does; an identical call ends with the one
     it reuses; a group with its ``k``-th member. ``kind``: the workflow class (a batch
     run's slots and prefill budget are the proxy's for batch work)."""
-    engines: dict[str, EngineModel] = {}
-    for nid, node in nodes.items():
-        model = (model_of.get(nid) if isinstance(node, LLMNode) else
-                 (node.step.models()[0] or opts.default_model)
-                 if isinstance(node, MapNode) else None)
-        if model is not None and opts.engine(model) not in engines:
-            name = opts.engine(model)
-            slots = opts.capacity(name, kind) if opts.capacity else opts.max_concurrency
-            budget = opts.prefill_budget(name, kind) if opts.prefill_budget else math.inf
-            engines[name] = EngineModel.of(opts.costs(model), slots, budget,
-                                           opts.host(name))
+    engines = engine_models((m or opts.default_model for node in nodes.values()
+                             for m in _step_models(node)), opts, kind)
     groups = {nid: (n.k, tuple(n.members)) for nid, n in nodes.items()
               if isinstance(n, GroupNode)}
     sim_deps = {nid: deps[nid] | {merged[nid]} if nid in merged else deps[nid]

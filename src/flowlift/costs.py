@@ -18,10 +18,17 @@ at once, fitted through the median TPOT at each count, as
 :func:`flowlift.proxy.dispatch.slots.batch_cap.fit_steps` fits the engine's own step
 times). Before a model has been measured, :data:`UNMEASURED` stands in and the report
 says so (``source="default"``).
+
+Those per-request figures are for an upstream, which has its machine to itself. For the
+engines embedded on the proxy's machine the proxy plans with :data:`UNMEASURED` sized to
+each model's parameter count (:func:`sized_default`) times one factor for the machine
+(:meth:`CostTracker.calibrate`, :meth:`CostTracker.calibrated`), learned by replaying
+finished runs (:mod:`flowlift.calibration`).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,7 +47,10 @@ class CostModel(BaseModel):
         per_request_ms: what each further request decoding at once adds to a decode
             step (ms): the engine's TPOT with ``n`` requests decoding together is
             ``tpot_ms + per_request_ms * (n - 1)``.
-        source: ``"measured"`` (from ``samples`` finished steps) or ``"default"``.
+        source: ``"measured"`` (from ``samples`` finished steps), ``"calibrated"``
+            (the default figures times the machine's factor learned from ``samples``
+            finished steps: :meth:`CostTracker.calibrate`) or ``"default"``.
+        calibration: that factor (1: none applied).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -51,6 +61,7 @@ class CostModel(BaseModel):
     per_request_ms: float = 0.0
     source: str = "default"
     samples: int = 0
+    calibration: float = 1.0
 
     def step_ms(self, uncached_prompt_tokens: float, output_tokens: float) -> float:
         """Estimated ms of one generation (formula in the module docstring)."""
@@ -62,13 +73,50 @@ class CostModel(BaseModel):
         """TPOT (ms) while ``decoding`` requests (this one included) decode together."""
         return self.tpot_ms + self.per_request_ms * max(decoding - 1.0, 0.0)
 
+    def scaled(self, factor: float, samples: int = 0) -> CostModel:
+        """These figures on a machine ``factor`` times as slow (every time times
+        ``factor``, the prefill rate over it), marked ``source="calibrated"``."""
+        return self.model_copy(update={
+            "ttft_overhead_ms": self.ttft_overhead_ms * factor,
+            "tpot_ms": self.tpot_ms * factor, "per_request_ms": self.per_request_ms * factor,
+            "prefill_tps": self.prefill_tps / factor, "calibration": self.calibration * factor,
+            "source": "calibrated", "samples": samples})
+
 
 UNMEASURED = CostModel(ttft_overhead_ms=60.0, tpot_ms=45.0, prefill_tps=900.0,
                        per_request_ms=4.0)
 """Figures of a small model (0.1-0.5 B parameters) on a 2-core CPU, used until the
 model is measured: measured on the embedded engine (bench/RESULTS.md, "Honest plans
 (issue 38 item 8)"). A GPU is faster: its first measured steps replace them."""
+REFERENCE_PARAMETERS = 0.63e9
+"""The size :data:`UNMEASURED` stands for: the largest of the small models it was
+measured on: Qwen2.5-Coder-0.5B-Instruct, 0.63 B as
+:func:`flowlift.local_engine.gpu_memory.model_parameters` counts its converted checkpoint
+(embeddings untied)."""
+
+
+def sized_default(parameters: float | None, default: CostModel = UNMEASURED) -> CostModel:
+    """``default``'s figures for a model of ``parameters`` (None: unknown: ``default``).
+
+    Decoding a token and prefilling one both read or multiply every weight once, so on
+    the same machine their time grows with the parameter count (Kaplan et al. 2020: a
+    forward pass is about ``2 x parameters`` FLOPs per token; decoding at small batch is
+    bound by reading the weights): a larger model's TPOT, per-request cost and prefill
+    time per token are ``default``'s times ``parameters / REFERENCE_PARAMETERS``. Smaller
+    models are not made faster: on a CPU their steps are mostly fixed cost
+    (SmolLM2-135M decoded at 35-50 ms a token alone, as the 0.5B's 45 ms default says).
+    The time to first token besides prefill (scheduling, sampling) does not scale.
+    """
+    if not parameters or parameters <= REFERENCE_PARAMETERS:
+        return default
+    k = parameters / REFERENCE_PARAMETERS
+    return default.model_copy(update={"tpot_ms": default.tpot_ms * k,
+                                      "per_request_ms": default.per_request_ms * k,
+                                      "prefill_tps": default.prefill_tps / k})
 TPOT_KEEP = 64  # TPOT samples kept per count of requests decoding at once
+CALIBRATION_KEEP = 64  # finished steps a machine's factor is the median of
+LOCAL = "local"
+"""The calibration key of the engines embedded on this machine (they share its cores)."""
 
 
 @dataclass(slots=True)
@@ -124,6 +172,7 @@ class CostTracker:
         self.alpha = alpha
         self.default = default
         self._stats: dict[str, _ModelStats] = {}
+        self._factors: dict[str, deque[float]] = {}
 
     def observe(self, model: str, *, prompt_tokens: int, cached_tokens: int,
                 completion_tokens: int, prefill_ms: float, decode_ms: float,
@@ -177,8 +226,35 @@ class CostTracker:
             else d.prefill_tps,
             source="measured", samples=samples)
 
+    def calibrate(self, key: str, factor: float) -> None:
+        """A finished step on ``key``'s engines (:data:`LOCAL`: this machine's) took
+        ``factor`` times what its figures would take with the factor at 1: its plan's
+        time for it (from the planned schedule, where steps share the engines) against
+        the time it took, times the factor that plan used.
+
+        Why not per-request figures there: a request's TTFT and TPOT on an engine that
+        shares its batches and the machine's cores include the other requests' prefill
+        chunks and the other engines' turns, which the planned schedule
+        (:mod:`flowlift.simulate`) adds again: on the example pipeline the plans made
+        from them were 0.4x and 3.2x the measured critical path, and 4-6x once the
+        cascade's share was planned on its own engine (bench/RESULTS.md, "Honest plans
+        (issue 38 item 8)"). One factor over the whole machine keeps the planned
+        schedule's shape and learns its speed."""
+        if factor > 0 and math.isfinite(factor):
+            self._factors.setdefault(key, deque(maxlen=CALIBRATION_KEEP)).append(factor)
+
+    def calibrated(self, key: str, figures: CostModel) -> CostModel:
+        """``figures`` on ``key``'s engines: times the median factor of the last
+        :data:`CALIBRATION_KEEP` steps :meth:`calibrate` saw there (unchanged before
+        any)."""
+        seen = self._factors.get(key)
+        if not seen:
+            return figures
+        return figures.scaled(statistics.median(seen), samples=len(seen))
+
     def snapshot(self) -> dict[str, CostModel]:
         return {name: self.model(name) for name in self._stats}
 
 
-__all__ = ["UNMEASURED", "CostModel", "CostTracker", "tpot_line"]
+__all__ = ["LOCAL", "REFERENCE_PARAMETERS", "UNMEASURED", "CostModel", "CostTracker",
+           "sized_default", "tpot_line"]

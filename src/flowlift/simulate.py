@@ -19,11 +19,18 @@ Agrawal et al., Sarathi-Serve, OSDI'24):
   decodes its output tokens;
 * an engine step computes the prompt tokens waiting (first come first served, at most
   ``budget_tokens`` of them: chunked prefill) and one token for every decoding request,
-  and takes ``base_ms + per_request_ms * decoding + prefill_token_ms * prompt tokens``,
-  ``decoding`` counting the requests of every engine on its host (engines that share a
-  machine's cores, as the embedded ones do, slow each other down).
+  and takes ``base_ms + per_request_ms * decoding + prefill_token_ms * prompt tokens``
+  with the machine to itself; engines that share a machine's cores (``host``: the
+  embedded ones) take turns on them, so while ``k`` engines of a host are busy each
+  step takes ``k`` times as long (on the example pipeline's 2-core machine, a 1.5B and
+  a 0.5B engine each ran at about half speed while both had work: bench/RESULTS.md,
+  "Honest plans (issue 38 item 8)").
   Between two events (a step admitted, a prefill or a decode done) the rates are
   constant, so the simulation jumps from event to event: O(events x engines).
+
+A cascade step (FrugalGPT: the items the first model does not deliver go on to the next)
+is a chain of :class:`Work`, one per model, each on its model's engine, its figures the
+expected ones (scaled by the share of items that reach that model).
 
 Steps that are no model calls take ``fixed_ms`` (a tool's expected time; a constant or
 a group take none). A group (``first``/``quorum``) ends when ``k`` of its members have;
@@ -54,12 +61,16 @@ class Work:
         prefill_tokens: uncached prompt tokens to compute.
         decode_tokens: output tokens decoded after the first (which comes with the
             prefill).
+        then: what the step does next, once this is done (a cascade's next model, on
+            its own engine: the step frees this slot and waits for one there); None:
+            it ends.
     """
 
     engine: str | None = None
     fixed_ms: float = 0.0
     prefill_tokens: float = 0.0
     decode_tokens: float = 0.0
+    then: Work | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +130,19 @@ class _Engine:
         self.decoding: set[str] = set()
         self.clock = 0.0  # tokens each decoding request has decoded so far
 
+    @property
+    def busy(self) -> bool:
+        """Whether it has a prefill or a decode to run."""
+        return bool(self.decoding) or self.prefill_left > 0
+
     def step_ms(self, crowd: int = 0) -> tuple[float, float]:
         """``(the step's time in ms, prompt tokens in it)`` at the current state;
-        ``crowd``: requests decoding on the other engines of its host (sharing its
-        cores)."""
+        ``crowd``: the other engines of its host that are busy (it gets ``1 / (1 +
+        crowd)`` of the host's cores)."""
         tokens = min(float(self.m.budget_tokens), self.prefill_left)
         busy = bool(self.decoding) or tokens > 0
-        ms = (self.m.base_ms + self.m.per_request_ms * (len(self.decoding) + crowd)
-              + self.m.prefill_token_ms * tokens) if busy else 0.0
+        ms = (self.m.base_ms + self.m.per_request_ms * len(self.decoding)
+              + self.m.prefill_token_ms * tokens) * (1 + crowd) if busy else 0.0
         return ms, tokens
 
     def next_event_ms(self, crowd: int = 0) -> float:
@@ -210,7 +226,7 @@ class _Sim:
         self.order = order
         self.pos = {n: i for i, n in enumerate(order)}
         self.deps = deps
-        self.work = work
+        self.work = dict(work)  # a cascade step's entry moves on to its next model's
         self.priority = priority
         self.groups = groups
         self.engines = {name: _Engine(m) for name, m in engines.items()}
@@ -226,6 +242,7 @@ class _Sim:
         self.start_ms: dict[str, float] = {}
         self.finish_ms: dict[str, float] = {}
         self.cancelled: set[str] = set()
+        self.holding: dict[str, str] = {}  # step -> the engine whose slot it holds
 
     def run(self) -> Schedule:
         for nid in self.order:
@@ -259,22 +276,26 @@ class _Sim:
                         frozenset(self.cancelled))
 
     def _crowds(self) -> dict[str, int]:
-        """Per engine: requests decoding on the other engines of its host."""
+        """Per engine: the other engines of its host that are busy (sharing its cores)."""
         on_host: dict[str, int] = {}
         for e in self.engines.values():
-            if e.m.host is not None:
-                on_host[e.m.host] = on_host.get(e.m.host, 0) + len(e.decoding)
-        return {k: on_host[e.m.host] - len(e.decoding) if e.m.host is not None else 0
-                for k, e in self.engines.items()}
+            if e.m.host is not None and e.busy:
+                on_host[e.m.host] = on_host.get(e.m.host, 0) + 1
+        return {k: max(on_host.get(e.m.host, 0) - e.busy, 0) if e.m.host is not None
+                else 0 for k, e in self.engines.items()}
 
     def _ready(self, nid: str) -> None:
         if nid in self.ready_ms or nid in self.cancelled:
             return
         self.ready_ms[nid] = self.now
+        self._enqueue(nid)
+
+    def _enqueue(self, nid: str) -> None:
+        """``nid``'s (current) work waits for a slot on its engine, or runs off any."""
         w = self.work.get(nid, Work())
         engine = self.engines.get(w.engine) if w.engine is not None else None
         if engine is None:
-            self.start_ms[nid] = self.now
+            self.start_ms.setdefault(nid, self.now)
             self._timer(self.now + w.fixed_ms, "done", nid)
         else:
             heapq.heappush(engine.ready, (-self.priority.get(nid, 0.0), self.pos[nid], nid))
@@ -283,7 +304,7 @@ class _Sim:
         heapq.heappush(self.timers, (at, self.pos[nid], kind, nid))
 
     def _admit_all(self) -> None:
-        for engine in self.engines.values():
+        for name, engine in self.engines.items():
             while engine.ready and engine.in_use < engine.m.capacity:
                 nid = engine.ready[0][2]
                 tokens = self.work[nid].prefill_tokens
@@ -294,8 +315,9 @@ class _Sim:
                 if nid in self.cancelled:
                     continue
                 engine.in_use += 1
+                self.holding[nid] = name
                 engine.admit(nid, tokens)
-                self.start_ms[nid] = self.now
+                self.start_ms.setdefault(nid, self.now)
                 self._timer(self.now + self.work[nid].fixed_ms, "fixed", nid)
 
     def _on(self, kind: str, nid: str) -> None:
@@ -315,11 +337,14 @@ class _Sim:
             self._finish(nid)
 
     def _finish(self, nid: str) -> None:
-        self.finish_ms[nid] = self.now
         w = self.work.get(nid, Work())
-        if w.engine is not None and w.engine in self.engines and nid in self.start_ms \
-                and nid not in self.cancelled:
-            self.engines[w.engine].in_use -= 1
+        if nid in self.holding:
+            self.engines[self.holding.pop(nid)].in_use -= 1
+        if w.then is not None:  # on to the cascade's next model, in its engine's queue
+            self.work[nid] = w.then
+            self._enqueue(nid)
+            return
+        self.finish_ms[nid] = self.now
         for child in self.children[nid]:
             if child in self.groups:
                 self.got[child] += 1
@@ -339,9 +364,10 @@ class _Sim:
             self.cancelled.add(m)
             w = self.work.get(m, Work())
             engine = self.engines.get(w.engine) if w.engine is not None else None
-            if engine is not None and m in self.start_ms:
+            if engine is not None:
                 engine.drop(m)
-                engine.in_use -= 1
+            if m in self.holding:
+                self.engines[self.holding.pop(m)].in_use -= 1
             self.ready_ms.setdefault(m, self.now)
             self.start_ms.setdefault(m, self.now)
             self.finish_ms[m] = self.now

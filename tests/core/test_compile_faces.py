@@ -26,10 +26,12 @@ async def test_compile_endpoint_uses_the_engines_tokenizer_and_measured_costs(cl
     assert report["critical_path"][-1] == "join"
     assert report["prefix_groups"][0]["steps"] == 3
     assert report["cost_models"]["fake-model"]["source"] == "default"
-    # run it once: the proxy measures the backend, the next report uses the figures
+    # run it once: the proxy calibrates this machine's engines (an embedded one here),
+    # the next report uses the calibrated figures
     await (await client.post("/v1/workflows", json=GRAPH)).text()
     report = await (await client.post("/v1/workflows:compile", json=GRAPH)).json()
-    assert report["cost_models"]["fake-model"]["source"] == "measured"
+    assert report["cost_models"]["fake-model"]["source"] == "calibrated"
+    assert report["cost_models"]["fake-model"]["calibration"] != 1.0
     bad = await client.post("/v1/workflows:compile", json={"nodes": [
         {"kind": "llm", "id": "a", "messages": [{"role": "user", "content": [{"ref": "z"}]}]}]})
     assert bad.status == 400 and bad.headers["Content-Type"].startswith("application/json")

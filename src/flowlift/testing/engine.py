@@ -262,6 +262,8 @@ class FakeEngine(Engine):
             memory pressure); ``None``: unknown.
         kv_block: tokens per KV block that :meth:`kv_block_tokens` reports (128: as
             vLLM's CPU build); ``None``: unknown.
+        parameters: the parameter count :meth:`parameters` reports for every model
+            (``None``: unknown).
 
     Attributes:
         requests: every request received, in order.
@@ -281,7 +283,7 @@ class FakeEngine(Engine):
                  logprob: Callable[[str], float] | None = None,
                  prefill_delay_s: float = 0.0,
                  kv_usage: Callable[[], float] | None = None,
-                 kv_block: int | None = None) -> None:
+                 kv_block: int | None = None, parameters: int | None = None) -> None:
         if not structured_outputs:
             self.capabilities = dataclasses.replace(self.capabilities,
                                                     structured_outputs=False)
@@ -304,6 +306,7 @@ class FakeEngine(Engine):
         self.prefill_delay_s = prefill_delay_s
         self._kv_usage = kv_usage
         self.kv_block = kv_block
+        self.parameter_count = parameters
         self.prefills: list[tuple[GenerationRequest, str]] = []
         self.prefilled: list[str] = []
 
@@ -468,6 +471,9 @@ class FakeEngine(Engine):
 
     def kv_block_tokens(self) -> int | None:
         return self.kv_block
+
+    def parameters(self, model: str) -> int | None:
+        return self.parameter_count
 
 
 def piece_id(piece: str) -> int:
