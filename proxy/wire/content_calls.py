@@ -9,7 +9,12 @@ markdown-fenced JSON object in the content (```` ```json\\n{"name": "search",
 tools whose arguments fit its schema is taken as the call; one that is not (an unknown
 name, arguments that do not fit) is refused (the caller runs the turn again under
 constrained decoding, :mod:`flowlift.proxy.dispatch.tool_turns`), and never passed on
-as the answer. :func:`hold_from` says from where streamed content must be held back
+as the answer. Call-shaped text is read tolerantly (:func:`_call_values`), because
+models write calls that are not JSON (measured: issue 34, bench/RESULTS.md, "Tool-call
+format per model"): doubled braces (``{{"name": ...}}``, a template's escape), Python
+literals (``None``, ``True``, single quotes, trailing commas: read with
+:func:`ast.literal_eval`, JSON's ``true``/``false``/``null`` allowed alongside) and
+``//`` or ``/* */`` comments. :func:`hold_from` says from where streamed content must be held back
 until the answer ends, because it may be such a call.
 
 :func:`fragment` tells an answer that is only a piece of JSON or markup (``{``,
@@ -19,6 +24,7 @@ until the answer ends, because it may be such a call.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Sequence
@@ -32,6 +38,10 @@ from flowlift.local_engine.base import ToolCall, ToolDef
 _FENCE = re.compile(r"```[\w-]*[ \t]*\n?(.*?)\n?[ \t]*```", re.DOTALL)
 _CALL_START = re.compile(r"```|^[ \t]*[{\[]|<tool_call>", re.MULTILINE)
 _MARKUP_ONLY = re.compile(r"[\s{}\[\]():,;\"'`<>/|.\\-]*")
+# a string (kept) or a // or /* */ comment (dropped), so "http://x" stays whole
+_STRING_OR_COMMENT = re.compile(
+    r"""("(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*')|//[^\n]*|/\*.*?\*/""", re.DOTALL)
+_JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +86,52 @@ def _json_values(text: str) -> list[Any] | None:
     return out or None
 
 
+class _JsonNames(ast.NodeTransformer):
+    """JSON's ``true``/``false``/``null`` as constants, so that a Python literal that
+    mixes them with ``None``/``True`` still reads."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id not in _JSON_NAMES:
+            return node
+        return ast.copy_location(ast.Constant(_JSON_NAMES[node.id]), node)
+
+
+def _literal(text: str) -> Any:
+    """The JSON value of ``text`` written as one Python literal
+    (:func:`ast.literal_eval`: no names but JSON's, no calls, nothing run); None: it is
+    none, or holds what JSON cannot say (a set, bytes)."""
+    try:
+        tree = _JsonNames().visit(ast.parse(text.strip(), mode="eval"))
+        return json.loads(json.dumps(ast.literal_eval(tree)))
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
+
+
+def _call_values(text: str) -> list[Any] | None:
+    """The values of call-shaped ``text`` read tolerantly: as JSON
+    (:func:`_json_values`); else with ``//`` and ``/* */`` comments dropped, then one
+    outer pair of doubled braces dropped (``{{"name": ..., "arguments": {}}}``) or every
+    brace undoubled (``{{"name": ..., "arguments": {{...}}}}``), each read as JSON or as
+    a Python literal (:func:`_literal`). None: none of these reads."""
+    values = _json_values(text)
+    if values is not None:
+        return values
+    bare = _STRING_OR_COMMENT.sub(lambda m: m.group(1) or "", text).strip()
+    if not bare.startswith(("{", "[")):
+        return None  # prose: not parsed as Python
+    forms = [bare]
+    if bare.startswith("{{") and bare.endswith("}}"):
+        forms += [bare[1:-1], bare.replace("{{", "{").replace("}}", "}")]
+    for form in forms:
+        values = _json_values(form)
+        if values is None:
+            literal = _literal(form)
+            values = None if literal is None else [literal]
+        if values is not None:
+            return values
+    return None
+
+
 def _as_call(value: Any) -> dict[str, Any] | None:
     """``{"name", "arguments"}`` of a value written as a call (``arguments`` or
     ``parameters``, possibly under ``"function"``), else None."""
@@ -102,7 +158,7 @@ def _written_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
         candidates.append((head, body.replace("</tool_call>", " ")
                            .replace("<tool_call>", " ")))
     for before, body in candidates:
-        values = _json_values(body)
+        values = _call_values(body)
         if values and len(values) == 1 and isinstance(values[0], list):
             values = values[0]
         calls = [_as_call(v) for v in values or ()]

@@ -235,3 +235,82 @@ def test_tool_format_from_the_config_file_to_the_engine(engine_configs, tmp_path
     with pytest.raises(ConfigError, match="tool_parser"):
         VLLMEngine(VLLMConfig(model=str(tmp_path), served_model_name="m",
                               tool_format="native"))
+
+
+# Call-shaped content that is not JSON, as the 1.5B wrote it (bench/RESULTS.md,
+# "Tool-call format per model"): it passed the check and came back as the answer.
+LEAKS = {
+    "doubled braces": '{{"name": "search", "arguments": {"query": "csv"}}}',
+    "doubled braces throughout": '{{"name": "search", "arguments": {{"query": "csv"}}}}',
+    "python literals": '```json\n{"name": "search", "arguments": {"query": "csv"}, '
+                       '"id": None, "strict": True}\n```',
+    "// comment": '```json\n{"name": "search", // the docs\n'
+                  '  "arguments": {"query": "csv"}  // what to look for\n}\n```',
+}
+
+
+@pytest.mark.parametrize("written", LEAKS.values(), ids=LEAKS.keys())
+async def test_call_shaped_content_that_is_not_json_is_the_call(proxy, written):
+    engine = qwen(lambda prompt, r: written)
+    status, body = await chat(await proxy(engine))
+    assert status == 200, body
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "search"
+    assert json.loads(call["function"]["arguments"])["query"] == "csv"
+    assert not choice["message"]["content"]
+
+
+@pytest.mark.parametrize("written", LEAKS.values(), ids=LEAKS.keys())
+async def test_call_shaped_content_that_is_not_json_is_the_call_of_a_responses_turn(
+        proxy, written):
+    engine = qwen(lambda prompt, r: written)
+    resp = await (await proxy(engine)).post("/v1/responses", json={
+        "model": "qwen", "input": "Which module reads CSV files?",
+        "tools": [{"type": "function", **TOOLS[0]["function"]}]})
+    body = await resp.json()
+    assert resp.status == 200, body
+    assert [o["name"] for o in body["output"] if o["type"] == "function_call"] == [
+        "search"]
+    assert not any(o["type"] == "message" for o in body["output"])
+
+
+async def test_a_doubled_brace_call_to_an_unknown_tool_is_refused_and_run_constrained(
+        proxy):
+    def answer(prompt, request):
+        if request.tools:  # the measured leak: a module written as the tool
+            return '{{"name": "subprocess", "arguments": {}}}'
+        return json.dumps({"content": "The subprocess module."})
+    engine = qwen(answer)
+    status, body = await chat(await proxy(engine))
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == "The subprocess module."
+    native, constrained = engine.requests
+    assert native.tools and not constrained.tools
+
+
+@pytest.mark.parametrize("written", LEAKS.values(), ids=LEAKS.keys())
+async def test_call_shaped_content_that_is_not_json_is_the_call_of_an_agent_step(
+        proxy, written):
+    def answer(prompt, request):
+        return "The csv module." if "<tool_response>" in prompt else written
+    engine = qwen(answer)
+    client = await proxy(engine)
+    async with workflow("agent", base_url=str(client.make_url("")).rstrip("/")):
+        out = research(MESSAGES[1]["content"])
+    assert out.value == "The csv module."  # the call ran; its text was not the answer
+    assert "csv: CSV file reading" in engine.prompt_text(engine.requests[-1])
+
+
+def test_recognise_reads_call_shaped_text_tolerantly_but_not_prose():
+    tools = [ToolDef("search", "", TOOLS[0]["function"]["parameters"])]
+    found = recognise("```python\n{'name': 'search', 'arguments': {'query': 'x',},}\n```",
+                      tools)
+    assert found.kind == "calls" and json.loads(found.calls[0].arguments) == {"query": "x"}
+    found = recognise('{"name": "search", "arguments": {"query": "http://x"}} // ok', tools)
+    assert found.kind == "calls" and json.loads(found.calls[0].arguments) == {
+        "query": "http://x"}  # a // inside a string is no comment
+    for prose in ("See https://docs.python.org // csv", '{"module": None}', "{1, 2}",
+                  "{{not a call}}", "[1, 2] // two"):
+        assert recognise(prose, tools).kind == "answer", prose

@@ -23,6 +23,7 @@ from flowlift.proxy.config import parse_config
 from flowlift.proxy.state import STATE
 from flowlift.proxy.tenants import Tenant
 from flowlift.testing import FakeEngine, free_port, tool_calls_text
+from flowlift.testing.native import QwenStyleFakeEngine
 from tests.openapi_spec import validate, validate_event
 from tests.tools_mcp_server import serving_http
 
@@ -44,8 +45,9 @@ def adder(request: GenerationRequest) -> str:
     return "no tools needed"
 
 
-async def proxy(aiohttp_client, tools: dict[str, Any], tenants: tuple[Tenant, ...] = ()):
-    engine = FakeEngine(["fake-model"], responder=adder)
+async def proxy(aiohttp_client, tools: dict[str, Any], tenants: tuple[Tenant, ...] = (),
+                engine: Any = None):
+    engine = engine or FakeEngine(["fake-model"], responder=adder)
     app = create_app({"fake-model": engine}, ProxyConfig(tenants=tenants),
                      file_config=parse_config({"tools": tools}))
     client = await aiohttp_client(app)
@@ -235,3 +237,24 @@ async def test_the_loop_runs_on_a_chat_upstream_and_adds_up_its_usage(aiohttp_cl
     assert final["usage"]["input_tokens"] == 20 and final["usage"]["output_tokens"] == 8
     assert sent[0]["tools"][0]["function"]["name"] == "add"
     assert sent[1]["messages"][-2]["tool_calls"][0]["id"] == "call_u"  # the call, replayed
+
+
+@pytest.mark.parametrize("written", [
+    '{{"name": "add", "arguments": {"a": 40, "b": 2}}}',
+    '```json\n{"name": "add", // the sum\n "arguments": {"a": 40, "b": 2}, "id": None}\n```'])
+async def test_the_loop_takes_a_native_call_shaped_answer_that_is_not_json_as_the_call(
+        aiohttp_client, mcp_url, written):
+    """The native format (a Qwen-style template): the 1.5B's leak forms (doubled braces,
+    a // comment and a Python None) are the hosted call, not the turn's answer."""
+    engine = QwenStyleFakeEngine(["fake-model"])
+    engine.responder = lambda r: "40 + 2 is 42." if r.messages[-1].role == "tool" \
+        else written
+    client, _ = await proxy(aiohttp_client, {"calc": {"url": mcp_url}}, engine=engine)
+    resp = await client.post("/v1/responses", json={
+        "model": "fake-model", "input": "What is 40+2?",
+        "tools": [mcp_tool(server_url=mcp_url, allowed_tools=["add"])]})
+    out = await resp.json()
+    assert resp.status == 200, out
+    assert [o["type"] for o in out["output"]] == ["mcp_list_tools", "mcp_call", "message"]
+    assert out["output"][1]["output"] == "42"
+    assert out["output"][2]["content"][0]["text"] == "40 + 2 is 42."
