@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.agent_session import tool_result
-from bench.peers.workload import SessionPlan, first_messages
+from bench.peers.workload import SessionPlan, first_messages, token_totals
 
 PLAN_ENV = "FLOWLIFT_PEERS_AGENT_PLAN"
 """The environment variable naming the plan file the proxy's tools read."""
@@ -226,9 +226,13 @@ async def run_sessions(base: str, model: str, plans: Sequence[SessionPlan], arm:
 
 def turn_counts(sessions: Sequence[dict[str, Any]]) -> dict[str, int]:
     """Turns planned against turns taken and tool calls made (planned: one fewer than
-    the turns, per session), summed over ``sessions``."""
+    the turns, per session), summed over ``sessions``; and the tokens re-prefilled by
+    the sessions' last turns alone (the answer, asked with the tools off: its prompt
+    lacks the tools' text that the earlier turns' system message held)."""
     return {"turns_planned": sum(s["turns"] for s in sessions),
             "turns_taken": sum(s["turns_taken"] for s in sessions),
             "calls_planned": sum(s["turns"] - 1 for s in sessions),
             "tool_calls": sum(s["tool_calls"] for s in sessions),
-            "sessions_off_plan": sum(s["turns_taken"] != s["turns"] for s in sessions)}
+            "sessions_off_plan": sum(s["turns_taken"] != s["turns"] for s in sessions),
+            "reprefilled_last_turns": token_totals(
+                [s["rows"][-1] for s in sessions if s["rows"]])["reprefilled_tokens"]}
