@@ -295,11 +295,13 @@ def start_arm(stack: contextlib.ExitStack, arm: str, engine: servers.EngineArgs,
 def start_arms(stack: contextlib.ExitStack, args: argparse.Namespace,
                engine: servers.EngineArgs, logs: Path, tmp: Path
                ) -> dict[str, tuple[str, str]]:
-    """Every arm's server, started at the same time (each waits for its own
-    readiness); arm -> (base URL, model id). One that fails to start raises once all
-    have been tried (the started ones stop with ``stack``)."""
+    """Every arm's server; arm -> (base URL, model id). With ``--smoke`` (fake engines)
+    they start at the same time, each waiting for its own readiness (one that fails
+    raises once all have been tried; the started ones stop with ``stack``); real
+    engines start one after another: two embedded vLLM engines started in the same
+    second both hung in their engine core's start here (5 minutes, no CPU)."""
     agent_flags = agent_config(args, tmp) if AGENT_ARMS & set(args.arms) else ()
-    with ThreadPoolExecutor(len(args.arms)) as pool:
+    with ThreadPoolExecutor(len(args.arms) if args.smoke else 1) as pool:
         started = {arm: pool.submit(start_arm, stack, arm, engine, args, logs, agent_flags)
                    for arm in args.arms}
     return {arm: (f.result(), servers.model_id(f.result())) for arm, f in started.items()}
