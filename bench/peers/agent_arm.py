@@ -11,7 +11,10 @@ Matching the chat arms' turns. SmolLM2-135M does not call tools reliably by itse
 the step forces them: ``tool_choice="required"`` makes each turn call a tool, and
 ``on_max_turns="answer"`` with ``max_turns`` = the session's planned turns makes the
 last turn the answer, asked with the tools off (:mod:`flowlift.proxy.workflows.agent`;
-that turn also gets the loop's one-line "last turn" instruction). A session of N
+that turn also gets the loop's one-line "last turn" instruction), and
+``parallel_tool_calls=False`` holds a turn to one call (else SmolLM2 keeps appending
+calls to the forced call array until ``max_tokens`` cuts the turn off: the first run of
+this arm, bench/RESULTS.md issue 35, "P7 (c)"). A session of N
 planned turns is then N-1 forced calls and one answer, as in the chat arms. What still
 differs, and is reported (``turns_taken``, ``tool_calls``, the token totals): a turn's
 output is the call's constrained JSON (~20 tokens: the arm needs a larger
@@ -193,7 +196,8 @@ async def run_session(base: str, model: str, p: SessionPlan, tool: str, max_toke
     start = time.perf_counter()
 
     @step(tools=[proxy_tool(f"{SERVER}.{tool}")], max_turns=p.turns,
-          tool_choice="required", on_max_turns="answer", max_tokens=max_tokens,
+          tool_choice="required", on_max_turns="answer", parallel_tool_calls=False,
+          max_tokens=max_tokens,
           temperature=0, model=model, name="agent")
     def agent(sid: str) -> list[dict[str, Any]]:
         return first_messages(sid)

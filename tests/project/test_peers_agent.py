@@ -121,8 +121,29 @@ async def test_a_session_as_one_agent_step_takes_its_planned_turns(aiohttp_clien
     at = [text.find(tool_result(n)) for n in range(3)]  # each turn's result, in order
     assert -1 not in at and at == sorted(at), at
     assert not last.tools  # the answer: asked with the tools off
+    # one call a turn: the forced call array holds one (parallel_tool_calls=False)
+    assert seen and not any(r.parallel_tool_calls for r in seen)
     counts = agent_arm.turn_counts(got)
     assert counts["turns_taken"] == counts["turns_planned"] == 6
     assert counts["tool_calls"] == counts["calls_planned"] == 4
     assert counts["sessions_off_plan"] == 0
     assert first["tool_wait_s"] == 0.04
+
+
+def test_parallel_tool_calls_is_on_the_agent_node_and_off_the_wire_by_default():
+    from flowlift import proxy_tool, step, workflow
+
+    @step(tools=[proxy_tool("peers.a")], tool_choice="required", parallel_tool_calls=False)
+    def one(q: str) -> str:
+        return q
+
+    @step(tools=[proxy_tool("peers.a")])
+    def many(q: str) -> str:
+        return q
+
+    with workflow("w", submit=False) as wf:
+        one("x")
+        many("y")
+    nodes = {n["name"]: n for n in wf.graph().model_dump(mode="json", by_alias=True)["nodes"]}
+    assert nodes["one"]["parallel_tool_calls"] is False
+    assert "parallel_tool_calls" not in nodes["many"]  # the default: not on the wire
