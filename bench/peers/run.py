@@ -298,8 +298,8 @@ def start_arms(stack: contextlib.ExitStack, args: argparse.Namespace,
     """Every arm's server; arm -> (base URL, model id). With ``--smoke`` (fake engines)
     they start at the same time, each waiting for its own readiness (one that fails
     raises once all have been tried; the started ones stop with ``stack``); real
-    engines start one after another: two embedded vLLM engines started in the same
-    second both hung in their engine core's start here (5 minutes, no CPU)."""
+    engines start one after another, so no engine's load competes with another's
+    for the two cores."""
     agent_flags = agent_config(args, tmp) if AGENT_ARMS & set(args.arms) else ()
     with ThreadPoolExecutor(len(args.arms) if args.smoke else 1) as pool:
         started = {arm: pool.submit(start_arm, stack, arm, engine, args, logs, agent_flags)
