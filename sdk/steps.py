@@ -134,8 +134,10 @@ class Step(Generic[P]):
                  tools: Sequence[Tool[Any, Any] | ProxyTool] = (), max_turns: int = 10,
                  tool_errors: Literal["return", "raise"] = "return",
                  tool_choice: Literal["auto", "required"] = "auto",
-                 on_max_turns: Literal["answer", "raise"] | None = None) -> None:
+                 on_max_turns: Literal["answer", "raise"] | None = None,
+                 parallel_tool_calls: bool = True) -> None:
         self.fn = fn
+        self.parallel_tool_calls = parallel_tool_calls
         self.on_max_turns = on_max_turns
         self.model = model
         self.cascade = cascade
@@ -188,6 +190,7 @@ class Step(Generic[P]):
                        cascade=self.cascade, min_confidence=self.min_confidence,
                        tools=self.tool_specs, max_turns=self.max_turns,
                        tool_errors=self.tool_errors, tool_choice=self.tool_choice,
+                       parallel_tool_calls=self.parallel_tool_calls,
                        on_max_turns=self.on_max_turns if self.tool_specs else None,
                        **(cond.node_fields() if cond else {}))
         if self._tools:
@@ -288,6 +291,7 @@ def step(*, model: str | Sequence[str] | None = None, output: Any = None,
          max_tokens_ceiling: int | None = None,
          tool_choice: Literal["auto", "required"] = "auto",
          on_max_turns: Literal["answer", "raise"] | None = None,
+         parallel_tool_calls: bool = True,
          ) -> Callable[[Callable[P, Any]], Step[P]]: ...
 
 
@@ -300,7 +304,8 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
          max_turns: int = 10, tool_errors: Literal["return", "raise"] = "return",
          max_tokens_ceiling: int | None = None,
          tool_choice: Literal["auto", "required"] = "auto",
-         on_max_turns: Literal["answer", "raise"] | None = None) -> Any:
+         on_max_turns: Literal["answer", "raise"] | None = None,
+         parallel_tool_calls: bool = True) -> Any:
     """Mark a function that returns a prompt as an LLM step.
 
     Args:
@@ -341,6 +346,9 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
             call) or ``"required"`` (each turn must call a tool, so the loop runs
             ``max_turns`` turns and then fails with ``StepFailed``: a fixed number of
             tool rounds, as ``bench/agent_loop.py`` uses).
+        parallel_tool_calls: OpenAI's ``parallel_tool_calls`` on every turn: False: a
+            turn calls at most one tool (what a small model forced to call needs, or
+            it may append calls until ``max_tokens``).
 
     Raises:
         UserError: for an unsupported ``output``, bad sampling values, an empty cascade,
@@ -386,7 +394,7 @@ def step(fn: Callable[P, Any] | None = None, /, *, model: str | Sequence[str] | 
         return Step(f, model=model, spec=spec, params=params, name=name, cascade=cascade,
                     retries=retries, min_confidence=min_confidence, tools=tools,
                     max_turns=max_turns, tool_errors=tool_errors, tool_choice=tool_choice,
-                    on_max_turns=on_max_turns)
+                    on_max_turns=on_max_turns, parallel_tool_calls=parallel_tool_calls)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -21,7 +21,10 @@ its defaults), ``flowlift_ws`` (``--working-set``: with the KV working-set admis
 of :mod:`flowlift.proxy.dispatch.slots.working_set`, on by default since issue 35's
 second round), ``flowlift_lru`` (``--no-working-set``: vLLM's LRU alone) and
 ``upstream_ws`` (``flowlift serve --engine none --working-set`` in front of its own
-stock vLLM server, whose KV cache it reads from ``/metrics``). The runs in
+stock vLLM server, whose KV cache it reads from ``/metrics``) and ``flowlift_agent``
+(P7 c: ``flowlift serve``'s defaults, each session one agent step whose tool runs on
+the proxy, :mod:`bench.peers.agent_arm`; its turns' answers are forced tool calls, so
+``--agent-max-tokens``). P5 runs the first two chat arms. The runs in
 bench/RESULTS.md (issue 35) ran ``flowlift`` while the working set was on by default.
 
     .venv/bin/python bench/peers/run.py [--p5 6 35] [--p7 16 32] [--kv-cache-gib 1]
@@ -36,10 +39,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +53,16 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.harness import RESULTS, pct, save
-from bench.peers import servers, workload
+from bench.peers import agent_arm, servers, workload
 
 ARMS: dict[str, tuple[str, ...] | None] = {
     "stock": None, "flowlift": (), "flowlift_ws": ("--working-set",),
-    "upstream_ws": ("--working-set",), "flowlift_lru": ("--no-working-set",)}
+    "upstream_ws": ("--working-set",), "flowlift_lru": ("--no-working-set",),
+    "flowlift_agent": ()}
 """Arm -> its ``flowlift serve`` flags (None: the stock vLLM server)."""
+AGENT_ARMS = frozenset({"flowlift_agent"})
+"""Arms whose sessions are agent steps with proxy tools (:mod:`bench.peers.agent_arm`),
+not chat turns."""
 UPSTREAM_ARMS = frozenset({"upstream_ws"})
 """Arms that are ``flowlift serve --engine none`` in front of their own stock vLLM
 server (started beside the stock arm's, with the same arguments)."""
@@ -103,12 +112,17 @@ async def p5_session(bases: dict[str, tuple[str, str]], turns: int,
 
 # -- P7: concurrent sessions, one arm after another ------------------------------------
 
+def p7_plan(sessions: int, args: argparse.Namespace) -> list[workload.SessionPlan]:
+    """The seeded plan of ``sessions`` sessions, the same for every arm."""
+    return workload.plan(sessions, seed=args.seed, arrival_gap_s=args.arrival_gap_s,
+                         tool_s=(args.tool_min_s, args.tool_max_s), tag=f"p7x{sessions}-",
+                         turns=args.turns)
+
+
 def p7(bases: dict[str, tuple[str, str]], sessions: int, args: argparse.Namespace,
        flip: bool) -> dict[str, Any]:
     """``sessions`` concurrent sessions on each arm in turn (reversed when ``flip``)."""
-    plans = workload.plan(sessions, seed=args.seed, arrival_gap_s=args.arrival_gap_s,
-                          tool_s=(args.tool_min_s, args.tool_max_s), tag=f"p7x{sessions}-",
-                          turns=args.turns)
+    plans = p7_plan(sessions, args)
     result: dict[str, Any] = {"plan": [(p.sid, p.arrival_s, p.turns) for p in plans],
                               "order": [], "summary": {}, "sessions": {}}
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -118,9 +132,15 @@ def p7(bases: dict[str, tuple[str, str]], sessions: int, args: argparse.Namespac
         return [workload.SessionPlan(f"{arm}-{p.sid}", p.arrival_s, p.tool_waits_s)
                 for p in plans]
 
+    async def one(arm: str) -> list[dict[str, Any]]:
+        base, model = bases[arm]
+        if arm in AGENT_ARMS:  # the plan's own ids name the sessions' tools
+            return await agent_arm.run_sessions(base, model, plans, arm,
+                                                args.agent_max_tokens)
+        return await workload.run_sessions(base, model, tagged(arm), args.max_tokens)
+
     async def together() -> list[list[dict[str, Any]]]:
-        return list(await asyncio.gather(*(workload.run_sessions(
-            bases[a][0], bases[a][1], tagged(a), args.max_tokens) for a in arms)))
+        return list(await asyncio.gather(*(one(a) for a in arms)))
 
     cpu0 = {a: servers.cpu_seconds(bases[a][0]) for a in arms}
     t0 = time.monotonic()
@@ -130,8 +150,7 @@ def p7(bases: dict[str, tuple[str, str]], sessions: int, args: argparse.Namespac
     for arm in arms:
         if not args.together:
             t0 = time.monotonic()
-            runs[arm] = asyncio.run(workload.run_sessions(
-                bases[arm][0], bases[arm][1], tagged(arm), args.max_tokens))
+            runs[arm] = asyncio.run(one(arm))
             result["order"].append(arm)
         got = runs[arm]
         result["summary"][arm] = s = workload.summarize(got)
@@ -144,11 +163,14 @@ def p7(bases: dict[str, tuple[str, str]], sessions: int, args: argparse.Namespac
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 ready = httpx.get(f"{bases[arm][0]}/readyz", timeout=30).json()
                 s["server"] = {k: ready.get(k) for k in ("programs", "working_set")}
+        if arm in AGENT_ARMS:
+            s["agent"] = agent_arm.turn_counts(got)
         result["sessions"][arm] = [{k: v for k, v in x.items() if k != "rows"} for x in got]
         print(f"  P7 x{sessions} {arm:13s} mean {s['mean_s']} p50 {s['p50_s']} p90 "
               f"{s['p90_s']} makespan {s['makespan_s']} turns/s {s['turns_per_s']} cached "
               f"{s['cached_share']} re-prefilled {s['reprefilled_tokens']} errors "
               f"{len(s['errors'])} server CPU {s.get('server_cpu_s')} s "
+              f"{s.get('agent') or ''}"
               f"({time.monotonic() - t0:.0f} s)", flush=True)
     stock = result["summary"].get("stock")
     if stock:
@@ -182,6 +204,8 @@ def markdown(results: dict[str, Any]) -> str:
                              f"{s['makespan_s']} | {s['turns_per_s']} | "
                              f"{s['reprefilled_tokens']} | {s['cached_share']} | "
                              f"{ratio.get('mean', '-')}, {ratio.get('p90', '-')} |")
+            lines += [f"\n{arm}: {s['agent']}" for arm, s in r["summary"].items()
+                      if "agent" in s]
     return "\n".join(lines)
 
 
@@ -197,6 +221,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="a cache of exactly N blocks on both sides (smaller than a GiB)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--agent-max-tokens", type=int, default=40,
+                   help="flowlift_agent's max_tokens per turn: a forced tool call is "
+                        "~20 tokens of JSON, and a call cut off is a turn run again")
     p.add_argument("--arrival-gap-s", type=float, default=0.2)
     p.add_argument("--tool-min-s", type=float, default=0.2)
     p.add_argument("--tool-max-s", type=float, default=3.0)
@@ -216,7 +243,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.p5, args.p7, args.tool_min_s, args.tool_max_s = [3], [4], 0.01, 0.05
         args.arrival_gap_s, args.max_tokens = 0.02, 6
         args.turns = [2, 3]
-        args.arms = ["stock", "flowlift_ws", "upstream_ws"]  # every kind of server
+        args.arms = ["stock", "flowlift_ws", "upstream_ws", "flowlift_agent"]  # every kind
     return args
 
 
@@ -226,6 +253,58 @@ def model_dir(given: str | None) -> str:
     from flowlift.local_engine.vllm_engine import VLLMConfig
 
     return VLLMConfig.for_model(None, dtype="float32").model
+
+
+def agent_config(args: argparse.Namespace, tmp: Path) -> tuple[str, ...]:
+    """The agent arm's ``--config`` flags: every P7 size's sessions as proxy tools
+    (:func:`bench.peers.agent_arm.config_text`), their waits in a plan file the proxy
+    finds through :data:`~bench.peers.agent_arm.PLAN_ENV` (set here, inherited)."""
+    plans = [p for n in args.p7 for p in p7_plan(n, args)]
+    agent_arm.write_plan(tmp / "agent_plan.json", plans)
+    (tmp / "agent_tools.toml").write_text(agent_arm.config_text(plans), encoding="utf-8")
+    os.environ[agent_arm.PLAN_ENV] = str(tmp / "agent_plan.json")
+    root = str(Path(__file__).resolve().parents[2])  # the proxy imports bench.peers
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return "--config", str(tmp / "agent_tools.toml")
+
+
+def start_arm(stack: contextlib.ExitStack, arm: str, engine: servers.EngineArgs,
+              args: argparse.Namespace, logs: Path, agent_flags: tuple[str, ...]) -> str:
+    """Start ``arm``'s server(s) into ``stack``; its base URL once ready."""
+    log = logs / f"{args.out}_{arm}.log"
+    log.unlink(missing_ok=True)
+    flags = ARMS[arm]
+    if arm in UPSTREAM_ARMS:  # its own stock server, flowlift in front of it
+        up_log = logs / f"{args.out}_{arm}_vllm.log"
+        up_log.unlink(missing_ok=True)
+        upstream = stack.enter_context(
+            servers.flowlift(engine, up_log, fake=True) if args.smoke
+            else servers.stock_vllm(engine, up_log))
+        return stack.enter_context(servers.flowlift_upstream(
+            engine, log, upstream, *(flags or ()), fake=args.smoke))
+    if arm in AGENT_ARMS:  # the sessions' tools on the proxy
+        return stack.enter_context(servers.flowlift(
+            engine, log, *(flags or ()), *agent_flags, fake=args.smoke))
+    if flags is None and not args.smoke:
+        return stack.enter_context(servers.stock_vllm(engine, log))
+    # the smoke's stand-in for stock vLLM is a fake flowlift too
+    return stack.enter_context(servers.flowlift(engine, log, *(flags or ()), fake=args.smoke))
+
+
+def start_arms(stack: contextlib.ExitStack, args: argparse.Namespace,
+               engine: servers.EngineArgs, logs: Path, tmp: Path
+               ) -> dict[str, tuple[str, str]]:
+    """Every arm's server; arm -> (base URL, model id). With ``--smoke`` (fake engines)
+    they start at the same time, each waiting for its own readiness (one that fails
+    raises once all have been tried; the started ones stop with ``stack``); real
+    engines start one after another, so no engine's load competes with another's
+    for the two cores."""
+    agent_flags = agent_config(args, tmp) if AGENT_ARMS & set(args.arms) else ()
+    with ThreadPoolExecutor(len(args.arms) if args.smoke else 1) as pool:
+        started = {arm: pool.submit(start_arm, stack, arm, engine, args, logs, agent_flags)
+                   for arm in args.arms}
+    return {arm: (f.result(), servers.model_id(f.result())) for arm, f in started.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,30 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         "machine": "2 CPU cores, shared with other helpers' work while measuring"}
     print(f"{results['vllm']}; stock: {results['stock_command']}", flush=True)
     with contextlib.ExitStack() as stack:
-        logs = Path(stack.enter_context(tempfile.TemporaryDirectory())) if args.smoke \
-            else RESULTS
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        logs = tmp if args.smoke else RESULTS
         logs.mkdir(parents=True, exist_ok=True)
-        bases: dict[str, tuple[str, str]] = {}
-        for arm in args.arms:
-            log = logs / f"{args.out}_{arm}.log"
-            log.unlink(missing_ok=True)
-            flags = ARMS[arm]
-            if arm in UPSTREAM_ARMS:  # its own stock server, flowlift in front of it
-                up_log = logs / f"{args.out}_{arm}_vllm.log"
-                up_log.unlink(missing_ok=True)
-                upstream = stack.enter_context(
-                    servers.flowlift(engine, up_log, fake=True) if args.smoke
-                    else servers.stock_vllm(engine, up_log))
-                base = stack.enter_context(servers.flowlift_upstream(
-                    engine, log, upstream, *(flags or ()), fake=args.smoke))
-            elif flags is None and not args.smoke:
-                base = stack.enter_context(servers.stock_vllm(engine, log))
-            else:  # the smoke's stand-in for stock vLLM is a fake flowlift too
-                base = stack.enter_context(servers.flowlift(
-                    engine, log, *(flags or ()), fake=args.smoke))
-            bases[arm] = (base, servers.model_id(base))
+        bases = start_arms(stack, args, engine, logs, tmp)
         for turns in args.p5:
-            pair = {a: bases[a] for a in args.arms[:2]}
+            pair = {a: bases[a] for a in [a for a in args.arms if a not in AGENT_ARMS][:2]}
             results[f"p5_{turns}"] = r = asyncio.run(p5_session(pair, turns, args.max_tokens))
             print(f"  P5 {turns} turns: " + ", ".join(
                 f"{s} {v['session_s']} s" for s, v in r.items() if "turns" in v)

@@ -61,6 +61,6 @@ class StepRequests:
             priority=0 if self.fcfs else priority.engine_priority(),
             tools=tuple(ToolDef(t.name, t.description, t.parameters) for t in node.tools or ()),
             service_tier=service_tier,
-            tool_choice=node.tool_choice,
+            tool_choice=node.tool_choice, parallel_tool_calls=node.parallel_tool_calls,
             expected_output_tokens=expected_output_tokens,
             agent_id=node.id if node.tools else None)

@@ -254,6 +254,10 @@ class LLMNode(_Conditional):
     """A tool that raises: its error text goes back to the model (``return``), or the
     step fails (``raise``)."""
     tool_choice: Literal["auto", "required"] = "auto"
+    parallel_tool_calls: bool = True
+    """OpenAI's ``parallel_tool_calls`` for every turn: False: a turn calls at most one
+    tool (the constrained schema's call array holds one; a small model forced to call
+    may otherwise keep appending calls until ``max_tokens``)."""
     """OpenAI's ``tool_choice`` for every turn: ``auto`` (the model answers or calls
     tools) or ``required`` (each turn must call a tool: the loop runs ``max_turns`` turns
     and then fails as any loop that never answers)."""
@@ -284,6 +288,7 @@ class LLMNode(_Conditional):
                                      "tools": None, "max_turns": 10,
                                      "on_max_turns": None,
                                      "tool_errors": "return", "tool_choice": "auto",
+                                     "parallel_tool_calls": True,
                                      **_CONDITIONAL_DEFAULTS})
 
     def models(self) -> tuple[str | None, ...]:

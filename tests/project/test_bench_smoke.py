@@ -25,9 +25,14 @@ def _results() -> list[tuple[str, int]]:
     return sorted((p.name, p.stat().st_mtime_ns) for p in (ROOT / "bench" / "results").glob("*"))
 
 
+SLOW = {"peers/run.py": 240}
+"""Smokes that start many servers (peers: five fake ``flowlift serve`` processes, ~80 s
+on a loaded 2-core machine): their timeout (s), 120 for the rest."""
+
+
 def _smoke(script: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, f"bench/{script}", "--smoke"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=SLOW.get(script, 120))
 
 
 def test_agent_loop_smoke_exits_0():
