@@ -18,8 +18,12 @@ literals (``None``, ``True``, single quotes, trailing commas: read with
 until the answer ends, because it may be such a call.
 
 :func:`fragment` tells an answer that is only a piece of JSON or markup (``{``,
-``:[``, an unclosed ``<tool_call>``): an agent step does not take it for the answer
-(:mod:`flowlift.proxy.workflows.agent`).
+``:[``, an unclosed ``<tool_call>``), and :func:`no_answer` adds an empty answer after
+tool results: a loop the proxy runs (an agent step,
+:mod:`flowlift.proxy.workflows.agent`; the hosted-MCP loop of ``/v1/responses``,
+:mod:`flowlift.proxy.openai.responses.turn`) does not take it for the answer, but asks
+once more with :func:`retry_message`. :func:`undecided` says whether streamed text may
+still turn out to be no answer (what such a loop holds back from its client).
 """
 
 from __future__ import annotations
@@ -212,6 +216,35 @@ def recognise(text: str, tools: Sequence[ToolDef], *, parallel: bool = True,
                          json.dumps(c["arguments"], ensure_ascii=False))
                 for n, c in enumerate(calls if parallel else calls[:1]))
     return Recognised("calls", out, before)
+
+
+ANSWER_NOW = ("This is your last turn: the tools are off. Answer the question now, in "
+              "words, from what you found so far.")
+"""The last allowed turn's instruction (an agent step's ``on_max_turns="answer"``)."""
+NOT_AN_ANSWER = "Answer the question in words, or call one of the tools."
+
+
+def no_answer(text: str, *, after_tools: bool) -> str | None:
+    """Why ``text``, a turn's whole answer, is no answer: a :func:`fragment`, or empty
+    after tool results (``after_tools``: the model stopped without writing one); None
+    when it may be one."""
+    if not text.strip():
+        return "the answer is empty" if after_tools else None
+    return fragment(text)
+
+
+def retry_message(why: str, final: bool) -> str:
+    """The user message that asks again after an answer that was no answer (``why``:
+    :func:`no_answer`'s reason; ``final``: the tools are off for the retry)."""
+    return f"That was not an answer: {why}. {ANSWER_NOW if final else NOT_AN_ANSWER}"
+
+
+def undecided(text: str) -> bool:
+    """Whether streamed ``text`` (an answer so far) may still be no answer
+    (:func:`no_answer`): empty, or starting with markup, JSON or punctuation. Text
+    that starts with a word is decided (a code fence it leaves open is taken)."""
+    stripped = text.strip()
+    return not stripped or stripped[0] in "<{[`" or bool(_MARKUP_ONLY.fullmatch(stripped))
 
 
 def fragment(text: str) -> str | None:

@@ -18,7 +18,7 @@ A loop that finishes (issue 34): with ``on_max_turns="answer"`` (the default unl
 ``tool_choice="required"``) the last allowed turn is asked for the answer with the
 tools off (:data:`ANSWER_NOW`), and the step's trace shows ``max_turns_reached``. An
 answer that is only a fragment of JSON or markup (``{``,
-:func:`~flowlift.proxy.wire.content_calls.fragment`) is not taken for
+:func:`~flowlift.proxy.wire.content_calls.no_answer`) is not taken for
 the answer: the turn is tried once more with the reason, then the step fails.
 
 Proxy tools (a :class:`~flowlift.graph.ToolSpec` with ``server``,
@@ -56,17 +56,12 @@ from flowlift.local_engine.base import ChatMessage, ToolCall, ToolDef
 from flowlift.proxy.dispatch.slots.scheduler import Priority
 from flowlift.proxy.store.events import Event
 from flowlift.proxy.tools.outcome import ToolOutcome
-from flowlift.proxy.wire.content_calls import fragment, recognise
+from flowlift.proxy.wire.content_calls import ANSWER_NOW, no_answer, recognise, retry_message
 from flowlift.proxy.wire.early_calls import call_key
 from flowlift.proxy.workflows.ahead import next_turn_prefix
 from flowlift.proxy.workflows.cascade import Generated
 from flowlift.proxy.workflows.deadline import DeadlineClock
 from flowlift.tracing import AttemptTrace, RunTrace, ToolCallTrace
-
-ANSWER_NOW = ("This is your last turn: the tools are off. Answer the question now, in "
-              "words, from what you found so far.")
-"""The last allowed turn's instruction (``on_max_turns="answer"``)."""
-NOT_AN_ANSWER = "Answer the question in words, or call one of the tools."
 
 _TOOL_JSON = re.compile(r'\s*\{\s*"tool_calls"')
 """The start of the constrained JSON of a turn that calls tools (the embedded engine's
@@ -215,14 +210,13 @@ class AgentLoop:
                 self._keep_early("it was cut off" if out.trace.finish_reason == "length"
                                  else "it answered without them")
                 self._check_not_cut(out)
-                why = (fragment(out.text) or self._written_call(out.text)
-                       or self._empty(out, k > 1))
+                why = (no_answer(out.text, after_tools=k > 1 and self.node.contract is None)
+                       or self._written_call(out.text))
                 if why is not None and not retried:
                     retried, k = True, k - 1  # the retry takes the same turn's place
                     out.trace.outcome = "fragment"
                     convo = [*convo, ChatMessage("assistant", out.text),
-                             ChatMessage("user", f"That was not an answer: {why}. "
-                                         f"{ANSWER_NOW if final else NOT_AN_ANSWER}")]
+                             ChatMessage("user", retry_message(why, final))]
                     continue
                 if why is not None and final:
                     raise StepFailed(self.node.id, f"agent step {self.node.id!r}: no answer "
@@ -256,13 +250,6 @@ class AgentLoop:
                          f"{self.node.max_turns} turns "
                          f"(max_turns={self.node.max_turns}, on_max_turns=\"raise\"): every "
                          f"turn called tools; the last tool asked for was {last_tool!r}")
-
-    def _empty(self, out: Generated, after_tools: bool) -> str | None:
-        """An empty text answer after tool results (a step without a contract) is no
-        answer: the model stopped without writing one."""
-        if out.text.strip() or not after_tools or self.node.contract is not None:
-            return None
-        return "the answer is empty"
 
     def _written_call(self, text: str) -> str | None:
         """Why an answer that is a call of one of the step's tools written as JSON (a

@@ -291,6 +291,16 @@ class ContentRefused(RunError):
     retryable = False
 
 
+class NoAnswer(RunError):
+    """A loop the proxy ran (the hosted-MCP loop of ``/v1/responses``) got no answer: the
+    model's answer after tool results was no answer (empty, or only a fragment of JSON or
+    markup: :func:`flowlift.proxy.wire.content_calls.no_answer`) twice, the second time
+    after being told why. An agent step fails with :class:`StepFailed` instead."""
+
+    status = 502
+    code = "no_answer"
+
+
 class StepFailed(RunError):
     """A workflow step that failed; ``str()`` is the reason, as the proxy wrote it.
 

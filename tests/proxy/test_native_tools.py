@@ -16,7 +16,7 @@ from flowlift import step, tool, workflow
 from flowlift.local_engine.base import ToolDef
 from flowlift.proxy import create_app
 from flowlift.proxy.state import STATE
-from flowlift.proxy.wire.content_calls import fragment, recognise
+from flowlift.proxy.wire.content_calls import fragment, no_answer, recognise, undecided
 from flowlift.sdk.agents import tool_spec
 from flowlift.testing.native import QwenStyleFakeEngine
 
@@ -207,6 +207,20 @@ def test_recognise_and_fragment():
         assert fragment(bad), bad
     for good in ("csv", "The answer is csv.", '{"module": "csv"}', ""):
         assert fragment(good) is None, good
+
+
+def test_no_answer_and_what_streamed_text_may_still_be():
+    """The check a loop the proxy runs shares (agent steps, the hosted-MCP loop): an
+    empty answer is no answer only after tool results; streamed text is held back while
+    it may still be one."""
+    assert no_answer(" \n", after_tools=True) == "the answer is empty"
+    assert no_answer("", after_tools=False) is None
+    assert "markup" in (no_answer("<tool_response>42</tool_response>", after_tools=True) or "")
+    assert no_answer("It is 42.", after_tools=True) is None
+    for held in ("", "  ", "<tool_", "{", "```", "..."):
+        assert undecided(held), held
+    for sent in ("It", "42 is", "The answer: {x}"):
+        assert not undecided(sent), sent
 
 
 

@@ -258,3 +258,86 @@ async def test_the_loop_takes_a_native_call_shaped_answer_that_is_not_json_as_th
     assert [o["type"] for o in out["output"]] == ["mcp_list_tools", "mcp_call", "message"]
     assert out["output"][1]["output"] == "42"
     assert out["output"][2]["content"][0]["text"] == "40 + 2 is 42."
+
+
+def answers_badly_once(bad: str, then: str = "40 + 2 is 42."):
+    """A Qwen-style fake that calls ``add``, then answers ``bad`` after the result, and
+    ``then`` once told that was no answer."""
+    engine = QwenStyleFakeEngine(["fake-model"])
+
+    def respond(request: GenerationRequest) -> str:
+        last = request.messages[-1]
+        if last.role == "tool":
+            return bad
+        if last.role == "user" and last.content.startswith("That was not an answer"):
+            return then
+        return '<tool_call>\n{"name": "add", "arguments": {"a": 40, "b": 2}}\n</tool_call>'
+    engine.responder = respond
+    return engine
+
+
+@pytest.mark.parametrize("bad", ["", "<tool_response>\n42\n</tool_response>"])
+async def test_no_answer_after_a_hosted_call_is_asked_again_once(aiohttp_client, mcp_url,
+                                                                 bad):
+    """Issue 34 item 2 on the hosted-MCP loop: an empty answer or an echoed
+    ``<tool_response>`` after an ``mcp_call`` is not the response's message; the
+    generation is asked again with the reason, and the second answer is the message."""
+    engine = answers_badly_once(bad)
+    client, _ = await proxy(aiohttp_client, {"calc": {"url": mcp_url}}, engine=engine)
+    resp = await client.post("/v1/responses", json={
+        "model": "fake-model", "input": "What is 40+2?", "tools": [mcp_tool()]})
+    out = await resp.json()
+    assert resp.status == 200, out
+    validate(out, "Response")
+    assert [o["type"] for o in out["output"]] == ["mcp_list_tools", "mcp_call", "message"]
+    assert out["output"][2]["content"][0]["text"] == "40 + 2 is 42."
+    assert len(engine.requests) == 3
+    told = engine.requests[-1].messages[-1].content
+    assert told.startswith("That was not an answer: the answer ") and "call one" in told
+    assert engine.requests[-1].messages[-2].content == bad  # what it said, in the retry
+
+
+async def test_the_retried_answer_streams_its_events_in_order(aiohttp_client, mcp_url):
+    engine = answers_badly_once("<tool_response>\n42\n</tool_response>")
+    client, _ = await proxy(aiohttp_client, {"calc": {"url": mcp_url}}, engine=engine)
+    resp = await client.post("/v1/responses", json={
+        "model": "fake-model", "input": "What is 40+2?", "stream": True,
+        "tools": [mcp_tool()]})
+    text = await resp.text()
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    for event in events:
+        validate_event(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert "tool_response" not in text  # the rejected answer was never sent
+    kinds = [e["type"] for e in events]
+    squeezed = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+    assert squeezed[6:] == [
+        "response.output_item.added", "response.mcp_call_arguments.delta",
+        "response.mcp_call_arguments.done", "response.mcp_call.in_progress",
+        "response.mcp_call.completed", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.completed"], squeezed
+    final = events[-1]
+    assert final["type"] == "response.completed"
+    assert [o["type"] for o in final["response"]["output"]] == [
+        "mcp_list_tools", "mcp_call", "message"]
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert streamed == final["response"]["output"][2]["content"][0]["text"] == "40 + 2 is 42."
+
+
+async def test_a_second_no_answer_fails_the_response(aiohttp_client, mcp_url):
+    engine = answers_badly_once("", then="{")
+    client, _ = await proxy(aiohttp_client, {"calc": {"url": mcp_url}}, engine=engine)
+    body = {"model": "fake-model", "input": "What is 40+2?", "tools": [mcp_tool()]}
+    resp = await client.post("/v1/responses", json=body)
+    out = await resp.json()
+    assert resp.status == 502 and out["error"]["code"] == "no_answer", out
+    assert "the answer is empty" in out["error"]["message"] or "'{'" in out["error"]["message"]
+    resp = await client.post("/v1/responses", json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+              if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.failed"
+    assert [o["type"] for o in events[-1]["response"]["output"]] == ["mcp_list_tools",
+                                                                     "mcp_call"]

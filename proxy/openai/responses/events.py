@@ -169,6 +169,20 @@ class ResponseBuilder:
         self._generation_at = len(self.output)
         return out
 
+    def mark(self) -> tuple[int, int]:
+        """Where the next generation starts (its first output index, its first event's
+        sequence number), for :meth:`rewind`."""
+        return len(self.output), self._seq
+
+    def rewind(self, mark: tuple[int, int]) -> None:
+        """Forget the generation begun at ``mark`` (:meth:`mark`), none of whose events
+        was sent and which called nothing (an answer held back and found to be no
+        answer): its items and sequence numbers; its usage stays (its tokens were
+        spent)."""
+        del self.output[mark[0]:]
+        self._seq, self._generation_at = mark[1], mark[0]
+        self._message, self._open, self._calls, self.finish = None, None, {}, None
+
     def current_items(self) -> list[dict[str, Any]]:
         """The output items of the generation running now, with their chat call ids
         (what its assistant message is made of)."""

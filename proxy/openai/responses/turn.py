@@ -18,8 +18,15 @@ client function), the proxy runs those calls (concurrently), adds the calls and 
 results to the conversation and asks again, until the model answers, calls a client
 function, is cut short, or has made ``max_tool_calls`` hosted calls (or
 :data:`MAX_ROUNDS` generations): then one last generation with ``tool_choice: "none"``
-asks it for the answer. Source of the loop's shape: OpenAI's Remote MCP guide (the
-response holds ``mcp_list_tools``, each ``mcp_call`` with its output, then the answer).
+asks it for the answer. A generation after hosted results is held back from the
+client while it may still be no answer (:func:`~flowlift.proxy.wire.content_calls.
+undecided`: empty so far, or starting with markup or JSON); one that ends so
+(:func:`~flowlift.proxy.wire.content_calls.no_answer`: empty, an echoed
+``<tool_response>``, a piece of JSON) is never sent: the generation is asked again once
+with the reason, as an agent step does, and a second such answer fails the response
+(:class:`~flowlift.errors.NoAnswer`; streamed: ``response.failed``). Source of the
+loop's shape: OpenAI's Remote MCP guide (the response holds ``mcp_list_tools``, each
+``mcp_call`` with its output, then the answer).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from flowlift.errors import ContextLengthExceeded, UpstreamError
+from flowlift.errors import ContextLengthExceeded, NoAnswer, UpstreamError
 from flowlift.proxy.dispatch.backends import Backend, Local
 from flowlift.proxy.dispatch.routing.routing import Route
 from flowlift.proxy.dispatch.upstream.attempts import open_answer
@@ -46,6 +53,7 @@ from flowlift.proxy.openai.responses.hosted import Hosted
 from flowlift.proxy.openai.responses.pairing import drop_oldest
 from flowlift.proxy.openai.responses.translation import assistant_message
 from flowlift.proxy.state import STATE
+from flowlift.proxy.wire.content_calls import no_answer, retry_message, undecided
 
 MAX_ROUNDS = 16
 """Generations of one turn at most (hosted-MCP loop); the last one may not call tools."""
@@ -202,19 +210,34 @@ class Loop:
     max_tool_calls: int | None
     produced: list[Message] = field(default_factory=list)
     backend: str | None = None
+    _held: list[Event] | None = field(default=None, init=False, repr=False)
 
     async def run(self, first: Generation, chat: dict[str, Any]) -> AsyncIterator[Event]:
         """The events of every generation and hosted call, in order (not the terminal
-        one: :meth:`ResponseBuilder.finish_events`)."""
+        one: :meth:`ResponseBuilder.finish_events`).
+
+        Raises:
+            NoAnswer: the answer after hosted results was no answer twice.
+        """
         builder, generation, calls, rounds = self.builder, first, 0, 1
+        retried = False  # a no-answer after hosted results gets one more try, with the reason
         while True:
-            async with generation.close:
-                async for chunk in generation.chunks:
-                    for event in builder.feed(chunk):
-                        yield event
-            self.backend = generation.backend
+            mark = builder.mark()
+            self._held = [] if rounds > 1 else None  # judged before it is sent
+            async for event in self._generate(generation):
+                yield event
+            held, self.backend = self._held, generation.backend
+            why = self._no_answer() if held is not None else None
+            if why is not None:
+                if retried:
+                    builder.rewind(mark)  # (never sent: not in the failed response)
+                    raise NoAnswer(f"no answer after the hosted MCP calls: {why}, twice "
+                                   "(the second time after being told why)")
+                retried, chat = True, self._retry(chat, mark, why)
+                generation = await self.opener.open(chat)
+                continue
             items = builder.current_items()
-            for event in builder.end_generation():
+            for event in [*(held or ()), *builder.end_generation()]:
                 yield event
             pending = list(builder.pending)
             message = assistant_message(items)
@@ -223,16 +246,8 @@ class Loop:
                 self.produced += [{"role": "tool", "tool_call_id": i["call_id"],  # cut off:
                                    "content": f"error: {NOT_RUN}"} for i in pending]
                 return
-            for event in builder.mcp_started():
+            async for event in self._run_hosted(pending):
                 yield event
-            results = await asyncio.gather(*(self.hosted.call(i["name"], i["arguments"])
-                                             for i in pending))
-            for item, (output, error) in zip(pending, results, strict=True):
-                for event in builder.mcp_finished(item, output, error):
-                    yield event
-                self.produced.append({"role": "tool", "tool_call_id": item["call_id"],
-                                      "content": output if error is None else
-                                      f"error: {error.get('content', error.get('message'))}"})
             if any(i["type"] == "function_call" for i in items):
                 return  # the client runs its functions; the next turn goes on
             calls, rounds = calls + len(pending), rounds + 1
@@ -244,3 +259,60 @@ class Loop:
                 chat["tool_choice"] = "none"
             builder.finish = None
             generation = await self.opener.open(chat)
+
+    async def _generate(self, generation: Generation) -> AsyncIterator[Event]:
+        """``generation``'s events as they come; while :attr:`_held` is a list and the
+        generation may still be no answer (:meth:`_undecided`), they go there instead."""
+        async with generation.close:
+            async for chunk in generation.chunks:
+                events = self.builder.feed(chunk)
+                if self._held is not None:
+                    self._held += events
+                    if self._undecided():
+                        continue
+                    events, self._held = self._held, None
+                for event in events:
+                    yield event
+
+    async def _run_hosted(self, pending: list[dict[str, Any]]) -> AsyncIterator[Event]:
+        """Run the ``pending`` hosted calls concurrently: their events, their results
+        added to :attr:`produced` as tool messages."""
+        builder = self.builder
+        for event in builder.mcp_started():
+            yield event
+        results = await asyncio.gather(*(self.hosted.call(i["name"], i["arguments"])
+                                         for i in pending))
+        for item, (output, error) in zip(pending, results, strict=True):
+            for event in builder.mcp_finished(item, output, error):
+                yield event
+            self.produced.append({"role": "tool", "tool_call_id": item["call_id"],
+                                  "content": output if error is None else
+                                  f"error: {error.get('content', error.get('message'))}"})
+
+    def _undecided(self) -> bool:
+        """Whether the generation so far (no calls, text) may still be no answer."""
+        items = self.builder.current_items()
+        return all(item["type"] == "message" for item in items) and undecided(
+            assistant_message(items)["content"] or "")
+
+    def _no_answer(self) -> str | None:
+        """Why the generation that ended, held back whole, is no answer (None: it is
+        one, or it was cut short and ends the response as such)."""
+        if self.builder.finish not in (None, "stop"):
+            return None
+        return no_answer(assistant_message(self.builder.current_items())["content"] or "",
+                         after_tools=True)
+
+    def _retry(self, chat: dict[str, Any], mark: tuple[int, int], why: str
+               ) -> dict[str, Any]:
+        """Forget the held generation (its events never sent) and ask again with the
+        reason, as an agent step does (:func:`~flowlift.proxy.wire.content_calls.
+        retry_message`); the request's span records it (``flowlift.no_answer``)."""
+        text = assistant_message(self.builder.current_items())["content"] or ""
+        self.builder.rewind(mark)
+        traced = self.opener.timing.traced
+        if traced is not None and traced.recording:
+            traced.span.add_event("flowlift.no_answer", {"reason": why, "retried": True})
+        final = chat.get("tool_choice") == "none"
+        return {**chat, "messages": [*chat["messages"], {"role": "assistant", "content": text},
+                                     {"role": "user", "content": retry_message(why, final)}]}
