@@ -50,13 +50,18 @@ def answer_b(stream: bool = False) -> FakeUpstream:
 async def failover_proxy(aiohttp_client: Any, aiohttp_server: Any, first: FakeUpstream | str,
                          **backend: Any) -> tuple[Any, FakeUpstream]:
     """Model ``up``: backend ``b0`` (a fake or a URL) with fallback ``b1`` (:func:`answer_b`
-    for JSON and for streams: it answers whatever is asked)."""
+    for JSON and for streams: it answers whatever is asked); ``backend`` settings go to
+    ``b0`` only."""
     b = FakeUpstream([])
     url0 = first if isinstance(first, str) else (await serve(aiohttp_server, [first.app()]))[0]
     (url1,) = await serve(aiohttp_server, [b.app()])
-    client = await proxy_client(aiohttp_client, config_for(
-        {"up": {"backends": ["b0"], "fallbacks": ["b1"], "total_timeout_s": 20}},
-        {"b0": url0, "b1": url1}, **backend))
+    config = config_for({"up": {"backends": ["b0"], "fallbacks": ["b1"],
+                                "total_timeout_s": 20}}, {"b0": url0, "b1": url1})
+    # ``backend`` settings (the tight timeouts) are the faulty first backend's alone: with
+    # them on the healthy fallback too, a loaded CI machine made it miss its 1 s first
+    # token, and the request went round b0/b1 until the total timeout (a 504)
+    config["backends"]["b0"].update(backend)
+    client = await proxy_client(aiohttp_client, config)
 
     async def either(request):  # type: ignore[no-untyped-def]
         stream = json.loads(await request.read()).get("stream") is True
